@@ -1,0 +1,13 @@
+"""moejax: pruning experts out of Mixture-of-Experts language models, in JAX.
+
+Importing the package is cheap and never imports JAX, so `moejax.results.load` works in a plain
+pandas notebook. The JAX-backed pieces live in the sub-packages:
+
+- `moejax.moe.routing.route`      the one routing function (SPEC section 1)
+- `moejax.moe.dispatch`           dense oracle and the sorted grouped-matmul backend
+- `moejax.models.toy`             the toy MoE layer of SPEC section 4
+- `moejax.scoring`                expert scores (SPEC section 2) and keep/selection rules
+- `moejax.experiments.toy3`       the toy3 experiment
+"""
+
+__version__ = "0.1.0"

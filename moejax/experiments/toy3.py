@@ -1,0 +1,269 @@
+"""The toy3 experiment (SPEC section 4): when does a data-free router score pick the experts
+that calibration would pick?
+
+One toy MoE layer (sigmoid, top 4 of 64, ReLU-MLP experts). For each seed, condition
+(offset direction x load) and score, keep the top-`keep` experts and measure how wrong the pruned
+layer is on held-out tokens.
+
+    offset  ones:     x = mu + noise, mu along the all-ones vector, ||mu|| = 0.5 sqrt(d)
+            random:   mu along a random unit direction (per seed)
+    load    skewed:   bias 0
+            balanced: 300 steps of bias -= 0.002 sign(load - mean(load)) on the calibration tokens
+
+Seeds are vectorised inside one job. How the work is laid out:
+  stage 1 (jit)  draw every seed's layer and tokens, balance, route the calibration tokens
+                 (sorted grouped-matmul backend: only routed pairs) and tabulate f_j(x) for
+                 every held-out token and expert once (each pruned variant's output is a
+                 gate-weighted sum of entries of that table, so no variant recomputes an expert);
+  host (numpy)   float64 statistics, scores, kept sets (ties to the lower index);
+  stage 2 (jit)  route the held-out tokens under every kept set (masks, one compile) and
+                 measure the errors (SPEC section 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import numpy as np
+
+from moejax.errors import ConfigError
+from moejax.scoring.scores import check_score_names
+from moejax.scoring.select import resolve_keep
+
+log = logging.getLogger(__name__)
+
+OFFSETS = ("ones", "random")
+LOADS = ("skewed", "balanced")
+DEFAULT_SCORES = ("frequency", "signed", "l1", "random", "reap", "ean")
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy3Config:
+    """Every setting of toy3; defaults are SPEC section 4."""
+
+    seed: int = 0                 # first seed
+    seeds: int = 1                # seeds seed .. seed + seeds - 1, vectorised in one job
+    keep: tuple = (8, 16, 32, 48)  # counts, or ratios of E (floats in (0, 1])
+    scores: tuple = DEFAULT_SCORES
+    offsets: tuple = OFFSETS
+    loads: tuple = LOADS
+    d_model: int = 32
+    d_hidden: int = 64
+    n_experts: int = 64
+    top_k: int = 4
+    n_calib: int = 6000
+    n_heldout: int = 6000
+    balance_steps: int = 300
+    balance_rate: float = 0.002
+    offset_scale: float = 0.5     # ||mu|| = offset_scale * sqrt(d)
+    backend: str = "sorted"       # dispatch backend of the calibration pass
+    seed_batch: int = 8           # seeds vectorised together (bounds memory)
+
+    @classmethod
+    def from_mapping(cls, cfg: dict) -> "Toy3Config":
+        """Build from a plain dict (a resolved Hydra config), rejecting unknown keys and bad values."""
+        cfg = dict(cfg)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - fields)
+        if unknown:
+            raise ConfigError(f"toy3: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+        if "keep" in cfg and cfg["keep"] is not None:
+            keep = cfg["keep"]
+            cfg["keep"] = tuple(keep) if isinstance(keep, (list, tuple)) else (keep,)
+        elif "keep" in cfg:
+            del cfg["keep"]
+        for key in ("scores", "offsets", "loads"):
+            if key in cfg:
+                cfg[key] = tuple(cfg[key]) if isinstance(cfg[key], (list, tuple)) else (cfg[key],)
+        out = cls(**cfg)
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        for name in ("seed", "seeds", "d_model", "d_hidden", "n_experts", "top_k", "n_calib",
+                     "n_heldout", "balance_steps", "seed_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"toy3: {name} must be an integer, got {value!r}")
+        if self.seeds < 1:
+            raise ConfigError(f"toy3: seeds={self.seeds}; need at least one seed (seeds >= 1)")
+        if self.seed < 0:
+            raise ConfigError(f"toy3: seed={self.seed}; seeds are non-negative integers")
+        for name, value, valid in (("offsets", self.offsets, OFFSETS), ("loads", self.loads, LOADS)):
+            bad = [v for v in value if v not in valid]
+            if bad or not value:
+                raise ConfigError(f"toy3: {name}={list(value)}; valid values: {list(valid)}")
+        check_score_names(self.scores)
+        if not self.keep:
+            raise ConfigError("toy3: keep is empty; give a count, a ratio of E, or a list of them")
+        self.keep_counts()
+        if self.n_calib < 1 or self.n_heldout < 1 or self.seed_batch < 1:
+            raise ConfigError("toy3: n_calib, n_heldout and seed_batch must be >= 1")
+
+    def keep_counts(self) -> list[int]:
+        return [resolve_keep(k, self.n_experts, self.top_k) for k in self.keep]
+
+
+@functools.lru_cache(maxsize=8)
+def _stage_one(cfg: Toy3Config):
+    """Per seed: the layer, the tokens, balancing, the calibration pass and the held-out table.
+    Returns a jitted function of the seed batch (cached per config, so repeated runs reuse it)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from moejax.models.toy import ToyMoE
+    from moejax.moe.balancing import balance_bias
+
+    d, n_off = cfg.d_model, len(cfg.offsets)
+
+    def draw(seed):
+        k_model, k_dir, k_cal, k_held = jax.random.split(jax.random.key(seed), 4)
+        model = ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(params=k_model))
+        directions = {"ones": jnp.ones((d,)) / jnp.sqrt(d),
+                      "random": (v := jax.random.normal(k_dir, (d,))) / jnp.linalg.norm(v)}
+        mu_OD = cfg.offset_scale * jnp.sqrt(d) * jnp.stack([directions[o] for o in cfg.offsets])
+        # The same noise under both offsets: the offset comparison is paired.
+        x_cal_OTD = mu_OD[:, None] + jax.random.normal(k_cal, (cfg.n_calib, d))
+        x_held_OTD = mu_OD[:, None] + jax.random.normal(k_held, (cfg.n_heldout, d))
+        return nnx.state(model), x_cal_OTD, x_held_OTD
+
+    graphdef = nnx.graphdef(ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(0)))
+
+    @jax.jit
+    def run(seeds_S):
+        state_S, x_cal_SOTD, x_held_SOTD = jax.vmap(draw)(seeds_S)
+        model_logits = jax.vmap(lambda st, x: nnx.merge(graphdef, st).router_logits(x))
+        logits_cal_SOTE = model_logits(state_S, x_cal_SOTD)
+        balanced_SOE = balance_bias(logits_cal_SOTE, ToyMoE.router_cfg_for(cfg.top_k),
+                                    cfg.balance_steps, cfg.balance_rate)
+        bias_SOLE = jnp.stack([balanced_SOE if ld == "balanced" else jnp.zeros_like(balanced_SOE)
+                               for ld in cfg.loads], axis=2)
+
+        def per_seed(state, x_cal_OTD, x_held_OTD, bias_OLE):
+            model = nnx.merge(graphdef, state)
+
+            def calib(x_TD, bias_E):
+                routing, f_TKD, _ = model.routed_pass(x_TD, None, cfg.backend, bias_E)
+                return routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f_TKD, axis=-1)
+
+            cal = jax.vmap(lambda x, b_LE: jax.vmap(lambda b: calib(x, b))(b_LE))(x_cal_OTD, bias_OLE)
+            f_held_OTED = jax.vmap(model.all_expert_outputs)(x_held_OTD)
+            logits_held_OTE = jax.vmap(model.router_logits)(x_held_OTD)
+            return cal, f_held_OTED, logits_held_OTE, model.router[...]
+
+        cal, f_held, logits_held, router_SED = jax.vmap(per_seed)(state_S, x_cal_SOTD, x_held_SOTD, bias_SOLE)
+        return dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_SOTD.mean(axis=2),
+                    bias=bias_SOLE, router=router_SED, f_held=f_held, logits_held=logits_held)
+
+    return run
+
+
+@functools.lru_cache(maxsize=8)
+def _stage_two(cfg: Toy3Config):
+    """Route the held-out tokens under every kept set and measure the error of each variant.
+    Returns a jitted function (f_held, logits_held, bias, masks) -> (rel_error, rel_error_median)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models.toy import ToyMoE
+    from moejax.moe.routing import route
+
+    router_cfg = ToyMoE.router_cfg_for(cfg.top_k)
+
+    def layer_output(f_TED, logits_TE, bias_E, mask_E):
+        r = route(logits_TE, router_cfg, bias_E, mask_E)
+        f_TKD = jnp.take_along_axis(f_TED, r.expert_idx_TK[..., None], axis=1)
+        return jnp.einsum("tk,tkd->td", r.gate_TK, f_TKD, precision=jax.lax.Precision.HIGHEST)
+
+    def condition(f_TED, logits_TE, bias_E, masks_VE):
+        y_TD = layer_output(f_TED, logits_TE, bias_E, None)
+        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+
+        def variant(mask_E):
+            err_sq_T = jnp.sum((layer_output(f_TED, logits_TE, bias_E, mask_E) - y_TD) ** 2, axis=-1)
+            return err_sq_T.sum() / y_sq_T.sum(), jnp.median(err_sq_T / y_sq_T)
+
+        return jax.lax.map(variant, masks_VE)
+
+    @jax.jit
+    def run(f, lg, b, m):
+        per_load = jax.vmap(condition, in_axes=(None, None, 0, 0))
+        per_offset = jax.vmap(per_load, in_axes=(0, 0, 0, 0))
+        return jax.vmap(per_offset)(f, lg, b, m)
+
+    return run
+
+
+def run(cfg: Toy3Config, progress=None):
+    """Run toy3; returns (tidy pandas DataFrame, timings dict)."""
+    import jax
+    import pandas as pd
+
+    from moejax.scoring.scores import compute_scores, stats_from_pairs
+    from moejax.scoring.select import select_kept
+
+    cfg.validate()
+    keeps = cfg.keep_counts()
+    all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)
+    rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0}
+    batches = [all_seeds[i:i + cfg.seed_batch] for i in range(0, len(all_seeds), cfg.seed_batch)]
+    for batch in batches:
+        t0 = time.perf_counter()
+        one = jax.block_until_ready(_stage_one(cfg)(np.asarray(batch, np.int32)))
+        host = jax.device_get({k: v for k, v in one.items() if k not in ("f_held", "logits_held")})
+        t1 = time.perf_counter()
+        masks = np.zeros((len(batch), len(cfg.offsets), len(cfg.loads), len(cfg.scores) * len(keeps),
+                          cfg.n_experts), bool)
+        for s, seed in enumerate(batch):
+            for o, offset in enumerate(cfg.offsets):
+                for l_, load in enumerate(cfg.loads):
+                    base = dict(offset=offset, load=load, seed=int(seed))
+                    stats = stats_from_pairs(host["cal_idx"][s, o, l_], host["cal_gate"][s, o, l_],
+                                             host["cal_norm"][s, o, l_], host["x_cal_mean"][s, o],
+                                             host["router"][s], host["bias"][s, o, l_], seed=int(seed), layer=0)
+                    scores = compute_scores(stats, cfg.scores)
+                    frequency = compute_scores(stats, ["frequency"])["frequency"]
+                    usage = np.sort(stats.counts_E)[::-1]
+                    rows.append({**base, "score": None, "keep": None, "metric": "top16_share",
+                                 "value": float(usage[:16].sum() / usage.sum())})
+                    for si, name in enumerate(cfg.scores):
+                        for ki, keep in enumerate(keeps):
+                            kept = select_kept(scores[name], keep)
+                            masks[s, o, l_, si * len(keeps) + ki] = kept
+                            rows.append({**base, "score": name, "keep": keep, "metric": "overlap_frequency",
+                                         "value": float(np.sum(kept & select_kept(frequency, keep)))})
+        t2 = time.perf_counter()
+        rel_all, rel_median = jax.device_get(jax.block_until_ready(_stage_two(cfg)(
+            one["f_held"], one["logits_held"], one["bias"], masks)))
+        t3 = time.perf_counter()
+        for s, seed in enumerate(batch):
+            for o, offset in enumerate(cfg.offsets):
+                for l_, load in enumerate(cfg.loads):
+                    for si, name in enumerate(cfg.scores):
+                        for ki, keep in enumerate(keeps):
+                            v = si * len(keeps) + ki
+                            base = dict(offset=offset, load=load, seed=int(seed), score=name, keep=keep)
+                            rows.append({**base, "metric": "rel_error", "value": float(rel_all[s, o, l_, v])})
+                            rows.append({**base, "metric": "rel_error_median", "value": float(rel_median[s, o, l_, v])})
+        timings["stage_one_s"] += t1 - t0
+        timings["host_s"] += t2 - t1
+        timings["stage_two_s"] += t3 - t2
+        if progress is not None:
+            progress(len(batch))
+    df = pd.DataFrame(rows, columns=["offset", "load", "seed", "score", "keep", "metric", "value"])
+    df["keep"] = df["keep"].astype("Int64")
+    return df, timings
+
+
+def summary_table(df):
+    """Mean +- std over seeds of rel_error, rows (offset, load, score), one column per keep."""
+    err = df[df.metric == "rel_error"]
+    agg = err.groupby(["offset", "load", "score", "keep"])["value"].agg(["mean", "std"]).reset_index()
+    agg["cell"] = [f"{m:.3f} ± {0.0 if np.isnan(s) else s:.3f}" for m, s in zip(agg["mean"], agg["std"])]
+    table = agg.pivot(index=["offset", "load", "score"], columns="keep", values="cell")
+    table.columns = [f"keep={k}" for k in table.columns]
+    return table

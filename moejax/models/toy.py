@@ -1,0 +1,75 @@
+"""The toy MoE layer of SPEC section 4, as a Flax NNX module.
+
+One layer routed as DeepSeek-V3 routes (sigmoid, top K of E, balance bias, `norm_topk_prob`),
+no groups and no shared expert; each expert is a two-layer ReLU MLP `W2 . relu(W1 . x)`.
+
+| weight        | shape      | init                    |
+|---------------|------------|-------------------------|
+| router        | [E, d]     | normal, std 1/sqrt(d)   |
+| w1 (per exp.) | [E, d, h]  | normal, std 1/sqrt(d)   |
+| w2 (per exp.) | [E, h, d]  | normal, std 1/sqrt(h)   |
+| bias          | [E]        | zeros (balancing moves it; never trained by gradient) |
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.moe import dispatch as dispatch_lib
+from moejax.moe.routing import RouterConfig, Routing, route
+
+
+class BalanceBias(nnx.Variable):
+    """`e_score_correction_bias`: set by auxiliary-loss-free balancing, not by gradients, so it is
+    its own Variable type and an optimizer built with `wrt=nnx.Param` leaves it alone."""
+
+
+class ToyMoE(nnx.Module):
+    def __init__(self, d_model: int = 32, d_hidden: int = 64, n_experts: int = 64, top_k: int = 4,
+                 *, rngs: nnx.Rngs):
+        self.router_cfg = self.router_cfg_for(top_k)
+        self.router_cfg.check_experts(n_experts)
+        normal = jax.nn.initializers.normal
+        self.router = nnx.Param(normal(d_model ** -0.5)(rngs.params(), (n_experts, d_model)))
+        self.w1 = nnx.Param(normal(d_model ** -0.5)(rngs.params(), (n_experts, d_model, d_hidden)))
+        self.w2 = nnx.Param(normal(d_hidden ** -0.5)(rngs.params(), (n_experts, d_hidden, d_model)))
+        self.bias = BalanceBias(jnp.zeros((n_experts,), jnp.float32))
+
+    @staticmethod
+    def router_cfg_for(top_k: int) -> RouterConfig:
+        """Sigmoid scores, no groups, gates renormalised over the chosen experts, scale 1."""
+        return RouterConfig(top_k=top_k, scoring_func="sigmoid", norm_topk_prob=True)
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.shape[0]
+
+    def expert_weights(self) -> dict:
+        return {"w1": self.w1[...], "w2": self.w2[...]}
+
+    def router_logits(self, x_TD: jax.Array) -> jax.Array:
+        """x @ W_router.T in float32 (the router always runs in float32)."""
+        return jnp.matmul(x_TD.astype(jnp.float32), self.router[...].astype(jnp.float32).T,
+                          precision=jax.lax.Precision.HIGHEST)
+
+    def route(self, x_TD: jax.Array, expert_mask_E: jax.Array | None = None,
+              bias_E: jax.Array | None = None) -> Routing:
+        """Route with the layer's own balance bias, or with `bias_E` when given."""
+        bias_E = self.bias[...] if bias_E is None else bias_E
+        return route(self.router_logits(x_TD), self.router_cfg, bias_E, expert_mask_E)
+
+    def routed_pass(self, x_TD, expert_mask_E=None, backend: str = "sorted", bias_E=None):
+        """Routing, each routed pair's expert output f_j(x) [T, K, D], and the layer output y [T, D]."""
+        routing = self.route(x_TD, expert_mask_E, bias_E)
+        f_TKD = dispatch_lib.pair_outputs(x_TD, routing.expert_idx_TK, self.expert_weights(),
+                                          dispatch_lib.relu_mlp, backend)
+        return routing, f_TKD, dispatch_lib.combine(routing.gate_TK, f_TKD)
+
+    def __call__(self, x_TD, expert_mask_E=None, backend: str = "sorted", bias_E=None) -> jax.Array:
+        return self.routed_pass(x_TD, expert_mask_E, backend, bias_E)[2]
+
+    def all_expert_outputs(self, x_TD) -> jax.Array:
+        """f_j(x_t) for every expert, [T, E, D]: the table every pruned variant's output is read from."""
+        return dispatch_lib.all_expert_outputs(x_TD, self.expert_weights(), dispatch_lib.relu_mlp)

@@ -1,0 +1,1 @@
+"""MoE building blocks: routing (one function) and dispatch backends (one signature)."""

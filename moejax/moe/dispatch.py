@@ -1,0 +1,158 @@
+"""Dispatch: run each token through its chosen experts and combine with the gates.
+
+Every backend has one signature,
+
+    dispatch(x_TD, expert_idx_TK, gate_TK, weights, expert_fn, backend=...) -> y_TD
+
+and is built from `pair_outputs` (each routed pair's expert output `f_j(x)`, before the gate)
+plus `combine` (the gate-weighted sum). Scores such as REAP need `f_j(x)` itself, which is why
+the pair outputs are public.
+
+Backends
+- "dense":  every expert on every token, then pick the routed pairs. E/K times the work; the
+            oracle the others are tested against.
+- "sorted": only the routed pairs. Pairs are sorted by expert and laid out in fixed-size row
+            blocks, each block belonging to one expert (groups padded to a multiple of the block),
+            then one batched matmul over blocks: a grouped matmul in plain XLA with static shapes.
+            Exact (no token dropping), empty experts cost nothing, gradients flow through the
+            gathers. Padding is at most E * (block_rows - 1) rows.
+- "ragged": the same sorted pairs through `jax.lax.ragged_dot` (native on GPU/TPU; XLA:CPU
+            expands it densely, so prefer "sorted" on CPU).
+
+Experts are described by a pure `expert_fn(linear, w, x)` where `w` is one expert's weights and
+`linear(x, W)` is the matmul to use. The same function then runs as a single expert (vmapped
+over E for the oracle) and as a grouped matmul over blocks. See `relu_mlp` and `swiglu`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+Linear = Callable[[jax.Array, jax.Array], jax.Array]
+ExpertFn = Callable[[Linear, dict, jax.Array], jax.Array]
+
+BACKENDS = ("dense", "sorted", "ragged")
+
+
+def relu_mlp(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
+    """The toy expert of SPEC section 4: W2 . relu(W1 . x); w1 [D, H], w2 [H, D]."""
+    return linear(jax.nn.relu(linear(x, w["w1"])), w["w2"])
+
+
+def swiglu(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
+    """DeepSeek-V3 expert: down(silu(gate(x)) * up(x)); gate/up [D, F], down [F, D]."""
+    return linear(jax.nn.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
+
+
+def _matmul(x, w):
+    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def all_expert_outputs(x_TD: jax.Array, weights: dict, expert_fn: ExpertFn) -> jax.Array:
+    """f_j(x_t) for every token and every expert: [T, E, D]."""
+    f_ETD = jax.vmap(lambda w: expert_fn(_matmul, w, x_TD))(weights)
+    return jnp.swapaxes(f_ETD, 0, 1)
+
+
+def dense_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
+    """Oracle: compute every expert on every token, keep the routed pairs. [T, K, D]."""
+    f_TED = all_expert_outputs(x_TD, weights, expert_fn)
+    return jnp.take_along_axis(f_TED, expert_idx_TK[..., None], axis=1)
+
+
+class BlockLayout:
+    """Where each routed pair sits in the expert-sorted, block-padded buffer.
+
+    pair_slot_M: buffer row of pair m (m = t * K + k)
+    block_expert_N: the expert that owns block n (trailing unused blocks point at E-1; their rows are
+      zero and nobody reads them back)
+    """
+
+    def __init__(self, expert_idx_TK: jax.Array, n_experts: int, block_rows: int):
+        flat_M = expert_idx_TK.reshape(-1)
+        n_pairs = flat_M.shape[0]
+        self.block_rows = block_rows
+        self.n_blocks = -(-(n_pairs + n_experts * (block_rows - 1)) // block_rows)
+        group_sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_M].add(1)
+        padded_E = -(-group_sizes_E // block_rows) * block_rows
+        padded_end_E = jnp.cumsum(padded_E)
+        group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+        order_M = jnp.argsort(flat_M, stable=True)  # pairs sorted by expert, token order within
+        sorted_expert_M = flat_M[order_M]
+        rank_in_group_M = jnp.arange(n_pairs, dtype=jnp.int32) - group_start_E[sorted_expert_M]
+        slot_sorted_M = padded_end_E[sorted_expert_M] - padded_E[sorted_expert_M] + rank_in_group_M
+        self.pair_slot_M = jnp.zeros((n_pairs,), jnp.int32).at[order_M].set(slot_sorted_M)
+        block_start_N = jnp.arange(self.n_blocks, dtype=jnp.int32) * block_rows
+        self.block_expert_N = jnp.minimum(
+            jnp.searchsorted(padded_end_E, block_start_N, side="right"), n_experts - 1).astype(jnp.int32)
+        self.group_sizes_E = group_sizes_E
+
+
+def _default_block_rows(n_pairs: int, n_experts: int) -> int:
+    # Small blocks waste little padding (<= E * (B - 1) rows); large blocks make better matmuls.
+    # Aim for padding of about an eighth of the real rows, between 8 and 128 rows per block.
+    b = max(8, min(128, n_pairs // (8 * n_experts)))
+    return 1 << (b.bit_length() - 1)
+
+
+def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int | None = None):
+    """Only the routed pairs, as a block-sparse grouped matmul. [T, K, D]."""
+    n_tokens, top_k = expert_idx_TK.shape
+    n_experts = jax.tree.leaves(weights)[0].shape[0]
+    block_rows = block_rows or _default_block_rows(n_tokens * top_k, n_experts)
+    layout = BlockLayout(expert_idx_TK, n_experts, block_rows)
+    token_M = jnp.arange(n_tokens * top_k, dtype=jnp.int32) // top_k
+    rows = layout.n_blocks * block_rows
+    x_buf = jnp.zeros((rows, x_TD.shape[-1]), x_TD.dtype).at[layout.pair_slot_M].set(x_TD[token_M])
+    x_NBD = x_buf.reshape(layout.n_blocks, block_rows, -1)
+
+    def block_linear(h_NBF, w_EFG):
+        w_NFG = w_EFG[layout.block_expert_N]
+        return jnp.einsum("nbf,nfg->nbg", h_NBF, w_NFG, precision=jax.lax.Precision.HIGHEST)
+
+    y_NBD = expert_fn(block_linear, weights, x_NBD)
+    y_M = y_NBD.reshape(rows, -1)[layout.pair_slot_M]
+    return y_M.reshape(n_tokens, top_k, -1)
+
+
+def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
+    """Routed pairs through `jax.lax.ragged_dot` (GPU/TPU grouped matmul). [T, K, D]."""
+    n_tokens, top_k = expert_idx_TK.shape
+    n_experts = jax.tree.leaves(weights)[0].shape[0]
+    flat_M = expert_idx_TK.reshape(-1)
+    order_M = jnp.argsort(flat_M, stable=True)
+    group_sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_M].add(1)
+    xs_MD = x_TD[order_M // top_k]
+
+    def ragged_linear(h_MF, w_EFG):
+        return jax.lax.ragged_dot(h_MF, w_EFG, group_sizes_E, precision=jax.lax.Precision.HIGHEST)
+
+    ys_MD = expert_fn(ragged_linear, weights, xs_MD)
+    y_MD = jnp.zeros_like(ys_MD).at[order_M].set(ys_MD)
+    return y_MD.reshape(n_tokens, top_k, -1)
+
+
+_PAIR_OUTPUTS = {"dense": dense_pair_outputs, "sorted": sorted_pair_outputs, "ragged": ragged_pair_outputs}
+
+
+def pair_outputs(x_TD, expert_idx_TK, weights, expert_fn: ExpertFn, backend: str = "sorted"):
+    """Expert output f_j(x_t) of every routed pair (before the gate), [T, K, D]."""
+    try:
+        impl = _PAIR_OUTPUTS[backend]
+    except KeyError:
+        raise ValueError(f"unknown dispatch backend {backend!r}; valid: {', '.join(BACKENDS)}") from None
+    return impl(x_TD, expert_idx_TK, weights, expert_fn)
+
+
+def combine(gate_TK: jax.Array, f_TKD: jax.Array) -> jax.Array:
+    """y_t = sum_k g_tk f_tk, summed in float32."""
+    return jnp.einsum("tk,tkd->td", gate_TK.astype(jnp.float32), f_TKD.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def dispatch(x_TD, expert_idx_TK, gate_TK, weights, expert_fn: ExpertFn, backend: str = "sorted"):
+    """Routed output y_TD = sum_k gate_tk * expert_{idx_tk}(x_t) (SPEC section 1)."""
+    return combine(gate_TK, pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, backend)).astype(x_TD.dtype)

@@ -1,0 +1,118 @@
+"""The router of the DeepSeek-V3 family (SPEC section 1), as one pure, jit-able function.
+
+    logits = x @ W_router.T                       # float32
+    s      = sigmoid(logits)                      # or softmax
+    sel    = s + bias                             # bias chooses, never weighs
+    sel    = -inf where the expert is pruned      # expert mask
+    group  = sum of the top-2 `sel` in each group; keep the `topk_group` best groups
+    idx    = top_k(sel, K)                        # ties: lower expert index first
+    g      = s[idx]; g /= sum(g) + 1e-20 if norm_topk_prob; g *= routed_scaling_factor
+
+Pruning is an *array* mask (`expert_mask_E`, True = kept), so a sweep over masks does not recompile.
+Masked experts and dropped groups get `-inf`, never 0.0: with negative biases a 0.0 fill lets a
+pruned expert win (transformers < 5.24 used 0.0 for dropped groups; DeepSeek's own code uses -inf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moejax.errors import ConfigError
+
+SCORING_FUNCS = ("sigmoid", "softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Static routing settings (hashable, so it can be a `jit` static argument)."""
+
+    top_k: int
+    scoring_func: str = "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ConfigError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+        if self.top_k < 1:
+            raise ConfigError(f"top_k must be >= 1, got {self.top_k}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(
+                f"need 1 <= topk_group <= n_group, got topk_group={self.topk_group}, n_group={self.n_group}")
+
+    def check_experts(self, n_experts: int) -> None:
+        """Shape checks that need E: raise before any compute."""
+        if n_experts % self.n_group:
+            raise ConfigError(f"n_routed_experts={n_experts} is not divisible by n_group={self.n_group}")
+        if self.top_k > n_experts:
+            raise ConfigError(f"top_k={self.top_k} exceeds the number of experts {n_experts}")
+        if self.n_group > 1 and self.top_k > self.topk_group * (n_experts // self.n_group):
+            raise ConfigError(
+                f"top_k={self.top_k} exceeds the experts in the chosen groups "
+                f"({self.topk_group} groups x {n_experts // self.n_group} experts)")
+
+
+class Routing(NamedTuple):
+    expert_idx_TK: jax.Array  # int32, the chosen experts of each token (order: best `sel` first)
+    gate_TK: jax.Array        # float32, the weights applied to those experts' outputs
+    scores_TE: jax.Array      # float32, unbiased sigmoid/softmax affinities of every expert
+
+
+def route(logits_TE: jax.Array, cfg: RouterConfig, bias_E: jax.Array | None = None,
+          expert_mask_E: jax.Array | None = None) -> Routing:
+    """Choose `cfg.top_k` experts per token and their gates (SPEC section 1).
+
+    logits_TE: router logits, computed in float32 (`x @ W_router.T`).
+    bias_E: `e_score_correction_bias`, added for the choice only. None = zeros.
+    expert_mask_E: bool, True = expert kept. None = all kept. Any leading batch axes are
+      broadcast against `logits_TE`'s token axis, so one call can route under several masks.
+    """
+    logits_TE = logits_TE.astype(jnp.float32)
+    n_experts = logits_TE.shape[-1]
+    cfg.check_experts(n_experts)
+    keep_E = jnp.ones((n_experts,), bool) if expert_mask_E is None else expert_mask_E.astype(bool)
+
+    if cfg.scoring_func == "sigmoid":
+        scores_TE = jax.nn.sigmoid(logits_TE)
+    else:
+        # Softmax over the kept experts only, so a mask computes what a physically pruned
+        # checkpoint computes (its router has no rows for the pruned experts).
+        scores_TE = jax.nn.softmax(jnp.where(keep_E, logits_TE, -jnp.inf), axis=-1)
+
+    sel_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(jnp.float32)
+    sel_TE = jnp.where(keep_E, sel_TE, -jnp.inf)
+    if cfg.n_group > 1:
+        sel_TE = _mask_to_best_groups(sel_TE, cfg.n_group, cfg.topk_group)
+
+    _, idx_TK = jax.lax.top_k(sel_TE, cfg.top_k)  # stable: equal values -> lower index first
+    gate_TK = jnp.take_along_axis(scores_TE, idx_TK, axis=-1)
+    if cfg.norm_topk_prob:
+        gate_TK = gate_TK / (jnp.sum(gate_TK, axis=-1, keepdims=True) + 1e-20)
+    gate_TK = gate_TK * cfg.routed_scaling_factor
+    return Routing(idx_TK.astype(jnp.int32), gate_TK, scores_TE)
+
+
+def _mask_to_best_groups(sel_TE: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """Group-limited choice: a group's score is the sum of its two best `sel`; experts outside
+    the `topk_group` best groups get -inf. (A group with fewer than two kept experts scores -inf.)"""
+    *lead, n_experts = sel_TE.shape
+    sel_TGX = sel_TE.reshape(*lead, n_group, n_experts // n_group)
+    top2 = jax.lax.top_k(sel_TGX, min(2, sel_TGX.shape[-1]))[0]
+    group_score_TG = jnp.sum(top2, axis=-1)
+    _, best_groups = jax.lax.top_k(group_score_TG, topk_group)
+    chosen_TG = jnp.any(jax.nn.one_hot(best_groups, n_group, dtype=bool), axis=-2)
+    return jnp.where(chosen_TG[..., None], sel_TGX, -jnp.inf).reshape(sel_TE.shape)
+
+
+def routing_counts(expert_idx_TK: jax.Array, n_experts: int, token_mask_T: jax.Array | None = None) -> jax.Array:
+    """How many tokens chose each expert (int32 [E]); padding tokens (mask False) excluded."""
+    onehot = jax.nn.one_hot(expert_idx_TK, n_experts, dtype=jnp.int32).sum(axis=-2)  # [T, E]
+    if token_mask_T is not None:
+        onehot = onehot * token_mask_T[:, None].astype(jnp.int32)
+    return onehot.sum(axis=0)

@@ -1,0 +1,43 @@
+"""From a score to a kept set (SPEC section 2): keep counts, ratios, the routing floor, ties."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.errors import ConfigError
+
+
+def resolve_keep(keep, n_experts: int, top_k: int) -> int:
+    """A keep given as a count (int) or as a ratio of E (float in (0, 1]) -> a count.
+
+    A ratio r keeps max(1, E - round((1 - r) * E)) with Python's round-half-even (the
+    compressed-tensors convention). Never fewer than top_k (the routing floor) or more than E.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"keep must be a count (int) or a ratio of E (float), got {keep!r}")
+    if isinstance(keep, (float, np.floating)):
+        if not 0.0 < keep <= 1.0:
+            raise ConfigError(f"keep={keep} as a ratio of E must lie in (0, 1]")
+        count = max(1, n_experts - round((1.0 - float(keep)) * n_experts))
+        what = f"keep={keep} (ratio of E={n_experts}) gives {count} experts, which"
+    else:
+        count = int(keep)
+        what = f"keep={count}"
+    if count < top_k:
+        raise ConfigError(f"{what} is below top_k={top_k}: every token routes to {top_k} experts, "
+                          f"so at least {top_k} must be kept")
+    if count > n_experts:
+        raise ConfigError(f"{what} exceeds the number of experts E={n_experts}")
+    return count
+
+
+def select_kept(score_E: np.ndarray, keep: int) -> np.ndarray:
+    """Boolean mask of the `keep` highest-scoring experts. Ranked in float64; ties break toward
+    the lower expert index (a stable sort of -score)."""
+    score = np.asarray(score_E, np.float64)
+    if not np.all(np.isfinite(score)):
+        raise ConfigError(f"score has non-finite values at experts {np.flatnonzero(~np.isfinite(score)).tolist()}")
+    order = np.argsort(-score, kind="stable")
+    mask = np.zeros(score.shape[0], bool)
+    mask[order[:keep]] = True
+    return mask
