@@ -267,3 +267,6 @@ def summary_table(df):
     table = agg.pivot(index=["offset", "load", "score"], columns="keep", values="cell")
     table.columns = [f"keep={k}" for k in table.columns]
     return table
+
+
+Config = Toy3Config  # the name the runner looks for
