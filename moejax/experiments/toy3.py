@@ -107,6 +107,39 @@ class Toy3Config:
         return [resolve_keep(k, self.n_experts, self.top_k) for k in self.keep]
 
 
+def _draw(cfg: Toy3Config, seed):
+    """Everything random about one seed: the layer's weights and the tokens under each offset."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from moejax.models.toy import ToyMoE
+
+    d = cfg.d_model
+    k_model, k_dir, k_cal, k_held = jax.random.split(jax.random.key(seed), 4)
+    model = ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(params=k_model))
+    directions = {"ones": jnp.ones((d,)) / jnp.sqrt(d),
+                  "random": (v := jax.random.normal(k_dir, (d,))) / jnp.linalg.norm(v)}
+    mu_OD = cfg.offset_scale * jnp.sqrt(d) * jnp.stack([directions[o] for o in cfg.offsets])
+    # The same noise under both offsets: the offset comparison is paired.
+    x_cal_OTD = mu_OD[:, None] + jax.random.normal(k_cal, (cfg.n_calib, d))
+    x_held_OTD = mu_OD[:, None] + jax.random.normal(k_held, (cfg.n_heldout, d))
+    return nnx.state(model), x_cal_OTD, x_held_OTD
+
+
+def draw_inputs(cfg: Toy3Config, seeds) -> list[dict]:
+    """The drawn weights and tokens of each seed as numpy arrays (for independent re-computation,
+    e.g. the numpy implementation in scripts/bench_toy3.py)."""
+    import jax
+
+    out = []
+    for seed in seeds:
+        state, x_cal, x_held = jax.device_get(jax.jit(functools.partial(_draw, cfg))(seed))
+        out.append({"router": np.asarray(state["router"][...]), "w1": np.asarray(state["w1"][...]),
+                    "w2": np.asarray(state["w2"][...]), "x_cal": np.asarray(x_cal), "x_held": np.asarray(x_held)})
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def _stage_one(cfg: Toy3Config):
     """Per seed: the layer, the tokens, balancing, the calibration pass and the held-out table.
@@ -118,19 +151,7 @@ def _stage_one(cfg: Toy3Config):
     from moejax.models.toy import ToyMoE
     from moejax.moe.balancing import balance_bias
 
-    d, n_off = cfg.d_model, len(cfg.offsets)
-
-    def draw(seed):
-        k_model, k_dir, k_cal, k_held = jax.random.split(jax.random.key(seed), 4)
-        model = ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(params=k_model))
-        directions = {"ones": jnp.ones((d,)) / jnp.sqrt(d),
-                      "random": (v := jax.random.normal(k_dir, (d,))) / jnp.linalg.norm(v)}
-        mu_OD = cfg.offset_scale * jnp.sqrt(d) * jnp.stack([directions[o] for o in cfg.offsets])
-        # The same noise under both offsets: the offset comparison is paired.
-        x_cal_OTD = mu_OD[:, None] + jax.random.normal(k_cal, (cfg.n_calib, d))
-        x_held_OTD = mu_OD[:, None] + jax.random.normal(k_held, (cfg.n_heldout, d))
-        return nnx.state(model), x_cal_OTD, x_held_OTD
-
+    draw = functools.partial(_draw, cfg)
     graphdef = nnx.graphdef(ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(0)))
 
     @jax.jit
