@@ -1,0 +1,51 @@
+"""The balancing shortcut gives exactly the loads of top-k routing, ties included."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.moe.balancing import _loads_by_threshold, balance_bias
+from moejax.moe.routing import RouterConfig, route, routing_counts
+
+CFG = RouterConfig(top_k=4)
+
+
+def test_threshold_loads_equal_topk_loads_with_many_ties():
+    # logits on a coarse grid and a zero bias: ties everywhere, including at the K-th value
+    logits = jnp.round(jax.random.normal(jax.random.key(0), (3, 400, 16)) * 2) / 2
+    bias = jnp.round(jax.random.normal(jax.random.key(1), (3, 16))) * 0.25
+    got = _loads_by_threshold(jnp.swapaxes(jax.nn.sigmoid(logits), -1, -2), bias, 4)
+    want = jax.vmap(lambda lg, b: routing_counts(route(lg, CFG, b).expert_idx_TK, 16))(logits, bias)
+    np.testing.assert_array_equal(got, want)
+    assert (got.sum(-1) == 400 * 4).all()
+
+
+def numpy_balance(logits, steps, rate, k):
+    """SPEC section 4 in numpy: bias -= rate * sign(load - mean(load)), top-k ties to lower index."""
+    s = 1 / (1 + np.exp(-logits.astype(np.float32)))
+    b = np.zeros(s.shape[1], np.float32)
+    for _ in range(steps):
+        idx = np.argsort(-(s + b), axis=1, kind="stable")[:, :k]
+        load = np.bincount(idx.ravel(), minlength=s.shape[1])
+        b = (b - np.float32(rate) * np.sign(load - load.mean())).astype(np.float32)
+    return b
+
+
+def test_balance_bias_matches_numpy_and_flattens_load():
+    rng = np.random.default_rng(0)
+    mu = rng.normal(size=8) * 0.8
+    x = mu + rng.normal(size=(500, 8))
+    w = rng.normal(size=(24, 8)) / np.sqrt(8)
+    logits = (x @ w.T).astype(np.float32)
+    got = np.asarray(jax.jit(lambda lg: balance_bias(lg, CFG, 60, 0.01))(jnp.asarray(logits)[None]))[0]
+    np.testing.assert_allclose(got, numpy_balance(logits, 60, 0.01, 4), atol=1e-6)
+    before = routing_counts(route(jnp.asarray(logits), CFG).expert_idx_TK, 24)
+    after = routing_counts(route(jnp.asarray(logits), CFG, jnp.asarray(got)).expert_idx_TK, 24)
+    assert float(jnp.std(after)) < 0.5 * float(jnp.std(before))
+
+
+def test_grouped_routing_balances_through_the_routing_function():
+    logits = jax.random.normal(jax.random.key(2), (2, 200, 16))
+    cfg = RouterConfig(top_k=2, n_group=4, topk_group=2)
+    got = balance_bias(logits, cfg, 5, 0.01)
+    assert got.shape == (2, 16) and np.isfinite(np.asarray(got)).all() and float(jnp.abs(got).max()) > 0

@@ -1,0 +1,137 @@
+"""Routing (SPEC section 1): hand-computed cases, then a numpy reference on random inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.errors import ConfigError
+from moejax.moe.routing import RouterConfig, route, routing_counts
+
+
+def logit(p):
+    return np.log(np.asarray(p, np.float32) / (1 - np.asarray(p, np.float32)))
+
+
+def sorted_idx(r):
+    return np.sort(np.asarray(r.expert_idx_TK), axis=-1)
+
+
+def test_bias_chooses_but_gates_come_from_unbiased_scores():
+    s = [0.9, 0.8, 0.7, 0.6]
+    bias = jnp.array([-0.5, 0.0, 0.0, 0.15])  # negative bias pushes expert 0 out; expert 3 in
+    r = route(jnp.asarray(logit([s])), RouterConfig(top_k=2, norm_topk_prob=False), bias)
+    # sel = [0.4, 0.8, 0.7, 0.75] -> experts 1 and 3
+    assert sorted_idx(r).tolist() == [[1, 3]]
+    gates = dict(zip(np.asarray(r.expert_idx_TK)[0].tolist(), np.asarray(r.gate_TK)[0].tolist()))
+    assert gates[1] == pytest.approx(0.8, abs=1e-6) and gates[3] == pytest.approx(0.6, abs=1e-6)
+
+
+def test_norm_topk_prob_and_scaling_factor():
+    r = route(jnp.asarray(logit([[0.9, 0.6, 0.1]])),
+              RouterConfig(top_k=2, norm_topk_prob=True, routed_scaling_factor=2.5))
+    np.testing.assert_allclose(np.asarray(r.gate_TK)[0], [2.5 * 0.9 / 1.5, 2.5 * 0.6 / 1.5], rtol=1e-6)
+
+
+def test_masked_expert_never_chosen_even_with_all_negative_biases():
+    # Every kept expert has a negative biased score; a 0.0 fill would let the pruned expert 0 win.
+    s = [0.9, 0.2, 0.1, 0.05]
+    bias = jnp.array([0.0, -0.9, -0.9, -0.9])
+    mask = jnp.array([False, True, True, True])
+    r = route(jnp.asarray(logit([s])), RouterConfig(top_k=2), bias, mask)
+    assert sorted_idx(r).tolist() == [[1, 2]]
+    np.testing.assert_allclose(np.asarray(r.gate_TK)[0], [0.2 / 0.3, 0.1 / 0.3], rtol=1e-6)
+
+
+def test_group_limited_topk_uses_sum_of_top_two_biased_scores():
+    # 3 groups of 2. Group scores (sum of both): g0 = 0.9+0.1 = 1.0, g1 = 0.6+0.55 = 1.15,
+    # g2 = 0.7+0.5 = 1.2. With topk_group=2, groups 1 and 2 survive although expert 0 is best.
+    s = [0.9, 0.1, 0.6, 0.55, 0.7, 0.5]
+    r = route(jnp.asarray(logit([s])), RouterConfig(top_k=2, n_group=3, topk_group=2))
+    assert sorted_idx(r).tolist() == [[2, 4]]
+    # A bias on expert 1 lifts group 0 (1.0 + 0.3 = 1.3) above group 1: now experts 0 and 4.
+    bias = jnp.array([0.0, 0.3, 0.0, 0.0, 0.0, 0.0])
+    r = route(jnp.asarray(logit([s])), RouterConfig(top_k=2, n_group=3, topk_group=2), bias)
+    assert sorted_idx(r).tolist() == [[0, 4]]
+
+
+def test_dropped_group_is_minus_inf_not_zero():
+    # Only group 1 is kept; its experts have negative biased scores, the dropped group's would be 0.0.
+    s = [0.9, 0.8, 0.3, 0.2]
+    bias = jnp.array([-0.2, -0.2, -0.5, -0.5])
+    mask = jnp.array([True, True, True, True])
+    # groups: g0 = 0.7 + 0.6 = 1.3, g1 = -0.2 + -0.3 = -0.5 -> with topk_group=1 group 0 is chosen
+    r = route(jnp.asarray(logit([s])), RouterConfig(top_k=2, n_group=2, topk_group=1), bias, mask)
+    assert sorted_idx(r).tolist() == [[0, 1]]
+    # now prune group 0's experts entirely: group 1 must supply both, never a masked expert
+    mask = jnp.array([False, False, True, True])
+    r = route(jnp.asarray(logit([s])), RouterConfig(top_k=2, n_group=2, topk_group=1), bias, mask)
+    assert sorted_idx(r).tolist() == [[2, 3]]
+
+
+def test_ties_break_toward_lower_index():
+    r = route(jnp.zeros((1, 6)), RouterConfig(top_k=3))
+    assert np.asarray(r.expert_idx_TK).tolist() == [[0, 1, 2]]
+    bias = jnp.array([0.0, 0.0, 0.1, 0.0, 0.1, 0.0])
+    r = route(jnp.zeros((1, 6)), RouterConfig(top_k=3), bias)
+    assert np.asarray(r.expert_idx_TK).tolist() == [[2, 4, 0]]
+
+
+def test_softmax_is_over_kept_experts_only():
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]])
+    mask = jnp.array([False, True, True, True])
+    r = route(logits, RouterConfig(top_k=2, scoring_func="softmax", norm_topk_prob=False), None, mask)
+    p = np.exp([1.0, 0.0, -1.0]) / np.exp([1.0, 0.0, -1.0]).sum()
+    assert np.asarray(r.expert_idx_TK).tolist() == [[1, 2]]
+    np.testing.assert_allclose(np.asarray(r.gate_TK)[0], p[:2], rtol=1e-6)
+
+
+def numpy_route(logits, bias, mask, k, n_group, topk_group, norm, scale):
+    """SPEC section 1 straight in numpy (float64, stable sorts)."""
+    s = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    sel = np.where(mask, s + bias, -np.inf)
+    T, E = sel.shape
+    if n_group > 1:
+        g = sel.reshape(T, n_group, E // n_group)
+        gs = -np.sort(-g, axis=-1)[..., :2].sum(-1)
+        best = np.argsort(-gs, axis=-1, kind="stable")[:, :topk_group]
+        keep = np.zeros((T, n_group), bool)
+        np.put_along_axis(keep, best, True, axis=1)
+        sel = np.where(np.repeat(keep, E // n_group, axis=1), sel, -np.inf)
+    idx = np.argsort(-sel, axis=1, kind="stable")[:, :k]
+    gate = np.take_along_axis(s, idx, 1)
+    if norm:
+        gate = gate / (gate.sum(1, keepdims=True) + 1e-20)
+    return idx, gate * scale
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2), (8, 3)])
+@pytest.mark.parametrize("jit", [False, True])
+def test_matches_numpy_reference_on_random_inputs(n_group, topk_group, jit):
+    rng = np.random.default_rng(n_group)
+    T, E, K = 300, 32, 4
+    logits = (rng.normal(size=(T, E)) * 3).astype(np.float32)  # wide: routing is not a coin toss
+    bias = rng.normal(scale=0.3, size=E).astype(np.float32)   # partly negative
+    mask = rng.random(E) > 0.3
+    cfg = RouterConfig(top_k=K, n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5)
+    fn = jax.jit(route, static_argnums=1) if jit else route
+    r = fn(jnp.asarray(logits), cfg, jnp.asarray(bias), jnp.asarray(mask))
+    idx, gate = numpy_route(logits, bias, mask, K, n_group, topk_group, True, 2.5)
+    order = np.argsort(np.asarray(r.expert_idx_TK), axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(r.expert_idx_TK), order, 1), np.sort(idx, 1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(r.gate_TK), order, 1),
+                               np.take_along_axis(gate, np.argsort(idx, 1), 1), rtol=1e-5)
+    assert not np.isin(np.asarray(r.expert_idx_TK), np.flatnonzero(~mask)).any()
+
+
+def test_routing_counts_excludes_padding():
+    idx = jnp.array([[0, 1], [1, 2], [2, 3]])
+    assert routing_counts(idx, 4).tolist() == [1, 2, 2, 1]
+    assert routing_counts(idx, 4, jnp.array([True, True, False])).tolist() == [1, 2, 1, 0]
+
+
+def test_bad_router_settings_are_refused():
+    with pytest.raises(ConfigError, match="scoring_func"):
+        RouterConfig(top_k=2, scoring_func="relu")
+    with pytest.raises(ConfigError, match="divisible"):
+        route(jnp.zeros((1, 10)), RouterConfig(top_k=2, n_group=4, topk_group=1))
