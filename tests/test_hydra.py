@@ -1,0 +1,139 @@
+"""The Hydra entry point: overrides compose, a two-job sweep runs, the loader reads it, the
+notebook runs on it, and conf/ is found from an installed wheel too."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from moejax.errors import ConfigError
+from moejax.experiments.runner import experiment_config
+from moejax.results import load
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+TINY = ["toy.n_calib=300", "toy.n_heldout=200", "toy.balance_steps=5"]
+
+
+def typed(overrides):
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return experiment_config(OmegaConf.to_container(cfg, resolve=True))[1]
+
+
+@pytest.mark.parametrize("overrides,check", [
+    (["seeds=8"], lambda c: c.seeds == 8 and c.seed == 0),
+    (["seed=3"], lambda c: c.seed == 3),
+    (["keep=16"], lambda c: c.keep_counts() == [16]),
+    (["keep=0.25"], lambda c: c.keep_counts() == [16]),
+    (["keep=[8,16]"], lambda c: c.keep_counts() == [8, 16]),
+    ([], lambda c: c.keep_counts() == [8, 16, 32, 48] and c.n_calib == 6000 and c.balance_steps == 300
+     and c.seeds == 8 and c.scores == ("frequency", "signed", "l1", "random", "reap", "ean")),
+])
+def test_overrides_compose_into_typed_config(overrides, check):
+    assert check(typed(["experiment=toy3", *overrides]))
+
+
+def test_no_experiment_or_bad_keep_is_refused():
+    with pytest.raises(ConfigError, match="experiment=NAME.*toy3"):
+        typed([])
+    with pytest.raises(ConfigError, match="below top_k"):
+        typed(["experiment=toy3", "keep=2"])
+
+
+def run_cli(args, cwd, env_extra=None, check=True):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    out = subprocess.run([sys.executable, "-m", "moejax.run", *args], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=600)
+    if check and out.returncode:
+        raise AssertionError(out.stdout + out.stderr)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    out = run_cli(["-m", "experiment=toy3", "seeds=2", "keep=8,16", *TINY, f"hydra.sweep.dir={tmp / 'sw'}"], tmp)
+    assert "keep=8" in out.stdout and "keep=16" in out.stdout  # the summary table of each job
+    return tmp / "sw"
+
+
+def test_two_job_multirun_writes_every_file(sweep):
+    for job, keep in ((0, 8), (1, 16)):
+        d = sweep / str(job)
+        assert json.loads((d / "status.json").read_text())["status"] == "completed"
+        for name in ("results.parquet", "resolved_config.yaml", ".hydra/overrides.yaml"):
+            assert (d / name).is_file(), name
+        assert f"keep: {keep}" in (d / "resolved_config.yaml").read_text()
+
+
+def test_loader_returns_one_frame_with_swept_overrides(sweep):
+    df = load(sweep)
+    assert {"offset", "load", "seed", "score", "keep", "metric", "value", "job", "override.keep",
+            "experiment", "seeds"} <= set(df.columns)
+    assert sorted(df["override.keep"].unique()) == [8, 16]
+    assert (df.dropna(subset=["keep"]).keep == df.dropna(subset=["keep"])["override.keep"]).all()
+    assert sorted(df.seed.unique()) == [0, 1] and set(df.experiment) == {"toy3"}
+    single = load(sweep / "0")
+    assert len(single) == len(df) // 2
+    code = "import sys, moejax.results; moejax.results.load(sys.argv[1]); print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code, str(sweep)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    assert out.stdout.strip() == "False"  # loading results never imports JAX
+
+
+def test_ratio_sweep_and_failed_job_status(tmp_path):
+    out = run_cli(["experiment=toy3", "seeds=1", "keep=2", *TINY, f"hydra.run.dir={tmp_path / 'bad'}"],
+                  tmp_path, check=False)
+    assert out.returncode != 0 and "below top_k=4" in out.stdout + out.stderr
+    status = json.loads((tmp_path / "bad" / "status.json").read_text())
+    assert status["status"] == "failed" and (tmp_path / "bad" / "error.txt").is_file()
+    assert not (tmp_path / "bad" / "results.parquet").exists()
+
+
+def test_unknown_experiment_lists_valid_ones(tmp_path):
+    out = run_cli(["experiment=toy9"], tmp_path, check=False)
+    assert out.returncode != 0 and "toy3" in out.stdout + out.stderr
+
+
+def test_notebook_code_runs_on_the_sweep(sweep, tmp_path):
+    import nbformat
+
+    nb = nbformat.read(ROOT / "experiments" / "toy3" / "toy3.ipynb", as_version=4)
+    code = "\n\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "MOEJAX_TOY3_RESULTS": str(sweep),
+           "MOEJAX_TOY3_FIGURE": str(tmp_path / "fig.png")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "fig.png").stat().st_size > 10_000
+
+
+def test_joblib_launcher_preset_composes(tmp_path):
+    out = run_cli(["hydra/launcher=local_procs", "experiment=toy3", "--cfg", "hydra", "-p", "hydra.launcher"],
+                  tmp_path)
+    assert "JoblibLauncher" in out.stdout and "n_jobs: 2" in out.stdout
+
+
+def test_conf_found_from_an_installed_wheel(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True)
+    wheel = next((tmp_path / "dist").glob("moejax-*.whl"))
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    assert (site / "moejax" / "conf" / "experiment" / "toy3.yaml").is_file()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    out = subprocess.run([sys.executable, "-m", "moejax.run", "experiment=toy3", "keep=0.25", "--cfg", "job"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "name: toy3" in out.stdout and "keep: 0.25" in out.stdout
+    assert str(site) in subprocess.run(
+        [sys.executable, "-c", "import moejax.run as r; print(r.__file__, r.CONFIG_PATH)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True).stdout
