@@ -191,14 +191,14 @@ def _stage_two(cfg: Toy3Config):
     import jax.numpy as jnp
 
     from moejax.models.toy import ToyMoE
+    from moejax.moe.dispatch import combine
     from moejax.moe.routing import route
 
     router_cfg = ToyMoE.router_cfg_for(cfg.top_k)
 
     def layer_output(f_TED, logits_TE, bias_E, mask_E):
         r = route(logits_TE, router_cfg, bias_E, mask_E)
-        f_TKD = jnp.take_along_axis(f_TED, r.expert_idx_TK[..., None], axis=1)
-        return jnp.einsum("tk,tkd->td", r.gate_TK, f_TKD, precision=jax.lax.Precision.HIGHEST)
+        return combine(r.gate_TK, jnp.take_along_axis(f_TED, r.expert_idx_TK[..., None], axis=1))
 
     def condition(f_TED, logits_TE, bias_E, masks_VE):
         y_TD = layer_output(f_TED, logits_TE, bias_E, None)
