@@ -150,6 +150,7 @@ def main():
 
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from moejax.experiments import toy3
     from moejax.models.toy import ToyMoE
@@ -181,8 +182,8 @@ def main():
           f"   ({len(s_all)} loops x {cfg.balance_steps} steps x {cfg.n_calib} tokens)")
 
     # Routed-expert FLOP/s: the sorted grouped-matmul backend on one calibration pass per condition.
-    model = ToyMoE(rngs=__import__("flax").nnx.Rngs(0))
-    x = jnp.asarray(np.concatenate([inp["x_cal"][0] for inp in inputs[:1]]))
+    model = ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(0))
+    x = jnp.asarray(inputs[0]["x_cal"][0])
     w = model.expert_weights()
     idx = model.route(x).expert_idx_TK
     routed = jax.jit(lambda x, i, w: dispatch.pair_outputs(x, i, w, dispatch.relu_mlp, "sorted"))

@@ -1,5 +1,6 @@
-"""Experiments by name. Each is a module with a config dataclass (`Config.from_mapping`) and
-`run(cfg) -> (tidy DataFrame, timings)`; `moejax.experiments.runner` does the files."""
+"""Experiments by name. Each is a module with `Config` (a dataclass with `from_mapping`),
+`SETTINGS_KEY` (its block in the Hydra config), `run(cfg, progress) -> (tidy DataFrame, timings)`
+and `summary_table(df)`; `moejax.experiments.runner` does validation and the files."""
 
 from moejax.errors import ConfigError
 

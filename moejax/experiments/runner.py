@@ -31,7 +31,7 @@ def experiment_config(cfg: dict):
     if not name:
         raise ConfigError(f"no experiment chosen; add experiment=NAME with NAME one of: {', '.join(EXPERIMENTS)}")
     module = get(name)
-    settings = dict(cfg.get("toy") or {})
+    settings = dict(cfg.get(module.SETTINGS_KEY) or {})
     for key in ("seed", "seeds", "keep"):
         if cfg.get(key) is not None:
             settings[key] = cfg[key]
@@ -58,7 +58,7 @@ def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
         (out_dir / "resolved_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         enable_compilation_cache()
         t0 = time.perf_counter()
-        df, timings = module.run(typed, progress=_progress(typed.seeds))
+        df, timings = module.run(typed, progress=_progress(cfg["name"], typed.seeds))
         timings["total_s"] = time.perf_counter() - t0
         write_parquet_atomic(df, out_dir / "results.parquet")
         write_json_atomic(out_dir / "timings.json", timings)
@@ -75,7 +75,7 @@ def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
         raise
 
 
-def _progress(total: int):
+def _progress(name: str, total: int):
     """A seeds progress line on a terminal, silent otherwise."""
     if not sys.stderr.isatty():
         return None
@@ -83,7 +83,7 @@ def _progress(total: int):
 
     def update(n: int) -> None:
         done[0] += n
-        sys.stderr.write(f"\rtoy3: {done[0]}/{total} seeds")
+        sys.stderr.write(f"\r{name}: {done[0]}/{total} seeds")
         if done[0] >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()

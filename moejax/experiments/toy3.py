@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 
@@ -107,6 +108,12 @@ class Toy3Config:
         return [resolve_keep(k, self.n_experts, self.top_k) for k in self.keep]
 
 
+# What moejax.experiments.runner looks for in an experiment module: its config class and the
+# config block (beside the top-level seed/seeds/keep) that holds its settings.
+Config = Toy3Config
+SETTINGS_KEY = "toy"
+
+
 def _draw(cfg: Toy3Config, seed):
     """Everything random about one seed: the layer's weights and the tokens under each offset."""
     import jax
@@ -152,7 +159,8 @@ def _stage_one(cfg: Toy3Config):
     from moejax.moe.balancing import balance_bias
 
     draw = functools.partial(_draw, cfg)
-    graphdef = nnx.graphdef(ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(0)))
+    graphdef = nnx.graphdef(nnx.eval_shape(
+        lambda: ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(0))))
 
     @jax.jit
     def run(seeds_S):
@@ -229,47 +237,40 @@ def run(cfg: Toy3Config, progress=None):
 
     cfg.validate()
     keeps = cfg.keep_counts()
+    variants = [(name, keep) for name in cfg.scores for keep in keeps]  # stage two's variant axis
     all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)
     rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0}
-    batches = [all_seeds[i:i + cfg.seed_batch] for i in range(0, len(all_seeds), cfg.seed_batch)]
-    for batch in batches:
+    for start in range(0, len(all_seeds), cfg.seed_batch):
+        batch = all_seeds[start:start + cfg.seed_batch]
+        conditions = list(itertools.product(enumerate(batch), enumerate(cfg.offsets), enumerate(cfg.loads)))
         t0 = time.perf_counter()
         one = jax.block_until_ready(_stage_one(cfg)(np.asarray(batch, np.int32)))
         host = jax.device_get({k: v for k, v in one.items() if k not in ("f_held", "logits_held")})
         t1 = time.perf_counter()
-        masks = np.zeros((len(batch), len(cfg.offsets), len(cfg.loads), len(cfg.scores) * len(keeps),
-                          cfg.n_experts), bool)
-        for s, seed in enumerate(batch):
-            for o, offset in enumerate(cfg.offsets):
-                for l_, load in enumerate(cfg.loads):
-                    base = dict(offset=offset, load=load, seed=int(seed))
-                    stats = stats_from_pairs(host["cal_idx"][s, o, l_], host["cal_gate"][s, o, l_],
-                                             host["cal_norm"][s, o, l_], host["x_cal_mean"][s, o],
-                                             host["router"][s], host["bias"][s, o, l_], seed=int(seed), layer=0)
-                    scores = compute_scores(stats, cfg.scores)
-                    frequency = compute_scores(stats, ["frequency"])["frequency"]
-                    usage = np.sort(stats.counts_E)[::-1]
-                    rows.append({**base, "score": None, "keep": None, "metric": "top16_share",
-                                 "value": float(usage[:16].sum() / usage.sum())})
-                    for si, name in enumerate(cfg.scores):
-                        for ki, keep in enumerate(keeps):
-                            kept = select_kept(scores[name], keep)
-                            masks[s, o, l_, si * len(keeps) + ki] = kept
-                            rows.append({**base, "score": name, "keep": keep, "metric": "overlap_frequency",
-                                         "value": float(np.sum(kept & select_kept(frequency, keep)))})
+        masks = np.zeros((len(batch), len(cfg.offsets), len(cfg.loads), len(variants), cfg.n_experts), bool)
+        for (s, seed), (o, offset), (l_, load) in conditions:
+            base = dict(offset=offset, load=load, seed=int(seed))
+            stats = stats_from_pairs(host["cal_idx"][s, o, l_], host["cal_gate"][s, o, l_],
+                                     host["cal_norm"][s, o, l_], host["x_cal_mean"][s, o],
+                                     host["router"][s], host["bias"][s, o, l_], seed=int(seed), layer=0)
+            scores = compute_scores(stats, cfg.scores)
+            frequency_kept = {keep: select_kept(stats.counts_E, keep) for keep in keeps}
+            usage = np.sort(stats.counts_E)[::-1]
+            rows.append({**base, "score": None, "keep": None, "metric": "top16_share",
+                         "value": float(usage[:16].sum() / usage.sum())})
+            for v, (name, keep) in enumerate(variants):
+                masks[s, o, l_, v] = kept = select_kept(scores[name], keep)
+                rows.append({**base, "score": name, "keep": keep, "metric": "overlap_frequency",
+                             "value": float(np.sum(kept & frequency_kept[keep]))})
         t2 = time.perf_counter()
         rel_all, rel_median = jax.device_get(jax.block_until_ready(_stage_two(cfg)(
             one["f_held"], one["logits_held"], one["bias"], masks)))
         t3 = time.perf_counter()
-        for s, seed in enumerate(batch):
-            for o, offset in enumerate(cfg.offsets):
-                for l_, load in enumerate(cfg.loads):
-                    for si, name in enumerate(cfg.scores):
-                        for ki, keep in enumerate(keeps):
-                            v = si * len(keeps) + ki
-                            base = dict(offset=offset, load=load, seed=int(seed), score=name, keep=keep)
-                            rows.append({**base, "metric": "rel_error", "value": float(rel_all[s, o, l_, v])})
-                            rows.append({**base, "metric": "rel_error_median", "value": float(rel_median[s, o, l_, v])})
+        for (s, seed), (o, offset), (l_, load) in conditions:
+            for v, (name, keep) in enumerate(variants):
+                base = dict(offset=offset, load=load, seed=int(seed), score=name, keep=keep)
+                rows.append({**base, "metric": "rel_error", "value": float(rel_all[s, o, l_, v])})
+                rows.append({**base, "metric": "rel_error_median", "value": float(rel_median[s, o, l_, v])})
         timings["stage_one_s"] += t1 - t0
         timings["host_s"] += t2 - t1
         timings["stage_two_s"] += t3 - t2
@@ -289,5 +290,3 @@ def summary_table(df):
     table.columns = [f"keep={k}" for k in table.columns]
     return table
 
-
-Config = Toy3Config  # the name the runner looks for

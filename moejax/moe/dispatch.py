@@ -63,6 +63,14 @@ def dense_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
     return jnp.take_along_axis(f_TED, expert_idx_TK[..., None], axis=1)
 
 
+def _sort_by_expert(expert_idx_TK: jax.Array, n_experts: int):
+    """Pairs (m = t * K + k) ordered by expert, token order kept within an expert; and group sizes."""
+    flat_M = expert_idx_TK.reshape(-1)
+    order_M = jnp.argsort(flat_M, stable=True)
+    group_sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_M].add(1)
+    return flat_M, order_M, group_sizes_E
+
+
 class BlockLayout:
     """Where each routed pair sits in the expert-sorted, block-padded buffer.
 
@@ -72,15 +80,13 @@ class BlockLayout:
     """
 
     def __init__(self, expert_idx_TK: jax.Array, n_experts: int, block_rows: int):
-        flat_M = expert_idx_TK.reshape(-1)
+        flat_M, order_M, group_sizes_E = _sort_by_expert(expert_idx_TK, n_experts)
         n_pairs = flat_M.shape[0]
         self.block_rows = block_rows
         self.n_blocks = -(-(n_pairs + n_experts * (block_rows - 1)) // block_rows)
-        group_sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_M].add(1)
         padded_E = -(-group_sizes_E // block_rows) * block_rows
         padded_end_E = jnp.cumsum(padded_E)
         group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-        order_M = jnp.argsort(flat_M, stable=True)  # pairs sorted by expert, token order within
         sorted_expert_M = flat_M[order_M]
         rank_in_group_M = jnp.arange(n_pairs, dtype=jnp.int32) - group_start_E[sorted_expert_M]
         slot_sorted_M = padded_end_E[sorted_expert_M] - padded_E[sorted_expert_M] + rank_in_group_M
@@ -122,9 +128,7 @@ def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
     """Routed pairs through `jax.lax.ragged_dot` (GPU/TPU grouped matmul). [T, K, D]."""
     n_tokens, top_k = expert_idx_TK.shape
     n_experts = jax.tree.leaves(weights)[0].shape[0]
-    flat_M = expert_idx_TK.reshape(-1)
-    order_M = jnp.argsort(flat_M, stable=True)
-    group_sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_M].add(1)
+    _, order_M, group_sizes_E = _sort_by_expert(expert_idx_TK, n_experts)
     xs_MD = x_TD[order_M // top_k]
 
     def ragged_linear(h_MF, w_EFG):
