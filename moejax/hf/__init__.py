@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints: safetensors reading/writing, quantisation formats, the name mapping."""
