@@ -11,3 +11,12 @@ pandas notebook. The JAX-backed pieces live in the sub-packages:
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy, so `import moejax` (and moejax.results) never imports JAX.
+    if name == "DeepseekV3ForCausalLM":
+        from moejax.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

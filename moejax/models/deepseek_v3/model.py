@@ -1,0 +1,225 @@
+"""DeepSeek-V3 family in Flax NNX: MLA attention, dense first layers, MoE layers routed by
+`moejax.moe.routing.route` and run through `moejax.moe.dispatch`, shared experts.
+
+Weights are stored [in, out] (x @ W). Routed experts are stacked [E, ...]; the router weight and
+the balance bias stay float32 whatever the model dtype (as transformers keeps them). The forward
+follows transformers' eager implementation (ref: shared/reference/deepseek-v3-hf.md section 2).
+
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.float32)
+    logits_BSV = model(input_ids_BS, attention_mask_BS, expert_masks_LE)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.models.deepseek_v3 import rope as rope_lib
+from moejax.models.deepseek_v3.config import DeepseekV3Config
+from moejax.models.toy import BalanceBias
+from moejax.moe import dispatch as dispatch_lib
+from moejax.moe.routing import RouterConfig, route
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default, not rms_norm_eps
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
+
+
+def _ones(shape, dtype):
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+def linear(x, w, b=None):
+    y = jnp.matmul(x, w, precision=HIGHEST)
+    return y if b is None else y + b
+
+
+def rms_norm(x, w, eps):
+    """transformers' RMSNorm: normalise in float32, cast back, then scale (order matters in bf16)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = _ones((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP: the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, inner: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = _param(rngs, (hidden, inner), dtype)
+        self.up_proj = _param(rngs, (hidden, inner), dtype)
+        self.down_proj = _param(rngs, (inner, hidden), dtype)
+
+    def __call__(self, x):
+        w = {"gate": self.gate_proj[...], "up": self.up_proj[...], "down": self.down_proj[...]}
+        return dispatch_lib.swiglu(linear, w, x)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention (with or without a q LoRA)."""
+
+    def __init__(self, cfg: DeepseekV3Config, dtype, rngs: nnx.Rngs):
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.cfg = cfg
+        if cfg.q_lora_rank is None:
+            self.q_proj = _param(rngs, (H, nh * cfg.qk_head_dim), dtype)
+        else:
+            self.q_a_proj = _param(rngs, (H, cfg.q_lora_rank), dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = _param(rngs, (cfg.q_lora_rank, nh * cfg.qk_head_dim), dtype)
+        self.kv_a_proj_with_mqa = _param(rngs, (H, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = _param(rngs, (cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)), dtype)
+        self.o_proj = _param(rngs, (nh * cfg.v_head_dim, H), dtype)
+        if cfg.attention_bias:
+            zeros = lambda n: nnx.Param(jnp.zeros((n,), dtype))  # noqa: E731
+            if cfg.q_lora_rank is not None:
+                self.q_a_proj_bias = zeros(cfg.q_lora_rank)
+            self.kv_a_proj_with_mqa_bias = zeros(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            self.o_proj_bias = zeros(H)
+
+    def _bias(self, name):
+        b = getattr(self, name + "_bias", None)
+        return None if b is None else b[...]
+
+    def __call__(self, x_BSH, cos_SD, sin_SD, allowed_BSS):
+        cfg = self.cfg
+        B, S, _ = x_BSH.shape
+        nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank is None:
+            q = linear(x_BSH, self.q_proj[...])
+        else:
+            q = linear(self.q_a_layernorm(linear(x_BSH, self.q_a_proj[...], self._bias("q_a_proj"))),
+                       self.q_b_proj[...])
+        q = q.reshape(B, S, nh, dn + dr)                                # per head: [nope | rope]
+        q_pass, q_rot = q[..., :dn], q[..., dn:]
+        ckv = linear(x_BSH, self.kv_a_proj_with_mqa[...], self._bias("kv_a_proj_with_mqa"))
+        kv_latent, k_rot = ckv[..., :cfg.kv_lora_rank], ckv[..., cfg.kv_lora_rank:]
+        kv = linear(self.kv_a_layernorm(kv_latent), self.kv_b_proj[...]).reshape(B, S, nh, dn + dv)
+        k_nope, v = kv[..., :dn], kv[..., dn:]                          # per head: [k_nope | v]
+        q_rot = rope_lib.apply_rope(q_rot, cos_SD, sin_SD, cfg.rope_interleave)
+        k_rot = rope_lib.apply_rope(k_rot[:, :, None, :], cos_SD, sin_SD, cfg.rope_interleave)  # one shared head
+        q = jnp.concatenate([q_pass, q_rot], axis=-1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (B, S, nh, dr))], axis=-1)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * cfg.softmax_scale()
+        scores = jnp.where(allowed_BSS[:, None], scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        o = jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision=HIGHEST).reshape(B, S, nh * dv)
+        return linear(o, self.o_proj[...], self._bias("o_proj"))
+
+
+class MoE(nnx.Module):
+    """Router (float32, balance bias, groups) + routed experts (fast dispatch) + shared experts."""
+
+    def __init__(self, cfg: DeepseekV3Config, dtype, rngs: nnx.Rngs, backend: str = "sorted"):
+        H, Im, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        self.router_cfg = RouterConfig(top_k=cfg.num_experts_per_tok, scoring_func="sigmoid", n_group=cfg.n_group,
+                                       topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                                       routed_scaling_factor=cfg.routed_scaling_factor)
+        self.router = _param(rngs, (E, H), jnp.float32)                # HF gate.weight layout, float32
+        self.bias = BalanceBias(jnp.zeros((E,), jnp.float32))          # e_score_correction_bias
+        self.experts_gate = _param(rngs, (E, H, Im), dtype)
+        self.experts_up = _param(rngs, (E, H, Im), dtype)
+        self.experts_down = _param(rngs, (E, Im, H), dtype)
+        self.shared_experts = MLP(H, Im * cfg.n_shared_experts, dtype, rngs) if cfg.n_shared_experts else None
+        self.backend = backend
+
+    def route(self, x_TH, expert_mask_E=None):
+        logits = jnp.matmul(x_TH.astype(jnp.float32), self.router[...].T, precision=HIGHEST)
+        return route(logits, self.router_cfg, self.bias[...], expert_mask_E)
+
+    def __call__(self, x_BSH, expert_mask_E=None):
+        """(output [B, S, H], the routing of the B*S tokens)."""
+        B, S, H = x_BSH.shape
+        x_TH = x_BSH.reshape(B * S, H)
+        r = self.route(x_TH, expert_mask_E)
+        experts = {"gate": self.experts_gate[...], "up": self.experts_up[...], "down": self.experts_down[...]}
+        y = dispatch_lib.dispatch(x_TH, r.expert_idx_TK, r.gate_TK, experts, dispatch_lib.swiglu, self.backend)
+        y = y.reshape(B, S, H)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_BSH)
+        return y, r
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MLA(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.mlp = MoE(cfg, dtype, rngs) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, cos, sin, allowed, expert_mask_E=None):
+        """(output, routing or None for a dense layer)."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
+        z = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return h + self.mlp(z), None
+        y, routing = self.mlp(z, expert_mask_E)
+        return h + y, routing
+
+
+class DeepseekV3Model(nnx.Module):
+    def __init__(self, cfg: DeepseekV3Config, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, l, dtype, rngs) for l in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class DeepseekV3ForCausalLM(nnx.Module):
+    """`logits = model(input_ids)`; from_pretrained / save_pretrained live in `moejax.hf.model_io`."""
+
+    def __init__(self, cfg: DeepseekV3Config, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.config = cfg
+        self.dtype = dtype
+        self.model = DeepseekV3Model(cfg, dtype, rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def __call__(self, input_ids_BS, attention_mask_BS=None, expert_masks_LE=None, return_routing: bool = False):
+        """Logits [B, S, V]. attention_mask: 1 = token, 0 = padding (keys that are padding are not
+        attended to; positions stay 0..S-1 as in transformers). expert_masks: bool [num_hidden_layers, E],
+        True = expert kept (rows of dense layers are ignored). return_routing: also return
+        {layer: Routing} of every MoE layer (tokens flattened batch-major)."""
+        cfg = self.config
+        B, S = input_ids_BS.shape
+        x = self.model.embed_tokens[...][input_ids_BS]
+        cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), x.dtype)
+        allowed = jnp.tril(jnp.ones((S, S), bool))[None]
+        if attention_mask_BS is not None:
+            allowed = allowed & attention_mask_BS.astype(bool)[:, None, :]
+        allowed = jnp.broadcast_to(allowed, (B, S, S))
+        routings = {}
+        for l, layer in enumerate(self.model.layers):
+            mask = None if expert_masks_LE is None or not layer.is_moe else expert_masks_LE[l]
+            x, routing = layer(x, cos, sin, allowed, mask)
+            if routing is not None:
+                routings[l] = routing
+        x = self.model.norm(x)
+        head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        logits = linear(x, head)
+        return (logits, routings) if return_routing else logits
+
+    # thin forwards to the checkpoint code, so the API is where researchers expect it
+    @classmethod
+    def from_pretrained(cls, path, dtype=jnp.float32, **kw) -> "DeepseekV3ForCausalLM":
+        from moejax.hf.model_io import load_pretrained
+
+        return load_pretrained(path, dtype=dtype, **kw)
+
+    def save_pretrained(self, out_dir, **kw):
+        from moejax.hf.model_io import save_pretrained
+
+        return save_pretrained(self, out_dir, **kw)

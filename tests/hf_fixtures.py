@@ -1,0 +1,74 @@
+"""Tiny random DeepSeek-V3 checkpoints made by transformers (the reference we did not write).
+
+Every parameter is made to matter: norms and balance biases randomised (transformers
+initialises them to ones and zeros, which hides mapping bugs), biases partly negative, router
+rows wide so routing is decisive, weights large enough that activations are not negligible.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BASE = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+    n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False, num_nextn_predict_layers=0,
+    initializer_range=0.15,
+)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 50000.0}
+
+
+def make_checkpoint(path, seed=0, dtype="float32", **overrides):
+    """Save a random transformers DeepseekV3ForCausalLM to `path`; returns the torch model (eval)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = {**BASE, "rope_parameters": YARN, **overrides}
+    cfg = DeepseekV3Config(**kw, attn_implementation="eager", experts_implementation="eager")
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.1)
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.3)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(path)
+    return model
+
+
+def batch(vocab, seed=0, B=3, S=14):
+    """Token ids and a padding mask: row 1 right-padded by 4, row 2 left-padded by 3."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=(B, S)).astype(np.int32)
+    mask = np.ones((B, S), np.int32)
+    mask[1, -4:] = 0
+    mask[2, :3] = 0
+    return ids, mask
+
+
+def reference(model, ids, mask):
+    """transformers' logits [B, S, V] (float32 numpy) and each MoE layer's chosen experts [B*S, K]."""
+    import torch
+
+    chosen, hooks = {}, []
+    for l, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda mod, inp, out, l=l: chosen.__setitem__(l, out[2].detach().numpy().copy())))
+    with torch.no_grad():
+        out = model(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))
+    for h in hooks:
+        h.remove()
+    return out.logits.float().numpy(), chosen
