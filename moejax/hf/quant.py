@@ -1,0 +1,522 @@
+"""Quantised weight formats of DeepSeek-V3-family checkpoints: a decoder for each (to run the model,
+always float32 out) and an encoder for each (to build quantised test fixtures).
+
+* ``fp8_block``: DeepSeek-V3 / Kimi-K2 FP8 e4m3 weights with one float32 ``weight_scale_inv`` per
+  128x128 block (``quant_method: "fp8"``).
+* ``int4_pack``: compressed-tensors ``pack-quantized`` INT4 group quantisation, eight 4-bit values
+  per int32 (Kimi-K2-Thinking, Kimi-K2.5).
+* ``mxfp4``: compressed-tensors ``mxfp4-pack-quantized``, two FP4 e2m1 values per byte and one E8M0
+  exponent per 32 values.
+
+The layouts follow the compressed-tensors and DeepSeek sources (see
+shared/reference/deepseek-v3-hf.md §4.1, §4.4, §4.5). Only numpy and ml_dtypes; every function is
+pure. Arrays are 2-D ``[out_features, in_features]`` as torch Linear stores them; groups and packing
+run along the input (last) dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from moejax.errors import CheckpointError
+
+FP8_E4M3_MAX = 448.0
+FP8_BLOCK = (128, 128)
+
+INT4_NIBBLES_PER_WORD = 8
+INT4_OFFSET = 8  # stored nibble = q + 8, q in [-8, 7]
+INT4_Q_MIN, INT4_Q_MAX = -8, 7
+INT4_SYMMETRIC_RANGE = 7.5  # compressed-tensors' symmetric scale is amax / (bit_range / 2) = amax / 7.5
+
+MXFP4_GROUP_SIZE = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+FP4_E2M1_MAX = 6.0
+# floor(log2(FP4_E2M1_MAX)): the E8M0 exponent sits this far below the group's rounded amax.
+MXFP4_EXPONENT_OFFSET = 2
+
+# The value of each 4-bit e2m1 code: bit 3 is the sign, bits 0-2 index the magnitudes.
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+
+_FLOAT_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _require_2d(array: np.ndarray, name: str) -> None:
+    if array.ndim != 2:
+        raise CheckpointError(f"{name}: expected a 2-D array, got shape {array.shape}")
+
+
+def _require_dtype(array: np.ndarray, name: str, allowed: tuple) -> None:
+    allowed = tuple(np.dtype(d) for d in allowed)
+    if array.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise CheckpointError(f"{name}: expected dtype {names}, got {array.dtype}")
+
+
+def _require_positive_pair(block, name: str) -> tuple[int, int]:
+    if len(block) != 2:
+        raise CheckpointError(f"{name}: expected (rows, cols), got {tuple(block)}")
+    rows, cols = (int(b) for b in block)
+    if rows <= 0 or cols <= 0:
+        raise CheckpointError(f"{name}: block sizes must be positive, got {tuple(block)}")
+    return rows, cols
+
+
+def _expand_per_block(per_block: np.ndarray, block: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
+    """Repeat a [ceil(M/bm), ceil(N/bn)] grid so every element of [M, N] sees its block's value;
+    the slice drops what an edge block would cover beyond the matrix."""
+    rows, cols = block
+    return np.repeat(np.repeat(per_block, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
+
+
+def _block_amax(w: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """max|w| over each block, edge blocks partial. Zero padding never changes a block's amax, which
+    is also how DeepSeek handles edges (pads to 128, then drops the padding)."""
+    rows, cols = block
+    m, n = w.shape
+    mb, nb = _ceil_div(m, rows), _ceil_div(n, cols)
+    padded = np.zeros((mb * rows, nb * cols), dtype=np.float32)
+    padded[:m, :n] = np.abs(w)
+    return padded.reshape(mb, rows, nb, cols).max(axis=(1, 3))
+
+
+def _as_float32_input(w, name: str) -> np.ndarray:
+    w = np.asarray(w)
+    _require_2d(w, name)
+    w = w.astype(np.float32)
+    if not np.all(np.isfinite(w)):
+        raise CheckpointError(f"{name}: cannot quantise non-finite values")
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 e4m3 with block scales (DeepSeek-V3, Kimi-K2)
+# ---------------------------------------------------------------------------------------------
+
+
+def dequant_fp8_block(
+    weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = FP8_BLOCK, *, name: str = "weight"
+) -> np.ndarray:
+    """Decode a DeepSeek FP8 block-quantised weight to float32 [M, N].
+
+    Layout: ``weight`` is ``float8_e4m3fn`` [M, N]; ``scale_inv`` (the ``<name>_scale_inv`` tensor)
+    is float [ceil(M/bm), ceil(N/bn)] for ``block = (bm, bn)``, default 128x128. Blocks at the bottom
+    and right edges may be partial::
+
+        W[i, j] = float32(weight[i, j]) * scale_inv[i // bm, j // bn]
+
+    ``name`` is the weight's tensor name, used in error messages.
+    """
+    weight = np.asarray(weight)
+    scale_inv = np.asarray(scale_inv)
+    block = _require_positive_pair(block, f"{name} block")
+    _require_2d(weight, name)
+    _require_dtype(weight, name, (ml_dtypes.float8_e4m3fn,))
+    _require_2d(scale_inv, f"{name}_scale_inv")
+    _require_dtype(scale_inv, f"{name}_scale_inv", _FLOAT_SCALE_DTYPES)
+    m, n = weight.shape
+    expected = (_ceil_div(m, block[0]), _ceil_div(n, block[1]))
+    if scale_inv.shape != expected:
+        raise CheckpointError(
+            f"{name}_scale_inv: shape {scale_inv.shape} does not fit weight shape {weight.shape} "
+            f"with {block[0]}x{block[1]} blocks; expected {expected}"
+        )
+    scale = _expand_per_block(scale_inv.astype(np.float32), block, (m, n))
+    return weight.astype(np.float32) * scale
+
+
+def quantize_fp8_block(
+    w: np.ndarray, block: tuple[int, int] = FP8_BLOCK
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encode float [M, N] as (``float8_e4m3fn`` [M, N], float32 ``scale_inv`` [ceil(M/bm), ceil(N/bn)]).
+
+    Per block, as DeepSeek's quantiser: ``scale_inv = amax / 448`` (1 for an all-zero block, so it
+    decodes to zeros), ``q = clip(w / scale_inv, -448, 448)`` rounded to nearest-even e4m3. A value
+    equal to 448 * scale_inv of its block times an e4m3 number round-trips exactly when scale_inv
+    is a power of two.
+    """
+    w = _as_float32_input(w, "weight")
+    block = _require_positive_pair(block, "block")
+    amax = _block_amax(w, block)
+    scale_inv = np.where(amax > 0, amax / np.float32(FP8_E4M3_MAX), np.float32(1.0)).astype(np.float32)
+    scaled = w / _expand_per_block(scale_inv, block, w.shape)
+    # Clip before the cast: ml_dtypes turns anything past 448 into NaN (e4m3fn has no infinity),
+    # and amax / (amax / 448) can land a rounding step above 448.
+    scaled = np.clip(scaled, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return scaled.astype(ml_dtypes.float8_e4m3fn), scale_inv
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed-tensors INT4 pack-quantized
+# ---------------------------------------------------------------------------------------------
+
+
+def _weight_shape_pair(weight_shape, name: str) -> tuple[int, int]:
+    shape = np.asarray(weight_shape)
+    if shape.shape != (2,) or not np.issubdtype(shape.dtype, np.integer):
+        raise CheckpointError(
+            f"{name}_shape: expected 2 integers [out_features, in_features], got {shape.dtype} {shape.shape}"
+        )
+    rows, cols = (int(v) for v in shape)
+    if rows < 0 or cols < 0:
+        raise CheckpointError(f"{name}_shape: negative size in {[rows, cols]}")
+    return rows, cols
+
+
+def _unpack_nibbles(words: np.ndarray) -> np.ndarray:
+    """int32 [R, W] -> nibbles uint8 [R, 8*W]: element ``8j + k`` sits at bits ``4k..4k+3`` of word j
+    (little-endian nibble order along the row), as compressed-tensors ``unpack_from_int32`` reads it."""
+    unsigned = np.ascontiguousarray(words).view(np.uint32)  # logical shifts, not sign-extending ones
+    shifts = np.arange(INT4_NIBBLES_PER_WORD, dtype=np.uint32) * 4
+    nibbles = (unsigned[:, :, None] >> shifts) & 0xF
+    return nibbles.reshape(words.shape[0], -1).astype(np.uint8)
+
+
+def _pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
+    """uint [R, C] values 0..15 -> int32 [R, ceil(C/8)], the inverse of ``_unpack_nibbles``; a short
+    last word is filled with zero nibbles (as compressed-tensors pads)."""
+    rows, cols = nibbles.shape
+    words = _ceil_div(cols, INT4_NIBBLES_PER_WORD)
+    padded = np.zeros((rows, words * INT4_NIBBLES_PER_WORD), dtype=np.uint32)
+    padded[:, :cols] = nibbles
+    shifts = np.arange(INT4_NIBBLES_PER_WORD, dtype=np.uint32) * 4
+    packed = np.bitwise_or.reduce(padded.reshape(rows, words, INT4_NIBBLES_PER_WORD) << shifts, axis=2)
+    return packed.astype(np.uint32).view(np.int32)
+
+
+def _unpack_int4_zero_point(zero_point: np.ndarray, rows: int, groups: int, name: str) -> np.ndarray:
+    """Asymmetric zero points: int32 [ceil(M/8), G] packed along dim 0 (the output dim), i.e.
+    ``pack_to_int32(zp, 4, packed_dim=0)``; row ``8j + k`` of column g sits at bits ``4k..`` of
+    ``zero_point[j, g]``, stored as zp + 8. Returns int32 [M, G] in [-8, 7]."""
+    zero_point = np.asarray(zero_point)
+    _require_2d(zero_point, f"{name}_zero_point")
+    _require_dtype(zero_point, f"{name}_zero_point", (np.int32,))
+    expected = (_ceil_div(rows, INT4_NIBBLES_PER_WORD), groups)
+    if zero_point.shape != expected:
+        raise CheckpointError(
+            f"{name}_zero_point: shape {zero_point.shape} does not fit {rows} rows x {groups} groups "
+            f"packed 8 per int32 along the rows; expected {expected}"
+        )
+    nibbles = _unpack_nibbles(zero_point.T).T[:rows]
+    return nibbles.astype(np.int32) - INT4_OFFSET
+
+
+def unpack_int4(
+    weight_packed: np.ndarray,
+    weight_scale: np.ndarray,
+    weight_shape,
+    group_size: int,
+    *,
+    weight_zero_point: np.ndarray | None = None,
+    name: str = "weight",
+) -> np.ndarray:
+    """Decode compressed-tensors ``pack-quantized`` INT4 to float32 [M, N].
+
+    Layout (``compressors/pack_quantized/helpers.py: pack_to_int32 / unpack_from_int32``):
+
+    * ``weight_packed`` int32 [M, ceil(N/8)]: input column ``8j + k`` (k = 0..7) is the nibble at
+      bits ``4k..4k+3`` of word j, read unsigned; the nibble stores ``q + 8`` with q in [-8, 7].
+      Nibbles past N in the last word are padding.
+    * ``weight_scale`` bf16/f16/f32 [M, ceil(N/group_size)]: one scale per row and group of
+      ``group_size`` input columns.
+    * ``weight_shape`` int32 or int64 [2] = [M, N].
+    * ``weight_zero_point`` (only for ``symmetric: false``) int32 [ceil(M/8), G], packed along the
+      output dim; then ``W = (q - zp) * scale``, else ``W = q * scale``.
+
+    compressed-tensors multiplies in the scale's dtype; the float32 product here is exact for bf16
+    and f16 scales (a 4-bit integer times an 8- or 11-bit significand), so casting the result to the
+    scale dtype reproduces its decompressed weight bit for bit. ``name`` is the Linear's ``weight``
+    tensor name (the tensors are ``<name>_packed`` etc.), used in error messages.
+    """
+    weight_packed = np.asarray(weight_packed)
+    weight_scale = np.asarray(weight_scale)
+    rows, cols = _weight_shape_pair(weight_shape, name)
+    group_size = int(group_size)
+    if group_size <= 0:
+        raise CheckpointError(f"{name}: group_size must be positive, got {group_size}")
+    _require_2d(weight_packed, f"{name}_packed")
+    _require_dtype(weight_packed, f"{name}_packed", (np.int32,))
+    expected_packed = (rows, _ceil_div(cols, INT4_NIBBLES_PER_WORD))
+    if weight_packed.shape != expected_packed:
+        raise CheckpointError(
+            f"{name}_packed: shape {weight_packed.shape} does not fit weight_shape {(rows, cols)} "
+            f"packed 8 per int32; expected {expected_packed}"
+        )
+    _require_2d(weight_scale, f"{name}_scale")
+    _require_dtype(weight_scale, f"{name}_scale", _FLOAT_SCALE_DTYPES)
+    groups = _ceil_div(cols, group_size)
+    if weight_scale.shape != (rows, groups):
+        raise CheckpointError(
+            f"{name}_scale: shape {weight_scale.shape} does not fit weight_shape {(rows, cols)} "
+            f"with group_size {group_size}; expected {(rows, groups)}"
+        )
+    q = _unpack_nibbles(weight_packed)[:, :cols].astype(np.int32) - INT4_OFFSET
+    if weight_zero_point is not None:
+        zero_point = _unpack_int4_zero_point(weight_zero_point, rows, groups, name)
+        q = q - _expand_per_block(zero_point, (1, group_size), (rows, cols))
+    scale = _expand_per_block(weight_scale.astype(np.float32), (1, group_size), (rows, cols))
+    return q.astype(np.float32) * scale
+
+
+def pack_int4(
+    w: np.ndarray, group_size: int, *, scale_dtype=ml_dtypes.bfloat16
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Encode float [M, N] as compressed-tensors symmetric INT4 ``pack-quantized``:
+    (``weight_packed`` int32 [M, ceil(N/8)], ``weight_scale`` [M, ceil(N/group_size)] in
+    ``scale_dtype`` (bf16 as in Kimi checkpoints), ``weight_shape`` int64 [2]).
+
+    As compressed-tensors' minmax observer: ``scale = amax(group) / 7.5`` rounded to ``scale_dtype``
+    (a zero scale becomes that dtype's eps), ``q = clip(round_half_even(w / scale), -8, 7)``, then
+    packed as ``unpack_int4`` reads it. The division is float32 here (compressed-tensors divides in
+    the weight's dtype), which can differ on an exact rounding tie. Per element the error is at
+    most half a scale step, a little more for a group's largest value (7.5 rounds to 8, clipped to 7).
+    """
+    w = _as_float32_input(w, "weight")
+    group_size = int(group_size)
+    if group_size <= 0:
+        raise CheckpointError(f"weight: group_size must be positive, got {group_size}")
+    scale_dtype = np.dtype(scale_dtype)
+    if scale_dtype not in _FLOAT_SCALE_DTYPES:
+        raise CheckpointError(f"weight_scale: unsupported scale dtype {scale_dtype}")
+    rows, cols = w.shape
+    amax = _block_amax(w, (1, group_size))
+    scale = (amax / np.float32(INT4_SYMMETRIC_RANGE)).astype(scale_dtype)
+    scale = np.where(scale == 0, ml_dtypes.finfo(scale_dtype).eps, scale).astype(scale_dtype)
+    scaled = w / _expand_per_block(scale.astype(np.float32), (1, group_size), w.shape)
+    q = np.clip(np.rint(scaled), INT4_Q_MIN, INT4_Q_MAX).astype(np.int32)
+    packed = _pack_nibbles((q + INT4_OFFSET).astype(np.uint32))
+    return packed, scale, np.array([rows, cols], dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed-tensors MXFP4 (mxfp4-pack-quantized)
+# ---------------------------------------------------------------------------------------------
+
+
+def _unpack_fp4_codes(packed: np.ndarray) -> np.ndarray:
+    """uint8 [M, P] -> 4-bit codes [M, 2P]: element 2j is the LOW nibble of byte j, element 2j+1 the
+    high nibble (compressed-tensors ``unpack_fp4_from_uint8``)."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return np.stack([low, high], axis=-1).reshape(packed.shape[0], -1)
+
+
+def _e8m0_to_float32(exponents: np.ndarray) -> np.ndarray:
+    """E8M0 scale bytes -> 2**(e - 127) in float32 (exact, 2**-127 being a float32 subnormal);
+    255 is NaN, as the OCP MX spec defines it."""
+    finite = np.minimum(exponents.astype(np.int32), E8M0_NAN - 1)  # 2**128 would overflow float32
+    scale = np.ldexp(np.float32(1.0), finite - E8M0_BIAS).astype(np.float32)
+    return np.where(exponents == E8M0_NAN, np.float32(np.nan), scale)
+
+
+def dequant_mxfp4(weight_packed: np.ndarray, weight_scale: np.ndarray, *, name: str = "weight") -> np.ndarray:
+    """Decode compressed-tensors ``mxfp4-pack-quantized`` to float32 [M, N], N = 2 * packed columns.
+
+    Layout (``compressors/nvfp4/helpers.py: pack_fp4_to_uint8 / unpack_fp4_from_uint8``,
+    ``compressors/mx_utils.py``):
+
+    * ``weight_packed`` uint8 [M, N/2]: input column 2j is the low nibble of byte j, column 2j+1 the
+      high nibble. A nibble is an FP4 e2m1 code: bit 3 sign, bits 0-2 index
+      [0, 0.5, 1, 1.5, 2, 3, 4, 6].
+    * ``weight_scale`` uint8 [M, ceil(N/32)]: E8M0 exponents, scale = 2**(e - 127), one per row and
+      group of 32 input columns.
+
+    ``W = e2m1(code) * scale``, exact in float32. ``name`` is the Linear's ``weight`` tensor name,
+    used in error messages.
+    """
+    weight_packed = np.asarray(weight_packed)
+    weight_scale = np.asarray(weight_scale)
+    _require_2d(weight_packed, f"{name}_packed")
+    _require_dtype(weight_packed, f"{name}_packed", (np.uint8,))
+    _require_2d(weight_scale, f"{name}_scale")
+    _require_dtype(weight_scale, f"{name}_scale", (np.uint8,))
+    rows, cols = weight_packed.shape[0], 2 * weight_packed.shape[1]
+    expected = (rows, _ceil_div(cols, MXFP4_GROUP_SIZE))
+    if weight_scale.shape != expected:
+        raise CheckpointError(
+            f"{name}_scale: shape {weight_scale.shape} does not fit {name}_packed shape "
+            f"{weight_packed.shape} (= {rows}x{cols} FP4 values, groups of {MXFP4_GROUP_SIZE}); "
+            f"expected {expected}"
+        )
+    values = E2M1_VALUES[_unpack_fp4_codes(weight_packed)]
+    scale = _expand_per_block(_e8m0_to_float32(weight_scale), (1, MXFP4_GROUP_SIZE), (rows, cols))
+    return values * scale
+
+
+def _mx_scale_exponent(amax: np.ndarray) -> np.ndarray:
+    """E8M0 exponent per group, as compressed-tensors ``generate_mx_scales(amax, num_bits=4)``:
+    round amax to a power of two (up when its significand is >= 1.75, else down: add a quarter to
+    the fraction bits and mask them off), then ``e = 127 + log2(that) - 2``, clipped to [0, 255].
+    With float32 bits that is the rounded value's exponent field minus 2."""
+    bits = np.ascontiguousarray(amax, dtype=np.float32).view(np.uint32).astype(np.int64)
+    rounded = bits + (1 << 21)  # a quarter of float32's 23 fraction bits
+    exponent_field = (rounded >> 23) & 0xFF
+    return np.clip(exponent_field - MXFP4_EXPONENT_OFFSET, 0, E8M0_NAN).astype(np.uint8)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encode float [M, N] (N even) as compressed-tensors MXFP4: (``weight_packed`` uint8 [M, N/2],
+    ``weight_scale`` uint8 E8M0 [M, ceil(N/32)]), the layout ``dequant_mxfp4`` reads.
+
+    Per group of 32: the exponent from ``_mx_scale_exponent``; values ``w / scale`` clipped to +-6
+    and rounded to the nearest e2m1 value, ties to even (compressed-tensors' thresholds 0.25, 0.75,
+    1.25, 1.75, 2.5, 3.5, 5). Groups whose values are e2m1 numbers times one power of two round-trip
+    exactly; otherwise the error is at most one scale step (half the widest e2m1 gap, 4 to 6).
+    """
+    w = _as_float32_input(w, "weight")
+    rows, cols = w.shape
+    if cols % 2:
+        raise CheckpointError(f"weight: MXFP4 packs two values per byte; in_features {cols} is odd")
+    exponents = _mx_scale_exponent(_block_amax(w, (1, MXFP4_GROUP_SIZE)))
+    scaled = w / _expand_per_block(_e8m0_to_float32(exponents), (1, MXFP4_GROUP_SIZE), w.shape)
+    # + 0.0 turns -0.0 into +0.0, so an exact zero gets code 0 as in compressed-tensors, while a
+    # small negative value still rounds to -0 (code 8), also as there.
+    scaled = np.clip(scaled, -FP4_E2M1_MAX, FP4_E2M1_MAX) + np.float32(0.0)
+    # ml_dtypes rounds to nearest-even on the e2m1 grid; its byte holds the 4-bit code.
+    codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return packed, exponents
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and detection from config.json
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a quantised Linear sits on disk: the tensors that replace its dense ``...weight``, named
+    by the suffix that takes the place of ``weight`` (``…proj.weight`` -> ``…proj.weight_scale_inv``)."""
+
+    name: str
+    tensor_suffixes: tuple[str, ...]
+    optional_suffixes: tuple[str, ...]
+    description: str
+
+
+QUANT_FORMATS: dict[str, QuantFormat] = {
+    "fp8_block": QuantFormat(
+        name="fp8_block",
+        tensor_suffixes=("weight", "weight_scale_inv"),
+        optional_suffixes=(),
+        description='quant_method "fp8": float8_e4m3fn weight, float32 scale_inv per 128x128 block',
+    ),
+    "int4_pack": QuantFormat(
+        name="int4_pack",
+        tensor_suffixes=("weight_packed", "weight_scale", "weight_shape"),
+        # only for symmetric: false; never in Kimi checkpoints
+        optional_suffixes=("weight_zero_point",),
+        description='compressed-tensors "pack-quantized": 8 int4 per int32, one scale per group',
+    ),
+    "mxfp4": QuantFormat(
+        name="mxfp4",
+        tensor_suffixes=("weight_packed", "weight_scale"),
+        optional_suffixes=(),
+        description='compressed-tensors "mxfp4-pack-quantized": 2 e2m1 per byte, E8M0 scale per 32',
+    ),
+}
+
+
+def companion_tensor_names(weight_name: str, format_name: str) -> tuple[str, ...]:
+    """The on-disk tensors holding the Linear whose dense weight is ``weight_name`` (ending in
+    ``weight``) in ``format_name``, required ones only; e.g. ``("x.weight", "x.weight_scale_inv")``."""
+    fmt = _format(format_name)
+    if not weight_name.endswith("weight"):
+        raise CheckpointError(f"{weight_name}: expected a tensor name ending in 'weight'")
+    stem = weight_name[: -len("weight")]
+    return tuple(stem + suffix for suffix in fmt.tensor_suffixes)
+
+
+def _format(format_name: str) -> QuantFormat:
+    try:
+        return QUANT_FORMATS[format_name]
+    except KeyError:
+        raise CheckpointError(
+            f"unknown quantisation format {format_name!r}; supported: {sorted(QUANT_FORMATS)}"
+        ) from None
+
+
+_SUPPORTED_CONFIGS = (
+    'quant_method "fp8" with weight_block_size (fp8_block); quant_method "compressed-tensors" with '
+    'format "pack-quantized", 4-bit int (int4_pack) or "mxfp4-pack-quantized" (mxfp4)'
+)
+
+_COMPRESSED_TENSORS_FORMATS = {"pack-quantized": "int4_pack", "mxfp4-pack-quantized": "mxfp4"}
+
+
+def detect_format(quantization_config: dict | None) -> str | None:
+    """The quantisation format of a checkpoint from its config.json ``quantization_config``:
+    ``"fp8_block"``, ``"int4_pack"``, ``"mxfp4"``, or None for an unquantised checkpoint (no or an
+    empty ``quantization_config``). Anything else raises CheckpointError naming it."""
+    if not quantization_config:
+        return None
+    method = quantization_config.get("quant_method")
+    if method == "fp8":
+        return _detect_fp8(quantization_config)
+    if method == "compressed-tensors":
+        return _detect_compressed_tensors(quantization_config)
+    raise CheckpointError(
+        f"quantization_config: unsupported quant_method {method!r}; supported: {_SUPPORTED_CONFIGS}"
+    )
+
+
+def _detect_fp8(config: dict) -> str:
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f'quantization_config: fp8 fmt {fmt!r} is not supported; expected "e4m3"')
+    block = config.get("weight_block_size")
+    if block is None or len(block) != 2:
+        raise CheckpointError(
+            f"quantization_config: fp8 without a 2-entry weight_block_size (got {block!r}) is "
+            f"per-tensor FP8, not supported; supported: {_SUPPORTED_CONFIGS}"
+        )
+    return "fp8_block"
+
+
+def _detect_compressed_tensors(config: dict) -> str:
+    groups = config.get("config_groups") or {}
+    fmt = config.get("format")
+    if fmt in (None, "mixed-precision"):
+        # Newer compressed-tensors writes the format per config group; one shared format is fine.
+        group_formats = {group.get("format") for group in groups.values()} - {None}
+        if len(group_formats) != 1:
+            raise CheckpointError(
+                f"quantization_config: compressed-tensors format {fmt!r} with group formats "
+                f"{sorted(group_formats)}; expected one of {sorted(_COMPRESSED_TENSORS_FORMATS)}"
+            )
+        fmt = group_formats.pop()
+    if fmt not in _COMPRESSED_TENSORS_FORMATS:
+        raise CheckpointError(
+            f"quantization_config: unsupported compressed-tensors format {fmt!r}; supported: "
+            f"{_SUPPORTED_CONFIGS}"
+        )
+    if fmt == "pack-quantized":
+        for group_name, group in groups.items():
+            _check_int4_weights(group_name, group.get("weights") or {})
+    return _COMPRESSED_TENSORS_FORMATS[fmt]
+
+
+def _check_int4_weights(group_name: str, weights: dict) -> None:
+    """pack-quantized also carries 8-bit ints and activation-ordered groups; int4_pack decodes
+    neither, so refuse them here rather than decode garbage later."""
+    bits, kind = weights.get("num_bits", 4), weights.get("type", "int")
+    if bits != 4 or kind != "int":
+        raise CheckpointError(
+            f"quantization_config.config_groups.{group_name}.weights: num_bits {bits!r}, type "
+            f"{kind!r}; int4_pack expects num_bits 4, type 'int'"
+        )
+    if weights.get("actorder") == "group":
+        raise CheckpointError(
+            f"quantization_config.config_groups.{group_name}.weights: actorder 'group' "
+            f"(weight_g_idx) is not supported; expected actorder null or 'weight'"
+        )
