@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -39,8 +40,8 @@ def checkpoints(tmp_path_factory):
 
 
 def run(model, ids, mask, **kw):
-    fn = jax.jit(lambda i, m: model(i, m, return_routing=True, **kw))
-    logits, routing = fn(jnp.asarray(ids), jnp.asarray(mask))
+    fn = nnx.jit(lambda mod, i, m: mod(i, m, return_routing=True, **kw))
+    logits, routing = fn(model, jnp.asarray(ids), jnp.asarray(mask))
     return np.asarray(logits), {l: np.asarray(r.expert_idx_TK) for l, r in routing.items()}
 
 

@@ -4,9 +4,14 @@ Loading reads one tensor at a time through `CheckpointReader`, checks every name
 against what the config implies (all mismatches reported together, before any tensor data is
 read), and places each tensor into its parameter through the mapping table.
 
-Saving writes HF names, per-expert tensors, the source's dtypes, and carries every tensor the
-model has no parameter for (MTP layers, stray `rotary_emb.inv_freq`, quantisation companions) byte
-for byte from the source checkpoint, so load-then-save gives back the same tensors.
+Quantised weights (FP8 with 128x128 block scales, compressed-tensors INT4 pack-quantized and
+MXFP4) are decoded to the model dtype for compute.
+
+Saving writes HF names, per-expert tensors and the source's dtypes, and carries byte for byte from
+the source every tensor the model has no parameter for (MTP layers, stray `rotary_emb.inv_freq`)
+and every quantised weight with its companions, so load-then-save gives back the same tensors.
+(Quantised weights are not re-quantised: a model loaded from a quantised checkpoint and then
+modified in those weights would be saved with the source's quantised values.)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import CheckpointError
+from moejax.hf import quant
 from moejax.hf.mapping import TensorSpec, get_path, param_shapes, tensor_specs
 from moejax.hf.safetensors_io import CheckpointReader, RawTensor, write_checkpoint
 from moejax.models.deepseek_v3.config import DeepseekV3Config
@@ -43,6 +49,41 @@ class HFSource:
     path: Path
     dtypes: dict      # hf name -> safetensors dtype string
     carried: tuple    # hf names with no parameter (written back from the source as bytes)
+    quantized: dict   # hf name of a quantised weight -> the on-disk tensors holding it
+
+
+def stored_as(reader: CheckpointReader, name: str, fmt: str | None) -> tuple[str, ...] | None:
+    """The on-disk tensors holding `name`: (name,) when dense, its quantised set, or None if absent."""
+    if fmt is not None and name.endswith("weight"):
+        quantized = quant.companion_tensor_names(name, fmt)
+        optional = [name[: -len("weight")] + sfx for sfx in quant.QUANT_FORMATS[fmt].optional_suffixes]
+        if all(n in reader for n in quantized):
+            return quantized + tuple(n for n in optional if n in reader)
+    return (name,) if name in reader else None
+
+
+def read_decoded(reader: CheckpointReader, name: str, stored: tuple, fmt: str | None, qcfg: dict | None):
+    """The tensor `name` as a numpy array, decoded to float32 when stored quantised."""
+    if stored == (name,):
+        return reader.read(name)
+    stem = name[: -len("weight")]
+    if fmt == "fp8_block":
+        return quant.dequant_fp8_block(reader.read(name), reader.read(stem + "weight_scale_inv"),
+                                       tuple(qcfg["weight_block_size"]), name=name)
+    if fmt == "mxfp4":
+        return quant.dequant_mxfp4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"), name=name)
+    zero_point = reader.read(stem + "weight_zero_point") if stem + "weight_zero_point" in stored else None
+    return quant.unpack_int4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"),
+                             reader.read(stem + "weight_shape"), _int4_group_size(qcfg),
+                             weight_zero_point=zero_point, name=name)
+
+
+def _int4_group_size(qcfg: dict) -> int:
+    sizes = {g.get("weights", {}).get("group_size") for g in (qcfg.get("config_groups") or {}).values()} - {None}
+    if len(sizes) != 1:
+        raise CheckpointError(f"quantization_config: expected one weights.group_size across config_groups, "
+                              f"got {sorted(sizes)}")
+    return sizes.pop()
 
 
 def _extra_tensors(cfg: DeepseekV3Config, names, expected: set) -> tuple[list, list]:
@@ -59,30 +100,36 @@ def _extra_tensors(cfg: DeepseekV3Config, names, expected: set) -> tuple[list, l
     return carried, unexpected
 
 
-def check_checkpoint(cfg: DeepseekV3Config, reader: CheckpointReader, specs: list[TensorSpec]) -> list[str]:
-    """Every mismatch between the checkpoint and the config, as messages (empty = fine)."""
-    names = set(reader.keys())
-    expected = {s.hf_name for s in specs}
-    problems = []
-    missing = [s.hf_name for s in specs if s.hf_name not in names]
-    if missing:
-        quant = cfg.quantization_config
-        hint = f" (quantization_config {quant.get('quant_method')!r} is not supported for loading yet)" if quant else ""
-        problems.append(f"{len(missing)} tensor(s) missing{hint}, e.g. {missing[:5]}")
+def check_checkpoint(cfg: DeepseekV3Config, reader: CheckpointReader, specs: list[TensorSpec],
+                     fmt: str | None) -> tuple[list[str], dict]:
+    """Every mismatch between the checkpoint and the config, as messages (empty = fine), and the
+    on-disk tensors of each expected tensor. Only headers are read."""
+    problems, stored = [], {}
+    missing = []
     for s in specs:
-        if s.hf_name not in names:
+        on_disk = stored_as(reader, s.hf_name, fmt)
+        if on_disk is None:
+            missing.append(s.hf_name)
             continue
-        info = reader.info(s.hf_name)
-        if tuple(info.shape) != tuple(s.hf_shape):
-            problems.append(f"{s.hf_name} in {reader.shard_of(s.hf_name).name}: shape {list(info.shape)}, "
-                            f"expected {list(s.hf_shape)} from config.json")
-        if info.dtype not in COMPUTE_DTYPES:
-            problems.append(f"{s.hf_name} in {reader.shard_of(s.hf_name).name}: dtype {info.dtype}, "
-                            f"expected one of {sorted(COMPUTE_DTYPES)}")
-    carried, unexpected = _extra_tensors(cfg, names, expected)
+        stored[s.hf_name] = on_disk
+        where = f"{s.hf_name} in {reader.shard_of(on_disk[0]).name}"
+        info = reader.info(on_disk[0])
+        if on_disk == (s.hf_name,) or fmt == "fp8_block":  # dense, or FP8 (same name, same shape)
+            if tuple(info.shape) != tuple(s.hf_shape):
+                problems.append(f"{where}: shape {list(info.shape)}, expected {list(s.hf_shape)} from config.json")
+            allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(COMPUTE_DTYPES)
+            if info.dtype not in allowed:
+                problems.append(f"{where}: dtype {info.dtype}, expected one of {sorted(allowed)}")
+        elif info.shape[0] != s.hf_shape[0]:  # packed: rows are output features
+            problems.append(f"{s.hf_name[:-len('weight')]}weight_packed in {reader.shard_of(on_disk[0]).name}: "
+                            f"{info.shape[0]} rows, expected {s.hf_shape[0]} from config.json")
+    if missing:
+        hint = f" (quantised as {fmt})" if fmt else ""
+        problems.append(f"{len(missing)} tensor(s) missing{hint}, e.g. {missing[:5]}")
+    _, unexpected = _extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {sorted(unexpected)[:5]}")
-    return problems
+    return problems, stored
 
 
 def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> DeepseekV3ForCausalLM:
@@ -90,12 +137,14 @@ def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> Deepsee
     path = Path(path)
     cfg = DeepseekV3Config.from_json_file(path / "config.json")
     reader = CheckpointReader(path)
+    qcfg = cfg.quantization_config
+    fmt = quant.detect_format(qcfg)
     abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, dtype))
     specs = tensor_specs(cfg, param_shapes(abstract))
-    problems = check_checkpoint(cfg, reader, specs)
+    problems, stored = check_checkpoint(cfg, reader, specs, fmt)
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match its config.json:\n  - " + "\n  - ".join(problems))
-    carried, _ = _extra_tensors(cfg, reader.keys(), {s.hf_name for s in specs})
+    carried, _ = _extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
     if carried:
         log.info("%s: %d tensor(s) not used by the forward (MTP layer, rotary_emb.inv_freq), kept for saving: %s",
                  path, len(carried), carried[:3])
@@ -106,7 +155,7 @@ def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> Deepsee
         buf = buffers.get(s.param)
         if buf is None:
             buf = buffers[s.param] = np.empty(get_path(abstract, s.param).shape, jnp.dtype(target))
-        value = reader.read(s.hf_name)
+        value = read_decoded(reader, s.hf_name, stored[s.hf_name], fmt, qcfg)
         value = value.T if s.transpose else value
         if s.expert is None:
             buf[...] = value.astype(buf.dtype)
@@ -118,8 +167,10 @@ def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> Deepsee
     for layer in model.model.layers:
         if layer.is_moe:
             layer.mlp.backend = backend
-    model.hf_source = HFSource(path=path.resolve(), dtypes={s.hf_name: reader.info(s.hf_name).dtype for s in specs},
-                               carried=tuple(carried))
+    quantized = {n: on_disk for n, on_disk in stored.items() if on_disk != (n,)}
+    model.hf_source = HFSource(path=path.resolve(), dtypes={n: reader.info(on_disk[0]).dtype
+                                                            for n, on_disk in stored.items()},
+                               carried=tuple(carried), quantized=quantized)
     return model
 
 
@@ -150,6 +201,11 @@ def save_pretrained(model: DeepseekV3ForCausalLM, out_dir, *, max_shard_bytes: i
 
     def tensors():
         for s in specs:
+            if source and s.hf_name in source.quantized:
+                for name in source.quantized[s.hf_name]:
+                    info = reader.info(name)
+                    yield name, RawTensor(info.dtype, tuple(info.shape), reader.read_bytes(name))
+                continue
             dtype_str = source.dtypes.get(s.hf_name, default) if source else default
             if not source and s.param.endswith(_ALWAYS_F32):
                 dtype_str = "F32"

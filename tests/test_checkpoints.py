@@ -1,0 +1,178 @@
+"""Checkpoint reading beyond the plain case: quantised experts, stray and MTP tensors, sharding,
+and every kind of bad input failing with the file and tensor named."""
+
+import json
+import re
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from hf_fixtures import make_checkpoint  # noqa: E402
+
+from moejax import DeepseekV3ForCausalLM  # noqa: E402
+from moejax.errors import CheckpointError  # noqa: E402
+from moejax.hf import quant  # noqa: E402
+from moejax.hf.safetensors_io import CheckpointReader, RawTensor, write_checkpoint  # noqa: E402
+
+EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+ATTN = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight$")
+QUANT_CONFIGS = {
+    "fp8_block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128]},
+    "int4_pack": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                      "num_bits": 4, "type": "int", "symmetric": True, "group_size": 32, "strategy": "group"}}}},
+    "mxfp4": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 4, "type": "float", "group_size": 32}}}},
+}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "src"
+    make_checkpoint(path, seed=5)
+    return path
+
+
+def rewrite(src, dst, transform=lambda name, reader: [(name, reader.read(name))], config_update=None, **kw):
+    """A copy of `src` whose tensors go through `transform` (name -> list of (name, value))."""
+    reader = CheckpointReader(src)
+    config = {**reader.config(), **(config_update or {})}
+    tensors = (item for name in reader.keys() for item in transform(name, reader))
+    return write_checkpoint(dst, tensors, config, **kw)
+
+
+def quantize(fmt):
+    def transform(name, reader):
+        w = reader.read(name)
+        if not (EXPERT.search(name) or (fmt == "fp8_block" and ATTN.search(name))):
+            return [(name, w)]
+        stem = name[: -len("weight")]
+        if fmt == "fp8_block":
+            q, scale_inv = quant.quantize_fp8_block(w)
+            return [(name, q), (stem + "weight_scale_inv", scale_inv)]
+        if fmt == "int4_pack":
+            packed, scale, shape = quant.pack_int4(w, 32)
+            return [(stem + "weight_packed", packed), (stem + "weight_scale", scale), (stem + "weight_shape", shape)]
+        packed, scale = quant.quantize_mxfp4(w)
+        return [(stem + "weight_packed", packed), (stem + "weight_scale", scale)]
+    return transform
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_CONFIGS))
+def test_quantised_checkpoint_decodes_and_round_trips(source, tmp_path, fmt):
+    qdir = rewrite(source, tmp_path / fmt, quantize(fmt), {"quantization_config": QUANT_CONFIGS[fmt]})
+    dense = DeepseekV3ForCausalLM.from_pretrained(source)
+    model = DeepseekV3ForCausalLM.from_pretrained(qdir)
+    reader = CheckpointReader(qdir)
+    # decoded expert weights: what the format's decoder gives, and close to the unquantised ones
+    got = np.asarray(model.model.layers[1].mlp.experts_down[...][3]).T
+    stem = "model.layers.1.mlp.experts.3.down_proj."
+    if fmt == "fp8_block":
+        want = quant.dequant_fp8_block(reader.read(stem + "weight"), reader.read(stem + "weight_scale_inv"))
+    elif fmt == "int4_pack":
+        want = quant.unpack_int4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"),
+                                 reader.read(stem + "weight_shape"), 32)
+    else:
+        want = quant.dequant_mxfp4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"))
+    np.testing.assert_array_equal(got, want)
+    original = np.asarray(dense.model.layers[1].mlp.experts_down[...][3]).T
+    assert np.abs(got - original).max() < 0.2 * np.abs(original).max()
+    assert not np.array_equal(got, original)
+    # load then save: every tensor back byte for byte, quantised ones with their companions
+    out = model.save_pretrained(tmp_path / f"{fmt}-out")
+    a, b = CheckpointReader(qdir), CheckpointReader(out)
+    assert a.keys() == b.keys()
+    for name in a.keys():
+        assert (a.info(name).dtype, a.info(name).shape) == (b.info(name).dtype, b.info(name).shape), name
+        assert a.read_bytes(name) == b.read_bytes(name), name
+    assert b.config()["quantization_config"] == QUANT_CONFIGS[fmt]
+
+
+def test_stray_and_mtp_tensors_are_skipped_then_carried(source, tmp_path, caplog):
+    def add_extras(name, reader):
+        items = [(name, reader.read(name))]
+        if name == "model.norm.weight":
+            items += [("model.layers.1.self_attn.rotary_emb.inv_freq", np.arange(4, dtype=np.float32)),
+                      ("model.layers.3.embed_tokens.weight", np.ones((2, 3), np.float32))]  # MTP layer (L=3)
+        return items
+
+    src = rewrite(source, tmp_path / "extras", add_extras)
+    with caplog.at_level("INFO", logger="moejax.hf.model_io"):
+        model = DeepseekV3ForCausalLM.from_pretrained(src)
+    assert "not used by the forward" in caplog.text
+    out = CheckpointReader(model.save_pretrained(tmp_path / "out"))
+    assert out.read_bytes("model.layers.3.embed_tokens.weight") == np.ones((2, 3), np.float32).tobytes()
+    assert "model.layers.1.self_attn.rotary_emb.inv_freq" in out.keys()
+
+
+def test_sharded_save_and_load(source, tmp_path):
+    model = DeepseekV3ForCausalLM.from_pretrained(source)
+    out = model.save_pretrained(tmp_path / "sharded", max_shard_bytes=100_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    again = DeepseekV3ForCausalLM.from_pretrained(out)
+    np.testing.assert_array_equal(again.model.layers[2].mlp.experts_up[...], model.model.layers[2].mlp.experts_up[...])
+
+
+def test_shape_and_missing_tensor_reported_together(source, tmp_path):
+    def break_two(name, reader):
+        if name == "model.layers.0.self_attn.o_proj.weight":
+            return [(name, np.zeros((64, 5), np.float32))]
+        if name == "model.layers.2.mlp.experts.7.up_proj.weight":
+            return []
+        return [(name, reader.read(name))]
+
+    bad = rewrite(source, tmp_path / "bad", break_two)
+    with pytest.raises(CheckpointError) as err:
+        DeepseekV3ForCausalLM.from_pretrained(bad)
+    msg = str(err.value)
+    assert "model.layers.0.self_attn.o_proj.weight in model.safetensors: shape [64, 5], expected [64, 48]" in msg
+    assert "1 tensor(s) missing" in msg and "model.layers.2.mlp.experts.7.up_proj.weight" in msg
+
+
+def test_wrong_dtype_is_named(source, tmp_path):
+    def as_int(name, reader):
+        value = reader.read(name)
+        return [(name, value.astype(np.int32) if name == "model.norm.weight" else value)]
+
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight in model\.safetensors: dtype I32"):
+        DeepseekV3ForCausalLM.from_pretrained(rewrite(source, tmp_path / "bad", as_int))
+
+
+def test_missing_shard_truncated_file_and_unknown_quantisation(source, tmp_path):
+    sharded = DeepseekV3ForCausalLM.from_pretrained(source).save_pretrained(tmp_path / "s", max_shard_bytes=100_000)
+    victim = sorted(sharded.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=victim.name):
+        DeepseekV3ForCausalLM.from_pretrained(sharded)
+
+    truncated = tmp_path / "t"
+    shutil.copytree(source, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:1000])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        DeepseekV3ForCausalLM.from_pretrained(truncated)
+
+    awq = rewrite(source, tmp_path / "awq", config_update={"quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(CheckpointError, match="'awq'"):
+        DeepseekV3ForCausalLM.from_pretrained(awq)
+
+
+def test_save_refuses_existing_folder_and_source(source, tmp_path):
+    model = DeepseekV3ForCausalLM.from_pretrained(source)
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError):
+        model.save_pretrained(existing)
+    assert (existing / "keep.txt").read_text() == "mine" and len(list(existing.iterdir())) == 1
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    with pytest.raises(CheckpointError):
+        model.save_pretrained(source, overwrite=True)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
