@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -40,8 +39,8 @@ def checkpoints(tmp_path_factory):
 
 
 def run(model, ids, mask, **kw):
-    fn = nnx.jit(lambda mod, i, m: mod(i, m, return_routing=True, **kw))
-    logits, routing = fn(model, jnp.asarray(ids), jnp.asarray(mask))
+    logits, routing = model.jitted()(jnp.asarray(ids), jnp.asarray(mask), return_routing=True,
+                                     expert_masks=kw.get("expert_masks_LE"))
     return np.asarray(logits), {l: np.asarray(r.expert_idx_TK) for l, r in routing.items()}
 
 

@@ -11,6 +11,8 @@ follows transformers' eager implementation (ref: shared/reference/deepseek-v3-hf
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -211,6 +213,19 @@ class DeepseekV3ForCausalLM(nnx.Module):
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         logits = linear(x, head)
         return (logits, routings) if return_routing else logits
+
+    def jitted(self):
+        """A jitted forward with the same arguments as calling the model. The weights are passed
+        as arguments (not captured as constants, not re-synchronised after every call as
+        `nnx.jit` does, which costs seconds per call for a model of several GB). It captures the
+        weights as they are now: call it again after changing them."""
+        graphdef, state = nnx.split(self)
+
+        @functools.partial(jax.jit, static_argnames="return_routing")
+        def forward(state, input_ids, attention_mask=None, expert_masks=None, return_routing=False):
+            return nnx.merge(graphdef, state)(input_ids, attention_mask, expert_masks, return_routing)
+
+        return functools.partial(forward, state)
 
     # thin forwards to the checkpoint code, so the API is where researchers expect it
     @classmethod
