@@ -30,13 +30,13 @@ from flax import nnx
 from moejax.errors import CheckpointError
 from moejax.hf import quant
 from moejax.hf.mapping import TensorSpec, get_path, param_shapes, tensor_specs
-from moejax.hf.safetensors_io import CheckpointReader, RawTensor, write_checkpoint
+from moejax.hf.safetensors_io import CheckpointReader, RawTensor, numpy_dtype, write_checkpoint
 from moejax.models.deepseek_v3.config import DeepseekV3Config
 from moejax.models.deepseek_v3.model import DeepseekV3ForCausalLM
 
 log = logging.getLogger(__name__)
 
-COMPUTE_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}  # None: ml_dtypes bfloat16
+DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
 _STRAY = re.compile(r"\.rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _ALWAYS_F32 = ("mlp.router", "mlp.bias")  # router weight and balance bias stay float32
@@ -117,7 +117,7 @@ def check_checkpoint(cfg: DeepseekV3Config, reader: CheckpointReader, specs: lis
         if on_disk == (s.hf_name,) or fmt == "fp8_block":  # dense, or FP8 (same name, same shape)
             if tuple(info.shape) != tuple(s.hf_shape):
                 problems.append(f"{where}: shape {list(info.shape)}, expected {list(s.hf_shape)} from config.json")
-            allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(COMPUTE_DTYPES)
+            allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(DENSE_DTYPES)
             if info.dtype not in allowed:
                 problems.append(f"{where}: dtype {info.dtype}, expected one of {sorted(allowed)}")
         elif info.shape[0] != s.hf_shape[0]:  # packed: rows are output features
@@ -174,15 +174,19 @@ def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> Deepsee
     return model
 
 
-def _hf_tensor(model, spec: TensorSpec, dtype_str: str) -> np.ndarray:
-    from moejax.hf.safetensors_io import numpy_dtype
+class _HostParams:
+    """Parameters as host numpy arrays, one at a time: the specs of a stacked expert parameter are
+    consecutive, so each parameter is fetched from the device once, not once per expert."""
 
-    value = np.asarray(jax.device_get(get_path(model, spec.param)[...]))
-    if spec.expert is not None:
-        value = value[spec.expert]
-    if spec.transpose:
-        value = value.T
-    return np.ascontiguousarray(value.astype(numpy_dtype(dtype_str, spec.hf_name)))
+    def __init__(self, model):
+        self.model, self.path, self.value = model, None, None
+
+    def hf_tensor(self, spec: TensorSpec, dtype_str: str) -> np.ndarray:
+        if spec.param != self.path:
+            self.path, self.value = spec.param, np.asarray(jax.device_get(get_path(self.model, spec.param)[...]))
+        value = self.value if spec.expert is None else self.value[spec.expert]
+        value = value.T if spec.transpose else value
+        return np.ascontiguousarray(value.astype(numpy_dtype(dtype_str, spec.hf_name)))
 
 
 def save_pretrained(model: DeepseekV3ForCausalLM, out_dir, *, max_shard_bytes: int = 5 * 2**30,
@@ -198,21 +202,22 @@ def save_pretrained(model: DeepseekV3ForCausalLM, out_dir, *, max_shard_bytes: i
     specs = tensor_specs(cfg, param_shapes(model))
     default = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(np.dtype(model.dtype), "BF16")
     reader = CheckpointReader(source.path) if source else None
+    host = _HostParams(model)
+
+    def from_source(name):
+        info = reader.info(name)
+        return name, RawTensor(info.dtype, tuple(info.shape), reader.read_bytes(name))
 
     def tensors():
         for s in specs:
             if source and s.hf_name in source.quantized:
-                for name in source.quantized[s.hf_name]:
-                    info = reader.info(name)
-                    yield name, RawTensor(info.dtype, tuple(info.shape), reader.read_bytes(name))
+                yield from (from_source(name) for name in source.quantized[s.hf_name])
                 continue
             dtype_str = source.dtypes.get(s.hf_name, default) if source else default
             if not source and s.param.endswith(_ALWAYS_F32):
                 dtype_str = "F32"
-            yield s.hf_name, _hf_tensor(model, s, dtype_str)
-        for name in (source.carried if source else ()):
-            info = reader.info(name)
-            yield name, RawTensor(info.dtype, tuple(info.shape), reader.read_bytes(name))
+            yield s.hf_name, host.hf_tensor(s, dtype_str)
+        yield from (from_source(name) for name in (source.carried if source else ()))
 
     extra = {}
     if source:
