@@ -161,12 +161,6 @@ class DeepseekV3Config:
         d["rope_parameters"] = rp
         return d
 
-    def replace(self, **changes) -> "DeepseekV3Config":
-        """A copy with fields changed; the raw dictionary follows the change."""
-        raw = dict(self.raw)
-        raw.update({k: v for k, v in changes.items() if k not in ("rope", "raw")})
-        return dataclasses.replace(self, **changes, raw=raw if self.raw else {})
-
 
 def _rope_from_dict(d: dict, problems: list) -> RopeConfig:
     """transformers' resolution: `rope_scaling` wins over `rope_parameters`; a `rope_theta` inside the
