@@ -124,3 +124,22 @@ def test_load_then_save_gives_back_every_tensor(tmp_path, dtype):
     from transformers import DeepseekV3ForCausalLM as HF
 
     HF.from_pretrained(out)  # transformers loads what moejax wrote
+
+
+def test_fused_expert_names_of_transformers_5_load_too(checkpoints, tmp_path):
+    path, hf = checkpoints["qlora-groups-yarn"]
+    fused = tmp_path / "fused"
+    hf.save_pretrained(fused, save_original_format=False)
+    names = CheckpointReader(fused).keys()
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names
+    assert not any(".experts.0." in n for n in names)
+    ids, mask = batch(hf.config.vocab_size)
+    want, _ = reference(hf, ids, mask)
+    logits, _ = run(DeepseekV3ForCausalLM.from_pretrained(fused), ids, mask)
+    assert np.abs(logits[mask.astype(bool)] - want[mask.astype(bool)]).max() < 1e-4
+    # saved back under the canonical per-expert names, values unchanged
+    out = CheckpointReader(DeepseekV3ForCausalLM.from_pretrained(fused).save_pretrained(tmp_path / "out"))
+    canonical = CheckpointReader(path)
+    assert out.keys() == canonical.keys()
+    assert out.read_bytes("model.layers.2.mlp.experts.5.up_proj.weight") == \
+        canonical.read_bytes("model.layers.2.mlp.experts.5.up_proj.weight")

@@ -29,6 +29,7 @@ from flax import nnx
 
 from moejax.errors import CheckpointError
 from moejax.hf import quant
+from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.mapping import TensorSpec, get_path, param_shapes, tensor_specs
 from moejax.hf.safetensors_io import CheckpointReader, RawTensor, numpy_dtype, write_checkpoint
 from moejax.models.deepseek_v3.config import DeepseekV3Config
@@ -136,7 +137,7 @@ def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> Deepsee
     """Build the model from a checkpoint folder (config.json + safetensors)."""
     path = Path(path)
     cfg = DeepseekV3Config.from_json_file(path / "config.json")
-    reader = CheckpointReader(path)
+    reader = FusedExpertsReader(CheckpointReader(path))
     qcfg = cfg.quantization_config
     fmt = quant.detect_format(qcfg)
     abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, dtype))

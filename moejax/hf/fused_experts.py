@@ -1,0 +1,83 @@
+"""transformers-5 fused expert tensors, presented under the per-expert names moejax reads.
+
+`save_pretrained(..., save_original_format=False)` writes each MoE layer's routed experts as two
+3-D tensors instead of 3 x E per-expert ones:
+
+    model.layers.{l}.mlp.experts.gate_up_proj  [E, 2 * Im, H]   rows [0:Im] gate, [Im:2Im] up
+    model.layers.{l}.mlp.experts.down_proj     [E, H, Im]
+
+`FusedExpertsReader` wraps a CheckpointReader and answers for the per-expert names
+(`...experts.{e}.gate_proj.weight` etc.) by slicing those, so the name table, the checks and the
+loader need no second path. Only loading sees this; saving writes the canonical per-expert names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from moejax.hf.safetensors_io import CheckpointReader, TensorInfo
+
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+    fused: str        # the fused tensor's name
+    expert: int
+    rows: slice       # rows of that expert's matrix (gate or up half of gate_up_proj)
+
+
+class FusedExpertsReader:
+    """A CheckpointReader whose fused expert tensors also appear under per-expert names."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        self._virtual: dict[str, _Slice] = {}
+        self._cache: tuple[str, object] | None = None  # one fused tensor at a time
+        for name in reader.keys():
+            match = _FUSED.match(name)
+            if match:
+                self._add(match.group(1), match.group(2), reader.info(name))
+
+    def _add(self, prefix: str, kind: str, info: TensorInfo) -> None:
+        n_experts, rows = info.shape[0], info.shape[1]
+        for e in range(n_experts):
+            if kind == "down_proj":
+                self._virtual[f"{prefix}.{e}.down_proj.weight"] = _Slice(info.name, e, slice(0, rows))
+            else:
+                half = rows // 2
+                self._virtual[f"{prefix}.{e}.gate_proj.weight"] = _Slice(info.name, e, slice(0, half))
+                self._virtual[f"{prefix}.{e}.up_proj.weight"] = _Slice(info.name, e, slice(half, rows))
+
+    @property
+    def fused_names(self) -> set[str]:
+        return {s.fused for s in self._virtual.values()}
+
+    def keys(self) -> list[str]:
+        return sorted((set(self.reader.keys()) - self.fused_names) | set(self._virtual))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._virtual or (name in self.reader and name not in self.fused_names)
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._virtual:
+            return self.reader.info(name)
+        part = self._virtual[name]
+        fused = self.reader.info(part.fused)
+        shape = (part.rows.stop - part.rows.start, fused.shape[2])
+        return dataclasses.replace(fused, name=name, shape=shape)
+
+    def read(self, name: str):
+        if name not in self._virtual:
+            return self.reader.read(name)
+        part = self._virtual[name]
+        if self._cache is None or self._cache[0] != part.fused:
+            self._cache = (part.fused, self.reader.read(part.fused))
+        return self._cache[1][part.expert, part.rows]
+
+    def shard_of(self, name: str):
+        return self.reader.shard_of(self._virtual[name].fused if name in self._virtual else name)
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.read(name).tobytes() if name in self._virtual else self.reader.read_bytes(name)
