@@ -206,7 +206,7 @@ def _parse_header_json(header_bytes: bytes, path: Path) -> dict:
 
 
 class _DuplicateKey(ValueError):
-    pass
+    """Raised inside json.loads when a header names a tensor twice (json would keep the last)."""
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
