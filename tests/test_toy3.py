@@ -60,6 +60,7 @@ def test_seeds_are_independent_of_batching():
     (dict(seeds=0), "seeds >= 1"),
     (dict(scores=("frequency", "nope")), "valid scores"),
     (dict(offsets=("sideways",)), "valid values"),
+    (dict(scores=("reap_code",)), "use reap"),
 ])
 def test_bad_settings_fail_before_compute(kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -98,6 +98,9 @@ class Toy3Config:
             if bad or not value:
                 raise ConfigError(f"toy3: {name}={list(value)}; valid values: {list(valid)}")
         check_score_names(self.scores)
+        if "reap_code" in self.scores:
+            raise ConfigError("toy3: the reap_code score needs expert outputs for pairs the layer did not "
+                              "route, which the toy does not compute; use reap")
         if not self.keep:
             raise ConfigError("toy3: keep is empty; give a count, a ratio of E, or a list of them")
         self.keep_counts()

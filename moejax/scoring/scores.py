@@ -28,6 +28,9 @@ class LayerStats:
     router_ED:        W_router (float64 copy)
     bias_E:           e_score_correction_bias
     seed, layer:      what `random` is seeded by
+    code_counts_E, code_gate_norm_sum_E: the same two sums under the public REAP code's routing
+                      (top-K of raw logits, softmax gates renormalised over the K); None when the
+                      pass did not compute them (the toy)
     """
 
     counts_E: np.ndarray
@@ -38,30 +41,72 @@ class LayerStats:
     bias_E: np.ndarray
     seed: int = 0
     layer: int = 0
+    code_counts_E: np.ndarray | None = None
+    code_gate_norm_sum_E: np.ndarray | None = None
 
     @property
     def n_experts(self) -> int:
         return self.router_ED.shape[0]
 
 
+class StatsAccumulator:
+    """Float64 running sums of one MoE layer over calibration batches (np.bincount sums in
+    float64, so rankings of near-equal experts do not depend on batching or summation order).
+    Padding tokens (token_mask False) are left out of every sum."""
+
+    def __init__(self, n_experts: int, hidden: int):
+        self.n_experts = n_experts
+        self.counts = np.zeros(n_experts)
+        self.gate_norm = np.zeros(n_experts)
+        self.norm = np.zeros(n_experts)
+        self.code_counts = np.zeros(n_experts)
+        self.code_gate_norm = np.zeros(n_experts)
+        self.input_sum = np.zeros(hidden)
+        self.n_tokens = 0
+        self.has_code = False
+
+    def _sums(self, idx_TK, gate_TK, norm_TK, keep_T):
+        flat = np.asarray(idx_TK)[keep_T].ravel()
+        gate = np.asarray(gate_TK, np.float64)[keep_T].ravel()
+        norm = np.asarray(norm_TK, np.float64)[keep_T].ravel()
+        E = self.n_experts
+        return (np.bincount(flat, minlength=E), np.bincount(flat, weights=gate * norm, minlength=E),
+                np.bincount(flat, weights=norm, minlength=E))
+
+    def add(self, expert_idx_TK, gate_TK, out_norm_TK, x_TD=None, token_mask_T=None,
+            code_idx_TK=None, code_gate_TK=None, code_norm_TK=None) -> None:
+        idx = np.asarray(expert_idx_TK)
+        keep = np.ones(idx.shape[0], bool) if token_mask_T is None else np.asarray(token_mask_T, bool)
+        c, gn, n = self._sums(idx, gate_TK, out_norm_TK, keep)
+        self.counts += c
+        self.gate_norm += gn
+        self.norm += n
+        if code_idx_TK is not None:
+            c, gn, _ = self._sums(code_idx_TK, code_gate_TK, code_norm_TK, keep)
+            self.code_counts += c
+            self.code_gate_norm += gn
+            self.has_code = True
+        if x_TD is not None:  # the router inputs, for w_mean
+            self.input_sum += np.asarray(x_TD, np.float64)[keep].sum(axis=0)
+            self.n_tokens += int(keep.sum())
+
+    def stats(self, router_ED, bias_E, seed=0, layer=0) -> LayerStats:
+        return LayerStats(
+            counts_E=self.counts.copy(), gate_norm_sum_E=self.gate_norm.copy(), norm_sum_E=self.norm.copy(),
+            mean_input_D=self.input_sum / max(self.n_tokens, 1), router_ED=np.asarray(router_ED, np.float64),
+            bias_E=np.asarray(bias_E, np.float64), seed=int(seed), layer=int(layer),
+            code_counts_E=self.code_counts.copy() if self.has_code else None,
+            code_gate_norm_sum_E=self.code_gate_norm.copy() if self.has_code else None)
+
+
 def stats_from_pairs(expert_idx_TK, gate_TK, out_norm_TK, mean_input_D, router_ED, bias_E, seed=0, layer=0,
                      token_mask_T=None) -> LayerStats:
-    """Sum per-pair quantities of a routed pass into `LayerStats`, in float64 (np.bincount sums in
-    float64), so the ranking of near-equal experts is reproducible."""
-    idx = np.asarray(expert_idx_TK)
-    keep_T = np.ones(idx.shape[0], bool) if token_mask_T is None else np.asarray(token_mask_T, bool)
-    n_experts = np.asarray(router_ED).shape[0]
-    flat = idx[keep_T].ravel()
-    gate = np.asarray(gate_TK, np.float64)[keep_T].ravel()
-    norm = np.asarray(out_norm_TK, np.float64)[keep_T].ravel()
-    return LayerStats(
-        counts_E=np.bincount(flat, minlength=n_experts).astype(np.float64),
-        gate_norm_sum_E=np.bincount(flat, weights=gate * norm, minlength=n_experts),
-        norm_sum_E=np.bincount(flat, weights=norm, minlength=n_experts),
-        mean_input_D=np.asarray(mean_input_D, np.float64),
-        router_ED=np.asarray(router_ED, np.float64),
-        bias_E=np.asarray(bias_E, np.float64),
-        seed=int(seed), layer=int(layer))
+    """`LayerStats` of a single routed pass whose mean router input is already known."""
+    acc = StatsAccumulator(np.asarray(router_ED).shape[0], np.asarray(mean_input_D).shape[0])
+    acc.add(expert_idx_TK, gate_TK, out_norm_TK, token_mask_T=token_mask_T)
+    st = acc.stats(router_ED, bias_E, seed, layer)
+    st.mean_input_D = np.asarray(mean_input_D, np.float64)
+    return st
 
 
 SCORES: dict[str, Callable[[LayerStats], np.ndarray]] = {}
@@ -85,6 +130,18 @@ def reap(st: LayerStats) -> np.ndarray:
     """(1/|X_j|) sum_{x in X_j} g_j(x) ||f_j(x)||_2   (REAP, arXiv 2510.13999 Eq. 9); 0 if X_j is empty."""
     return np.divide(st.gate_norm_sum_E, st.counts_E, out=np.zeros_like(st.gate_norm_sum_E),
                      where=st.counts_E > 0)
+
+
+@register("reap_code")
+def reap_code(st: LayerStats) -> np.ndarray:
+    """REAP as the public REAP code computes it: routing = top-K of the raw logits (no bias, no
+    groups), gate = softmax(logits) over all E renormalised over the K, no scaling factor;
+    (1/|X_j|) sum g_j ||f_j||, 0 if empty."""
+    if st.code_counts_E is None:
+        raise ConfigError("reap_code needs the calibration pass to compute the REAP-code routing "
+                          "(the toy experiment does not)")
+    return np.divide(st.code_gate_norm_sum_E, st.code_counts_E, out=np.zeros_like(st.code_gate_norm_sum_E),
+                     where=st.code_counts_E > 0)
 
 
 @register("ean")

@@ -164,13 +164,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, dtype, rngs) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
     def __call__(self, x, cos, sin, allowed, expert_mask_E=None):
-        """(output, routing or None for a dense layer)."""
+        """(output, routing or None for a dense layer, the MLP's input)."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
         z = self.post_attention_layernorm(h)
         if not self.is_moe:
-            return h + self.mlp(z), None
+            return h + self.mlp(z), None, z
         y, routing = self.mlp(z, expert_mask_E)
-        return h + y, routing
+        return h + y, routing, z
 
 
 class DeepseekV3Model(nnx.Module):
@@ -190,11 +190,13 @@ class DeepseekV3ForCausalLM(nnx.Module):
         self.model = DeepseekV3Model(cfg, dtype, rngs)
         self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
-    def __call__(self, input_ids_BS, attention_mask_BS=None, expert_masks_LE=None, return_routing: bool = False):
+    def __call__(self, input_ids_BS, attention_mask_BS=None, expert_masks_LE=None, return_routing: bool = False,
+                 return_moe_inputs: bool = False):
         """Logits [B, S, V]. attention_mask: 1 = token, 0 = padding (keys that are padding are not
         attended to; positions stay 0..S-1 as in transformers). expert_masks: bool [num_hidden_layers, E],
         True = expert kept (rows of dense layers are ignored). return_routing: also return
-        {layer: Routing} of every MoE layer (tokens flattened batch-major)."""
+        {layer: Routing} of every MoE layer (tokens flattened batch-major); return_moe_inputs:
+        also return {layer: router input [B*S, H]} (what calibration statistics are taken on)."""
         cfg = self.config
         B, S = input_ids_BS.shape
         x = self.model.embed_tokens[...][input_ids_BS]
@@ -203,16 +205,17 @@ class DeepseekV3ForCausalLM(nnx.Module):
         if attention_mask_BS is not None:
             allowed = allowed & attention_mask_BS.astype(bool)[:, None, :]
         allowed = jnp.broadcast_to(allowed, (B, S, S))
-        routings = {}
+        routings, moe_inputs = {}, {}
         for l, layer in enumerate(self.model.layers):
             mask = None if expert_masks_LE is None or not layer.is_moe else expert_masks_LE[l]
-            x, routing = layer(x, cos, sin, allowed, mask)
+            x, routing, z = layer(x, cos, sin, allowed, mask)
             if routing is not None:
-                routings[l] = routing
+                routings[l], moe_inputs[l] = routing, z.reshape(B * S, -1)
         x = self.model.norm(x)
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         logits = linear(x, head)
-        return (logits, routings) if return_routing else logits
+        extras = ((routings,) if return_routing else ()) + ((moe_inputs,) if return_moe_inputs else ())
+        return (logits, *extras) if extras else logits
 
     def jitted(self):
         """A jitted forward with the same arguments as calling the model. The weights are passed
@@ -221,9 +224,11 @@ class DeepseekV3ForCausalLM(nnx.Module):
         weights as they are now: call it again after changing them."""
         graphdef, state = nnx.split(self)
 
-        @functools.partial(jax.jit, static_argnames="return_routing")
-        def forward(state, input_ids, attention_mask=None, expert_masks=None, return_routing=False):
-            return nnx.merge(graphdef, state)(input_ids, attention_mask, expert_masks, return_routing)
+        @functools.partial(jax.jit, static_argnames=("return_routing", "return_moe_inputs"))
+        def forward(state, input_ids, attention_mask=None, expert_masks=None, return_routing=False,
+                    return_moe_inputs=False):
+            return nnx.merge(graphdef, state)(input_ids, attention_mask, expert_masks, return_routing,
+                                              return_moe_inputs)
 
         return functools.partial(forward, state)
 

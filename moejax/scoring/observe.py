@@ -1,0 +1,66 @@
+"""One calibration pass over a DeepSeek-V3-family model: per-MoE-layer statistics for every score
+of SPEC section 2 (moejax.scoring.scores), accumulated over batches in float64.
+
+For each MoE layer and batch, on the router input x (the post-attention RMSNorm output):
+  - the model's real routing (bias, groups) and each routed pair's expert output norm ||f_j(x)||;
+  - the public REAP code's routing (top-K of the raw logits, softmax gates over all E renormalised
+    over the K) and its pairs' output norms, for `reap_code`;
+  - the router-input sum, for `w_mean`.
+Padding tokens are excluded. (This runs the whole model in memory; the layer-streamed executor
+that keeps one layer's weights at a time is the next step.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.moe import dispatch as dispatch_lib
+from moejax.moe.routing import route
+from moejax.scoring.scores import LayerStats, StatsAccumulator
+
+
+def reap_code_routing(logits_TE: jax.Array, top_k: int):
+    """REAP code's routing: top-K of the raw logits (ties to the lower index), gate = softmax over
+    all E, renormalised over the chosen K, no scaling factor."""
+    _, idx_TK = jax.lax.top_k(logits_TE, top_k)
+    gate_TK = jnp.take_along_axis(jax.nn.softmax(logits_TE, axis=-1), idx_TK, axis=-1)
+    return idx_TK, gate_TK / jnp.sum(gate_TK, axis=-1, keepdims=True)
+
+
+def moe_layer_pairs(moe, x_TH: jax.Array) -> dict:
+    """Per-pair quantities of one MoE layer on router inputs x (both routings)."""
+    logits = jnp.matmul(x_TH.astype(jnp.float32), moe.router[...].T, precision=jax.lax.Precision.HIGHEST)
+    r = route(logits, moe.router_cfg, moe.bias[...])
+    experts = {"gate": moe.experts_gate[...], "up": moe.experts_up[...], "down": moe.experts_down[...]}
+
+    def norms(idx_TK):
+        f = dispatch_lib.pair_outputs(x_TH, idx_TK, experts, dispatch_lib.swiglu, moe.backend)
+        return jnp.linalg.norm(f.astype(jnp.float32), axis=-1)
+
+    code_idx, code_gate = reap_code_routing(logits, moe.router_cfg.top_k)
+    # REAP code's pairs are computed in full (they mostly coincide with the real ones; skipping the
+    # shared pairs with static shapes is left for the streamed executor).
+    return dict(idx=r.expert_idx_TK, gate=r.gate_TK, norm=norms(r.expert_idx_TK),
+                code_idx=code_idx, code_gate=code_gate, code_norm=norms(code_idx))
+
+
+def calibrate(model, batches) -> dict[int, LayerStats]:
+    """{HF layer index: LayerStats} from batches of (input_ids [B, S], attention_mask [B, S] or None)."""
+    cfg = model.config
+    forward = model.jitted()
+    pairs = nnx.jit(moe_layer_pairs)
+    accs = {l: StatsAccumulator(cfg.n_routed_experts, cfg.hidden_size) for l in cfg.moe_layers}
+    for input_ids, attention_mask in batches:
+        input_ids = jnp.asarray(input_ids)
+        mask = np.ones(input_ids.shape, bool) if attention_mask is None else np.asarray(attention_mask, bool)
+        _, moe_inputs = forward(input_ids, jnp.asarray(mask), return_moe_inputs=True)
+        for l, x_TH in moe_inputs.items():
+            out = jax.device_get(pairs(model.model.layers[l].mlp, x_TH))
+            accs[l].add(out["idx"], out["gate"], out["norm"], jax.device_get(x_TH), mask.reshape(-1),
+                        out["code_idx"], out["code_gate"], out["code_norm"])
+    return {l: acc.stats(jax.device_get(model.model.layers[l].mlp.router[...]),
+                         jax.device_get(model.model.layers[l].mlp.bias[...]), layer=l)
+            for l, acc in accs.items()}
