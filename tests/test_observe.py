@@ -63,12 +63,18 @@ def hf_reference(hf, ids, mask):
     return out
 
 
-def test_scores_match_definitions_on_transformers_model(tmp_path):
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_scores_match_definitions_on_transformers_model(tmp_path, stored):
+    from transformers import DeepseekV3ForCausalLM as HF
+
     path = tmp_path / "ckpt"
-    hf = make_checkpoint(path, seed=7)
+    hf = make_checkpoint(path, seed=7, dtype=stored)
     with torch.no_grad():  # expert 6 of layer 2 is never routed by the model (REAP code still sees it)
         hf.model.layers[2].mlp.gate.e_score_correction_bias[6] = -10.0
     hf.save_pretrained(path)
+    # the reference computes in float32 on the stored values (exact for bfloat16 weights)
+    hf = HF.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                            experts_implementation="eager").eval()
     ids, mask = batch(hf.config.vocab_size, seed=3, B=3, S=16)
     want = hf_reference(hf, ids, mask)
     model = DeepseekV3ForCausalLM.from_pretrained(path)
@@ -82,3 +88,18 @@ def test_scores_match_definitions_on_transformers_model(tmp_path):
             np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-9, err_msg=f"{name} layer {layer}")
             assert np.array_equal(np.argsort(-got[name], kind="stable"), np.argsort(-ref[name], kind="stable")), \
                 f"{name} ranking, layer {layer}"
+
+
+def test_streamed_pass_equals_in_memory_pass(tmp_path):
+    from moejax.scoring.observe import calibrate_streamed
+
+    path = tmp_path / "bf16"
+    hf = make_checkpoint(path, seed=8, dtype="bfloat16")  # a checkpoint stored in bfloat16
+    ids, mask = batch(hf.config.vocab_size, seed=4, B=3, S=16)
+    batches = [(ids[:2], mask[:2]), (ids[2:], mask[2:])]
+    streamed = calibrate_streamed(path, batches, progress=False)
+    in_memory = calibrate(DeepseekV3ForCausalLM.from_pretrained(path), batches)
+    assert sorted(streamed) == sorted(in_memory) == [1, 2]
+    for layer in streamed:
+        for name, a in compute_scores(streamed[layer], SCORES).items():
+            np.testing.assert_allclose(a, compute_scores(in_memory[layer], [name])[name], rtol=1e-6, err_msg=name)

@@ -133,15 +133,53 @@ def check_checkpoint(cfg: DeepseekV3Config, reader: CheckpointReader, specs: lis
     return problems, stored
 
 
-def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> DeepseekV3ForCausalLM:
-    """Build the model from a checkpoint folder (config.json + safetensors)."""
+@dataclasses.dataclass
+class OpenCheckpoint:
+    """A checkpoint folder checked against its config.json (headers only), ready to fill modules
+    one at a time: the whole model (`load_pretrained`) or one decoder layer (the streamed executor)."""
+
+    path: Path
+    config: DeepseekV3Config
+    reader: FusedExpertsReader
+    fmt: str | None
+    specs: list           # every HF tensor the config implies, in file order
+    stored: dict          # hf name -> the on-disk tensors holding it
+    carried: list         # tensors with no parameter (MTP layer, stray buffers)
+
+    def specs_under(self, prefix: str) -> list[TensorSpec]:
+        return [s for s in self.specs if s.param.startswith(prefix)]
+
+    def fill(self, abstract, specs: list[TensorSpec], dtype, prefix: str = ""):
+        """Materialise `abstract` (an nnx.eval_shape'd module) with the tensors of `specs`, whose
+        parameter paths are relative to the module once `prefix` is removed. Reads one tensor at a
+        time; quantised tensors are decoded."""
+        buffers = {}
+        for s in specs:
+            path = s.param[len(prefix):]
+            target = np.float32 if s.param.endswith(_ALWAYS_F32) else dtype
+            buf = buffers.get(path)
+            if buf is None:
+                buf = buffers[path] = np.empty(get_path(abstract, path).shape, jnp.dtype(target))
+            value = read_decoded(self.reader, s.hf_name, self.stored[s.hf_name], self.fmt,
+                                 self.config.quantization_config)
+            value = value.T if s.transpose else value
+            if s.expert is None:
+                buf[...] = value.astype(buf.dtype)
+            else:
+                buf[s.expert] = value.astype(buf.dtype)
+        graphdef, state = nnx.split(abstract)
+        flat = [(p, v.replace(jnp.asarray(buffers[".".join(str(x) for x in p)])))
+                for p, v in nnx.to_flat_state(state)]
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def open_checkpoint(path) -> OpenCheckpoint:
+    """Read config.json and every safetensors header; raise every mismatch at once."""
     path = Path(path)
     cfg = DeepseekV3Config.from_json_file(path / "config.json")
     reader = FusedExpertsReader(CheckpointReader(path))
-    qcfg = cfg.quantization_config
-    fmt = quant.detect_format(qcfg)
-    abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, dtype))
-    specs = tensor_specs(cfg, param_shapes(abstract))
+    fmt = quant.detect_format(cfg.quantization_config)
+    specs = tensor_specs(cfg, param_shapes(nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg))))
     problems, stored = check_checkpoint(cfg, reader, specs, fmt)
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match its config.json:\n  - " + "\n  - ".join(problems))
@@ -149,29 +187,21 @@ def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> Deepsee
     if carried:
         log.info("%s: %d tensor(s) not used by the forward (MTP layer, rotary_emb.inv_freq), kept for saving: %s",
                  path, len(carried), carried[:3])
+    return OpenCheckpoint(path.resolve(), cfg, reader, fmt, specs, stored, carried)
 
-    buffers = {}
-    for s in specs:
-        target = np.float32 if s.param.endswith(_ALWAYS_F32) else dtype
-        buf = buffers.get(s.param)
-        if buf is None:
-            buf = buffers[s.param] = np.empty(get_path(abstract, s.param).shape, jnp.dtype(target))
-        value = read_decoded(reader, s.hf_name, stored[s.hf_name], fmt, qcfg)
-        value = value.T if s.transpose else value
-        if s.expert is None:
-            buf[...] = value.astype(buf.dtype)
-        else:
-            buf[s.expert] = value.astype(buf.dtype)
-    graphdef, state = nnx.split(abstract)
-    flat = [(p, v.replace(jnp.asarray(buffers[".".join(str(x) for x in p)]))) for p, v in nnx.to_flat_state(state)]
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> DeepseekV3ForCausalLM:
+    """Build the model from a checkpoint folder (config.json + safetensors)."""
+    ckpt = open_checkpoint(path)
+    abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(ckpt.config, dtype))
+    model = ckpt.fill(abstract, ckpt.specs, dtype)
     for layer in model.model.layers:
         if layer.is_moe:
             layer.mlp.backend = backend
-    quantized = {n: on_disk for n, on_disk in stored.items() if on_disk != (n,)}
-    model.hf_source = HFSource(path=path.resolve(), dtypes={n: reader.info(on_disk[0]).dtype
-                                                            for n, on_disk in stored.items()},
-                               carried=tuple(carried), quantized=quantized)
+    quantized = {n: on_disk for n, on_disk in ckpt.stored.items() if on_disk != (n,)}
+    model.hf_source = HFSource(path=ckpt.path, dtypes={n: ckpt.reader.info(on_disk[0]).dtype
+                                                       for n, on_disk in ckpt.stored.items()},
+                               carried=tuple(ckpt.carried), quantized=quantized)
     return model
 
 

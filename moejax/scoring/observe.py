@@ -12,6 +12,8 @@ that keeps one layer's weights at a time is the next step.)
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,19 +50,50 @@ def moe_layer_pairs(moe, x_TH: jax.Array) -> dict:
 
 
 def calibrate(model, batches) -> dict[int, LayerStats]:
-    """{HF layer index: LayerStats} from batches of (input_ids [B, S], attention_mask [B, S] or None)."""
+    """{HF layer index: LayerStats} from batches of (input_ids [B, S], attention_mask [B, S] or None),
+    with the whole model in memory."""
     cfg = model.config
     forward = model.jitted()
-    pairs = nnx.jit(moe_layer_pairs)
-    accs = {l: StatsAccumulator(cfg.n_routed_experts, cfg.hidden_size) for l in cfg.moe_layers}
+    per_layer = {l: [] for l in cfg.moe_layers}
+    masks = []
     for input_ids, attention_mask in batches:
         input_ids = jnp.asarray(input_ids)
         mask = np.ones(input_ids.shape, bool) if attention_mask is None else np.asarray(attention_mask, bool)
+        masks.append(mask.reshape(-1))
         _, moe_inputs = forward(input_ids, jnp.asarray(mask), return_moe_inputs=True)
         for l, x_TH in moe_inputs.items():
-            out = jax.device_get(pairs(model.model.layers[l].mlp, x_TH))
-            accs[l].add(out["idx"], out["gate"], out["norm"], jax.device_get(x_TH), mask.reshape(-1),
-                        out["code_idx"], out["code_gate"], out["code_norm"])
-    return {l: acc.stats(jax.device_get(model.model.layers[l].mlp.router[...]),
-                         jax.device_get(model.model.layers[l].mlp.bias[...]), layer=l)
-            for l, acc in accs.items()}
+            per_layer[l].append(x_TH)
+    stats = {}
+    for l, router_inputs in per_layer.items():
+        moe = model.model.layers[l].mlp
+        acc = StatsAccumulator(cfg.n_routed_experts, cfg.hidden_size)
+        accumulate_layer(moe, router_inputs, masks, acc)
+        stats[l] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.bias[...]), layer=l)
+    return stats
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pairs(graphdef, state, x_TH):
+    return moe_layer_pairs(nnx.merge(graphdef, state), x_TH)
+
+
+def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator) -> None:
+    """Add one MoE layer's statistics over batches (router inputs [B*S, H], masks [B*S] or None)."""
+    graphdef, state = nnx.split(moe)
+    for x_TH, mask in zip(router_inputs, masks):
+        out = jax.device_get(_pairs(graphdef, state, x_TH))
+        acc.add(out["idx"], out["gate"], out["norm"], jax.device_get(x_TH), mask,
+                out["code_idx"], out["code_gate"], out["code_norm"])
+
+
+def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None) -> dict[int, LayerStats]:
+    """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.stream)."""
+    from moejax.stream import stream_layers
+
+    masks = [None if m is None else np.asarray(m, bool).reshape(-1) for _, m in batches]
+    stats = {}
+    for layer, moe, router_inputs in stream_layers(checkpoint, batches, dtype, progress):
+        acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
+        accumulate_layer(moe, router_inputs, masks, acc)
+        stats[layer] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.bias[...]), layer=layer)
+    return stats

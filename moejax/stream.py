@@ -1,0 +1,73 @@
+"""The layer-streamed executor: run tokens through a checkpoint one decoder layer at a time,
+reading that layer's weights, carrying every batch's hidden states to the next layer, then
+dropping the weights. The whole model is never in memory: at most the embedding table (first)
+or one decoder layer, plus the hidden states.
+
+    for layer, moe, router_inputs in stream_layers(checkpoint_path, batches): ...
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
+from moejax.models.deepseek_v3 import rope as rope_lib
+from moejax.models.deepseek_v3.model import DecoderLayer
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_forward(graphdef, state, x_BSH, cos, sin, allowed_BSS):
+    out, _, z = nnx.merge(graphdef, state)(x_BSH, cos, sin, allowed_BSS)
+    return out, z
+
+
+def _embed(ckpt: OpenCheckpoint, batches, dtype) -> list:
+    (spec,) = [s for s in ckpt.specs if s.param == "model.embed_tokens"]
+    table = ckpt.reader.read(spec.hf_name)  # [V, H], one tensor; dropped after the lookup
+    return [jnp.asarray(table[np.asarray(ids)].astype(jnp.dtype(dtype))) for ids, _ in batches]
+
+
+def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progress: bool | None = None
+                  ) -> Iterator[tuple[int, object, list]]:
+    """Yield (HF layer index, the layer's MoE module, [router inputs [B*S, H] per batch]) for every
+    MoE layer, after running all batches through the layers before it.
+
+    batches: list of (input_ids [B, S], attention_mask [B, S] or None). The MoE module is only
+    valid until the next item is requested (its weights are dropped then)."""
+    ckpt = ckpt if isinstance(ckpt, OpenCheckpoint) else open_checkpoint(ckpt)
+    cfg = ckpt.config
+    show = sys.stderr.isatty() if progress is None else progress
+    n_tokens = sum(int(np.asarray(ids).size) for ids, _ in batches)
+    hidden = _embed(ckpt, batches, dtype)
+    geometry = []
+    for ids, mask in batches:
+        B, S = np.asarray(ids).shape
+        cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), jnp.dtype(dtype))
+        allowed = jnp.tril(jnp.ones((S, S), bool))[None]
+        if mask is not None:
+            allowed = allowed & jnp.asarray(mask, bool)[:, None, :]
+        geometry.append((cos, sin, jnp.broadcast_to(allowed, (B, S, S))))
+    for layer_idx in range(cfg.num_hidden_layers):
+        if show:
+            sys.stderr.write(f"\rlayer {layer_idx + 1}/{cfg.num_hidden_layers} ({n_tokens} tokens)")
+            sys.stderr.flush()
+        prefix = f"model.layers.{layer_idx}."
+        abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0)))
+        layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix)
+        graphdef, state = nnx.split(layer)
+        router_inputs = []
+        for b, (cos, sin, allowed) in enumerate(geometry):
+            hidden[b], z = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed)
+            router_inputs.append(z.reshape(-1, z.shape[-1]))
+        if layer.is_moe:
+            yield layer_idx, layer.mlp, router_inputs
+        del layer, state
+    if show:
+        sys.stderr.write("\n")
