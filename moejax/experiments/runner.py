@@ -31,11 +31,7 @@ def experiment_config(cfg: dict):
     if not name:
         raise ConfigError(f"no experiment chosen; add experiment=NAME with NAME one of: {', '.join(EXPERIMENTS)}")
     module = get(name)
-    settings = dict(cfg.get(module.SETTINGS_KEY) or {})
-    for key in ("seed", "seeds", "keep"):
-        if cfg.get(key) is not None:
-            settings[key] = cfg[key]
-    return module, module.Config.from_mapping(settings)
+    return module, module.Config.from_mapping(module.settings_from(cfg))
 
 
 def enable_compilation_cache() -> None:
@@ -58,12 +54,12 @@ def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
         (out_dir / "resolved_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         enable_compilation_cache()
         t0 = time.perf_counter()
-        df, timings = module.run(typed, progress=_progress(cfg["name"], typed.seeds))
+        df, timings = module.run(typed, progress=_progress(cfg["name"], getattr(typed, "seeds", 1)))
         timings["total_s"] = time.perf_counter() - t0
         write_parquet_atomic(df, out_dir / "results.parquet")
         write_json_atomic(out_dir / "timings.json", timings)
-        print(f"\nmean rel_error over {typed.seeds} seed(s) (± std), by keep:\n"
-              f"{module.summary_table(df).to_string()}\n\nresults: {out_dir / 'results.parquet'}")
+        print(f"\n{module.summary_title(typed)}\n{module.summary_table(df).to_string()}\n\n"
+              f"results: {out_dir / 'results.parquet'}")
         write_json_atomic(out_dir / "status.json", {"status": "completed", "experiment": cfg["name"],
                                                     "overrides": overrides or [], "rows": len(df),
                                                     "seconds": round(timings["total_s"], 3)})

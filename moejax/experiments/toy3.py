@@ -111,10 +111,19 @@ class Toy3Config:
         return [resolve_keep(k, self.n_experts, self.top_k) for k in self.keep]
 
 
-# What moejax.experiments.runner looks for in an experiment module: its config class and the
-# config block (beside the top-level seed/seeds/keep) that holds its settings.
+# What moejax.experiments.runner looks for in an experiment module (see moejax.experiments).
 Config = Toy3Config
-SETTINGS_KEY = "toy"
+
+
+def settings_from(cfg: dict) -> dict:
+    """toy3's settings from the resolved Hydra config: the `toy` block plus seed, seeds and keep."""
+    settings = dict(cfg.get("toy") or {})
+    settings.update({k: cfg[k] for k in ("seed", "seeds", "keep") if cfg.get(k) is not None})
+    return settings
+
+
+def summary_title(cfg: Toy3Config) -> str:
+    return f"mean rel_error over {cfg.seeds} seed(s) (± std), by keep:"
 
 
 def _draw(cfg: Toy3Config, seed):

@@ -1,0 +1,101 @@
+"""Calibration data: local text (files, folders, globs) tokenised with the checkpoint's own
+tokenizer, packed into sequences; or pre-tokenised ids from a .npy file.
+
+Tokenizers: `tokenizer.json` (through the `tokenizers` package) when the checkpoint has one;
+byte-level ids (UTF-8 bytes) when it has none. A checkpoint with only `tiktoken.model` (Kimi,
+Moonlight) is refused with a message: pass pre-tokenised ids instead.
+"""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import numpy as np
+
+from moejax.errors import ConfigError
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
+
+
+def text_files(paths) -> list[Path]:
+    """Files from paths that are files, folders (recursively, files ending in TEXT_SUFFIXES) or globs."""
+    files = []
+    for p in paths:
+        p = str(p)
+        matches = [Path(m) for m in sorted(glob.glob(p, recursive=True))] if any(c in p for c in "*?[") else [Path(p)]
+        if not matches or not all(m.exists() for m in matches):
+            raise ConfigError(f"calibration text {p}: no such file or folder")
+        for m in matches:
+            files += sorted(f for f in m.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES) if m.is_dir() else [m]
+    if not files:
+        raise ConfigError(f"calibration text {list(map(str, paths))}: no text files found "
+                          f"(folders are searched for {', '.join(TEXT_SUFFIXES)})")
+    return files
+
+
+class Tokenizer:
+    """encode(text) -> list[int]; `name` says which tokenizer it is (recorded in the sidecar)."""
+
+    def __init__(self, checkpoint_dir, vocab_size: int):
+        checkpoint_dir = Path(checkpoint_dir)
+        tok_json = checkpoint_dir / "tokenizer.json"
+        if tok_json.is_file():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            try:
+                self._tok = HFTokenizer.from_file(str(tok_json))
+            except Exception as e:  # the tokenizers package raises plain Exceptions
+                raise ConfigError(f"{tok_json}: cannot be read as a tokenizer ({e})") from None
+            self.name = f"tokenizer.json ({tok_json})"
+            self.encode = lambda text: self._tok.encode(text, add_special_tokens=False).ids
+        elif (checkpoint_dir / "tiktoken.model").is_file():
+            raise ConfigError(f"{checkpoint_dir / 'tiktoken.model'}: tiktoken tokenizers are not supported yet; "
+                              "tokenise elsewhere and pass the ids with --tokens FILE.npy")
+        else:
+            if vocab_size < 256:
+                raise ConfigError(f"{checkpoint_dir}: no tokenizer file, and byte-level ids need a vocabulary of at "
+                                  f"least 256 (vocab_size={vocab_size})")
+            self.name = "byte-level (no tokenizer file in the checkpoint)"
+            self.encode = lambda text: list(text.encode("utf-8"))
+
+
+def pack(token_lists, seq_len: int, max_tokens: int | None = None) -> np.ndarray:
+    """Concatenate documents and cut into [n_seq, seq_len] (the remainder shorter than a sequence is
+    dropped); at most max_tokens tokens."""
+    flat = np.fromiter((t for toks in token_lists for t in toks), dtype=np.int64)
+    if max_tokens is not None:
+        flat = flat[:max_tokens]
+    n_seq = len(flat) // seq_len
+    if n_seq == 0:
+        raise ConfigError(f"calibration data has {len(flat)} tokens, fewer than one sequence of seq_len={seq_len}")
+    return flat[: n_seq * seq_len].reshape(n_seq, seq_len).astype(np.int32)
+
+
+def text_tokens(paths, tokenizer: Tokenizer, seq_len: int, max_tokens: int | None = None) -> np.ndarray:
+    files = text_files(paths)
+    docs = []
+    for f in files:
+        docs.append(tokenizer.encode(f.read_text(encoding="utf-8", errors="replace")))
+        if max_tokens is not None and sum(map(len, docs)) >= max_tokens:
+            break
+    return pack(docs, seq_len, max_tokens)
+
+
+def npy_tokens(path, vocab_size: int, max_tokens: int | None = None) -> np.ndarray:
+    """Pre-tokenised ids [n_seq, seq_len] from a .npy file, checked."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"tokens file {path}: no such file")
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise ConfigError(f"tokens file {path}: not a numpy array file ({e})") from None
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(f"tokens file {path}: expected an integer array [n_seq, seq_len], got {ids.dtype} {ids.shape}")
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ConfigError(f"tokens file {path}: ids must lie in [0, vocab_size={vocab_size}), "
+                          f"got [{ids.min() if ids.size else '-'}, {ids.max() if ids.size else '-'}]")
+    if max_tokens is not None:
+        ids = ids[: max(1, max_tokens // ids.shape[1])]
+    return ids.astype(np.int32)

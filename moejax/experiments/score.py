@@ -1,0 +1,65 @@
+"""`python -m moejax.run experiment=score model.path=CKPT data.text=[...]`: the scoring pass of
+`moejax score` as a Hydra job (results.parquet = the scores table)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from moejax.errors import ConfigError
+from moejax.scoring.score_checkpoint import ALL_SCORES
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreConfig:
+    path: str = ""
+    text: tuple = ()
+    tokens: str | None = None
+    seq_len: int = 512
+    max_tokens: int | None = None
+    batch_size: int = 8
+    scores: tuple = ALL_SCORES
+
+    @classmethod
+    def from_mapping(cls, d: dict) -> "ScoreConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ConfigError(f"score: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        cfg = cls(**d)
+        if not cfg.path:
+            raise ConfigError("score: set model.path=CHECKPOINT_FOLDER")
+        return cfg
+
+
+Config = ScoreConfig
+
+
+def settings_from(cfg: dict) -> dict:
+    model, data = cfg.get("model") or {}, cfg.get("data") or {}
+    return {"path": model.get("path") or "", **data, "scores": cfg.get("scores") or ALL_SCORES}
+
+
+def run(cfg: ScoreConfig, progress=None):
+    from moejax.scoring.score_checkpoint import score_checkpoint
+
+    t0 = time.perf_counter()
+    df = score_checkpoint(cfg.path, text=list(cfg.text) or None, tokens=cfg.tokens, seq_len=cfg.seq_len,
+                          max_tokens=cfg.max_tokens, scores=list(cfg.scores), batch_size=cfg.batch_size)
+    return df, {"scoring_s": time.perf_counter() - t0}
+
+
+def summary_title(cfg: ScoreConfig) -> str:
+    return f"Spearman correlation of each score with frequency, mean over MoE layers ({cfg.path}):"
+
+
+def summary_table(df):
+    import pandas as pd
+
+    ranks = df.assign(rank=df.groupby(["layer", "score"])["value"].rank())
+    wide = ranks.pivot_table(index=["layer", "expert"], columns="score", values="rank")
+    if "frequency" not in wide:
+        return wide.describe()
+    corr = {l: g.corr()["frequency"] for l, g in wide.groupby(level="layer")}
+    return pd.DataFrame(corr).mean(axis=1).rename("spearman_vs_frequency").to_frame()

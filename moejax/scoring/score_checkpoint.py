@@ -1,0 +1,69 @@
+"""`moejax score`: every score of every MoE layer of a checkpoint from one streamed calibration
+pass, written as a tidy table (layer, expert, score, value) plus a JSON sidecar with the per-layer
+statistics and the run's settings. The scores file is what pruning and evaluation consume."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+from moejax.errors import ConfigError
+from moejax.scoring.scores import check_score_names, compute_scores
+
+ALL_SCORES = ("frequency", "reap", "reap_code", "ean", "w_mean", "bias", "signed", "l1", "random")
+
+
+def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, max_tokens: int | None = None,
+                     scores=ALL_SCORES, batch_size: int = 8, out=None, progress=None):
+    """Scores as a pandas DataFrame (layer, expert, score, value); written to `out` (parquet, plus
+    `out` with suffix .json) when given. Everything is checked before the pass starts."""
+    import jax
+    import pandas as pd
+
+    from moejax import __version__
+    from moejax.data import Tokenizer, npy_tokens, text_tokens
+    from moejax.hf.model_io import open_checkpoint
+    from moejax.results import write_json_atomic, write_parquet_atomic
+    from moejax.scoring.observe import calibrate_streamed
+
+    scores = check_score_names(scores)
+    if (text is None) == (tokens is None):
+        raise ConfigError("give calibration data as text paths or as a tokens .npy file (exactly one)")
+    if seq_len < 1 or batch_size < 1:
+        raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
+    ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
+    vocab = ckpt.config.vocab_size
+    if tokens is not None:
+        ids, tokenizer = npy_tokens(tokens, vocab, max_tokens), f"pre-tokenised ({tokens})"
+    else:
+        tok = Tokenizer(checkpoint, vocab)
+        ids, tokenizer = text_tokens(text if isinstance(text, (list, tuple)) else [text], tok, seq_len, max_tokens), \
+            tok.name
+        if ids.max() >= vocab:
+            raise ConfigError(f"tokenizer produced id {ids.max()} >= vocab_size={vocab}")
+    batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
+    t0 = time.perf_counter()
+    stats = calibrate_streamed(ckpt, batches, progress=progress)
+    seconds = time.perf_counter() - t0
+    rows = []
+    for layer, st in stats.items():
+        for name, values in compute_scores(st, scores).items():
+            rows += [{"layer": layer, "expert": e, "score": name, "value": float(v)} for e, v in enumerate(values)]
+    df = pd.DataFrame(rows, columns=["layer", "expert", "score", "value"])
+    if out is not None:
+        out = Path(out)
+        sidecar = {
+            "checkpoint": str(Path(checkpoint).resolve()), "tokens": int(ids.size), "sequences": int(len(ids)),
+            "seq_len": int(ids.shape[1]), "tokenizer": tokenizer, "scores": scores, "batch_size": batch_size,
+            "seconds": round(seconds, 3),
+            "versions": {"moejax": __version__, "jax": jax.__version__, "python": platform.python_version()},
+            "layers": {str(l): {"counts": st.counts_E.tolist(), "gate_norm_sum": st.gate_norm_sum_E.tolist(),
+                                "norm_sum": st.norm_sum_E.tolist(), "code_counts": st.code_counts_E.tolist(),
+                                "code_gate_norm_sum": st.code_gate_norm_sum_E.tolist(),
+                                "mean_input": st.mean_input_D.tolist()} for l, st in stats.items()},
+        }
+        write_json_atomic(out.with_suffix(".json"), sidecar)
+        write_parquet_atomic(df, out)  # last: its presence means the run completed
+    return df

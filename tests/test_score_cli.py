@@ -1,0 +1,115 @@
+"""`moejax score` and `experiment=score`: text or token input, the written files, and errors that
+leave nothing behind."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("transformers")
+
+from hf_fixtures import make_checkpoint  # noqa: E402
+
+from moejax import DeepseekV3ForCausalLM  # noqa: E402
+from moejax.cli import main  # noqa: E402
+from moejax.scoring.observe import calibrate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB_TEXT = Path(json.__file__).parent / "decoder.py"  # text that ships with Python
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("score") / "ckpt"
+    make_checkpoint(path, seed=11, vocab_size=300)  # >= 256: byte-level ids fit
+    return path
+
+
+def test_text_scoring_writes_table_and_sidecar_equal_to_in_memory_pass(ckpt, tmp_path):
+    out = tmp_path / "scores.parquet"
+    assert main(["score", str(ckpt), "--text", str(STDLIB_TEXT), "--seq-len", "16", "--max-tokens", "96",
+                 "--batch-size", "4", "--out", str(out)]) == 0
+    df = pd.read_parquet(out)
+    assert list(df.columns) == ["layer", "expert", "score", "value"]
+    assert sorted(df.layer.unique()) == [1, 2] and df.expert.nunique() == 8 and df.score.nunique() == 9
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["tokens"] == 96 and side["tokenizer"].startswith("byte-level")
+    ids = np.frombuffer(STDLIB_TEXT.read_text().encode("utf-8")[:96], np.uint8).astype(np.int32).reshape(6, 16)
+    want = calibrate(DeepseekV3ForCausalLM.from_pretrained(ckpt), [(ids[:4], None), (ids[4:], None)])
+    for layer, st in want.items():
+        np.testing.assert_array_equal(side["layers"][str(layer)]["counts"], st.counts_E)
+        freq = df[(df.layer == layer) & (df.score == "frequency")].sort_values("expert").value.to_numpy()
+        np.testing.assert_array_equal(freq, st.counts_E)
+
+
+def test_tokenizer_json_and_npy_tokens(ckpt, tmp_path):
+    from tokenizers import ByteLevelBPETokenizer
+
+    with_tok = tmp_path / "with_tok"
+    make_checkpoint(with_tok, seed=11, vocab_size=300)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([STDLIB_TEXT.read_text()], vocab_size=290, min_frequency=1)
+    bpe.save(str(with_tok / "tokenizer.json"))
+    out = tmp_path / "a.parquet"
+    assert main(["score", str(with_tok), "--text", str(STDLIB_TEXT.parent / "*.py"), "--seq-len", "32",
+                 "--max-tokens", "256", "--out", str(out)]) == 0
+    assert "tokenizer.json" in json.loads(out.with_suffix(".json").read_text())["tokenizer"]
+    ids = np.random.default_rng(0).integers(0, 300, size=(5, 12))
+    np.save(tmp_path / "ids.npy", ids)
+    out2 = tmp_path / "b.parquet"
+    assert main(["score", str(ckpt), "--tokens", str(tmp_path / "ids.npy"), "--scores", "frequency,l1",
+                 "--out", str(out2)]) == 0
+    df = pd.read_parquet(out2)
+    assert set(df.score) == {"frequency", "l1"}
+    assert df[df.score == "frequency"].groupby("layer").value.sum().tolist() == [5 * 12 * 2] * 2  # K=2
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--text", "/no/such/file.txt"], "no such file"),
+    (["--text", "{empty}"], "no text files"),
+    (["--text", str(STDLIB_TEXT), "--seq-len", "100000"], "fewer than one sequence"),
+    (["--text", str(STDLIB_TEXT), "--scores", "frequency,magic"], "valid scores"),
+    (["--tokens", "{bad_npy}"], "ids must lie in"),
+])
+def test_errors_are_clear_and_leave_no_file(ckpt, tmp_path, capsys, args, match):
+    (tmp_path / "empty").mkdir()
+    np.save(tmp_path / "bad.npy", np.full((2, 4), 999))
+    args = [a.format(empty=tmp_path / "empty", bad_npy=tmp_path / "bad.npy") for a in args]
+    out = tmp_path / "s.parquet"
+    assert main(["score", str(ckpt), *args, "--out", str(out)]) == 2
+    assert match in capsys.readouterr().err
+    assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+def test_non_deepseek_checkpoint_and_bad_tokenizer(ckpt, tmp_path, capsys):
+    import shutil
+
+    other = tmp_path / "llama"
+    shutil.copytree(ckpt, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    assert main(["score", str(other), "--text", str(STDLIB_TEXT), "--out", str(tmp_path / "x.parquet")]) == 2
+    assert "model_type='llama'" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    assert main(["score", str(broken), "--text", str(STDLIB_TEXT), "--out", str(tmp_path / "y.parquet")]) == 2
+    assert "tokenizer.json: cannot be read" in capsys.readouterr().err
+
+
+def test_hydra_score_experiment(ckpt, tmp_path):
+    ids = np.random.default_rng(1).integers(0, 300, size=(4, 8))
+    np.save(tmp_path / "ids.npy", ids)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "moejax.run", "experiment=score", f"model.path={ckpt}",
+                          f"data.tokens={tmp_path / 'ids.npy'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "spearman_vs_frequency" in out.stdout
+    df = pd.read_parquet(tmp_path / "run" / "results.parquet")
+    assert df.score.nunique() == 9
