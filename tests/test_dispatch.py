@@ -87,3 +87,15 @@ def test_sorted_backend_gradients_in_both_block_strategies(block_rows):
         x, w, lambda *a: D.sorted_pair_outputs(*a, block_rows=block_rows))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=2e-6 * float(jnp.abs(b).max()))
+
+
+@pytest.mark.parametrize("block_rows", [4, 64])
+def test_forward_only_skips_absent_pairs(block_rows):
+    x, r, w, fn, _ = setup(5)
+    idx = np.asarray(r.expert_idx_TK).copy()
+    absent = np.random.default_rng(0).random(idx.shape) < 0.6
+    idx[absent] = E  # "no expert"
+    got = D.sorted_pair_outputs(x, jnp.asarray(idx), w, fn, block_rows=block_rows, forward_only=True)
+    want = D.dense_pair_outputs(x, r.expert_idx_TK, w, fn)
+    np.testing.assert_allclose(got[~absent], want[~absent], rtol=1e-6, atol=1e-5)
+    assert float(jnp.abs(got[absent]).max()) == 0.0

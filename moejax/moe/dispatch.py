@@ -96,22 +96,42 @@ class BlockLayout:
         self.block_expert_N = jnp.minimum(
             jnp.searchsorted(padded_end_E, block_start_N, side="right"), n_experts - 1).astype(jnp.int32)
         self.group_sizes_E = group_sizes_E
+        self._padded_end_E = padded_end_E
+
+    def blocks_before_group(self, group: int) -> jax.Array:
+        """How many blocks the groups before `group` fill (a traced scalar)."""
+        return self._padded_end_E[group - 1] // self.block_rows
 
 
-def _default_block_rows(n_pairs: int, n_experts: int) -> int:
+def _default_block_rows(n_pairs: int, n_experts: int, weights) -> int:
     """Rows per block, balancing padded compute (about E * B / 2 rows) against per-block weight
-    traffic (n_blocks * D * F): the minimum of a * (M + E B / 2) + b * (M / B + E) is at
-    B = sqrt(2 M b / (E a)); with a CPU's ~10 flops per byte of memory bandwidth b/a ~ 20."""
-    b = int(max(8, min(256, (40 * n_pairs / n_experts) ** 0.5)))
-    return 1 << (b.bit_length() - 1)
+    cost (n_blocks * D * F): the minimum of a * (M + E B / 2) + b * (M / B + E) is at
+    B = sqrt(2 M b / (E a)). Measured on a 2-core CPU: b/a ~ 20 when every block's weights are
+    gathered for one batched matmul (small experts: the toy), b/a ~ 80 when large experts are read
+    in place by a loop over blocks (Moonlight-sized experts, scripts/bench_score.py)."""
+    def rule(cost_ratio):
+        b = int(max(8, min(256, (2 * cost_ratio * n_pairs / n_experts) ** 0.5)))
+        return 1 << (b.bit_length() - 1)
+
+    small = rule(20)
+    if all(w.shape[-1] <= small for w in jax.tree.leaves(weights)):
+        return small
+    return rule(80)
 
 
-def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int | None = None):
-    """Only the routed pairs, as a block-sparse grouped matmul. [T, K, D]."""
+def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int | None = None,
+                        forward_only: bool = False):
+    """Only the routed pairs, as a block-sparse grouped matmul. [T, K, D].
+
+    forward_only: pairs whose expert index is E (one past the last expert) are absent and output
+    zeros, and large experts loop over the blocks in use only (a dynamic trip count, so no
+    reverse-mode gradient): for computing a few extra pairs, e.g. a second routing's pairs that
+    the first did not already compute."""
     n_tokens, top_k = expert_idx_TK.shape
     n_experts = jax.tree.leaves(weights)[0].shape[0]
-    block_rows = block_rows or _default_block_rows(n_tokens * top_k, n_experts)
-    layout = BlockLayout(expert_idx_TK, n_experts, block_rows)
+    block_rows = block_rows or _default_block_rows(n_tokens * top_k, n_experts, weights)
+    layout = BlockLayout(expert_idx_TK, n_experts + 1 if forward_only else n_experts, block_rows)
+    block_expert_N = jnp.minimum(layout.block_expert_N, n_experts - 1)
     token_M = jnp.arange(n_tokens * top_k, dtype=jnp.int32) // top_k
     rows = layout.n_blocks * block_rows
     x_buf = jnp.zeros((rows, x_TD.shape[-1]), x_TD.dtype).at[layout.pair_slot_M].set(x_TD[token_M])
@@ -121,15 +141,21 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
         if w_EFG.shape[-1] <= block_rows:
             # Small experts: gathering each block's weights costs no more than its activations,
             # and one batched matmul over all blocks beats a loop.
-            return jnp.einsum("nbf,nfg->nbg", h_NBF, w_EFG[layout.block_expert_N], precision=jax.lax.Precision.HIGHEST)
+            return jnp.einsum("nbf,nfg->nbg", h_NBF, w_EFG[block_expert_N], precision=jax.lax.Precision.HIGHEST)
         # Large experts: a loop over blocks reads each block's expert weights in place instead of
         # materialising n_blocks copies of them.
-        return jax.lax.map(lambda hb: jnp.matmul(hb[0], w_EFG[hb[1]], precision=jax.lax.Precision.HIGHEST),
-                           (h_NBF, layout.block_expert_N))
+        def one(h_BF, e):
+            return jnp.matmul(h_BF, w_EFG[e], precision=jax.lax.Precision.HIGHEST)
+
+        if not forward_only:
+            return jax.lax.map(lambda he: one(*he), (h_NBF, block_expert_N))
+        out = jnp.zeros(h_NBF.shape[:2] + w_EFG.shape[-1:], h_NBF.dtype)
+        body = lambda i, o: o.at[i].set(one(h_NBF[i], block_expert_N[i]))  # noqa: E731
+        return jax.lax.fori_loop(0, layout.blocks_before_group(n_experts), body, out)
 
     y_NBD = expert_fn(block_linear, weights, x_NBD)
-    y_M = y_NBD.reshape(rows, -1)[layout.pair_slot_M]
-    return y_M.reshape(n_tokens, top_k, -1)
+    y_TKD = y_NBD.reshape(rows, -1)[layout.pair_slot_M].reshape(n_tokens, top_k, -1)
+    return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0) if forward_only else y_TKD
 
 
 def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
