@@ -127,11 +127,11 @@ def memory(tokens: int, layers: int) -> None:
         np.save(Path(tmp) / "ids.npy", ids)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "moejax.cli", "score", str(ckpt), "--tokens", str(Path(tmp) / "ids.npy"),
-                        "--batch-size", "1", "--out", str(Path(tmp) / "scores.parquet")],
+                        "--batch-size", "1", "--dtype", "bfloat16", "--out", str(Path(tmp) / "scores.parquet")],
                        check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         seconds = time.perf_counter() - t0
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        print(f"moejax score: {tokens} tokens, peak resident {peak_mb:.0f} MB (target < 3000 MB), "
+        print(f"moejax score --dtype bfloat16: {tokens} tokens, peak resident {peak_mb:.0f} MB (target < 3000 MB), "
               f"{seconds:.1f} s in all, {seconds / layers:.1f} s per layer")
 
 

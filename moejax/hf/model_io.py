@@ -153,7 +153,10 @@ class OpenCheckpoint:
         """Materialise `abstract` (an nnx.eval_shape'd module) with the tensors of `specs`, whose
         parameter paths are relative to the module once `prefix` is removed. Reads one tensor at a
         time; quantised tensors are decoded."""
-        buffers = {}
+        remaining = {}
+        for s in specs:
+            remaining[s.param] = remaining.get(s.param, 0) + 1
+        buffers, arrays = {}, {}
         for s in specs:
             path = s.param[len(prefix):]
             target = np.float32 if s.param.endswith(_ALWAYS_F32) else dtype
@@ -167,9 +170,11 @@ class OpenCheckpoint:
                 buf[...] = value.astype(buf.dtype)
             else:
                 buf[s.expert] = value.astype(buf.dtype)
+            remaining[s.param] -= 1
+            if not remaining[s.param]:  # complete: hand it to JAX and free the host copy now
+                arrays[path] = jnp.asarray(buffers.pop(path))
         graphdef, state = nnx.split(abstract)
-        flat = [(p, v.replace(jnp.asarray(buffers[".".join(str(x) for x in p)])))
-                for p, v in nnx.to_flat_state(state)]
+        flat = [(p, v.replace(arrays[".".join(str(x) for x in p)])) for p, v in nnx.to_flat_state(state)]
         return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

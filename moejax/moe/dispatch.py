@@ -145,7 +145,12 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
         # Large experts: a loop over blocks reads each block's expert weights in place instead of
         # materialising n_blocks copies of them.
         def one(h_BF, e):
-            return jnp.matmul(h_BF, w_EFG[e], precision=jax.lax.Precision.HIGHEST)
+            # Compute in float32 from the sliced expert. (XLA's loop-invariant code motion still
+            # hoists the conversion of a bfloat16 stack out of the loop, a float32 copy of all
+            # experts; `moejax score` turns that pass off for its memory budget, see moejax.cli.)
+            w_FG = jax.lax.dynamic_index_in_dim(w_EFG, e, keepdims=False)
+            return jnp.matmul(h_BF.astype(jnp.float32), w_FG.astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST).astype(h_BF.dtype)
 
         if not forward_only:
             return jax.lax.map(lambda he: one(*he), (h_NBF, block_expert_N))

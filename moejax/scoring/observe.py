@@ -109,4 +109,5 @@ def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None) ->
         acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
         accumulate_layer(moe, router_inputs, masks, acc)
         stats[layer] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.bias[...]), layer=layer)
+        del moe, router_inputs  # before the next layer's weights are read: one layer in memory at a time
     return stats

@@ -16,9 +16,11 @@ ALL_SCORES = ("frequency", "reap", "reap_code", "ean", "w_mean", "bias", "signed
 
 
 def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, max_tokens: int | None = None,
-                     scores=ALL_SCORES, batch_size: int = 8, out=None, progress=None):
+                     scores=ALL_SCORES, batch_size: int = 8, out=None, progress=None, dtype="float32"):
     """Scores as a pandas DataFrame (layer, expert, score, value); written to `out` (parquet, plus
-    `out` with suffix .json) when given. Everything is checked before the pass starts."""
+    `out` with suffix .json) when given. Everything is checked before the pass starts.
+    dtype: compute dtype of the pass ("float32", or "bfloat16" to halve the memory of a layer;
+    routers and statistics stay float32/float64 either way)."""
     import jax
     import pandas as pd
 
@@ -29,6 +31,8 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, 
     from moejax.scoring.observe import calibrate_streamed
 
     scores = check_score_names(scores)
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
     if (text is None) == (tokens is None):
         raise ConfigError("give calibration data as text paths or as a tokens .npy file (exactly one)")
     if seq_len < 1 or batch_size < 1:
@@ -45,7 +49,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, 
             raise ConfigError(f"tokenizer produced id {ids.max()} >= vocab_size={vocab}")
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     t0 = time.perf_counter()
-    stats = calibrate_streamed(ckpt, batches, progress=progress)
+    stats = calibrate_streamed(ckpt, batches, dtype=jax.numpy.dtype(dtype), progress=progress)
     seconds = time.perf_counter() - t0
     rows = []
     for layer, st in stats.items():
@@ -56,7 +60,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, 
         out = Path(out)
         sidecar = {
             "checkpoint": str(Path(checkpoint).resolve()), "tokens": int(ids.size), "sequences": int(len(ids)),
-            "seq_len": int(ids.shape[1]), "tokenizer": tokenizer, "scores": scores, "batch_size": batch_size,
+            "seq_len": int(ids.shape[1]), "tokenizer": tokenizer, "scores": scores, "batch_size": batch_size, "dtype": dtype,
             "seconds": round(seconds, 3),
             "versions": {"moejax": __version__, "jax": jax.__version__, "python": platform.python_version()},
             "layers": {str(l): {"counts": st.counts_E.tolist(), "gate_norm_sum": st.gate_norm_sum_E.tolist(),
