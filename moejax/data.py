@@ -1,9 +1,10 @@
 """Calibration data: local text (files, folders, globs) tokenised with the checkpoint's own
 tokenizer, packed into sequences; or pre-tokenised ids from a .npy file.
 
-Tokenizers: `tokenizer.json` (through the `tokenizers` package) when the checkpoint has one;
-byte-level ids (UTF-8 bytes) when it has none. A checkpoint with only `tiktoken.model` (Kimi,
-Moonlight) is refused with a message: pass pre-tokenised ids instead.
+Tokenizers: `tokenizer.json` (through the `tokenizers` package) when the checkpoint has one; a
+tiktoken `tiktoken.model` (Kimi-K2, Moonlight; through the `tiktoken` package, the optional extra
+`moejax[tiktoken]`) with the split pattern of Moonshot's tokenization_kimi.py; byte-level ids
+(UTF-8 bytes) when the checkpoint has neither. Special tokens are never produced from text.
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ import numpy as np
 from moejax.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
+
+# The pre-tokenisation pattern of Moonshot's tiktoken tokenizers (tokenization_kimi.py, also
+# Moonlight's tokenization_moonshot.py): Han runs, cased words with contractions, 1-3 digits, ...
+KIMI_PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
 
 
 def text_files(paths) -> list[Path]:
@@ -50,8 +64,21 @@ class Tokenizer:
             self.name = f"tokenizer.json ({tok_json})"
             self.encode = lambda text: self._tok.encode(text, add_special_tokens=False).ids
         elif (checkpoint_dir / "tiktoken.model").is_file():
-            raise ConfigError(f"{checkpoint_dir / 'tiktoken.model'}: tiktoken tokenizers are not supported yet; "
-                              "tokenise elsewhere and pass the ids with --tokens FILE.npy")
+            model = checkpoint_dir / "tiktoken.model"
+            try:
+                import tiktoken
+                from tiktoken.load import load_tiktoken_bpe
+            except ImportError:
+                raise ConfigError(f"{model}: reading it needs the tiktoken package "
+                                  "(pip install 'moejax[tiktoken]'), or pass ids with --tokens FILE.npy") from None
+            try:
+                ranks = load_tiktoken_bpe(str(model))
+            except Exception as e:  # tiktoken raises plain exceptions for malformed files
+                raise ConfigError(f"{model}: cannot be read as a tiktoken BPE file ({e})") from None
+            self._tok = tiktoken.Encoding(name=model.parent.name, pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
+                                          special_tokens={})
+            self.name = f"tiktoken.model ({model}, {len(ranks)} ranks, Kimi split pattern)"
+            self.encode = self._tok.encode_ordinary
         else:
             if vocab_size < 256:
                 raise ConfigError(f"{checkpoint_dir}: no tokenizer file, and byte-level ids need a vocabulary of at "

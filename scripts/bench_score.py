@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -125,12 +124,17 @@ def memory(tokens: int, layers: int) -> None:
               f"{time.perf_counter() - t0:.0f} s")
         ids = rng.integers(0, cfg.vocab_size, size=(tokens // 512, 512))
         np.save(Path(tmp) / "ids.npy", ids)
+        # The child reports its own peak (VmHWM): getrusage(RUSAGE_CHILDREN) would count this
+        # process's memory, which a forked child shares until it execs.
+        code = ("import sys, moejax.cli as c; rc = c.main(sys.argv[1:]); "
+                "print('VmHWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0]); sys.exit(rc)")
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "moejax.cli", "score", str(ckpt), "--tokens", str(Path(tmp) / "ids.npy"),
-                        "--batch-size", "1", "--dtype", "bfloat16", "--out", str(Path(tmp) / "scores.parquet")],
-                       check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        run = subprocess.run([sys.executable, "-c", code, "score", str(ckpt), "--tokens", str(Path(tmp) / "ids.npy"),
+                              "--batch-size", "1", "--dtype", "bfloat16", "--out", str(Path(tmp) / "scores.parquet")],
+                             check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
         seconds = time.perf_counter() - t0
-        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        print(run.stdout.strip().splitlines()[0])
+        peak_mb = int(run.stdout.split("VmHWM")[1].split()[0]) / 1024
         print(f"moejax score --dtype bfloat16: {tokens} tokens, peak resident {peak_mb:.0f} MB (target < 3000 MB), "
               f"{seconds:.1f} s in all, {seconds / layers:.1f} s per layer")
 

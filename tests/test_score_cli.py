@@ -113,3 +113,23 @@ def test_hydra_score_experiment(ckpt, tmp_path):
     assert "spearman_vs_frequency" in out.stdout
     df = pd.read_parquet(tmp_path / "run" / "results.parquet")
     assert df.score.nunique() == 9
+
+
+def test_tiktoken_model_with_kimi_split_pattern(tmp_path):
+    import base64
+
+    from moejax.data import Tokenizer
+
+    pytest.importorskip("tiktoken")
+    ckpt = tmp_path / "kimi_like"
+    make_checkpoint(ckpt, seed=12, vocab_size=300)
+    ranks = [bytes([i]) for i in range(256)] + [b"de", b"def", b"12", b"123", b"1234"]
+    (ckpt / "tiktoken.model").write_text(
+        "".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    tok = Tokenizer(ckpt, vocab_size=300)
+    # "def" merges; digits are split in runs of at most 3 before merging, so "1234" never forms
+    assert tok.encode("def x123456") == [257, 32, 120, 259, 52, 53, 54]  # 259 = "123", 260 = "1234"
+    out = tmp_path / "k.parquet"
+    assert main(["score", str(ckpt), "--text", str(STDLIB_TEXT), "--seq-len", "16", "--max-tokens", "64",
+                 "--out", str(out)]) == 0
+    assert "tiktoken.model" in json.loads(out.with_suffix(".json").read_text())["tokenizer"]
