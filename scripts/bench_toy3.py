@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import best_of  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,14 +128,6 @@ def numpy_toy3(cfg, inputs, seeds):
 # --------------------------------------------------------------------------------------------
 # Timing
 
-def _time(fn, repeat=1):
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
 
 def _cold_run_seconds(seeds: int) -> float:
     """moejax's toy3 in a fresh process with the persistent cache off: compilation included."""
@@ -165,19 +160,20 @@ def main():
 
     cold = _cold_run_seconds(args.seeds)
     toy3.run(cfg)  # compile in this process
-    warm = _time(lambda: toy3.run(cfg), repeat=2)
+    warm = best_of(lambda: toy3.run(cfg), repeat=2)
     inputs = toy3.draw_inputs(cfg, seeds)
-    t_np = _time(lambda: numpy_toy3(cfg, inputs, seeds))
+    t_np = best_of(lambda: numpy_toy3(cfg, inputs, seeds), repeat=1)
     print(f"\nfull run   numpy {t_np:7.2f} s | moejax compiled {warm:6.2f} s  -> {t_np / warm:5.1f}x"
           f" | moejax incl. compilation {cold:6.2f} s -> {t_np / cold:5.1f}x")
 
     # The balancing loop alone: every (seed, offset) balanced, 300 steps.
     s_all = [1 / (1 + np.exp(-(inp["x_cal"][o] @ inp["router"].T))) for inp in inputs for o in range(2)]
-    t_bal_np = _time(lambda: [np_balance(s, cfg.balance_steps, cfg.balance_rate, cfg.top_k) for s in s_all])
+    t_bal_np = best_of(lambda: [np_balance(s, cfg.balance_steps, cfg.balance_rate, cfg.top_k) for s in s_all],
+                       repeat=1)
     logits = jnp.asarray(np.stack([np.log(s / (1 - s)) for s in s_all]))
     bal = jax.jit(lambda lg: balance_bias(lg, ToyMoE.router_cfg_for(cfg.top_k), cfg.balance_steps, cfg.balance_rate))
     bal(logits).block_until_ready()
-    t_bal = _time(lambda: bal(logits).block_until_ready(), repeat=2)
+    t_bal = best_of(lambda: bal(logits).block_until_ready(), repeat=2)
     print(f"balancing  numpy {t_bal_np:7.2f} s | moejax {t_bal:6.2f} s  -> {t_bal_np / t_bal:5.1f}x"
           f"   ({len(s_all)} loops x {cfg.balance_steps} steps x {cfg.n_calib} tokens)")
 
@@ -188,12 +184,12 @@ def main():
     idx = model.route(x).expert_idx_TK
     routed = jax.jit(lambda x, i, w: dispatch.pair_outputs(x, i, w, dispatch.relu_mlp, "sorted"))
     routed(x, idx, w).block_until_ready()
-    t_routed = _time(lambda: routed(x, idx, w).block_until_ready(), repeat=5)
+    t_routed = best_of(lambda: routed(x, idx, w).block_until_ready(), repeat=5)
     flops = 2 * 2 * idx.size * cfg.d_model * cfg.d_hidden
     a = jax.random.normal(jax.random.key(0), (1024, 1024))
     mm = jax.jit(lambda a: a @ a)
     mm(a).block_until_ready()
-    t_mm = _time(lambda: mm(a).block_until_ready(), repeat=5)
+    t_mm = best_of(lambda: mm(a).block_until_ready(), repeat=5)
     rate_routed, rate_dense = flops / t_routed / 1e9, 2 * 1024 ** 3 / t_mm / 1e9
     print(f"routed experts {rate_routed:6.1f} GFLOP/s (sorted backend, {idx.size} pairs) vs dense matmul "
           f"{rate_dense:6.1f} GFLOP/s -> {rate_routed / rate_dense:.2f} of dense")
