@@ -7,7 +7,12 @@ rows wide so routing is decisive, weights large enough that activations are not 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+
+from moejax.hf import quant
+from moejax.hf.safetensors_io import CheckpointReader, write_checkpoint
 
 BASE = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -22,8 +27,9 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 50000.0}
 
 
-def make_checkpoint(path, seed=0, dtype="float32", **overrides):
-    """Save a random transformers DeepseekV3ForCausalLM to `path`; returns the torch model (eval)."""
+def make_checkpoint(path, seed=0, dtype="float32", max_shard_size=None, **overrides):
+    """Save a random transformers DeepseekV3ForCausalLM to `path` (sharded when max_shard_size,
+    e.g. "200KB", is given); returns the torch model (eval)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -44,7 +50,7 @@ def make_checkpoint(path, seed=0, dtype="float32", **overrides):
                 m.e_score_correction_bias.normal_(0, 0.3)
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 
@@ -72,3 +78,44 @@ def reference(model, ids, mask):
     for h in hooks:
         h.remove()
     return out.logits.float().numpy(), chosen
+
+
+# --- rewriting a checkpoint tensor by tensor (quantised variants, extra tensors) ---------------
+
+EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+ATTN = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight$")
+QUANT_CONFIGS = {
+    "fp8_block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128]},
+    "int4_pack": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                      "num_bits": 4, "type": "int", "symmetric": True, "group_size": 32, "strategy": "group"}}}},
+    "mxfp4": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 4, "type": "float", "group_size": 32}}}},
+}
+
+
+def rewrite(src, dst, transform=lambda name, reader: [(name, reader.read(name))], config_update=None, **kw):
+    """A copy of `src` whose tensors go through `transform` (name -> list of (name, value))."""
+    reader = CheckpointReader(src)
+    config = {**reader.config(), **(config_update or {})}
+    tensors = (item for name in reader.keys() for item in transform(name, reader))
+    return write_checkpoint(dst, tensors, config, **kw)
+
+
+def quantize(fmt):
+    def transform(name, reader):
+        w = reader.read(name)
+        if not (EXPERT.search(name) or (fmt == "fp8_block" and ATTN.search(name))):
+            return [(name, w)]
+        stem = name[: -len("weight")]
+        if fmt == "fp8_block":
+            q, scale_inv = quant.quantize_fp8_block(w)
+            return [(name, q), (stem + "weight_scale_inv", scale_inv)]
+        if fmt == "int4_pack":
+            packed, scale, shape = quant.pack_int4(w, 32)
+            return [(stem + "weight_packed", packed), (stem + "weight_scale", scale), (stem + "weight_shape", shape)]
+        packed, scale = quant.quantize_mxfp4(w)
+        return [(stem + "weight_packed", packed), (stem + "weight_scale", scale)]
+    return transform

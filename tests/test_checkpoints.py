@@ -2,7 +2,6 @@
 and every kind of bad input failing with the file and tensor named."""
 
 import json
-import re
 import shutil
 
 import jax.numpy as jnp
@@ -11,57 +10,18 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_fixtures import make_checkpoint  # noqa: E402
+from hf_fixtures import QUANT_CONFIGS, make_checkpoint, quantize, rewrite  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.errors import CheckpointError  # noqa: E402
 from moejax.hf import quant  # noqa: E402
-from moejax.hf.safetensors_io import CheckpointReader, RawTensor, write_checkpoint  # noqa: E402
-
-EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-ATTN = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight$")
-QUANT_CONFIGS = {
-    "fp8_block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                  "weight_block_size": [128, 128]},
-    "int4_pack": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                      "num_bits": 4, "type": "int", "symmetric": True, "group_size": 32, "strategy": "group"}}}},
-    "mxfp4": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                  "num_bits": 4, "type": "float", "group_size": 32}}}},
-}
-
+from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "src"
     make_checkpoint(path, seed=5)
     return path
-
-
-def rewrite(src, dst, transform=lambda name, reader: [(name, reader.read(name))], config_update=None, **kw):
-    """A copy of `src` whose tensors go through `transform` (name -> list of (name, value))."""
-    reader = CheckpointReader(src)
-    config = {**reader.config(), **(config_update or {})}
-    tensors = (item for name in reader.keys() for item in transform(name, reader))
-    return write_checkpoint(dst, tensors, config, **kw)
-
-
-def quantize(fmt):
-    def transform(name, reader):
-        w = reader.read(name)
-        if not (EXPERT.search(name) or (fmt == "fp8_block" and ATTN.search(name))):
-            return [(name, w)]
-        stem = name[: -len("weight")]
-        if fmt == "fp8_block":
-            q, scale_inv = quant.quantize_fp8_block(w)
-            return [(name, q), (stem + "weight_scale_inv", scale_inv)]
-        if fmt == "int4_pack":
-            packed, scale, shape = quant.pack_int4(w, 32)
-            return [(stem + "weight_packed", packed), (stem + "weight_scale", scale), (stem + "weight_shape", shape)]
-        packed, scale = quant.quantize_mxfp4(w)
-        return [(stem + "weight_packed", packed), (stem + "weight_scale", scale)]
-    return transform
 
 
 @pytest.mark.parametrize("fmt", list(QUANT_CONFIGS))

@@ -11,6 +11,7 @@ buffer. Offsets in the header are relative to the buffer; the tensors must tile 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -337,6 +338,17 @@ class CheckpointReader:
     def config(self) -> dict:
         return read_json_object(self.directory / CONFIG_NAME)
 
+    def has_index(self) -> bool:
+        return self._index_path.exists()
+
+    def names_in(self, path: Path) -> list[str]:
+        """The tensors the weight map puts in shard `path`, sorted."""
+        return sorted(name for name, shard in self._weight_map.items() if shard == path)
+
+    def shard(self, path: Path) -> SafetensorsFile:
+        """The parsed header of one shard file (its metadata, its tensors' infos)."""
+        return self._shard(path)
+
     def _shard(self, path: Path) -> SafetensorsFile:
         if path not in self._headers:
             self._headers[path] = SafetensorsFile(path)
@@ -396,7 +408,9 @@ class _PendingTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    payload: bytes | np.ndarray  # raw bytes, or a flat uint8 view of a little-endian C-contiguous array
+    # raw bytes, a flat uint8 view of a little-endian C-contiguous array, or a tensor of another
+    # safetensors file copied by byte range
+    payload: bytes | np.ndarray | TensorInfo
     nbytes: int
 
 
@@ -422,15 +436,12 @@ def write_checkpoint(
     because transformers refuses files without it.
     """
     out_dir = Path(out_dir)
-    _check_destination(out_dir, overwrite, protect)
+    check_destination(out_dir, overwrite, protect)
     _check_extra_file_names(extra_files or {}, config is not None)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"{out_dir}: max_shard_bytes must be positive, got {max_shard_bytes}")
     header_metadata = _check_metadata({**DEFAULT_METADATA, **(metadata or {})}, out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(6)}"
-    staging.mkdir()
-    try:
+    with staged_directory(out_dir, overwrite) as staging:
         _write_shards(staging, tensors, max_shard_bytes, header_metadata)
         if config is not None:
             (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -438,14 +449,25 @@ def write_checkpoint(
             target = staging / relative_name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
+    return out_dir
+
+
+@contextlib.contextmanager
+def staged_directory(out_dir: Path, overwrite: bool) -> Iterator[Path]:
+    """A hidden sibling folder to write into; renamed to out_dir when the block completes, removed
+    when it raises (or is interrupted), so out_dir is either complete or untouched."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(6)}"
+    staging.mkdir()
+    try:
+        yield staging
         _move_into_place(staging, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out_dir
 
 
-def _check_destination(out_dir: Path, overwrite: bool, protect: str | os.PathLike | None) -> None:
+def check_destination(out_dir: Path, overwrite: bool, protect: str | os.PathLike | None) -> None:
     """Refuse before any work: an existing folder without overwrite, or a path that would write
     into the source checkpoint or (by replacing a parent folder) delete it."""
     if protect is not None:
@@ -519,8 +541,10 @@ def _pending_tensors(tensors: Iterable) -> Iterator[_PendingTensor]:
         yield _as_pending(name, value)
 
 
-def _as_pending(name: str, value: np.ndarray | RawTensor) -> _PendingTensor:
+def _as_pending(name: str, value: np.ndarray | RawTensor | TensorInfo) -> _PendingTensor:
     where = f"tensor {name!r}"
+    if isinstance(value, TensorInfo):
+        return _PendingTensor(name, value.dtype, value.shape, value, value.nbytes)
     if isinstance(value, RawTensor):
         shape = tuple(value.shape)
         if not all(_is_natural(dim) for dim in shape):
@@ -573,7 +597,55 @@ def _write_safetensors(path: Path, tensors: list[_PendingTensor], metadata: dict
         handle.write(struct.pack("<Q", len(header_bytes)))
         handle.write(header_bytes)
         for tensor in ordered:
-            handle.write(tensor.payload)
+            if isinstance(tensor.payload, TensorInfo):
+                handle.flush()
+                _copy_file_range(tensor.payload, handle.fileno())
+                handle.seek(0, os.SEEK_END)
+            else:
+                handle.write(tensor.payload)
+
+
+def write_safetensors_file(path: str | os.PathLike,
+                           tensors: Iterable[tuple[str, np.ndarray | RawTensor | TensorInfo]],
+                           metadata: dict[str, str] | None = None) -> int:
+    """Write one safetensors file and return its tensor data bytes. A `TensorInfo` value (a tensor
+    of another file, from `SafetensorsFile.info`) is copied by byte range, in the kernel where the
+    platform allows, so carrying a tensor over costs no memory; this is how checkpoint surgery
+    streams a shard through with every untouched tensor byte-identical."""
+    path = Path(path)
+    pending = list(_pending_tensors(tensors))
+    _write_safetensors(path, pending, _check_metadata({**DEFAULT_METADATA, **(metadata or {})}, path))
+    return sum(tensor.nbytes for tensor in pending)
+
+
+_COPY_CHUNK = 64 * 2**20
+
+
+def _copy_file_range(info: TensorInfo, out_fd: int) -> None:
+    """Append the bytes of `info` to out_fd: os.copy_file_range (no user-space buffer) when the
+    kernel supports it for these files, else 64 MB chunks through memory."""
+    with open(info.file, "rb", buffering=0) as source:
+        copied = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while copied < info.nbytes:
+                    count = os.copy_file_range(source.fileno(), out_fd, min(info.nbytes - copied, 2**30),
+                                               info.begin + copied)
+                    if count == 0:
+                        break
+                    copied += count
+            except OSError:  # e.g. EXDEV across file systems on old kernels: fall back below
+                pass
+        source.seek(info.begin + copied)
+        while copied < info.nbytes:
+            chunk = source.read(min(_COPY_CHUNK, info.nbytes - copied))
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(out_fd, view):]
+            copied += len(chunk)
+    _check_complete_read(info, copied)
 
 
 def _element_bytes(dtype: str) -> int:

@@ -41,3 +41,21 @@ def select_kept(score_E: np.ndarray, keep: int) -> np.ndarray:
     mask = np.zeros(score.shape[0], bool)
     mask[order[:keep]] = True
     return mask
+
+
+def select_kept_grouped(score_E: np.ndarray, keep: int, n_group: int) -> np.ndarray:
+    """Boolean mask keeping keep / n_group experts in every routing group (groups are contiguous
+    blocks of E / n_group experts), so that after renumbering every kept expert is still in its
+    group. Within a group, the same ranking and ties as `select_kept`."""
+    score = np.asarray(score_E, np.float64)
+    E = score.shape[0]
+    if keep % n_group:
+        raise ConfigError(f"keep={keep} is not divisible by n_group={n_group}: group-aware pruning keeps "
+                          f"an equal number per group (choose a multiple of {n_group})")
+    size = E // n_group
+    return np.concatenate([select_kept(score[g * size:(g + 1) * size], keep // n_group) for g in range(n_group)])
+
+
+def group_counts(mask_E: np.ndarray, n_group: int) -> np.ndarray:
+    """Kept experts per routing group."""
+    return np.asarray(mask_E, bool).reshape(n_group, -1).sum(axis=1)

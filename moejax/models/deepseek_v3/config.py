@@ -113,6 +113,11 @@ class DeepseekV3Config:
         if d.get("head_dim", rope_dim) != rope_dim:
             problems.append(f"head_dim={d['head_dim']} differs from qk_rope_head_dim={rope_dim} "
                             "(transformers would use head_dim as the rope dimension)")
+        sparsity = d.get("moe_sparsity_config") or {}
+        counts = {n for n in sparsity.get("num_experts") or [] if n is not None}
+        if len(counts) > 1:
+            problems.append(f"moe_sparsity_config.num_experts gives layers different expert counts {sorted(counts)} "
+                            "(per-layer expert counts are not implemented; prune with one keep for every layer)")
         rope = _rope_from_dict(d, problems)
         if problems:
             raise ConfigError(f"{source}: not implemented: " + "; ".join(problems))

@@ -1,0 +1,121 @@
+"""The MoE structure of a checkpoint, from its tensor names and headers alone.
+
+Checkpoint tools (prune, inspect, diff) work on any DeepSeek-V3-family checkpoint without building
+a model, so they need to know, per decoder layer: which tensor is the router
+(`...mlp.gate.weight`, one row per routed expert), which is the balance bias
+(`...mlp.gate.e_score_correction_bias`), and which tensors belong to routed expert `e`
+(`...mlp.experts.{e}.*`, quantisation companions included). Everything else (attention, norms,
+shared experts, dense MLPs, embeddings) is "other". MTP layers (index >= num_hidden_layers) are MoE
+layers like any other here; callers decide what to do with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from moejax.errors import CheckpointError
+from moejax.hf.safetensors_io import CheckpointReader
+
+_EXPERT = re.compile(r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.)experts\.(?P<expert>\d+)\.(?P<rest>.+)$")
+_ROUTER = re.compile(r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.)gate\.weight$")
+_BIAS = re.compile(r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.)gate\.e_score_correction_bias$")
+_DECODER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.")
+
+
+@dataclasses.dataclass
+class MoeLayer:
+    """One MoE layer's routed-expert tensors and router, by name."""
+
+    layer: int
+    stem: str                                  # "model.layers.3.mlp."
+    router: str                                # stem + "gate.weight", rows = experts
+    bias: str | None                           # stem + "gate.e_score_correction_bias"
+    experts: dict[int, list[str]]              # expert index -> its tensors (sorted names)
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.experts)
+
+    def expert_tensor(self, expert: int, rest: str) -> str:
+        return f"{self.stem}experts.{expert}.{rest}"
+
+    def rests(self) -> list[str]:
+        """Tensor suffixes after `experts.{e}.` (the same for every expert, checked)."""
+        prefix = len(self.expert_tensor(0, ""))
+        return [name[prefix:] for name in self.experts[0]]
+
+
+@dataclasses.dataclass
+class CheckpointLayout:
+    moe_layers: dict[int, MoeLayer]            # layer index -> MoE layer, ascending
+    decoder_layers: list[int]                  # every `layers.{l}.` index seen, ascending
+    other: list[str]                           # every tensor that is not a routed expert, router or bias
+
+    def routed_names(self) -> set[str]:
+        return {n for ml in self.moe_layers.values() for names in ml.experts.values() for n in names}
+
+    def router_names(self) -> set[str]:
+        return {n for ml in self.moe_layers.values() for n in (ml.router, ml.bias) if n}
+
+
+def checkpoint_layout(reader: CheckpointReader) -> CheckpointLayout:
+    """Group a checkpoint's tensors into MoE layers; every inconsistency (experts numbered with
+    gaps, experts with different tensor sets, a router whose row count is not the expert count, a
+    bias of the wrong length) is collected and raised together. Reads headers only."""
+    routers, biases, experts, other, decoder = {}, {}, {}, [], set()
+    stems: dict[int, str] = {}
+    for name in reader.keys():
+        if m := _DECODER.match(name):
+            decoder.add(int(m["layer"]))
+        if m := _EXPERT.match(name):
+            layer = int(m["layer"])
+            experts.setdefault(layer, {}).setdefault(int(m["expert"]), []).append(name)
+            stems[layer] = m["stem"]
+        elif m := _ROUTER.match(name):
+            routers[int(m["layer"])] = name
+            stems[int(m["layer"])] = m["stem"]
+        elif m := _BIAS.match(name):
+            biases[int(m["layer"])] = name
+        else:
+            other.append(name)
+    problems, layers = [], {}
+    for layer in sorted(set(routers) | set(experts)):
+        if layer not in routers:
+            problems.append(f"layer {layer}: routed experts but no router tensor {stems[layer]}gate.weight")
+            continue
+        if layer not in experts:  # a gate.weight without experts is not an MoE router: leave it alone
+            other.append(routers.pop(layer))
+            continue
+        ml = MoeLayer(layer, stems[layer], routers[layer], biases.get(layer),
+                      {e: sorted(names) for e, names in sorted(experts[layer].items())})
+        problems += _check_layer(ml, reader)
+        layers[layer] = ml
+    for layer in sorted(set(biases) - set(layers)):
+        other.append(biases[layer])
+    if problems:
+        raise CheckpointError(f"{reader.directory}: MoE tensors are inconsistent:\n  " + "\n  ".join(problems))
+    return CheckpointLayout(layers, sorted(decoder), sorted(other))
+
+
+def _check_layer(ml: MoeLayer, reader: CheckpointReader) -> list[str]:
+    problems = []
+    E = ml.n_experts
+    if sorted(ml.experts) != list(range(E)):
+        missing = sorted(set(range(max(ml.experts) + 1)) - set(ml.experts))
+        problems.append(f"layer {ml.layer}: experts numbered with gaps (missing {missing[:8]})")
+        return problems
+    reference = ml.rests()
+    for e in range(1, E):
+        rests = [n[len(ml.expert_tensor(e, "")):] for n in ml.experts[e]]
+        if rests != reference:
+            problems.append(f"layer {ml.layer}: expert {e} has tensors {rests}, expert 0 has {reference}")
+            break
+    router = reader.info(ml.router)
+    if len(router.shape) != 2 or router.shape[0] != E:
+        problems.append(f"{ml.router}: shape {list(router.shape)}, expected [{E}, hidden] for {E} experts")
+    if ml.bias is not None:
+        bias = reader.info(ml.bias)
+        if tuple(bias.shape) != (E,):
+            problems.append(f"{ml.bias}: shape {list(bias.shape)}, expected [{E}]")
+    return problems

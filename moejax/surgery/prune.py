@@ -1,0 +1,325 @@
+"""`moejax prune SRC DST`: a pruned Hugging Face checkpoint, written shard by shard.
+
+Two steps, both explicit so each can be read and tested alone:
+
+1. `plan_pruning` decides, from the router tensors (data-free scores) or a scores file, which
+   experts every MoE layer keeps (SPEC section 2: keep counts or ratios, the routing floor, ties to
+   the lower index, routing groups), and what the new config.json says. No expert data is read.
+2. `write_pruned` streams every source shard into a shard of the same name: dropped experts'
+   tensors are left out, kept experts are renamed to their new index in ascending source order
+   (quantisation companions travel with them, since they are `experts.{e}.*` tensors too), router
+   rows and bias entries are sliced as bytes, and every other tensor is copied by byte range. So
+   every surviving byte is the source's byte, and memory stays at about one router tensor.
+
+The output is written to a hidden sibling folder and renamed at the end (never a half-written
+DST), beside a `pruning.json` recording the source, the score, the keep and the kept source
+indices per layer, which `moejax diff` can check against the files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moejax.errors import CheckpointError, ConfigError
+from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout
+from moejax.hf.safetensors_io import (CONFIG_NAME, INDEX_NAME, CheckpointReader, RawTensor, check_destination,
+                                      staged_directory, write_safetensors_file)
+from moejax.scoring.scores import SCORES, LayerStats, compute_scores
+from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
+
+PRUNING_RECORD = "pruning.json"
+DATA_FREE_SCORES = ("bias", "signed", "l1", "random")  # need the router tensors only
+
+
+@dataclasses.dataclass(frozen=True)
+class PrunePlan:
+    kept: dict[int, list[int]]       # MoE layer -> kept source expert indices, ascending
+    n_experts: dict[int, int]        # MoE layer -> source expert count
+    dropped_layers: tuple[int, ...]  # MTP layers removed entirely (--drop-mtp)
+    config: dict                     # the pruned checkpoint's config.json
+    groups: str                      # "none" | "preserved" | "collapsed"
+    notes: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# Planning: which experts survive
+# --------------------------------------------------------------------------------------------
+
+
+def router_stats(reader: CheckpointReader, ml: MoeLayer, seed: int = 0) -> LayerStats:
+    """The weights-only part of a layer's statistics (router rows and balance bias, in float64):
+    all that the data-free scores read. Calibration sums are zero and unused by them."""
+    router = reader.read(ml.router).astype(np.float64)
+    E = router.shape[0]
+    bias = reader.read(ml.bias).astype(np.float64) if ml.bias else np.zeros(E)
+    zeros = np.zeros(E)
+    return LayerStats(counts_E=zeros, gate_norm_sum_E=zeros, norm_sum_E=zeros, mean_input_D=np.zeros(router.shape[1]),
+                      router_ED=router, bias_E=bias, seed=seed, layer=ml.layer)
+
+
+def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> dict[int, np.ndarray]:
+    """One score per layer from a `moejax score` parquet (columns layer, expert, score, value),
+    checked to cover exactly the experts of every layer being pruned."""
+    import pandas as pd
+
+    try:
+        df = pd.read_parquet(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: cannot read scores file: {error}") from error
+    missing_columns = {"layer", "expert", "score", "value"} - set(df.columns)
+    if missing_columns:
+        raise ConfigError(f"{path}: scores file lacks columns {sorted(missing_columns)}; expected the table "
+                          "`moejax score` writes (layer, expert, score, value)")
+    available = sorted(df["score"].unique())
+    if score not in available:
+        raise ConfigError(f"{path}: has no score {score!r}; it has {available}")
+    df = df[df["score"] == score]
+    out, problems = {}, []
+    for layer, ml in layers.items():
+        rows = df[df["layer"] == layer].sort_values("expert")
+        if rows.empty:
+            problems.append(f"no rows for MoE layer {layer}")
+        elif rows["expert"].tolist() != list(range(ml.n_experts)):
+            problems.append(f"layer {layer}: experts {rows['expert'].tolist()[:8]}..., expected 0..{ml.n_experts - 1}")
+        else:
+            out[layer] = rows["value"].to_numpy(np.float64)
+    extra = sorted(set(df["layer"].unique()) - set(layers))
+    if extra:
+        problems.append(f"rows for layers {extra}, which are not MoE layers of the checkpoint being pruned")
+    if problems:
+        raise ConfigError(f"{path}: score {score!r} does not fit the checkpoint: " + "; ".join(problems))
+    return out
+
+
+def _layer_scores(reader, layers, score, scores_file, seed) -> dict[int, np.ndarray]:
+    if scores_file is not None:
+        return _scores_from_file(Path(scores_file), score, layers)
+    if score not in SCORES:
+        raise ConfigError(f"unknown score {score!r}; valid scores: {', '.join(sorted(SCORES))}")
+    if score not in DATA_FREE_SCORES:
+        raise ConfigError(f"score {score!r} needs a calibration pass: run `moejax score SRC --text ... --out "
+                          f"scores.parquet` and pass --scores-file scores.parquet --score {score}; "
+                          f"without one, use a data-free score ({', '.join(DATA_FREE_SCORES)})")
+    if score == "bias":
+        no_bias = [ml.router for ml in layers.values() if ml.bias is None]
+        if no_bias:
+            raise CheckpointError(f"score 'bias' needs e_score_correction_bias, missing beside {no_bias[:3]}")
+    return {l: compute_scores(router_stats(reader, ml, seed), [score])[score] for l, ml in layers.items()}
+
+
+def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
+    """Per-layer keep counts: --layers-keep entries, else --keep; each resolved against the
+    layer's E and refused below the routing floor."""
+    layers_keep = dict(layers_keep or {})
+    counts, problems = {}, []
+    for key in layers_keep:
+        if not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())) or int(key) not in layers:
+            problems.append(f"--layers-keep names layer {key!r}, which is not a MoE layer "
+                            f"(MoE layers: {sorted(layers)})")
+    by_layer = {int(k): v for k, v in layers_keep.items() if str(k).isdigit()}
+    for layer, ml in layers.items():
+        value = by_layer.get(layer, keep)
+        if value is None:
+            problems.append(f"layer {layer}: no keep (give --keep, or list every MoE layer in --layers-keep)")
+            continue
+        try:
+            counts[layer] = resolve_keep(value, ml.n_experts, top_k)
+        except ConfigError as error:
+            problems.append(f"layer {layer}: {error}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return counts
+
+
+def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, config: dict, *, score: str, keep=None,
+                 scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
+                 collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0) -> PrunePlan:
+    """Decide the kept experts of every MoE layer and the pruned config; raises before any
+    writing when the request is not well defined (SPEC section 2)."""
+    E_cfg, top_k = config.get("n_routed_experts"), config.get("num_experts_per_tok")
+    n_layers = config.get("num_hidden_layers")
+    if not all(isinstance(v, int) for v in (E_cfg, top_k, n_layers)):
+        raise ConfigError(f"{reader.directory / CONFIG_NAME}: expected integer n_routed_experts, num_experts_per_tok "
+                          f"and num_hidden_layers (a DeepSeek-V3-family config), got {E_cfg!r}, {top_k!r}, {n_layers!r}")
+    if not layout.moe_layers:
+        raise CheckpointError(f"{reader.directory}: no MoE layers (no `layers.N.mlp.experts.E.*` tensors)")
+    wrong_E = {l: ml.n_experts for l, ml in layout.moe_layers.items() if ml.n_experts != E_cfg}
+    if wrong_E:
+        raise CheckpointError(f"{reader.directory}: config.json says n_routed_experts={E_cfg}, but layers have "
+                              f"{wrong_E} experts (already pruned per layer? per-layer counts are not re-pruned)")
+    dropped = tuple(l for l in layout.moe_layers if l >= n_layers) if drop_mtp else ()
+    layers = {l: ml for l, ml in layout.moe_layers.items() if l not in dropped}
+    counts = _keep_counts(layers, keep, layers_keep, top_k)
+    scores = _layer_scores(reader, layers, score, scores_file, seed)
+    n_group = int(config.get("n_group") or 1)
+    topk_group = int(config.get("topk_group") or 1)
+    notes, new_config = [], dict(config)
+    if group_aware and n_group > 1:
+        kept = {}
+        for l in layers:
+            try:
+                kept[l] = select_kept_grouped(scores[l], counts[l], n_group)
+            except ConfigError as error:
+                raise ConfigError(f"layer {l}: {error}") from None
+    else:
+        kept = {l: select_kept(scores[l], counts[l]) for l in layers}
+    groups = "none"
+    if n_group > 1:
+        per_group = {l: group_counts(m, n_group).tolist() for l, m in kept.items()}
+        unusable = {l: c for l, c in per_group.items()
+                    if len(set(c)) > 1 or c[0] < 2 or topk_group * c[0] < top_k}
+        if not unusable:
+            groups = "preserved"
+        elif collapse_groups:
+            groups = "collapsed"
+            new_config.update(n_group=1, topk_group=1)
+            notes.append(f"routing groups collapsed: kept experts per group {next(iter(unusable.values()))} "
+                         f"(layer {next(iter(unusable))}) cannot keep n_group={n_group}, so the pruned config has "
+                         f"n_group=1, topk_group=1: each token picks its {top_k} experts by top-k over all kept "
+                         "experts (bias included), without the group limit")
+        else:
+            layer, c = next(iter(unusable.items()))
+            raise ConfigError(
+                f"pruning would break group-limited routing (n_group={n_group}, topk_group={topk_group}, top_k={top_k}): "
+                f"layer {layer} keeps {c} experts per group; groups must keep equal counts of at least 2 "
+                f"(transformers sums each group's top 2) with topk_group x per-group >= top_k. "
+                f"Pass --group-aware to keep an equal number per group, or --collapse-groups to route "
+                f"over all kept experts without groups ({len(unusable)} layer(s) affected)")
+    kept_counts = {l: int(m.sum()) for l, m in kept.items()}
+    new_config["n_routed_experts"] = max(kept_counts.values())
+    if len(set(kept_counts.values())) > 1:
+        new_config["moe_sparsity_config"] = {
+            "method": "prune", "num_experts": [kept_counts.get(l) for l in range(n_layers)]}
+        notes.append("expert counts differ between layers: n_routed_experts is the largest and "
+                     "moe_sparsity_config.num_experts lists each layer's count (stock transformers and "
+                     "vLLM DeepSeek-V3 build every layer with n_routed_experts and will not load it)")
+    if dropped:
+        new_config["num_nextn_predict_layers"] = 0
+        notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
+    return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
+                     n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,
+                     config=new_config, groups=groups, notes=tuple(notes))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing: stream the shards through
+# --------------------------------------------------------------------------------------------
+
+
+def _renames(layout: CheckpointLayout, plan: PrunePlan) -> dict[str, str | None]:
+    """Source tensor name -> pruned name (None = dropped) for every routed-expert tensor and every
+    tensor of a dropped MTP layer; names not in the map are copied under their own name."""
+    renames: dict[str, str | None] = {}
+    for l, ml in layout.moe_layers.items():
+        new_index = {old: new for new, old in enumerate(plan.kept.get(l, []))}
+        for e, names in ml.experts.items():
+            for name in names:
+                renames[name] = (ml.expert_tensor(new_index[e], name[len(ml.expert_tensor(e, "")):])
+                                 if e in new_index and l not in plan.dropped_layers else None)
+    for name in layout.other + sorted(layout.router_names()):
+        layer = _layer_of(name)
+        if layer is not None and layer in plan.dropped_layers:
+            renames[name] = None
+    return renames
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def _row_slice(reader: CheckpointReader, name: str, kept: list[int]) -> RawTensor:
+    """Rows `kept` of a [E, ...] tensor as bytes: each row is the source's bytes."""
+    info = reader.info(name)
+    data = reader.read_bytes(name)
+    row = len(data) // info.shape[0]
+    return RawTensor(info.dtype, (len(kept),) + tuple(info.shape[1:]),
+                     b"".join(data[i * row:(i + 1) * row] for i in kept))
+
+
+def write_pruned(reader: CheckpointReader, layout: CheckpointLayout, plan: PrunePlan, staging: Path,
+                 progress: bool = False) -> dict[str, str]:
+    """Write the pruned shards into `staging`; returns the new weight map (name -> shard file)."""
+    renames = _renames(layout, plan)
+    sliced = {}
+    for l, ml in layout.moe_layers.items():
+        if l not in plan.dropped_layers:
+            sliced.update({name: l for name in (ml.router, ml.bias) if name})
+    weight_map, total = {}, 0
+    files = reader.files()
+    for i, path in enumerate(files, 1):
+        if progress:
+            sys.stderr.write(f"\rshard {i}/{len(files)} {path.name}")
+            sys.stderr.flush()
+        tensors = []
+        for name in reader.names_in(path):
+            new_name = renames.get(name, name)
+            if new_name is None:
+                continue
+            if name in sliced:
+                tensors.append((name, _row_slice(reader, name, plan.kept[sliced[name]])))
+            else:
+                tensors.append((new_name, reader.info(name)))
+        if tensors:
+            total += write_safetensors_file(staging / path.name, tensors, reader.shard(path).metadata)
+            weight_map.update({name: path.name for name, _ in tensors})
+    if progress:
+        sys.stderr.write("\n")
+    if reader.has_index() or len(set(weight_map.values())) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return weight_map
+
+
+def _copy_other_files(src: Path, staging: Path) -> None:
+    """Tokenizer, generation config, code and anything else that is not weights, verbatim."""
+    for item in sorted(src.iterdir()):
+        if (item.name.endswith(".safetensors") or item.name in (INDEX_NAME, CONFIG_NAME, PRUNING_RECORD)
+                or item.name.startswith(".")):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, staging / item.name, symlinks=True)
+        else:
+            shutil.copy2(item, staging / item.name)
+
+
+def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layers_keep: dict | None = None,
+                     group_aware: bool = False, collapse_groups: bool = False, drop_mtp: bool = False,
+                     seed: int = 0, overwrite: bool = False, progress: bool | None = None) -> dict:
+    """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
+    to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
+    before the first byte is written."""
+    from moejax import __version__
+
+    src, dst = Path(src), Path(dst)
+    check_destination(dst, overwrite, protect=src)
+    reader = CheckpointReader(src)
+    reader.validate()
+    config = reader.config()
+    layout = checkpoint_layout(reader)
+    plan = plan_pruning(reader, layout, config, score=score, keep=keep, scores_file=scores_file,
+                        layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
+                        drop_mtp=drop_mtp, seed=seed)
+    record = {
+        "moejax_version": __version__, "source": str(src.resolve()), "score": score,
+        "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "keep": keep,
+        "layers_keep": layers_keep, "seed": seed, "group_aware": group_aware, "groups": plan.groups,
+        "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
+        "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
+    }
+    show = sys.stderr.isatty() if progress is None else progress
+    with staged_directory(dst, overwrite) as staging:
+        write_pruned(reader, layout, plan, staging, progress=show)
+        _copy_other_files(src, staging)
+        (staging / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2) + "\n", encoding="utf-8")
+        (staging / PRUNING_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record
