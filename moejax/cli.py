@@ -2,6 +2,11 @@
 
     moejax score CKPT (--text PATH... | --tokens FILE.npy) [--seq-len 512] [--max-tokens N]
                  [--scores frequency,reap,...] [--batch-size B] [--dtype bfloat16] --out scores.parquet
+    moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
+                 [--layers-keep FILE.json] [--group-aware | --collapse-groups] [--drop-mtp] [--overwrite]
+    moejax inspect CKPT [--json]
+    moejax plan CKPT [--gpu NAME=GB ...] [--json]
+    moejax diff SRC PRUNED [--hash] [--json]
 """
 
 from __future__ import annotations
@@ -34,6 +39,61 @@ def _score(args) -> None:
           f"-> {args.out} (+ {args.out.rsplit('.', 1)[0]}.json)")
 
 
+def parse_keep(text: str):
+    """'8' -> 8 (a count), '0.25' -> 0.25 (a ratio of E)."""
+    from moejax.errors import ConfigError
+
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--keep {text!r}: expected a count (8) or a ratio of E (0.25)") from None
+
+
+def _read_layers_keep(path: str | None) -> dict | None:
+    import json
+
+    from moejax.errors import ConfigError
+
+    if path is None:
+        return None
+    try:
+        value = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--layers-keep {path}: not a readable JSON file: {error}") from error
+    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              for v in value.values()):
+        raise ConfigError(f"--layers-keep {path}: expected a JSON object of layer -> keep count, "
+                          f'e.g. {{"1": 32, "2": 16}}, got {value!r:.200}')
+    return value
+
+
+def _prune(args) -> None:
+    from moejax.surgery.prune import prune_checkpoint
+
+    record = prune_checkpoint(
+        args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
+        scores_file=args.scores_file, layers_keep=_read_layers_keep(args.layers_keep), group_aware=args.group_aware,
+        collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, seed=args.seed, overwrite=args.overwrite)
+    counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
+    print(f"{args.dst}: {len(record['layers'])} MoE layers pruned by {args.score} to {counts} experts "
+          f"(groups: {record['groups']}); kept indices in {args.dst}/pruning.json")
+    for note in record["notes"]:
+        print(f"note: {note}")
+
+
+def _diff(args) -> None:
+    import json
+
+    from moejax.surgery.diff import diff_checkpoints, format_diff
+
+    report = diff_checkpoints(args.src, args.pruned, hash_tensors=args.hash)
+    print(json.dumps(report, indent=2) if args.json else format_diff(report))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="moejax", description="moejax checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +110,33 @@ def main(argv=None) -> int:
                    help="compute dtype (bfloat16 halves a layer's memory)")
     p.add_argument("--out", required=True, help="scores.parquet")
     p.set_defaults(func=_score)
+
+    p = sub.add_parser("prune", help="write a pruned HF checkpoint, streamed shard by shard")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--score", required=True, help="data-free (bias, signed, l1, random) or a score in --scores-file")
+    p.add_argument("--scores-file", help="scores.parquet from `moejax score`")
+    p.add_argument("--keep", help="experts kept per MoE layer: a count (32) or a ratio of E (0.5)")
+    p.add_argument("--layers-keep", help="JSON file of layer -> keep count, overriding --keep per layer")
+    groups = p.add_mutually_exclusive_group()
+    groups.add_argument("--group-aware", action="store_true", help="keep an equal number per routing group")
+    groups.add_argument("--collapse-groups", action="store_true",
+                        help="allow uneven groups by routing over all kept experts (n_group=1)")
+    p.add_argument("--drop-mtp", action="store_true", help="remove the MTP layer(s) instead of pruning them")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random score")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.set_defaults(func=_prune)
+
+    p = sub.add_parser("diff", help="recover and audit a pruned checkpoint's selection against its source")
+    p.add_argument("src")
+    p.add_argument("pruned")
+    p.add_argument("--hash", action="store_true", help="also compare the bytes of every non-router tensor")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_diff)
+
+    from moejax.hf.inspect import register_cli
+
+    register_cli(sub)
     args = parser.parse_args(argv)
     try:
         args.func(args)

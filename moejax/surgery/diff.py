@@ -1,0 +1,243 @@
+"""`moejax diff SRC PRUNED`: recover a pruned checkpoint's selection from the files and audit it.
+
+A pruned checkpoint written honestly keeps every kept router row byte-identical (SPEC section 6),
+so hashing the router rows of both checkpoints and matching them per layer recovers which source
+experts survived, in which order, without any record from the tool that pruned it. With the
+selection known, every other tensor can be checked for name, shape and (with `--hash`) bytes,
+and the data-free scores (`signed`, `l1`, `bias`) can be asked whether they explain the choice.
+
+Only headers, router tensors and balance biases are read unless `hash_tensors` asks for more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from pathlib import Path
+
+import numpy as np
+
+from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout
+from moejax.hf.safetensors_io import CheckpointReader, TensorInfo
+from moejax.scoring.select import select_kept
+
+DATA_FREE = ("signed", "l1", "bias")
+
+
+def _rows(reader: CheckpointReader, name: str) -> tuple[str, list[bytes]]:
+    info = reader.info(name)
+    data = reader.read_bytes(name)
+    row = len(data) // info.shape[0] if info.shape and info.shape[0] else 0
+    return info.dtype, [data[i * row:(i + 1) * row] for i in range(info.shape[0])]
+
+
+def match_rows(source_rows: list[bytes], pruned_rows: list[bytes]) -> list[int | None]:
+    """For each pruned row, the source row it is a byte-identical copy of (None if none). Rows are
+    matched by SHA-256; among identical source rows the first unused one after the previous match is
+    taken, so duplicated rows still give an order-preserving answer when one exists."""
+    by_hash: dict[bytes, list[int]] = {}
+    for i, row in enumerate(source_rows):
+        by_hash.setdefault(hashlib.sha256(row).digest(), []).append(i)
+    used, previous, matched = set(), -1, []
+    for row in pruned_rows:
+        candidates = [i for i in by_hash.get(hashlib.sha256(row).digest(), []) if i not in used]
+        after = [i for i in candidates if i > previous]
+        choice = after[0] if after else (candidates[0] if candidates else None)
+        matched.append(choice)
+        if choice is not None:
+            used.add(choice)
+            previous = choice
+    return matched
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); None when either side is constant."""
+    import pandas as pd
+
+    ra, rb = pd.Series(a).rank().to_numpy(), pd.Series(b).rank().to_numpy()
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def data_free_scores(reader: CheckpointReader, ml: MoeLayer) -> dict[str, np.ndarray]:
+    """SPEC section 2's weights-only scores of one source layer, in float64."""
+    w = reader.read(ml.router).astype(np.float64)
+    scores = {"signed": w.sum(axis=1), "l1": np.abs(w).sum(axis=1)}
+    if ml.bias:
+        scores["bias"] = -reader.read(ml.bias).astype(np.float64)
+    return scores
+
+
+def _score_report(scores: dict[str, np.ndarray], kept: list[int]) -> dict:
+    """Does each score reproduce the kept set? Its overlap, the gap at its cut, the overlap between
+    scores' own choices, and each score's Spearman correlation with the bias score."""
+    n, E = len(kept), len(next(iter(scores.values())))
+    chosen = {name: np.flatnonzero(select_kept(s, n)).tolist() for name, s in scores.items()}
+    out = {}
+    for name, s in scores.items():
+        ranked = np.sort(s)[::-1]
+        out[name] = {
+            "reproduces": chosen[name] == kept,
+            "overlap": len(set(chosen[name]) & set(kept)),
+            "gap_at_cut": float(ranked[n - 1] - ranked[n]) if n < E else None,
+            "spearman_with_bias": spearman(s, scores["bias"]) if "bias" in scores else None,
+        }
+    pairs = {f"{a}~{b}": len(set(chosen[a]) & set(chosen[b])) for a, b in itertools.combinations(scores, 2)}
+    return {"scores": out, "overlap_between_scores": pairs}
+
+
+def _tensor_digest(info: TensorInfo) -> str:
+    digest = hashlib.sha256()
+    with open(info.file, "rb") as handle:
+        handle.seek(info.begin)
+        remaining = info.nbytes
+        while remaining:
+            chunk = handle.read(min(remaining, 64 * 2**20))
+            if not chunk:
+                break
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()
+
+
+def _expected_names(src_layout: CheckpointLayout, pruned_layout: CheckpointLayout,
+                    kept: dict[int, list[int | None]]) -> dict[str, str]:
+    """Pruned tensor name -> the source tensor it should be a copy of (routers and biases aside)."""
+    expected = {}
+    src_layers = set(src_layout.decoder_layers)
+    kept_layers = set(pruned_layout.decoder_layers)
+    for name in src_layout.other:
+        layer = _layer_of(name)
+        if layer is None or layer in kept_layers or layer not in src_layers:
+            expected[name] = name
+    for layer, pml in pruned_layout.moe_layers.items():
+        sml = src_layout.moe_layers.get(layer)
+        if sml is None:
+            continue
+        for j, source_index in enumerate(kept[layer]):
+            if source_index is None or j not in pml.experts:
+                continue
+            for rest in sml.rests():
+                expected[pml.expert_tensor(j, rest)] = sml.expert_tensor(source_index, rest)
+    return expected
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
+    """The audit of `pruned` against `src` as a JSON-serialisable dict (see module docstring)."""
+    src_reader, pruned_reader = CheckpointReader(src), CheckpointReader(pruned)
+    src_reader.validate()
+    pruned_reader.validate()
+    src_layout, pruned_layout = checkpoint_layout(src_reader), checkpoint_layout(pruned_reader)
+    layers, kept_by_layer = {}, {}
+    for layer, pml in pruned_layout.moe_layers.items():
+        sml = src_layout.moe_layers.get(layer)
+        if sml is None:
+            layers[str(layer)] = {"error": "MoE layer in the pruned checkpoint but not in the source"}
+            kept_by_layer[layer] = [None] * pml.n_experts
+            continue
+        src_dtype, src_rows = _rows(src_reader, sml.router)
+        pruned_dtype, pruned_rows = _rows(pruned_reader, pml.router)
+        kept = match_rows(src_rows, pruned_rows) if src_dtype == pruned_dtype else [None] * len(pruned_rows)
+        kept_by_layer[layer] = kept
+        entry = {
+            "n_experts_source": sml.n_experts, "n_experts_pruned": pml.n_experts, "kept": kept,
+            "router_dtype": [src_dtype, pruned_dtype],
+            "rows_identical": all(k is not None for k in kept),
+            "order_preserved": all(k is not None for k in kept) and all(a < b for a, b in zip(kept, kept[1:])),
+            "bias_identical": None,
+        }
+        if sml.bias and pml.bias:
+            _, src_bias = _rows(src_reader, sml.bias)
+            _, pruned_bias = _rows(pruned_reader, pml.bias)
+            entry["bias_identical"] = all(k is not None and pruned_bias[j] == src_bias[k] for j, k in enumerate(kept))
+        if entry["rows_identical"]:
+            entry.update(_score_report(data_free_scores(src_reader, sml), sorted(kept)))
+        layers[str(layer)] = entry
+    expected = _expected_names(src_layout, pruned_layout, kept_by_layer)
+    pruned_names = set(pruned_reader.keys()) - pruned_layout.router_names()
+    missing = sorted(set(expected) - pruned_names)
+    unexpected = sorted(pruned_names - set(expected))
+    mismatched, differing_bytes = [], []
+    for name in sorted(pruned_names & set(expected)):
+        a, b = src_reader.info(expected[name]), pruned_reader.info(name)
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            mismatched.append(f"{name}: {b.dtype}{list(b.shape)}, source {expected[name]} is {a.dtype}{list(a.shape)}")
+        elif hash_tensors and _tensor_digest(a) != _tensor_digest(b):
+            differing_bytes.append(name)
+    dropped_layers = sorted(set(src_layout.decoder_layers) - set(pruned_layout.decoder_layers))
+    report = {
+        "source": str(Path(src).resolve()), "pruned": str(Path(pruned).resolve()),
+        "layers": layers,
+        "dropped_layers": dropped_layers,
+        "tensors": {
+            "compared": len(pruned_names & set(expected)), "missing": missing, "unexpected": unexpected,
+            "shape_or_dtype_mismatch": mismatched,
+            "bytes_compared": hash_tensors, "bytes_differ": differing_bytes if hash_tensors else None,
+        },
+    }
+    report["summary"] = _summary(report)
+    return report
+
+
+def _summary(report: dict) -> dict:
+    entries = [e for e in report["layers"].values() if "error" not in e]
+    t = report["tensors"]
+    summary = {
+        "moe_layers": len(report["layers"]),
+        "all_rows_identical": all(e["rows_identical"] for e in entries) and len(entries) == len(report["layers"]),
+        "all_bias_identical": all(e["bias_identical"] in (True, None) for e in entries),
+        "order_preserved": all(e["order_preserved"] for e in entries),
+        "other_tensors_identical": not (t["missing"] or t["unexpected"] or t["shape_or_dtype_mismatch"]
+                                        or t["bytes_differ"]),
+    }
+    for name in DATA_FREE:
+        layers = [e["scores"][name] for e in entries if "scores" in e and name in e["scores"]]
+        summary[f"{name}_reproduces_layers"] = f"{sum(s['reproduces'] for s in layers)}/{len(layers)}"
+    return summary
+
+
+def format_diff(report: dict) -> str:
+    """The audit for people: a verdict per check, then one line per layer and score."""
+    s, t = report["summary"], report["tensors"]
+    yes = {True: "yes", False: "NO", None: "n/a"}
+    lines = [f"source  {report['source']}", f"pruned  {report['pruned']}", "",
+             f"router rows byte-identical copies   {yes[s['all_rows_identical']]}",
+             f"bias entries byte-identical         {yes[s['all_bias_identical']]}",
+             f"source order preserved              {yes[s['order_preserved']]}",
+             f"other tensors same name and shape   {yes[not (t['missing'] or t['unexpected'] or t['shape_or_dtype_mismatch'])]}"
+             f" ({t['compared']} compared)",
+             f"other tensors same bytes            "
+             f"{yes[not t['bytes_differ']] if t['bytes_compared'] else 'not checked (--hash)'}"]
+    if report["dropped_layers"]:
+        lines.append(f"layers absent from the pruned checkpoint: {report['dropped_layers']}")
+    for key in ("missing", "unexpected", "shape_or_dtype_mismatch", "bytes_differ"):
+        if t[key]:
+            lines.append(f"{key.replace('_', ' ')}: {len(t[key])}, e.g. {t[key][:3]}")
+    lines += ["", f"{'layer':>5} {'kept':>9}  " + "  ".join(f"{n:>26}" for n in DATA_FREE)]
+    lines.append(f"{'':>5} {'':>9}  " + "  ".join(f"{'same  overlap  gap  rho':>26}" for _ in DATA_FREE))
+    for layer, e in report["layers"].items():
+        if "error" in e:
+            lines.append(f"{layer:>5}  {e['error']}")
+            continue
+        cells = []
+        for name in DATA_FREE:
+            sc = e.get("scores", {}).get(name)
+            if sc is None:
+                cells.append(f"{'-':>26}")
+                continue
+            gap = "-" if sc["gap_at_cut"] is None else f"{sc['gap_at_cut']:.3g}"
+            rho = "-" if sc["spearman_with_bias"] is None else f"{sc['spearman_with_bias']:+.2f}"
+            cells.append(f"{yes[sc['reproduces']]:>4} {sc['overlap']:>8} {gap:>8} {rho:>5}")
+        lines.append(f"{layer:>5} {e['n_experts_pruned']:>4}/{e['n_experts_source']:<4}  " + "  ".join(cells))
+    lines += ["", "same: the score's own top-k is exactly the kept set; overlap: how many kept experts it "
+              "shares; gap: its score margin at the cut; rho: Spearman with the bias score (-bias)"]
+    return "\n".join(lines)
