@@ -149,33 +149,74 @@ class OpenCheckpoint:
     def specs_under(self, prefix: str) -> list[TensorSpec]:
         return [s for s in self.specs if s.param.startswith(prefix)]
 
-    def fill(self, abstract, specs: list[TensorSpec], dtype, prefix: str = ""):
+    def read_param_tensor(self, s: TensorSpec, dtype) -> np.ndarray:
+        """One HF tensor decoded, transposed to the parameter's layout and cast."""
+        value = read_decoded(self.reader, s.hf_name, self.stored[s.hf_name], self.fmt, self.config.quantization_config)
+        return (value.T if s.transpose else value).astype(dtype)
+
+    def fill(self, abstract, specs: list[TensorSpec], dtype, prefix: str = "", mesh=None):
         """Materialise `abstract` (an nnx.eval_shape'd module) with the tensors of `specs`, whose
         parameter paths are relative to the module once `prefix` is removed. Reads one tensor at a
-        time; quantised tensors are decoded."""
+        time; quantised tensors are decoded.
+
+        mesh: place parameters by moejax.parallel's rule table; expert-split parameters are built
+        shard by shard from only the experts each shard holds, so a process of a multi-host run
+        reads only the expert tensors of its own devices."""
+        sharded = {}
+        if mesh is not None:
+            from moejax.parallel.sharding import spec_for
+
+            for s in specs:
+                spec = spec_for(s.param[len(prefix):])
+                if s.expert is not None and spec != jax.sharding.PartitionSpec():
+                    sharded.setdefault(s.param[len(prefix):], {})[s.expert] = s
         remaining = {}
         for s in specs:
             remaining[s.param] = remaining.get(s.param, 0) + 1
         buffers, arrays = {}, {}
+        for path, by_expert in sharded.items():
+            arrays[path] = self._expert_sharded(abstract, path, by_expert, dtype, mesh)
         for s in specs:
             path = s.param[len(prefix):]
+            if path in sharded:
+                continue
             target = np.float32 if s.param.endswith(_ALWAYS_F32) else dtype
             buf = buffers.get(path)
             if buf is None:
                 buf = buffers[path] = np.empty(get_path(abstract, path).shape, jnp.dtype(target))
-            value = read_decoded(self.reader, s.hf_name, self.stored[s.hf_name], self.fmt,
-                                 self.config.quantization_config)
-            value = value.T if s.transpose else value
+            value = self.read_param_tensor(s, buf.dtype)
             if s.expert is None:
-                buf[...] = value.astype(buf.dtype)
+                buf[...] = value
             else:
-                buf[s.expert] = value.astype(buf.dtype)
+                buf[s.expert] = value
             remaining[s.param] -= 1
             if not remaining[s.param]:  # complete: hand it to JAX and free the host copy now
-                arrays[path] = jnp.asarray(buffers.pop(path))
+                host = buffers.pop(path)
+                arrays[path] = jnp.asarray(host) if mesh is None else jax.device_put(
+                    host, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         graphdef, state = nnx.split(abstract)
         flat = [(p, v.replace(arrays[".".join(str(x) for x in p)])) for p, v in nnx.to_flat_state(state)]
         return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+    def _expert_sharded(self, abstract, path: str, by_expert: dict, dtype, mesh):
+        """A stacked [E, ...] expert parameter split over the mesh's expert axis, each device's
+        block read from its own experts' tensors only (replicas over other axes share one read)."""
+        from moejax.parallel.sharding import spec_for
+
+        shape = get_path(abstract, path).shape
+        target = np.float32 if path.endswith(_ALWAYS_F32) else dtype
+        blocks = {}
+
+        def block(index):
+            experts = range(*index[0].indices(shape[0]))
+            key = (experts.start, experts.stop)
+            if key not in blocks:
+                blocks[key] = np.stack([self.read_param_tensor(by_expert[e], jnp.dtype(target)) for e in experts])
+            return blocks[key]
+
+        sharding = jax.sharding.NamedSharding(mesh, spec_for(path))
+        return jax.make_array_from_callback(shape, sharding, block)
 
 
 def open_checkpoint(path) -> OpenCheckpoint:
@@ -195,11 +236,16 @@ def open_checkpoint(path) -> OpenCheckpoint:
     return OpenCheckpoint(path.resolve(), cfg, reader, fmt, specs, stored, carried)
 
 
-def load_pretrained(path, dtype=jnp.float32, backend: str = "sorted") -> DeepseekV3ForCausalLM:
-    """Build the model from a checkpoint folder (config.json + safetensors)."""
+def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=None) -> DeepseekV3ForCausalLM:
+    """Build the model from a checkpoint folder (config.json + safetensors).
+
+    mesh: a `moejax.parallel.make_mesh` mesh; routed experts are loaded split over its expert axis
+    (each device's experts read for it alone) and the MoE layers use the "ep" dispatch backend
+    (run the model under `jax.set_mesh(mesh)`). backend: default "ep" with a mesh, else "sorted"."""
     ckpt = open_checkpoint(path)
+    backend = backend or ("ep" if mesh is not None else "sorted")
     abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(ckpt.config, dtype))
-    model = ckpt.fill(abstract, ckpt.specs, dtype)
+    model = ckpt.fill(abstract, ckpt.specs, dtype, mesh=mesh)
     for layer in model.model.layers:
         if layer.is_moe:
             layer.mlp.backend = backend

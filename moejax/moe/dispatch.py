@@ -19,6 +19,8 @@ Backends
             gathers. Padding is at most E * (block_rows - 1) rows.
 - "ragged": the same sorted pairs through `jax.lax.ragged_dot` (native on GPU/TPU; XLA:CPU
             expands it densely, so prefer "sorted" on CPU).
+- "ep":     expert parallelism over the "expert" axis of the mesh set with `jax.set_mesh`
+            (moejax/moe/expert_parallel.py): each device holds E/P experts and computes their pairs.
 
 Experts are described by a pure `expert_fn(linear, w, x)` where `w` is one expert's weights and
 `linear(x, W)` is the matmul to use. The same function then runs as a single expert (vmapped
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 Linear = Callable[[jax.Array, jax.Array], jax.Array]
 ExpertFn = Callable[[Linear, dict, jax.Array], jax.Array]
 
-BACKENDS = ("dense", "sorted", "ragged")
+BACKENDS = ("dense", "sorted", "ragged", "ep")
 
 
 def relu_mlp(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
@@ -120,17 +122,19 @@ def _default_block_rows(n_pairs: int, n_experts: int, weights) -> int:
 
 
 def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int | None = None,
-                        forward_only: bool = False):
+                        forward_only: bool = False, absent: bool = False):
     """Only the routed pairs, as a block-sparse grouped matmul. [T, K, D].
 
-    forward_only: pairs whose expert index is E (one past the last expert) are absent and output
-    zeros, and large experts loop over the blocks in use only (a dynamic trip count, so no
-    reverse-mode gradient): for computing a few extra pairs, e.g. a second routing's pairs that
-    the first did not already compute."""
+    absent: pairs whose expert index is E (one past the last expert) are absent and output zeros
+      (an expert-parallel shard's pairs that other shards compute; a second routing's pairs that
+      the first already computed). They are laid out after every expert's blocks.
+    forward_only: absent pairs allowed, and large experts loop over the blocks in use only (a
+      dynamic trip count, so no reverse-mode gradient)."""
     n_tokens, top_k = expert_idx_TK.shape
     n_experts = jax.tree.leaves(weights)[0].shape[0]
+    absent = absent or forward_only
     block_rows = block_rows or _default_block_rows(n_tokens * top_k, n_experts, weights)
-    layout = BlockLayout(expert_idx_TK, n_experts + 1 if forward_only else n_experts, block_rows)
+    layout = BlockLayout(expert_idx_TK, n_experts + 1 if absent else n_experts, block_rows)
     block_expert_N = jnp.minimum(layout.block_expert_N, n_experts - 1)
     token_M = jnp.arange(n_tokens * top_k, dtype=jnp.int32) // top_k
     rows = layout.n_blocks * block_rows
@@ -160,7 +164,7 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
 
     y_NBD = expert_fn(block_linear, weights, x_NBD)
     y_TKD = y_NBD.reshape(rows, -1)[layout.pair_slot_M].reshape(n_tokens, top_k, -1)
-    return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0) if forward_only else y_TKD
+    return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0) if absent else y_TKD
 
 
 def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
@@ -178,16 +182,42 @@ def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
     return y_MD.reshape(n_tokens, top_k, -1)
 
 
-_PAIR_OUTPUTS = {"dense": dense_pair_outputs, "sorted": sorted_pair_outputs, "ragged": ragged_pair_outputs}
+def _expert_parallel(x_TD, expert_idx_TK, weights, expert_fn, forward_only=False):
+    from moejax.moe.expert_parallel import ep_pair_outputs
+
+    return ep_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, forward_only=forward_only)
 
 
-def pair_outputs(x_TD, expert_idx_TK, weights, expert_fn: ExpertFn, backend: str = "sorted"):
-    """Expert output f_j(x_t) of every routed pair (before the gate), [T, K, D]."""
+def _sorted(x_TD, expert_idx_TK, weights, expert_fn, forward_only=False):
+    return sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, forward_only=forward_only)
+
+
+def _skipping_absent(impl):
+    """A backend without absent-pair support, given it: index E computes expert E-1, then zeros."""
+    def wrapped(x_TD, expert_idx_TK, weights, expert_fn, forward_only=False):
+        if not forward_only:
+            return impl(x_TD, expert_idx_TK, weights, expert_fn)
+        n_experts = jax.tree.leaves(weights)[0].shape[0]
+        y = impl(x_TD, jnp.minimum(expert_idx_TK, n_experts - 1), weights, expert_fn)
+        return jnp.where((expert_idx_TK < n_experts)[..., None], y, 0)
+    return wrapped
+
+
+_PAIR_OUTPUTS = {"dense": _skipping_absent(dense_pair_outputs), "sorted": _sorted,
+                 "ragged": _skipping_absent(ragged_pair_outputs), "ep": _expert_parallel}
+
+
+def pair_outputs(x_TD, expert_idx_TK, weights, expert_fn: ExpertFn, backend: str = "sorted",
+                 forward_only: bool = False):
+    """Expert output f_j(x_t) of every routed pair (before the gate), [T, K, D].
+
+    forward_only: no gradients will be taken, and pairs with expert index E are absent (zeros);
+    the sorted and expert-parallel backends then skip the blocks nobody uses."""
     try:
         impl = _PAIR_OUTPUTS[backend]
     except KeyError:
         raise ValueError(f"unknown dispatch backend {backend!r}; valid: {', '.join(BACKENDS)}") from None
-    return impl(x_TD, expert_idx_TK, weights, expert_fn)
+    return impl(x_TD, expert_idx_TK, weights, expert_fn, forward_only=forward_only)
 
 
 def combine(gate_TK: jax.Array, f_TKD: jax.Array) -> jax.Array:

@@ -41,10 +41,10 @@ def moe_layer_pairs(moe, x_TH: jax.Array) -> dict:
     def norms(f_TKD):
         return jnp.linalg.norm(f_TKD.astype(jnp.float32), axis=-1)
 
-    if moe.backend == "sorted":  # statistics need no gradients: loop over the blocks in use only
-        real = dispatch_lib.sorted_pair_outputs(x_TH, r.expert_idx_TK, experts, dispatch_lib.swiglu, forward_only=True)
-    else:
-        real = dispatch_lib.pair_outputs(x_TH, r.expert_idx_TK, experts, dispatch_lib.swiglu, moe.backend)
+    def pairs(idx_TK):  # statistics need no gradients: only the blocks in use are computed
+        return dispatch_lib.pair_outputs(x_TH, idx_TK, experts, dispatch_lib.swiglu, moe.backend, forward_only=True)
+
+    real = pairs(r.expert_idx_TK)
     real_norm = norms(real)
     code_idx, code_gate = reap_code_routing(logits, moe.router_cfg.top_k)
     # REAP code's routing mostly picks the pairs the model picked: reuse those, compute only the rest
@@ -53,10 +53,7 @@ def moe_layer_pairs(moe, x_TH: jax.Array) -> dict:
     reused = jnp.any(same_TKK, axis=-1)
     n_experts = moe.router.shape[0]
     extra_idx = jnp.where(reused, n_experts, code_idx)
-    if moe.backend == "sorted":
-        extra = dispatch_lib.sorted_pair_outputs(x_TH, extra_idx, experts, dispatch_lib.swiglu, forward_only=True)
-    else:
-        extra = dispatch_lib.pair_outputs(x_TH, code_idx, experts, dispatch_lib.swiglu, moe.backend)
+    extra = pairs(extra_idx)
     code_norm = jnp.where(reused, jnp.sum(jnp.where(same_TKK, real_norm[:, None, :], 0), axis=-1), norms(extra))
     return dict(idx=r.expert_idx_TK, gate=r.gate_TK, norm=real_norm,
                 code_idx=code_idx, code_gate=code_gate, code_norm=code_norm)

@@ -1,0 +1,125 @@
+"""Expert parallelism: routed experts split over the "expert" axis of a device mesh.
+
+The "ep" dispatch backend (same signature as the others, `moejax.moe.dispatch`). Device s of the
+expert axis (size P) holds experts [s E/P, (s+1) E/P) and computes exactly the routed pairs of
+those experts; every other device contributes zeros for them, so the result is the single-device
+result bit for bit up to the order of float additions (x + 0 = x). Tokens are split over all
+devices ("data" x "expert"); the mesh comes from `jax.set_mesh(mesh)` (see `moejax.parallel`).
+
+Two paths, chosen automatically:
+- "collective" (runs everywhere, CPU included): all-gather the tokens of the expert group, run the
+  local experts on the pairs routed to them, reduce-scatter the pair outputs back to the token
+  owners (MaxText's "ring of experts").
+- "a2a" (chosen on GPU/TPU): each device sends each pair to the device holding its expert with
+  `jax.lax.all_to_all`, computes the pairs it received, and sends the outputs back. The send
+  buffers are sized for the worst case (every pair to one device), so nothing is ever dropped;
+  `ragged_all_to_all` would size them exactly but has no CPU implementation to test it against.
+On CPU the collective path is used and the choice is logged once.
+
+Local compute is the sorted backend's grouped matmul with pairs of other shards marked absent.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from moejax.moe.dispatch import sorted_pair_outputs
+
+log = logging.getLogger(__name__)
+
+EXPERT_AXIS = "expert"
+DATA_AXIS = "data"
+PATHS = ("auto", "collective", "a2a")
+_logged = set()
+
+
+def current_mesh():
+    """The mesh set by `jax.set_mesh`, checked to have an expert axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        raise ValueError("the 'ep' dispatch backend needs a mesh with an 'expert' axis: "
+                         "`with jax.set_mesh(moejax.parallel.make_mesh(MeshConfig(expert=8))): ...`")
+    return mesh
+
+
+def choose_path(path: str = "auto") -> str:
+    if path not in PATHS:
+        raise ValueError(f"unknown expert-parallel path {path!r}; valid: {', '.join(PATHS)}")
+    if path != "auto":
+        return path
+    platform = jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm", "tpu"):
+        return "a2a"
+    if platform not in _logged:
+        _logged.add(platform)
+        log.info("expert parallelism on %s: the all-to-all path is meant for GPU/TPU; using the "
+                 "collective path (all-gather, local experts, reduce-scatter)", platform)
+    return "collective"
+
+
+def ep_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, forward_only: bool = False, path: str = "auto"):
+    """Expert output of every routed pair [T, K, D], computed on the device holding its expert.
+    Pairs with expert index E are absent (zeros), as in the sorted backend."""
+    mesh = current_mesh()
+    n_shards = mesh.shape[EXPERT_AXIS]
+    n_experts = jax.tree.leaves(weights)[0].shape[0]
+    if n_experts % n_shards:
+        raise ValueError(f"{n_experts} experts do not split over an expert axis of {n_shards} devices")
+    token_axes = tuple(a for a in (DATA_AXIS, EXPERT_AXIS) if a in mesh.axis_names)
+    n_devices = 1
+    for axis in token_axes:
+        n_devices *= mesh.shape[axis]
+    n_tokens = x_TD.shape[0]
+    pad = -n_tokens % n_devices
+    if pad:  # padding tokens route to the absent index: no device computes them
+        x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
+        expert_idx_TK = jnp.pad(expert_idx_TK, ((0, pad), (0, 0)), constant_values=n_experts)
+    body = _collective if choose_path(path) == "collective" else _all_to_all
+    local = functools.partial(body, expert_fn=expert_fn, forward_only=forward_only,
+                              experts_per_shard=n_experts // n_shards, n_shards=n_shards)
+    f_TKD = jax.shard_map(local, mesh=mesh, in_specs=(P(token_axes), P(token_axes), P(EXPERT_AXIS)),
+                          out_specs=P(token_axes), check_vma=False)(x_TD, expert_idx_TK, weights)
+    return f_TKD[:n_tokens]
+
+
+def _local_index(expert_idx, experts_per_shard):
+    """Index among this shard's experts, or experts_per_shard (absent) for other shards' experts."""
+    local = expert_idx - jax.lax.axis_index(EXPERT_AXIS) * experts_per_shard
+    return jnp.where((local >= 0) & (local < experts_per_shard), local, experts_per_shard)
+
+
+def _collective(x_TD, idx_TK, weights, *, expert_fn, forward_only, experts_per_shard, n_shards):
+    x_GD = jax.lax.all_gather(x_TD, EXPERT_AXIS, tiled=True)  # the expert group's tokens
+    idx_GK = jax.lax.all_gather(idx_TK, EXPERT_AXIS, tiled=True)
+    f_GKD = sorted_pair_outputs(x_GD, _local_index(idx_GK, experts_per_shard), weights, expert_fn,
+                                forward_only=forward_only, absent=True)
+    return jax.lax.psum_scatter(f_GKD, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+
+
+def _all_to_all(x_TD, idx_TK, weights, *, expert_fn, forward_only, experts_per_shard, n_shards):
+    n_tokens, top_k = idx_TK.shape
+    n_pairs = n_tokens * top_k
+    flat_M = idx_TK.reshape(-1)
+    dest_M = flat_M // experts_per_shard  # n_shards for absent pairs
+    # each pair's row in the buffer for its destination: its rank among the pairs going there
+    order_M = jnp.argsort(dest_M, stable=True)
+    count_S = jnp.zeros((n_shards + 1,), jnp.int32).at[dest_M].add(1)
+    start_S = jnp.cumsum(count_S) - count_S
+    rank_M = jnp.zeros((n_pairs,), jnp.int32).at[order_M].set(
+        jnp.arange(n_pairs, dtype=jnp.int32) - start_S[dest_M[order_M]])
+    x_MD = x_TD[jnp.arange(n_pairs) // top_k]
+    send_SMD = jnp.zeros((n_shards + 1, n_pairs, x_TD.shape[-1]), x_TD.dtype).at[dest_M, rank_M].set(x_MD)[:n_shards]
+    send_SM = jnp.full((n_shards + 1, n_pairs), experts_per_shard, jnp.int32).at[dest_M, rank_M].set(
+        flat_M % experts_per_shard)[:n_shards]
+    recv_SMD = jax.lax.all_to_all(send_SMD, EXPERT_AXIS, 0, 0, tiled=True)  # block s: pairs from device s
+    recv_SM = jax.lax.all_to_all(send_SM, EXPERT_AXIS, 0, 0, tiled=True)
+    f_R1D = sorted_pair_outputs(recv_SMD.reshape(n_shards * n_pairs, -1), recv_SM.reshape(-1, 1), weights,
+                                expert_fn, forward_only=forward_only, absent=True)
+    back_SMD = jax.lax.all_to_all(f_R1D.reshape(n_shards, n_pairs, -1), EXPERT_AXIS, 0, 0, tiled=True)
+    f_MD = back_SMD[jnp.minimum(dest_M, n_shards - 1), rank_M]
+    return jnp.where((dest_M < n_shards)[:, None], f_MD, 0).reshape(n_tokens, top_k, -1)

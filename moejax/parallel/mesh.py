@@ -1,0 +1,55 @@
+"""The device mesh: a data axis and an expert axis (a tensor axis can join them later)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moejax.errors import ConfigError
+
+AXES = ("data", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """data x expert devices. Tokens are split over both axes, routed experts over `expert`;
+    everything else is replicated."""
+
+    data: int = 1
+    expert: int = 1
+
+    def __post_init__(self):
+        for name in AXES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"mesh.{name}={value!r}: expected a positive integer")
+
+    @property
+    def n_devices(self) -> int:
+        return self.data * self.expert
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.expert > 1
+
+    @classmethod
+    def from_dict(cls, d) -> "MeshConfig":
+        d = dict(d or {})
+        unknown = sorted(set(d) - set(AXES) - {"simulated_cpu_devices"})
+        if unknown:
+            raise ConfigError(f"mesh: unknown key(s) {unknown}; expected {list(AXES)}")
+        return cls(**{k: d[k] for k in AXES if k in d})
+
+
+def make_mesh(cfg: MeshConfig, devices=None):
+    """A `jax.sharding.Mesh` of cfg.data x cfg.expert devices (the first n of jax.devices())."""
+    import jax
+    import numpy as np
+
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < cfg.n_devices:
+        raise ConfigError(
+            f"mesh data={cfg.data} x expert={cfg.expert} needs {cfg.n_devices} devices, JAX sees {len(devices)} "
+            f"({devices[0].platform}); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={cfg.n_devices} "
+            "before JAX starts (the mesh presets and `moejax score --mesh-expert` do this)")
+    grid = np.asarray(devices[:cfg.n_devices], dtype=object).reshape(cfg.data, cfg.expert)
+    return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
