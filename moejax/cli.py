@@ -1,7 +1,8 @@
 """The `moejax` command for checkpoint tools (experiments go through `python -m moejax.run`).
 
     moejax score CKPT (--text PATH... | --tokens FILE.npy) [--seq-len 512] [--max-tokens N]
-                 [--scores frequency,reap,...] [--batch-size B] [--dtype bfloat16] --out scores.parquet
+                 [--scores frequency,reap,...] [--batch-size B] [--dtype bfloat16]
+                 [--mesh-expert 8] [--mesh-data 1] --out scores.parquet
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
                  [--layers-keep FILE.json] [--group-aware | --collapse-groups] [--drop-mtp] [--overwrite]
     moejax inspect CKPT [--json]
@@ -27,14 +28,18 @@ LOW_MEMORY_XLA_FLAGS = "--xla_disable_hlo_passes=while-loop-invariant-code-motio
 def _score(args) -> None:
     import os
 
+    from moejax.parallel.mesh import MeshConfig, request_cpu_devices
+
+    mesh = MeshConfig(data=args.mesh_data, expert=args.mesh_expert)
     if "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LOW_MEMORY_XLA_FLAGS}".strip()
+        request_cpu_devices(mesh.n_devices)
     from moejax.scoring.score_checkpoint import ALL_SCORES, score_checkpoint
 
     scores = args.scores.split(",") if args.scores else list(ALL_SCORES)
     df = score_checkpoint(args.checkpoint, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
                           max_tokens=args.max_tokens, scores=scores, batch_size=args.batch_size, out=args.out,
-                          dtype=args.dtype)
+                          dtype=args.dtype, mesh=mesh)
     print(f"{df.layer.nunique()} MoE layers x {df.expert.nunique()} experts x {df.score.nunique()} scores "
           f"-> {args.out} (+ {args.out.rsplit('.', 1)[0]}.json)")
 
@@ -108,6 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype (bfloat16 halves a layer's memory)")
+    p.add_argument("--mesh-expert", type=int, default=1, help="devices the routed experts are split over")
+    p.add_argument("--mesh-data", type=int, default=1, help="data-parallel devices (tokens split)")
     p.add_argument("--out", required=True, help="scores.parquet")
     p.set_defaults(func=_score)
 

@@ -34,13 +34,15 @@ def _embed(ckpt: OpenCheckpoint, batches, dtype) -> list:
     return [jnp.asarray(table[np.asarray(ids)].astype(jnp.dtype(dtype))) for ids, _ in batches]
 
 
-def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progress: bool | None = None
-                  ) -> Iterator[tuple[int, object, list]]:
+def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progress: bool | None = None,
+                  mesh=None) -> Iterator[tuple[int, object, list]]:
     """Yield (HF layer index, the layer's MoE module, [router inputs [B*S, H] per batch]) for every
     MoE layer, after running all batches through the layers before it.
 
     batches: list of (input_ids [B, S], attention_mask [B, S] or None). The MoE module is only
-    valid until the next item is requested (its weights are dropped then)."""
+    valid until the next item is requested (its weights are dropped then).
+    mesh: each layer's routed experts are loaded split over the mesh's expert axis and run with
+    the "ep" backend; call this under `jax.set_mesh(mesh)`."""
     ckpt = ckpt if isinstance(ckpt, OpenCheckpoint) else open_checkpoint(ckpt)
     cfg = ckpt.config
     show = sys.stderr.isatty() if progress is None else progress
@@ -60,7 +62,9 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
             sys.stderr.flush()
         prefix = f"model.layers.{layer_idx}."
         abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0)))
-        layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix)
+        layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix, mesh=mesh)
+        if mesh is not None and layer.is_moe:
+            layer.mlp.backend = "ep"
         graphdef, state = nnx.split(layer)
         router_inputs = []
         for b, (cos, sin, allowed) in enumerate(geometry):

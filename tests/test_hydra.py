@@ -128,6 +128,9 @@ def test_conf_found_from_an_installed_wheel(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     assert (site / "moejax" / "conf" / "experiment" / "toy3.yaml").is_file()
+    source_modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "moejax").rglob("*.py")}
+    wheel_modules = {p.relative_to(site).as_posix() for p in (site / "moejax").rglob("*.py")}
+    assert source_modules <= wheel_modules, f"not in the wheel: {sorted(source_modules - wheel_modules)}"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)
     out = subprocess.run([sys.executable, "-m", "moejax.run", "experiment=toy3", "keep=0.25", "--cfg", "job"],

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from moejax.errors import ConfigError
 from moejax.experiments import EXPERIMENTS, get
+from moejax.parallel.mesh import MeshConfig, request_cpu_devices
 from moejax.results import write_json_atomic, write_parquet_atomic
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         module, typed = experiment_config(cfg)  # before any compute
+        request_cpu_devices(MeshConfig.from_dict(cfg.get("mesh")).n_devices)  # before JAX starts
         import yaml
 
         (out_dir / "resolved_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 from moejax.errors import ConfigError
+from moejax.parallel.mesh import MeshConfig
 from moejax.scoring.score_checkpoint import ALL_SCORES
 
 
@@ -19,6 +20,8 @@ class ScoreConfig:
     max_tokens: int | None = None
     batch_size: int = 8
     scores: tuple = ALL_SCORES
+    mesh_data: int = 1
+    mesh_expert: int = 1
 
     @classmethod
     def from_mapping(cls, d: dict) -> "ScoreConfig":
@@ -38,7 +41,9 @@ Config = ScoreConfig
 
 def settings_from(cfg: dict) -> dict:
     model, data = cfg.get("model") or {}, cfg.get("data") or {}
-    return {"path": model.get("path") or "", **data, "scores": cfg.get("scores") or ALL_SCORES}
+    mesh = MeshConfig.from_dict(cfg.get("mesh"))
+    return {"path": model.get("path") or "", **data, "scores": cfg.get("scores") or ALL_SCORES,
+            "mesh_data": mesh.data, "mesh_expert": mesh.expert}
 
 
 def run(cfg: ScoreConfig, progress=None):
@@ -46,7 +51,8 @@ def run(cfg: ScoreConfig, progress=None):
 
     t0 = time.perf_counter()
     df = score_checkpoint(cfg.path, text=list(cfg.text) or None, tokens=cfg.tokens, seq_len=cfg.seq_len,
-                          max_tokens=cfg.max_tokens, scores=list(cfg.scores), batch_size=cfg.batch_size)
+                          max_tokens=cfg.max_tokens, scores=list(cfg.scores), batch_size=cfg.batch_size,
+                          mesh=MeshConfig(cfg.mesh_data, cfg.mesh_expert))
     return df, {"scoring_s": time.perf_counter() - t0}
 
 

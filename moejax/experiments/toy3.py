@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from moejax.errors import ConfigError
+from moejax.parallel.mesh import MeshConfig, mesh_context
 from moejax.scoring.scores import check_score_names
 from moejax.scoring.select import resolve_keep
 
@@ -60,7 +61,9 @@ class Toy3Config:
     balance_steps: int = 300
     balance_rate: float = 0.002
     offset_scale: float = 0.5     # ||mu|| = offset_scale * sqrt(d)
-    backend: str = "sorted"       # dispatch backend of the calibration pass
+    backend: str = "sorted"       # dispatch backend of the calibration pass ("ep" on a mesh)
+    mesh_data: int = 1            # devices: data x expert (from the Hydra `mesh` group)
+    mesh_expert: int = 1
     seed_batch: int = 8           # seeds vectorised together (bounds memory)
 
     @classmethod
@@ -85,7 +88,7 @@ class Toy3Config:
 
     def validate(self) -> None:
         for name in ("seed", "seeds", "d_model", "d_hidden", "n_experts", "top_k", "n_calib",
-                     "n_heldout", "balance_steps", "seed_batch"):
+                     "n_heldout", "balance_steps", "seed_batch", "mesh_data", "mesh_expert"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"toy3: {name} must be an integer, got {value!r}")
@@ -106,6 +109,11 @@ class Toy3Config:
         self.keep_counts()
         if self.n_calib < 1 or self.n_heldout < 1 or self.seed_batch < 1:
             raise ConfigError("toy3: n_calib, n_heldout and seed_batch must be >= 1")
+        mesh = MeshConfig(self.mesh_data, self.mesh_expert)
+        if self.backend == "ep" and self.n_experts % mesh.expert:
+            raise ConfigError(f"toy3: n_experts={self.n_experts} does not split over mesh.expert={mesh.expert}")
+        if mesh.expert_parallel and self.backend != "ep":
+            raise ConfigError(f"toy3: mesh.expert={mesh.expert} needs toy.backend=ep (got {self.backend!r})")
 
     def keep_counts(self) -> list[int]:
         return [resolve_keep(k, self.n_experts, self.top_k) for k in self.keep]
@@ -119,6 +127,10 @@ def settings_from(cfg: dict) -> dict:
     """toy3's settings from the resolved Hydra config: the `toy` block plus seed, seeds and keep."""
     settings = dict(cfg.get("toy") or {})
     settings.update({k: cfg[k] for k in ("seed", "seeds", "keep") if cfg.get(k) is not None})
+    mesh = MeshConfig.from_dict(cfg.get("mesh"))
+    settings.update(mesh_data=mesh.data, mesh_expert=mesh.expert)
+    if settings.get("backend", "auto") == "auto":  # the routed experts' backend follows the mesh
+        settings["backend"] = "ep" if mesh.expert_parallel else "sorted"
     return settings
 
 
@@ -243,13 +255,18 @@ def _stage_two(cfg: Toy3Config):
 
 def run(cfg: Toy3Config, progress=None):
     """Run toy3; returns (tidy pandas DataFrame, timings dict)."""
+    cfg.validate()
+    with mesh_context(MeshConfig(cfg.mesh_data, cfg.mesh_expert)):
+        return _run(cfg, progress)
+
+
+def _run(cfg: Toy3Config, progress=None):
     import jax
     import pandas as pd
 
     from moejax.scoring.scores import compute_scores, stats_from_pairs
     from moejax.scoring.select import select_kept
 
-    cfg.validate()
     keeps = cfg.keep_counts()
     variants = [(name, keep) for name in cfg.scores for keep in keeps]  # stage two's variant axis
     all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)

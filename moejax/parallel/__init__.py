@@ -5,9 +5,19 @@
     model = shard_model(model, mesh)            # routed experts split over "expert", rest replicated
     with jax.set_mesh(mesh):
         logits = model.jitted()(input_ids)
+
+Importing this package does not import JAX (the mesh config is read before JAX may start).
 """
 
-from moejax.parallel.mesh import MeshConfig, make_mesh
-from moejax.parallel.sharding import SHARDING_RULES, partition_specs, shard_model
+from moejax.parallel.mesh import MeshConfig, make_mesh, mesh_context, request_cpu_devices
 
-__all__ = ["MeshConfig", "make_mesh", "SHARDING_RULES", "partition_specs", "shard_model"]
+__all__ = ["MeshConfig", "make_mesh", "mesh_context", "request_cpu_devices", "SHARDING_RULES", "partition_specs",
+           "shard_model"]
+
+
+def __getattr__(name):
+    if name in ("SHARDING_RULES", "partition_specs", "shard_model"):
+        from moejax.parallel import sharding
+
+        return getattr(sharding, name)
+    raise AttributeError(name)

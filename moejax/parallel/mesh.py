@@ -40,6 +40,28 @@ class MeshConfig:
         return cls(**{k: d[k] for k in AXES if k in d})
 
 
+def request_cpu_devices(n: int) -> None:
+    """Ask XLA:CPU for n simulated devices; only possible before JAX is imported (it changes
+    nothing on GPU/TPU). Later, make_mesh says what is missing."""
+    import os
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def mesh_context(cfg: MeshConfig):
+    """`with mesh_context(cfg):` runs under jax.set_mesh(make_mesh(cfg)), or plainly on one device."""
+    import contextlib
+
+    if cfg.n_devices == 1:
+        return contextlib.nullcontext()
+    import jax
+
+    return jax.set_mesh(make_mesh(cfg))
+
+
 def make_mesh(cfg: MeshConfig, devices=None):
     """A `jax.sharding.Mesh` of cfg.data x cfg.expert devices (the first n of jax.devices())."""
     import jax

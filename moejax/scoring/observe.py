@@ -96,13 +96,15 @@ def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator) -> None:
                 out["code_idx"], out["code_gate"], out["code_norm"])
 
 
-def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None) -> dict[int, LayerStats]:
-    """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.stream)."""
+def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None) -> dict[int, LayerStats]:
+    """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.stream);
+    with a mesh (under `jax.set_mesh(mesh)`), each layer's experts split over its expert axis and
+    every pair computed on the device holding its expert, the statistics summed across shards."""
     from moejax.stream import stream_layers
 
     masks = [None if m is None else np.asarray(m, bool).reshape(-1) for _, m in batches]
     stats = {}
-    for layer, moe, router_inputs in stream_layers(checkpoint, batches, dtype, progress):
+    for layer, moe, router_inputs in stream_layers(checkpoint, batches, dtype, progress, mesh=mesh):
         acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
         accumulate_layer(moe, router_inputs, masks, acc)
         stats[layer] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.bias[...]), layer=layer)

@@ -4,23 +4,27 @@ statistics and the run's settings. The scores file is what pruning and evaluatio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
 from pathlib import Path
 
 from moejax.errors import ConfigError
+from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.scoring.scores import check_score_names, compute_scores
 
 ALL_SCORES = ("frequency", "reap", "reap_code", "ean", "w_mean", "bias", "signed", "l1", "random")
 
 
 def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, max_tokens: int | None = None,
-                     scores=ALL_SCORES, batch_size: int = 8, out=None, progress=None, dtype="float32"):
+                     scores=ALL_SCORES, batch_size: int = 8, out=None, progress=None, dtype="float32",
+                     mesh: MeshConfig | None = None):
     """Scores as a pandas DataFrame (layer, expert, score, value); written to `out` (parquet, plus
     `out` with suffix .json) when given. Everything is checked before the pass starts.
     dtype: compute dtype of the pass ("float32", or "bfloat16" to halve the memory of a layer;
-    routers and statistics stay float32/float64 either way)."""
+    routers and statistics stay float32/float64 either way). mesh: run the pass expert-parallel
+    (routed experts split over mesh.expert devices); the scores are the same."""
     import jax
     import pandas as pd
 
@@ -48,8 +52,11 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, 
         if ids.max() >= vocab:
             raise ConfigError(f"tokenizer produced id {ids.max()} >= vocab_size={vocab}")
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
+    mesh = mesh or MeshConfig()
+    device_mesh = make_mesh(mesh) if mesh.n_devices > 1 else None
     t0 = time.perf_counter()
-    stats = calibrate_streamed(ckpt, batches, dtype=jax.numpy.dtype(dtype), progress=progress)
+    with contextlib.nullcontext() if device_mesh is None else jax.set_mesh(device_mesh):
+        stats = calibrate_streamed(ckpt, batches, dtype=jax.numpy.dtype(dtype), progress=progress, mesh=device_mesh)
     seconds = time.perf_counter() - t0
     rows = []
     for layer, st in stats.items():
@@ -61,6 +68,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, 
         sidecar = {
             "checkpoint": str(Path(checkpoint).resolve()), "tokens": int(ids.size), "sequences": int(len(ids)),
             "seq_len": int(ids.shape[1]), "tokenizer": tokenizer, "scores": scores, "batch_size": batch_size, "dtype": dtype,
+            "mesh": {"data": mesh.data, "expert": mesh.expert},
             "seconds": round(seconds, 3),
             "versions": {"moejax": __version__, "jax": jax.__version__, "python": platform.python_version()},
             "layers": {str(l): {"counts": st.counts_E.tolist(), "gate_norm_sum": st.gate_norm_sum_E.tolist(),

@@ -1,0 +1,112 @@
+"""The submitit launcher presets (hydra/launcher=slurm_gpu, hydra/launcher=local_gpu): they compose
+from the command line, keep their GPU/time settings, take overrides, render the sbatch script a
+Slurm cluster would get (with a stand-in sbatch), run a real two-job sweep through submitit_local,
+and ship in the wheel. Nothing here imports JAX in the test process."""
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs the slurm extra")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+LOCAL = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+TINY = ["seeds=1", "toy.n_calib=300", "toy.n_heldout=200", "toy.balance_steps=5"]
+
+
+def run_cli(args, cwd, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "moejax.run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def launcher_cfg(tmp_path, *overrides):
+    """The resolved hydra.launcher node, as `--cfg hydra --resolve -p hydra.launcher` prints it."""
+    out = run_cli(["experiment=toy3", *overrides, f"hydra.sweep.dir={tmp_path / 'sw'}",
+                   "--cfg", "hydra", "--resolve", "-p", "hydra.launcher"], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def test_slurm_preset_composes(tmp_path):
+    c = launcher_cfg(tmp_path, "hydra/launcher=slurm_gpu")
+    assert c["_target_"] == SLURM
+    assert c["gpus_per_node"] == 1 and c["tasks_per_node"] == 1 and c["nodes"] == 1
+    assert c["timeout_min"] == 240 and c["max_num_timeout"] == 0
+    assert c["cpus_per_task"] >= 2 and c["mem_gb"] >= 16
+    assert 1 <= c["array_parallelism"] <= 64
+    assert c["partition"] is None  # sbatch's default unless overridden
+    assert c["submitit_folder"] == f"{tmp_path / 'sw'}/.submitit/%j"
+
+
+def test_local_gpu_preset_composes(tmp_path):
+    c = launcher_cfg(tmp_path, "hydra/launcher=local_gpu")
+    assert c["_target_"] == LOCAL
+    assert c["gpus_per_node"] == 1  # unset, submitit_local hides every GPU (CUDA_VISIBLE_DEVICES="")
+    assert c["tasks_per_node"] == 1 and c["timeout_min"] == 240
+    assert c["submitit_folder"] == f"{tmp_path / 'sw'}/.submitit/%j"
+
+
+def test_slurm_preset_takes_overrides(tmp_path):
+    c = launcher_cfg(tmp_path, "hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu",
+                     "hydra.launcher.timeout_min=30", "hydra.launcher.account=proj42",
+                     "hydra.launcher.array_parallelism=2", "hydra.launcher.setup=[module load cuda]")
+    assert c["partition"] == "gpu" and c["timeout_min"] == 30 and c["account"] == "proj42"
+    assert c["array_parallelism"] == 2 and c["setup"] == ["module load cuda"]
+    assert c["gpus_per_node"] == 1  # the rest of the preset stays
+    c = launcher_cfg(tmp_path, "hydra/launcher=local_gpu", "hydra.launcher.timeout_min=30")
+    assert c["timeout_min"] == 30 and c["gpus_per_node"] == 1
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="stand-in sbatch/srun are shell scripts")
+def test_slurm_sweep_renders_one_gpu_array_job(tmp_path):
+    """`-m ... keep=8,16,32,48 hydra/launcher=slurm_gpu` through the real plugin and submitit, up to
+    the sbatch call: a stand-in sbatch keeps the script and fails, so nothing waits for a cluster."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")  # submitit only checks that srun exists
+    (bin_dir / "sbatch").write_text('#!/bin/sh\ncp "$1" "$SBATCH_COPY"\necho "stand-in sbatch" >&2\nexit 1\n')
+    for f in bin_dir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    script, sweep = tmp_path / "job.sbatch", tmp_path / "sw"
+    out = run_cli(["-m", "experiment=toy3", "keep=8,16,32,48", "hydra/launcher=slurm_gpu",
+                   "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=30", f"hydra.sweep.dir={sweep}"],
+                  tmp_path, {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SBATCH_COPY": str(script)})
+    assert out.returncode != 0 and "stand-in sbatch" in out.stderr
+    lines = set(script.read_text().splitlines())
+    for opt in ("--array=0-3%4", "--gpus-per-node=1", "--ntasks-per-node=1", "--nodes=1", "--partition=gpu",
+                "--time=30", "--cpus-per-task=8", "--mem=64GB", "--job-name=moejax",
+                f"--output={sweep}/.submitit/%A_%a/%A_%a_0_log.out"):
+        assert f"#SBATCH {opt}" in lines, opt
+    # each array task runs the controller's interpreter, so its environment must exist on the nodes
+    assert any(line.startswith("srun ") and f"{sys.executable} -u -m submitit.core._submit" in line
+               for line in lines)
+
+
+def test_local_gpu_sweep_runs_each_job_in_its_own_process(tmp_path):
+    from moejax.results import load  # JAX-free
+
+    sweep = tmp_path / "sw"
+    out = run_cli(["-m", "experiment=toy3", "keep=8,16", *TINY, "hydra/launcher=local_gpu",
+                   "hydra.sweeper.max_batch_size=1", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(list((sweep / ".submitit").glob("*/*_result.pkl"))) == 2  # two submitit jobs
+    df = load(sweep)
+    assert sorted(df["override.keep"].unique()) == [8, 16] and sorted(df.job.unique()) == [0, 1]
+
+
+def test_presets_ship_in_the_wheel():
+    """The conf/ package-data globs of pyproject.toml cover the presets (the wheel test in
+    test_hydra.py checks the mechanism itself)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["moejax.conf"]
+    shipped = {p for g in globs for p in CONF.glob(g)}
+    for name in ("slurm_gpu", "local_gpu", "local_procs"):
+        assert CONF / "hydra" / "launcher" / f"{name}.yaml" in shipped, name
