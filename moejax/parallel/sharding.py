@@ -40,6 +40,6 @@ def shard_model(module, mesh):
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         spec = spec_for(".".join(str(p) for p in path))
-        var.value = jax.device_put(var.value, NamedSharding(mesh, spec))
+        var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, spec)))
     nnx.update(module, nnx.from_flat_state(flat))
     return module
