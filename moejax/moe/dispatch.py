@@ -156,11 +156,16 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
             return jnp.matmul(h_BF.astype(jnp.float32), w_FG.astype(jnp.float32),
                               precision=jax.lax.Precision.HIGHEST).astype(h_BF.dtype)
 
+        n_used = layout.blocks_before_group(n_experts)  # blocks of real experts; the rest is padding
         if not forward_only:
-            return jax.lax.map(lambda he: one(*he), (h_NBF, block_expert_N))
+            # Blocks past the last expert's (absent pairs, trailing padding) are skipped by a
+            # conditional, which keeps the loop differentiable.
+            skip = jnp.zeros(h_NBF.shape[1:2] + w_EFG.shape[-1:], h_NBF.dtype)
+            return jax.lax.map(lambda hei: jax.lax.cond(hei[2] < n_used, lambda: one(hei[0], hei[1]), lambda: skip),
+                               (h_NBF, block_expert_N, jnp.arange(h_NBF.shape[0])))
         out = jnp.zeros(h_NBF.shape[:2] + w_EFG.shape[-1:], h_NBF.dtype)
         body = lambda i, o: o.at[i].set(one(h_NBF[i], block_expert_N[i]))  # noqa: E731
-        return jax.lax.fori_loop(0, layout.blocks_before_group(n_experts), body, out)
+        return jax.lax.fori_loop(0, n_used, body, out)
 
     y_NBD = expert_fn(block_linear, weights, x_NBD)
     y_TKD = y_NBD.reshape(rows, -1)[layout.pair_slot_M].reshape(n_tokens, top_k, -1)
