@@ -1,0 +1,300 @@
+"""What pruning costs on a real checkpoint (SPEC sections 3 and 5), every variant in one pass.
+
+`evaluate_pruning` reads each decoder layer's weights once and carries, layer by layer:
+- the calibration stream of the unpruned model, whose statistics at a MoE layer give every score
+  of that layer (moejax.scoring), hence every variant's kept set for it (one-shot pruning);
+- the held-out streams of the unpruned model, on whose router inputs each variant's layer-local
+  error is measured (routed output only, shared experts excluded: SPEC section 3);
+- one held-out stream per variant (score, keep), pruned at every MoE layer, for its end-to-end
+  perplexity;
+- with `sequential=True` also, per variant, a calibration stream of the model already pruned up to
+  the layer before, on which that variant's score for the next layer is computed (what
+  llm-compressor does), and its own held-out stream.
+At the end the final norm and head turn each held-out stream into a perplexity per text.
+
+Results are tidy rows: mode, score, keep, layer, text, metric, value (see `METRICS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.hf.model_io import OpenCheckpoint
+from moejax.models.deepseek_v3 import rope as rope_lib
+from moejax.models.deepseek_v3.model import DecoderLayer, linear, rms_norm
+from moejax.moe import dispatch as dispatch_lib
+from moejax.scoring.observe import accumulate_layer
+from moejax.scoring.scores import StatsAccumulator, compute_scores
+from moejax.scoring.select import resolve_keep, select_kept
+
+METRICS = {
+    "rel_error": "all-token relative error of the layer's routed output, sum ||y'-y||^2 / sum ||y||^2",
+    "rel_error_median": "median over held-out tokens of ||y'-y||^2 / ||y||^2",
+    "perplexity": "held-out perplexity with every MoE layer pruned (score empty: unpruned)",
+    "usage_top_quarter": "share of routing decisions taken by the E/4 most-used experts (calibration)",
+    "cosine_mu_ones": "cosine between the mean router input and the all-ones vector",
+    "energy_pos0": "share of the routed output's energy sum ||y_t||^2 at sequence position 0 (held-out)",
+    "spearman_frequency": "Spearman rank correlation of the score with frequency",
+    "overlap_frequency": "kept experts shared with the frequency kept set",
+    "overlap_<score>": "kept experts shared with that score's kept set",
+    "rare_large_expert": "an expert in the bottom quarter by frequency and the top quarter by reap (value: its index)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    score: str
+    keep: int
+    mode: str = "one_shot"  # or "sequential"
+
+
+# --- jitted pieces of one decoder layer (graphdef static, weights and masks as arguments) ------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _attention(graphdef, state, x_BSH, cos, sin, allowed):
+    """h = x + attn(norm(x)), and z = the MLP's (router's) input."""
+    layer = nnx.merge(graphdef, state)
+    h = x_BSH + layer.self_attn(layer.input_layernorm(x_BSH), cos, sin, allowed)
+    return h, layer.post_attention_layernorm(h)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _mlp(graphdef, state, h_BSH, z_BSH, mask_E):
+    layer = nnx.merge(graphdef, state)
+    if not layer.is_moe:
+        return h_BSH + layer.mlp(z_BSH)
+    return h_BSH + layer.mlp(z_BSH, mask_E)[0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _routed_errors(graphdef, state, z_BSH, masks_VE):
+    """Per-token squared norms of the unpruned routed output and of its error under each mask:
+    (||y_t||^2 [B, S], ||y'_t - y_t||^2 [V, B, S]); shared experts excluded (SPEC section 3)."""
+    moe = nnx.merge(graphdef, state).mlp
+    B, S, H = z_BSH.shape
+    z = z_BSH.reshape(B * S, H)
+    experts = {"gate": moe.experts_gate[...], "up": moe.experts_up[...], "down": moe.experts_down[...]}
+
+    def routed(mask_E):
+        r = moe.route(z, mask_E)
+        return dispatch_lib.dispatch(z, r.expert_idx_TK, r.gate_TK, experts, dispatch_lib.swiglu,
+                                     moe.backend).astype(jnp.float32)
+
+    y = routed(None)
+    err = jax.lax.map(lambda m: jnp.sum((routed(m) - y) ** 2, axis=-1), masks_VE)
+    return jnp.sum(y ** 2, axis=-1).reshape(B, S), err.reshape(-1, B, S)
+
+
+@jax.jit
+def _nll(x_BSH, norm_H, head_HV, ids_BS, eps):
+    """Sum of next-token negative log-likelihoods, and the number of predicted tokens."""
+    logits = linear(rms_norm(x_BSH, norm_H, eps), head_HV).astype(jnp.float32)[:, :-1]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, ids_BS[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(nll), nll.size
+
+
+# --- the pass ------------------------------------------------------------------------------------
+
+
+def _geometry(cfg, batches, dtype):
+    out = []
+    for ids in batches:
+        B, S = ids.shape
+        cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), jnp.dtype(dtype))
+        out.append((cos, sin, jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool))[None], (B, S, S))))
+    return out
+
+
+def _embed(ckpt: OpenCheckpoint, batches, dtype):
+    (spec,) = [s for s in ckpt.specs if s.param == "model.embed_tokens"]
+    table = ckpt.read_param_tensor(spec, jnp.dtype(dtype))
+    return [jnp.asarray(table[np.asarray(ids)]) for ids in batches]
+
+
+def _head(ckpt: OpenCheckpoint, dtype):
+    by_param = {s.param: s for s in ckpt.specs}
+    norm = ckpt.read_param_tensor(by_param["model.norm.weight"], jnp.dtype(dtype))
+    if "lm_head" in by_param:
+        head = ckpt.read_param_tensor(by_param["lm_head"], jnp.dtype(dtype))
+    else:  # tied: the embedding transposed
+        head = ckpt.read_param_tensor(by_param["model.embed_tokens"], jnp.dtype(dtype)).T
+    return jnp.asarray(norm), jnp.asarray(head)
+
+
+def _spearman(a, b) -> float:
+    import pandas as pd
+
+    ra, rb = pd.Series(a).rank().to_numpy(), pd.Series(b).rank().to_numpy()
+    return float(np.corrcoef(ra, rb)[0, 1]) if ra.std() > 0 and rb.std() > 0 else float("nan")
+
+
+def _analysis_rows(layer, stats, scores, kept, keeps, energy_pos0):
+    """Per-layer analyses of SPEC section 3 on the unpruned calibration statistics."""
+    rows = []
+    E = stats.counts_E.shape[0]
+    usage = np.sort(stats.counts_E)[::-1]
+    mu = stats.mean_input_D
+    rows.append(dict(layer=layer, metric="usage_top_quarter", value=float(usage[: max(1, E // 4)].sum() / usage.sum())))
+    rows.append(dict(layer=layer, metric="cosine_mu_ones",
+                     value=float(mu.sum() / (np.linalg.norm(mu) * np.sqrt(mu.size) + 1e-30))))
+    rows.append(dict(layer=layer, metric="energy_pos0", value=energy_pos0))
+    freq = stats.counts_E
+    for name, s in scores.items():
+        rows.append(dict(layer=layer, score=name, metric="spearman_frequency", value=_spearman(s, freq)))
+        for keep in keeps:
+            for other in scores:
+                if other != name:
+                    rows.append(dict(layer=layer, score=name, keep=keep, metric=f"overlap_{other}",
+                                     value=float(np.sum(kept[name, keep] & kept[other, keep]))))
+            if "frequency" not in scores:
+                rows.append(dict(layer=layer, score=name, keep=keep, metric="overlap_frequency",
+                                 value=float(np.sum(kept[name, keep] & select_kept(freq, keep)))))
+    if "reap" in scores:
+        quarter = max(1, E // 4)
+        rare = set(np.argsort(freq, kind="stable")[:quarter].tolist())
+        large = set(np.argsort(-scores["reap"], kind="stable")[:quarter].tolist())
+        rows += [dict(layer=layer, score="reap", metric="rare_large_expert", value=float(e)) for e in sorted(rare & large)]
+    return rows
+
+
+class _ErrorSums:
+    """Per variant and layer: sum ||y'-y||^2, sum ||y||^2, and per-token ratios (host, float64)."""
+
+    def __init__(self):
+        self.err, self.norm, self.per_token = {}, {}, {}
+
+    def add(self, key, norm_BS, err_BS, valid_BS):
+        norm, err = np.asarray(norm_BS, np.float64)[valid_BS], np.asarray(err_BS, np.float64)[valid_BS]
+        self.err[key] = self.err.get(key, 0.0) + err.sum()
+        self.norm[key] = self.norm.get(key, 0.0) + norm.sum()
+        ok = norm > 0
+        self.per_token.setdefault(key, []).append(err[ok] / norm[ok])
+
+    def rows(self):
+        out = []
+        for (variant, layer), err in self.err.items():
+            base = dict(mode=variant.mode, score=variant.score, keep=variant.keep, layer=layer)
+            out.append(dict(base, metric="rel_error", value=float(err / self.norm[variant, layer])))
+            out.append(dict(base, metric="rel_error_median",
+                            value=float(np.median(np.concatenate(self.per_token[variant, layer])))))
+        return out
+
+
+def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
+                     keeps: list, *, sequential: bool = False, batch_size: int = 8, dtype=jnp.float32, seed: int = 0,
+                     progress: bool | None = None) -> tuple[list[dict], dict]:
+    """(tidy rows, info) for every (score, keep) variant; calib and each held-out text are token
+    ids [n_seq, seq_len]. Each decoder layer's weights are read once."""
+    cfg = ckpt.config
+    E = cfg.n_routed_experts
+    keeps = sorted({resolve_keep(k, E, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
+    one_shot = [Variant(s, k) for s in scores for k in keeps]
+    seq_variants = [Variant(s, k, "sequential") for s in scores for k in keeps] if sequential else []
+    show = sys.stderr.isatty() if progress is None else progress
+
+    def batched(ids):
+        return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
+
+    cal_batches = batched(calib)
+    held_batches = {text: batched(ids) for text, ids in heldout.items()}
+    cal_geo = _geometry(cfg, cal_batches, dtype)
+    held_geo = {text: _geometry(cfg, b, dtype) for text, b in held_batches.items()}
+    cal_embed = _embed(ckpt, cal_batches, dtype)
+    held_embed = {text: _embed(ckpt, b, dtype) for text, b in held_batches.items()}
+    # streams: calibration (unpruned; per sequential variant), held-out (unpruned; per variant)
+    cal = {None: cal_embed, **{v: list(cal_embed) for v in seq_variants}}
+    held = {(v, text): list(held_embed[text]) for v in [None, *one_shot, *seq_variants] for text in heldout}
+    errors, rows, kept_by_layer = _ErrorSums(), [], {}
+    t0 = time.perf_counter()
+    for layer_idx in range(cfg.num_hidden_layers):
+        if show:
+            sys.stderr.write(f"\rlayer {layer_idx + 1}/{cfg.num_hidden_layers} ({len(held)} held-out streams)")
+            sys.stderr.flush()
+        prefix = f"model.layers.{layer_idx}."
+        abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0)))
+        layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix)
+        graphdef, state = nnx.split(layer)
+        is_moe = layer.is_moe
+        masks: dict = {v: None for v in [None, *one_shot, *seq_variants]}
+
+        def attention_all(stream, geometry):
+            return [_attention(graphdef, state, x, *g) for x, g in zip(stream, geometry)]
+
+        cal_hz = {key: attention_all(stream, cal_geo) for key, stream in cal.items()}
+        if is_moe:
+            router, bias = np.asarray(layer.mlp.router[...]), np.asarray(layer.mlp.bias[...])
+
+            def layer_scores(hz):
+                acc = StatsAccumulator(E, cfg.hidden_size)
+                zs = [z.reshape(-1, z.shape[-1]) for _, z in hz]
+                accumulate_layer(layer.mlp, zs, [None] * len(zs), acc)
+                st = acc.stats(router, bias, seed=seed, layer=layer_idx)
+                return st, compute_scores(st, scores)
+
+            stats, layer_sc = layer_scores(cal_hz[None])
+            kept = {(s, k): select_kept(layer_sc[s], k) for s in scores for k in keeps}
+            kept_by_layer[layer_idx] = {f"{s}@{k}": np.flatnonzero(m).tolist() for (s, k), m in kept.items()}
+            for v in one_shot:
+                masks[v] = jnp.asarray(kept[v.score, v.keep])
+            for v in seq_variants:
+                _, own = layer_scores(cal_hz[v])
+                masks[v] = jnp.asarray(select_kept(own[v.score], v.keep))
+        # carry the calibration streams
+        cal = {key: [_mlp(graphdef, state, h, z, masks[key]) for h, z in cal_hz[key]] for key in cal}
+        energy0, energy = 0.0, 0.0
+        for (v, text), stream in held.items():
+            new = []
+            for x, g in zip(stream, held_geo[text]):
+                h, z = _attention(graphdef, state, x, *g)
+                if is_moe and v is None:  # layer-local errors of every one-shot variant on unpruned inputs
+                    keys = one_shot
+                    norm, err = _routed_errors(graphdef, state, z, jnp.stack([masks[u] for u in keys]))
+                    valid = np.ones(norm.shape, bool)
+                    for i, u in enumerate(keys):
+                        errors.add((u, layer_idx), norm, err[i], valid)
+                    n = np.asarray(norm, np.float64)
+                    energy0, energy = energy0 + n[:, 0].sum(), energy + n.sum()
+                if is_moe and v is not None and v.mode == "sequential":  # its own (pruned) inputs
+                    norm, err = _routed_errors(graphdef, state, z, masks[v][None])
+                    errors.add((v, layer_idx), norm, err[0], np.ones(norm.shape, bool))
+                new.append(_mlp(graphdef, state, h, z, masks[v]))
+            held[v, text] = new
+        if is_moe:
+            rows += [dict(mode="one_shot", **r) for r in _analysis_rows(
+                layer_idx, stats, layer_sc, kept, keeps, float(energy0 / energy) if energy else float("nan"))]
+        del layer, state, cal_hz
+    if show:
+        sys.stderr.write("\n")
+    norm_H, head_HV = _head(ckpt, dtype)
+    totals = {}
+    for (v, text), stream in held.items():
+        nll = [_nll(x, norm_H, head_HV, jnp.asarray(ids), cfg.rms_norm_eps) for x, ids in zip(stream, held_batches[text])]
+        s, n = sum(float(a) for a, _ in nll), sum(int(b) for _, b in nll)
+        totals.setdefault(v, [0.0, 0])
+        totals[v][0] += s
+        totals[v][1] += n
+        rows.append(_ppl_row(v, text, s, n))
+    for v, (s, n) in totals.items():
+        rows.append(_ppl_row(v, "all", s, n))
+    rows += errors.rows()
+    info = {"seconds": time.perf_counter() - t0, "variants": len(one_shot) + len(seq_variants), "keeps": keeps,
+            "kept": kept_by_layer, "calib_tokens": int(calib.size),
+            "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
+    return rows, info
+
+
+def _ppl_row(v, text, nll_sum, count):
+    base = (dict(mode="none", score=None, keep=None) if v is None
+            else dict(mode=v.mode, score=v.score, keep=v.keep))
+    return dict(base, text=text, metric="perplexity", value=float(np.exp(nll_sum / count)))
+

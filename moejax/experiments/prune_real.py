@@ -1,0 +1,174 @@
+"""`python -m moejax.run experiment=prune_real model=tiny` (or `model.path=CKPT`): SPEC section 5.
+
+One pass over the checkpoint (each layer's weights read once) gives every score of every MoE layer
+from the calibration text, then each (score, keep) variant's layer-local errors and end-to-end
+held-out perplexity, plus the analyses of SPEC section 3 (moejax.evaluate). With
+`prune.sequential=true` the greedy variant (score layer l+1 on the model pruned up to layer l) is
+reported beside the one-shot one (column `mode`).
+
+Data defaults: calibration = the Python standard library's own sources (sorted, skipping held-out
+files); held-out = the files a `train_tiny` model never saw (its moejax_tiny.json) when the model
+has that list, else a few fixed standard-library modules; plus the standard library's LICENSE.txt
+as prose when present. Any text files can be named instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sysconfig
+from pathlib import Path
+
+from moejax.errors import ConfigError
+from moejax.scoring.score_checkpoint import ALL_SCORES
+
+DEFAULT_HELDOUT = ("difflib.py", "textwrap.py", "fractions.py")  # when the model lists none of its own
+TINY_RECORD = "moejax_tiny.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneRealConfig:
+    path: str = ""
+    keep: tuple = (0.5, 0.25)
+    scores: tuple = ALL_SCORES
+    calib: tuple = ()              # files/folders/globs; empty = standard-library sources
+    heldout: tuple = ()            # empty = the model's held-out files, else DEFAULT_HELDOUT (+ LICENSE.txt)
+    seq_len: int = 256
+    calib_tokens: int = 32768
+    heldout_tokens: int = 16384    # per held-out text
+    batch_size: int = 8
+    sequential: bool = False
+    dtype: str = "float32"
+    seed: int = 0
+
+    @classmethod
+    def from_mapping(cls, d: dict) -> "PruneRealConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ConfigError(f"prune_real: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None}
+        if "keep" in d and not isinstance(d["keep"], tuple):
+            d["keep"] = (d["keep"],)
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        from moejax.scoring.scores import check_score_names
+
+        if not self.path:
+            raise ConfigError("prune_real: set model=tiny or model.path=CHECKPOINT_FOLDER")
+        if not (Path(self.path) / "config.json").is_file():
+            hint = " (train it first: python -m moejax.run experiment=train_tiny)" if "models/tiny" in self.path else ""
+            raise ConfigError(f"prune_real: {self.path} has no config.json{hint}")
+        check_score_names(self.scores)
+        if not self.keep:
+            raise ConfigError("prune_real: keep is empty; give counts or ratios of E, e.g. keep=[0.5,0.25]")
+        for name in ("seq_len", "calib_tokens", "heldout_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"prune_real: {name}={getattr(self, name)} must be >= 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"prune_real: dtype={self.dtype!r}; expected float32 or bfloat16")
+
+
+Config = PruneRealConfig
+
+
+def settings_from(cfg: dict) -> dict:
+    model, data, prune = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("prune") or {}
+    settings = {"path": model.get("path") or "", **data, **prune}
+    for key in ("keep", "scores", "dtype", "seed"):
+        if cfg.get(key) is not None:
+            settings[key] = cfg[key]
+    return settings
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_texts(cfg: PruneRealConfig) -> tuple[list[Path], list[Path]]:
+    """(calibration files, held-out files) when the config names none."""
+    root = stdlib_root()
+    record = Path(cfg.path) / TINY_RECORD
+    if cfg.heldout:
+        from moejax.data import text_files
+
+        heldout = text_files(list(cfg.heldout))
+    elif record.is_file():
+        listed = json.loads(record.read_text()).get("heldout") or []
+        heldout = [root / name for name in listed if (root / name).is_file()][:4]
+    else:
+        heldout = [root / name for name in DEFAULT_HELDOUT if (root / name).is_file()]
+    if not cfg.heldout and (root / "LICENSE.txt").is_file():
+        heldout.append(root / "LICENSE.txt")  # prose
+    if cfg.calib:
+        from moejax.data import text_files
+
+        calib = text_files(list(cfg.calib))
+    else:
+        exclude = {p.resolve() for p in heldout}
+        if record.is_file():  # never calibrate on what the tiny model held out either
+            exclude |= {(root / n).resolve() for n in json.loads(record.read_text()).get("heldout") or []}
+        calib = [p for p in sorted(root.glob("*.py")) if p.resolve() not in exclude]
+    return calib, heldout
+
+
+def run(cfg: PruneRealConfig, progress=None):
+    import jax.numpy as jnp
+    import pandas as pd
+
+    from moejax.data import Tokenizer, pack
+    from moejax.evaluate import evaluate_pruning
+    from moejax.hf.model_io import open_checkpoint
+
+    ckpt = open_checkpoint(cfg.path)
+    calib_files, heldout_files = default_texts(cfg)
+    if not heldout_files:
+        raise ConfigError("prune_real: no held-out text found; name files with data.heldout=[...]")
+    tok = Tokenizer(cfg.path, ckpt.config.vocab_size)
+
+    def tokens(files, max_tokens):
+        docs, total = [], 0
+        for f in files:
+            docs.append(tok.encode(f.read_text(encoding="utf-8", errors="replace")))
+            total += len(docs[-1])
+            if total >= max_tokens:
+                break
+        return pack(docs, cfg.seq_len, max_tokens)
+
+    calib = tokens(calib_files, cfg.calib_tokens)
+    heldout = {f.name: tokens([f], cfg.heldout_tokens) for f in heldout_files}
+    rows, info = evaluate_pruning(ckpt, calib, heldout, list(cfg.scores), list(cfg.keep), sequential=cfg.sequential,
+                                  batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
+                                  progress=progress is not None or None)
+    df = pd.DataFrame(rows, columns=["mode", "score", "keep", "layer", "text", "metric", "value"])
+    df["keep"] = df["keep"].astype("Int64")
+    df["layer"] = df["layer"].astype("Int64")
+    timings = {"pass_s": info["seconds"], "variants": info["variants"], "calib_tokens": info["calib_tokens"],
+               "heldout_tokens": info["heldout_tokens"], "calib_files": len(calib_files),
+               "heldout_files": [str(f) for f in heldout_files]}
+    return df, timings
+
+
+def summary_title(cfg: PruneRealConfig) -> str:
+    return (f"{cfg.path}: held-out perplexity (all texts) and mean layer-local relative error, by score "
+            f"and keep ({'one-shot and sequential' if cfg.sequential else 'one-shot'}):")
+
+
+def summary_table(df):
+    import pandas as pd
+
+    ppl = df[(df.metric == "perplexity") & (df.text == "all")]
+    base = ppl[ppl["mode"] == "none"]["value"]
+    pruned = ppl[ppl["mode"] != "none"].pivot_table(index=["mode", "score"], columns="keep", values="value")
+    pruned.columns = [f"ppl keep={k}" for k in pruned.columns]
+    err = df[df.metric == "rel_error"].pivot_table(index=["mode", "score"], columns="keep", values="value",
+                                                   aggfunc="mean")
+    err.columns = [f"rel_error keep={k}" for k in err.columns]
+    table = pd.concat([pruned, err], axis=1)
+    if len(base):
+        table.loc[("none", "unpruned"), :] = float("nan")
+        table.loc[("none", "unpruned"), [c for c in table.columns if c.startswith("ppl")]] = float(base.iloc[0])
+    return table.round(4)

@@ -1,0 +1,152 @@
+"""prune_real (moejax.evaluate): unpruned perplexity against transformers, keep=E reproduces the
+unpruned numbers exactly, layer-local errors against numpy straight from SPEC sections 1 and 3."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("transformers")
+
+from hf_fixtures import make_checkpoint  # noqa: E402
+
+from moejax.evaluate import evaluate_pruning  # noqa: E402
+from moejax.hf.model_io import open_checkpoint  # noqa: E402
+from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
+
+E, K, SEQ = 16, 4, 24
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("real") / "src"
+    model = make_checkpoint(path, seed=31, vocab_size=256, n_routed_experts=E, n_group=4, topk_group=2,
+                            num_experts_per_tok=K)
+    rng = np.random.default_rng(0)
+    calib = rng.integers(0, 256, size=(6, SEQ)).astype(np.int32)
+    heldout = {"a": rng.integers(0, 256, size=(4, SEQ)).astype(np.int32),
+               "b": rng.integers(0, 256, size=(3, SEQ)).astype(np.int32)}
+    rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["frequency", "reap", "l1", "signed", "random"],
+                                  [E, 8, 0.25], sequential=True, batch_size=4)
+    return path, model, calib, heldout, pd.DataFrame(rows), info
+
+
+def test_unpruned_perplexity_matches_transformers(setup):
+    import torch
+
+    path, model, _, heldout, df, _ = setup
+    for text, ids in heldout.items():
+        with torch.no_grad():
+            logits = model(torch.as_tensor(ids, dtype=torch.long)).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), torch.as_tensor(ids[:, 1:]).reshape(-1).long())
+        got = df[(df["mode"] == "none") & (df.text == text) & (df.metric == "perplexity")].value.item()
+        assert got == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+
+
+def test_keep_all_experts_gives_the_unpruned_numbers_exactly(setup):
+    *_, df, _ = setup
+    ppl = df[df.metric == "perplexity"]
+    unpruned = ppl[ppl["mode"] == "none"].set_index("text").value
+    full = ppl[ppl.keep == E]
+    assert len(full) == 5 * 2 * 3  # 5 scores x 2 modes x (2 texts + all)
+    for _, row in full.iterrows():
+        assert row.value == unpruned[row.text]
+    errors = df[df.metric.isin(["rel_error", "rel_error_median"]) & (df.keep == E)]
+    assert len(errors) and (errors.value == 0).all()
+    pruned = ppl[ppl.keep == 4]
+    assert (pruned.value != pruned.text.map(unpruned)).all()  # pruning a quarter changes every perplexity
+
+
+def numpy_routed(z, w, b, experts, mask, cfg):
+    """SPEC section 1 in numpy: sigmoid scores, bias for the choice only, group-limited top-k,
+    renormalised gates times routed_scaling_factor; experts down(silu(gate x) * up x)."""
+    s = 1 / (1 + np.exp(-(z @ w.T)))
+    sel = np.where(mask, s + b, -np.inf)
+    G = cfg["n_group"]
+    grouped = np.sort(sel.reshape(len(z), G, -1), axis=-1)[..., -2:].sum(-1)
+    best = np.argsort(-grouped, axis=-1, kind="stable")[:, :cfg["topk_group"]]
+    allowed = np.zeros((len(z), G), bool)
+    np.put_along_axis(allowed, best, True, axis=-1)
+    sel = np.where(np.repeat(allowed, E // G, axis=-1), sel, -np.inf)
+    idx = np.argsort(-sel, axis=-1, kind="stable")[:, :K]
+    gate = np.take_along_axis(s, idx, -1)
+    gate = gate / gate.sum(-1, keepdims=True) * cfg["routed_scaling_factor"]
+    y = np.zeros_like(z)
+    for t in range(len(z)):
+        for k in range(K):
+            g, u, d = experts[idx[t, k]]
+            h = z[t] @ g.T
+            y[t] += gate[t, k] * (((h / (1 + np.exp(-h))) * (z[t] @ u.T)) @ d.T)
+    return y
+
+
+def test_layer_errors_match_numpy(setup):
+    import torch
+
+    path, model, _, heldout, df, info = setup
+    layer = 2  # the second MoE layer: its input already passed through a pruned-free model
+    r = CheckpointReader(path)
+    cfg = r.config()
+    pre = f"model.layers.{layer}.mlp."
+    w = r.read(pre + "gate.weight").astype(np.float64)
+    b = r.read(pre + "gate.e_score_correction_bias").astype(np.float64)
+    experts = [tuple(r.read(f"{pre}experts.{e}.{p}_proj.weight").astype(np.float64) for p in ("gate", "up", "down"))
+               for e in range(E)]
+    z = []
+    hook = model.model.layers[layer].post_attention_layernorm.register_forward_hook(
+        lambda m, i, o: z.append(o.detach().double().numpy().reshape(-1, o.shape[-1])))
+    with torch.no_grad():
+        for text in ("a", "b"):
+            model(torch.as_tensor(heldout[text], dtype=torch.long))
+    hook.remove()
+    z = np.concatenate(z)
+    y = numpy_routed(z, w, b, experts, np.ones(E, bool), cfg)
+    for key, keep in (("l1@8", 8), ("reap@4", 4)):
+        mask = np.zeros(E, bool)
+        mask[info["kept"][layer][key]] = True
+        y_pruned = numpy_routed(z, w, b, experts, mask, cfg)
+        err, norm = ((y_pruned - y) ** 2).sum(-1), (y ** 2).sum(-1)
+        rows = df[(df["mode"] == "one_shot") & (df.score == key.split("@")[0]) & (df.keep == keep) & (df.layer == layer)]
+        assert rows[rows.metric == "rel_error"].value.item() == pytest.approx(err.sum() / norm.sum(), rel=1e-4)
+        assert rows[rows.metric == "rel_error_median"].value.item() == pytest.approx(np.median(err / norm), rel=1e-4)
+
+
+def test_kept_sets_and_analyses(setup):
+    path, _, calib, _, df, info = setup
+    r = CheckpointReader(path)
+    for layer in (1, 2):
+        w = r.read(f"model.layers.{layer}.mlp.gate.weight").astype(np.float64)
+        assert info["kept"][layer]["l1@8"] == sorted(np.argsort(-np.abs(w).sum(1), kind="stable")[:8].tolist())
+        a = df[(df.layer == layer) & (df["mode"] == "one_shot")]
+        usage = a[a.metric == "usage_top_quarter"].value.item()
+        assert 4 / E <= usage <= 1
+        assert -1 <= a[a.metric == "cosine_mu_ones"].value.item() <= 1
+        assert 0 < a[a.metric == "energy_pos0"].value.item() < 1
+        rho = a[(a.metric == "spearman_frequency")].set_index("score").value
+        assert rho["frequency"] == pytest.approx(1.0)
+        overlap = a[(a.metric == "overlap_frequency") & (a.keep == 8)].set_index("score").value
+        want = len(set(info["kept"][layer]["reap@8"]) & set(info["kept"][layer]["frequency@8"]))
+        assert overlap["reap"] == want
+    # sequential = one-shot at the first MoE layer (nothing pruned before it), not after
+    e = df[df.metric == "rel_error"].pivot_table(index=["score", "keep", "layer"], columns="mode", values="value")
+    first = e.xs(1, level="layer")
+    assert np.allclose(first["one_shot"], first["sequential"])
+
+
+def test_experiment_through_hydra_runner(tmp_path, setup):
+    from moejax.experiments.runner import run_job
+    from moejax.results import load
+
+    path = setup[0]
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    cfg = {"name": "prune_real", "model": {"path": str(path)}, "keep": [0.5], "scores": ["frequency", "bias"],
+           "data": {"calib": [str(text)], "heldout": [str(text)], "seq_len": 32, "calib_tokens": 512,
+                    "heldout_tokens": 256, "batch_size": 4}, "prune": {"sequential": False}, "dtype": "float32"}
+    run_job(cfg, tmp_path / "out")
+    df = load(tmp_path / "out")
+    assert {"mode", "score", "keep", "layer", "text", "metric", "value"} <= set(df.columns)
+    assert set(df[df.metric == "perplexity"].text) == {"text.txt", "all"}
+    from moejax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no config.json"):
+        run_job({**cfg, "model": {"path": str(tmp_path / "nowhere")}}, tmp_path / "bad")
