@@ -150,3 +150,28 @@ def test_experiment_through_hydra_runner(tmp_path, setup):
 
     with pytest.raises(ConfigError, match="no config.json"):
         run_job({**cfg, "model": {"path": str(tmp_path / "nowhere")}}, tmp_path / "bad")
+
+
+def test_notebook_code_runs_on_a_run(tmp_path, setup):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import nbformat
+
+    from moejax.experiments.runner import run_job
+
+    root = Path(__file__).resolve().parents[1]
+    text = tmp_path / "text.txt"
+    text.write_text("Sphinx of black quartz, judge my vow. " * 60)
+    run_job({"name": "prune_real", "model": {"path": str(setup[0])}, "keep": [8, 4], "scores": ["frequency", "l1"],
+             "data": {"calib": [str(text)], "heldout": [str(text)], "seq_len": 32, "calib_tokens": 512,
+                      "heldout_tokens": 256, "batch_size": 4}, "prune": {"sequential": True}}, tmp_path / "run")
+    nb = nbformat.read(root / "experiments" / "real" / "real.ipynb", as_version=4)
+    code = "\n\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    env = {**os.environ, "PYTHONPATH": str(root), "MPLBACKEND": "Agg", "MOEJAX_REAL_RESULTS": str(tmp_path / "run"),
+           "MOEJAX_REAL_FIGURE": str(tmp_path / "heat.png"), "MOEJAX_REAL_PPL_FIGURE": str(tmp_path / "ppl.png")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "heat.png").stat().st_size > 5_000 and (tmp_path / "ppl.png").stat().st_size > 5_000
