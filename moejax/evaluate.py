@@ -227,19 +227,37 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
         is_moe = layer.is_moe
         masks: dict = {v: None for v in [None, *one_shot, *seq_variants]}
 
+        # Variants' streams are the same arrays until their first pruned layer: compute each
+        # distinct (input, mask) once per layer.
+        attention_cache, mlp_cache, scores_cache = {}, {}, {}
+
+        def attention(x, g):
+            if id(x) not in attention_cache:
+                attention_cache[id(x)] = (x, _attention(graphdef, state, x, *g))
+            return attention_cache[id(x)][1]
+
+        def mlp(x, h, z, mask):
+            key = (id(x), None if mask is None else id(mask))
+            if key not in mlp_cache:
+                mlp_cache[key] = (x, mask, _mlp(graphdef, state, h, z, mask))
+            return mlp_cache[key][2]
+
         def attention_all(stream, geometry):
-            return [_attention(graphdef, state, x, *g) for x, g in zip(stream, geometry)]
+            return [attention(x, g) for x, g in zip(stream, geometry)]
 
         cal_hz = {key: attention_all(stream, cal_geo) for key, stream in cal.items()}
         if is_moe:
             router, bias = np.asarray(layer.mlp.router[...]), np.asarray(layer.mlp.bias[...])
 
             def layer_scores(hz):
+                if id(hz[0][1]) in scores_cache:
+                    return scores_cache[id(hz[0][1])][1]
                 acc = StatsAccumulator(E, cfg.hidden_size)
                 zs = [z.reshape(-1, z.shape[-1]) for _, z in hz]
                 accumulate_layer(layer.mlp, zs, [None] * len(zs), acc)
                 st = acc.stats(router, bias, seed=seed, layer=layer_idx)
-                return st, compute_scores(st, scores)
+                scores_cache[id(hz[0][1])] = (hz, (st, compute_scores(st, scores)))
+                return scores_cache[id(hz[0][1])][1]
 
             stats, layer_sc = layer_scores(cal_hz[None])
             kept = {(s, k): select_kept(layer_sc[s], k) for s in scores for k in keeps}
@@ -250,12 +268,12 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                 _, own = layer_scores(cal_hz[v])
                 masks[v] = jnp.asarray(select_kept(own[v.score], v.keep))
         # carry the calibration streams
-        cal = {key: [_mlp(graphdef, state, h, z, masks[key]) for h, z in cal_hz[key]] for key in cal}
+        cal = {key: [mlp(x, h, z, masks[key]) for x, (h, z) in zip(cal[key], cal_hz[key])] for key in cal}
         energy0, energy = 0.0, 0.0
         for (v, text), stream in held.items():
             new = []
             for x, g in zip(stream, held_geo[text]):
-                h, z = _attention(graphdef, state, x, *g)
+                h, z = attention(x, g)
                 if is_moe and v is None:  # layer-local errors of every one-shot variant on unpruned inputs
                     keys = one_shot
                     norm, err = _routed_errors(graphdef, state, z, jnp.stack([masks[u] for u in keys]))
@@ -267,12 +285,12 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                 if is_moe and v is not None and v.mode == "sequential":  # its own (pruned) inputs
                     norm, err = _routed_errors(graphdef, state, z, masks[v][None])
                     errors.add((v, layer_idx), norm, err[0], np.ones(norm.shape, bool))
-                new.append(_mlp(graphdef, state, h, z, masks[v]))
+                new.append(mlp(x, h, z, masks[v]))
             held[v, text] = new
         if is_moe:
             rows += [dict(mode="one_shot", **r) for r in _analysis_rows(
                 layer_idx, stats, layer_sc, kept, keeps, float(energy0 / energy) if energy else float("nan"))]
-        del layer, state, cal_hz
+        del layer, state, cal_hz, attention_cache, mlp_cache, scores_cache
     if show:
         sys.stderr.write("\n")
     norm_H, head_HV = _head(ckpt, dtype)
