@@ -126,3 +126,59 @@ def npy_tokens(path, vocab_size: int, max_tokens: int | None = None) -> np.ndarr
     if max_tokens is not None:
         ids = ids[: max(1, max_tokens // ids.shape[1])]
     return ids.astype(np.int32)
+
+
+# --- training text: the Python standard library, split by file into train and held-out ---------
+
+STDLIB_EXCLUDE_DIRS = ("site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__")
+
+
+def python_stdlib_root() -> Path:
+    """The running Python's standard-library folder (sysconfig's "stdlib" path)."""
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources(root=None, exclude_dirs=STDLIB_EXCLUDE_DIRS) -> list[str]:
+    """The standard library's *.py files as sorted POSIX paths relative to `root`, skipping any file
+    under a folder named in exclude_dirs (third-party site-packages, the test suites)."""
+    root = Path(root) if root is not None else python_stdlib_root()
+    if not root.is_dir():
+        raise ConfigError(f"standard library folder {root}: no such folder")
+    skip = set(exclude_dirs)
+    names = []
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root)
+        if not skip.intersection(rel.parts[:-1]) and f.is_file():
+            names.append(rel.as_posix())
+    return sorted(names)
+
+
+def heldout_by_hash(name: str, fraction: float, salt: str = "moejax-heldout") -> bool:
+    """Whether `name` falls in the held-out `fraction`: a stable hash (sha256 of salt and name, the
+    same on every machine and Python version), not Python's randomised hash()."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{salt}:{name}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
+
+
+def split_heldout(names, fraction: float, always=()) -> tuple[list[str], list[str]]:
+    """(training names, held-out names), disjoint, each in the input's order except that the
+    held-out list starts with the names of `always` that are present (in that order)."""
+    names = list(names)
+    present = set(names)
+    fixed = [n for n in always if n in present]
+    fixed_set = set(fixed)
+    hashed = [n for n in names if n not in fixed_set and heldout_by_hash(n, fraction)]
+    held = set(fixed) | set(hashed)
+    return [n for n in names if n not in held], fixed + hashed
+
+
+def byte_stream(files) -> np.ndarray:
+    """The files' text as byte-level token ids (uint8), concatenated in order, read exactly as
+    `text_tokens` reads them with a byte-level `Tokenizer` (UTF-8, undecodable bytes replaced)."""
+    parts = [np.frombuffer(Path(f).read_text(encoding="utf-8", errors="replace").encode("utf-8"), np.uint8)
+             for f in files]
+    return np.concatenate(parts) if parts else np.zeros((0,), np.uint8)

@@ -1,0 +1,218 @@
+"""experiment=train_tiny on a reduced config: the loss falls, the balance biases move, held-out files
+stay out of training, orbax resume continues where it stopped (and reproduces an uninterrupted
+run), the saved checkpoint loads in transformers with the same held-out perplexity, and bad
+settings are refused before any training."""
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moejax.errors import ConfigError
+from moejax.experiments import train_tiny as tt
+
+ROOT = Path(__file__).resolve().parents[1]
+N, M = 20, 30   # first run, then resumed to
+
+SMALL_ARCH = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                  max_position_embeddings=64)
+
+
+def settings(path, extra_text=(), **train):
+    return {"path": str(path), "seed": 0, "arch": dict(SMALL_ARCH),
+            "data": {"seq_len": 32, "eval_tokens": 2048, "text": list(map(str, extra_text))},
+            "train": {"steps": N, "batch_size": 8, "lr": 1e-2, "warmup_steps": 3, "checkpoint_every": 10,
+                      "eval_every": 10, "bias_update_rate": 1e-2, "rng_impl": "rbg",
+                      "decay_steps": M, **train}}  # one schedule for N and M steps: one compiled step
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_tiny")
+    notes = root / "notes"
+    notes.mkdir()
+    for i in range(6):
+        (notes / f"note{i}.txt").write_text(f"extra text number {i}\n" * 50)
+    cfg = tt.Config.from_mapping(settings(root / "tiny", extra_text=[notes]))
+    df, timings = tt.run(cfg)
+    return cfg, df, timings, notes
+
+
+def metric(df, name):
+    return df[df.metric == name].sort_values("step")
+
+
+def test_loss_falls_and_balance_biases_move(trained):
+    cfg, df, timings, _ = trained
+    loss = metric(df, "train_loss")
+    assert list(loss.step) == list(range(1, N + 1))
+    assert loss.value.tail(3).mean() < loss.value.head(3).mean() - 0.5
+    assert metric(df, "start_step").value.tolist() == [0]
+    assert timings["tokens_per_s"] > 0 and timings["train_s"] > 0
+    held = metric(df, "heldout_loss")
+    assert list(held.step) == [10, N] and np.isfinite(held.value).all()
+    record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
+    assert record["heldout_ppl"] == pytest.approx(math.exp(record["heldout_loss"]))
+    assert record["steps"] == N and record["train_s"] > 0 and "jax" in record["versions"]
+    from moejax import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(cfg.path)
+    for layer in model.model.layers[cfg.arch.first_k_dense_replace:]:
+        bias = np.asarray(layer.mlp.bias[...])
+        assert (bias != 0).any() and (bias < 0).any() and (bias > 0).any()
+        assert np.allclose(bias / cfg.train.bias_update_rate, np.round(bias / cfg.train.bias_update_rate),
+                           atol=1e-3)  # only sign steps moved it (no gradient reached it)
+    shares = metric(df, "max_load_share")
+    assert len(shares) == cfg.arch.num_hidden_layers - cfg.arch.first_k_dense_replace
+
+
+def test_heldout_files_are_disjoint_from_training_and_recorded(trained):
+    cfg, _, _, notes = trained
+    record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
+    train, held = record["train"], record["heldout"]
+    assert train and held and not set(train) & set(held)
+    assert held[:3] == ["difflib.py", "textwrap.py", "fractions.py"]   # the fixed list first
+    assert Path(record["stdlib_root"]).is_dir() and all((Path(record["stdlib_root"]) / n).is_file() for n in held
+                                                        if not Path(n).is_absolute())
+    assert not any("site-packages" in n or n.startswith("test/") for n in train + held)
+    extra = {str(p.resolve()) for p in notes.iterdir()}
+    assert extra <= set(train) | set(held)                           # data.text files are split too
+    # the split is a stable function of the names: the same again, and ~5% held out
+    from moejax.data import split_heldout
+
+    names = sorted(set(train) | set(held))
+    assert split_heldout(names, cfg.data.heldout_fraction, cfg.data.heldout_always)[1] == held \
+        or sorted(split_heldout(names, cfg.data.heldout_fraction, cfg.data.heldout_always)[1]) == sorted(held)
+    assert 0.02 < len(held) / len(names) < 0.10
+
+
+def test_resume_continues_from_the_latest_checkpoint(trained, tmp_path, caplog):
+    cfg, df, _, notes = trained
+    out = tmp_path / "tiny"
+    shutil.copytree(cfg.orbax_dir, tmp_path / ("tiny" + tt.ORBAX_SUFFIX))
+    assert sorted(int(p.name) for p in (tmp_path / "tiny.orbax").iterdir() if p.name.isdigit()) == [10, N]
+    more = tt.Config.from_mapping(settings(out, extra_text=[notes], steps=M))
+    with caplog.at_level("INFO", logger="moejax.experiments.train_tiny"):
+        df2, _ = tt.run(more)
+    assert f"resuming from step {N}" in caplog.text
+    assert metric(df2, "start_step").value.tolist() == [N]
+    loss2 = metric(df2, "train_loss")
+    assert list(loss2.step) == list(range(1, M + 1))                   # history carried over
+    np.testing.assert_array_equal(loss2.value[loss2.step <= N], metric(df, "train_loss").value)
+    assert json.loads((out / tt.RECORD).read_text())["steps"] == M
+    assert max(int(p.name) for p in (tmp_path / "tiny.orbax").iterdir() if p.name.isdigit()) == M
+
+
+def test_interrupted_run_resumed_equals_uninterrupted(trained, tmp_path):
+    cfg, df, _, notes = trained
+    shutil.copytree(cfg.orbax_dir, tmp_path / "tiny.orbax")
+    shutil.rmtree(tmp_path / "tiny.orbax" / str(N))                   # as if stopped after step 10
+    again = tt.Config.from_mapping(settings(tmp_path / "tiny", extra_text=[notes]))
+    df2, _ = tt.run(again)
+    assert metric(df2, "start_step").value.tolist() == [10]
+    np.testing.assert_allclose(metric(df2, "train_loss").value, metric(df, "train_loss").value, rtol=1e-5)
+    from moejax.hf.safetensors_io import CheckpointReader
+
+    a, b = CheckpointReader(cfg.path), CheckpointReader(tmp_path / "tiny")
+    for name in a.keys():
+        np.testing.assert_allclose(a.read(name), b.read(name), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_changed_settings_refuse_to_resume(trained, tmp_path):
+    cfg, _, _, notes = trained
+    shutil.copytree(cfg.orbax_dir, tmp_path / "tiny.orbax")
+    changed = tt.Config.from_mapping(settings(tmp_path / "tiny", extra_text=[notes], lr=5e-3))
+    with pytest.raises(ConfigError, match=r"different settings \(train\.lr\).*train\.resume=false"):
+        tt.run(changed)
+    fewer = tt.Config.from_mapping(settings(tmp_path / "tiny", extra_text=[notes], steps=5))
+    with pytest.raises(ConfigError, match="already holds step 20, past train.steps=5"):
+        tt.run(fewer)
+
+
+def test_transformers_loads_it_and_agrees_on_heldout_perplexity(trained):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import jax.numpy as jnp
+
+    from moejax import DeepseekV3ForCausalLM
+
+    cfg, _, _, _ = trained
+    record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
+    ids = tt.build_corpus(cfg).heldout_ids
+    assert ids.size == record["heldout_tokens"]
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
+                                                            attn_implementation="eager",
+                                                            experts_implementation="eager").eval()
+    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias.detach().numpy()
+    assert (bias < 0).any()                                           # the trained bias arrived
+    with torch.no_grad():
+        logits = hf(torch.as_tensor(ids, dtype=torch.long)).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1)
+        hf_loss = -logp.gather(-1, torch.as_tensor(ids[:, 1:, None], dtype=torch.long)).mean().item()
+    model = DeepseekV3ForCausalLM.from_pretrained(cfg.path, dtype=jnp.float32)
+    ours = float(tt.next_token_loss(model.jitted()(jnp.asarray(ids)), jnp.asarray(ids)))
+    assert math.exp(hf_loss) == pytest.approx(math.exp(ours), rel=1e-4)
+    assert math.exp(hf_loss) == pytest.approx(record["heldout_ppl"], rel=1e-4)
+    assert 1.5 < record["heldout_ppl"] < 256
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"train": {"stepz": 3}}, r"unknown setting\(s\) \['train\.stepz'\]"),
+    ({"arch": {"num_experts_per_tok": 9}}, r"num_experts_per_tok=9 \(top_k\) exceeds tiny\.n_routed_experts=8"),
+    ({"data": {"seq_len": 128}}, "data.seq_len=128 exceeds tiny.max_position_embeddings=64"),
+    ({"arch": {"n_group": 3}}, "n_routed_experts=8 is not divisible by n_group=3"),
+    ({"train": {"steps": "many"}}, r"train\.steps='many'; expected int"),
+    ({"bogus": 1}, r"unknown setting\(s\) \['bogus'\]"),
+    ({"path": ""}, "model.path=FOLDER"),
+])
+def test_bad_settings_are_refused_before_training(tmp_path, change, match):
+    s = settings(tmp_path / "tiny")
+    for key, value in change.items():
+        if isinstance(value, dict):
+            s[key] = {**s[key], **value}
+        else:
+            s[key] = value
+    with pytest.raises(ConfigError, match=match):
+        tt.Config.from_mapping(s)
+    assert not (tmp_path / "tiny").exists() and not (tmp_path / "tiny.orbax").exists()
+
+
+def test_yaml_defaults_compose_into_the_dataclass_defaults(monkeypatch, tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from moejax.experiments.runner import experiment_config
+
+    monkeypatch.setenv("MOEJAX_HOME", str(tmp_path))
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=train_tiny"])
+        moved = compose("config", overrides=["experiment=train_tiny", "model.path=/elsewhere", "train.steps=7"])
+    typed = experiment_config(OmegaConf.to_container(cfg, resolve=True))[1]
+    assert typed.path == str(tmp_path / "models" / "tiny")               # model=tiny's path
+    assert typed.orbax_dir == tmp_path / "models" / "tiny.orbax"
+    assert (typed.arch, typed.data, typed.train) == (tt.ArchConfig(), tt.DataConfig(), tt.TrainConfig())
+    assert dataclasses.replace(typed, path="x").fingerprint() == tt.Config(path="x").fingerprint()
+    other = experiment_config(OmegaConf.to_container(moved, resolve=True))[1]
+    assert other.path == "/elsewhere" and other.train.steps == 7
+
+
+def test_progress_line_only_on_a_terminal():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    quiet, tty = io.StringIO(), Tty()
+    for stream in (quiet, tty):
+        bar = tt.Progress(total=10, start=0, stream=stream)
+        bar.update(10, 1.2345, 5000.0)
+        bar.close()
+    assert quiet.getvalue() == ""
+    assert "step 10/10" in tty.getvalue() and "loss 1.234" in tty.getvalue() and "5,000 tok/s" in tty.getvalue()
