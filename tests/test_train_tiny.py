@@ -216,3 +216,27 @@ def test_progress_line_only_on_a_terminal():
         bar.close()
     assert quiet.getvalue() == ""
     assert "step 10/10" in tty.getvalue() and "loss 1.234" in tty.getvalue() and "5,000 tok/s" in tty.getvalue()
+
+
+def test_prune_real_on_the_trained_model(trained, tmp_path):
+    """The reduced train_tiny, then prune_real on it through the Hydra runner: its held-out files
+    are the defaults, every score and both keeps are reported, keep=E gives the unpruned numbers."""
+    from moejax.experiments.runner import run_job
+    from moejax.results import load
+
+    cfg = trained[0]
+    record = json.loads((Path(cfg.path) / "moejax_tiny.json").read_text())
+    run_job({"name": "prune_real", "model": {"path": cfg.path}, "keep": [8, 0.5, 0.25],
+             "data": {"seq_len": 32, "calib_tokens": 1024, "heldout_tokens": 256, "batch_size": 8},
+             "prune": {"sequential": True}}, tmp_path / "run")
+    df = load(tmp_path / "run")
+    ppl = df[df.metric == "perplexity"]
+    texts = set(ppl.text) - {"all"}
+    assert texts - {"LICENSE.txt"} and texts - {"LICENSE.txt"} <= {Path(f).name for f in record["heldout"]}
+    assert set(ppl[ppl["mode"] == "one_shot"].score) == {"frequency", "reap", "reap_code", "ean", "w_mean", "bias",
+                                                       "signed", "l1", "random"}
+    assert set(ppl.keep.dropna()) == {8, 4, 2}
+    unpruned = ppl[ppl["mode"] == "none"].set_index("text").value
+    full = ppl[ppl.keep == 8]
+    assert (full.value.to_numpy() == full.text.map(unpruned).to_numpy()).all()
+    assert unpruned["all"] < 256  # the trained model beats a uniform guess over bytes
