@@ -94,6 +94,39 @@ def _routed_errors(graphdef, state, z_BSH, masks_VE):
     return jnp.sum(y ** 2, axis=-1).reshape(B, S), err.reshape(-1, B, S)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _routed_errors_each(graphdef, state, z_NBSH, masks_NE):
+    """`_routed_errors` of stream n's own inputs under its own mask n: ([N, B, S], [N, B, S])."""
+    def one(z_mask):
+        norm, err = _routed_errors(graphdef, state, z_mask[0], z_mask[1][None])
+        return norm, err[0]
+    return jax.lax.map(one, (z_NBSH, masks_NE))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _stacked_layer(graphdef, state, x_NBSH, cos, sin, allowed_BSS, masks_NE):
+    """One decoder layer on N streams at once (stacked into the batch, so every weight is read
+    once per call for all of them), stream n's MoE pruned by masks_NE[n] (None: dense layer).
+    Returns (output [N, B, S, H], router input [N, B, S, H])."""
+    N, B, S, H = x_NBSH.shape
+    layer = nnx.merge(graphdef, state)
+    x = x_NBSH.reshape(N * B, S, H)
+    allowed = jnp.broadcast_to(allowed_BSS[None], (N, B, S, S)).reshape(N * B, S, S)
+    h = x + layer.self_attn(layer.input_layernorm(x), cos, sin, allowed)
+    z = layer.post_attention_layernorm(h)
+    if masks_NE is None:
+        out = h + layer.mlp(z)
+    else:
+        token_masks = jnp.repeat(masks_NE, B * S, axis=0)  # stream n's mask on each of its tokens
+        out = h + layer.mlp(z, token_masks)[0]
+    return out.reshape(N, B, S, H), z.reshape(N, B, S, H)
+
+
+@jax.jit
+def _nll_stacked(x_NBSH, norm_H, head_HV, ids_BS, eps):
+    return jax.lax.map(lambda x: _nll(x, norm_H, head_HV, ids_BS, eps), x_NBSH)
+
+
 @jax.jit
 def _nll(x_BSH, norm_H, head_HV, ids_BS, eps):
     """Sum of next-token negative log-likelihoods, and the number of predicted tokens."""
@@ -213,12 +246,14 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     held_embed = {text: _embed(ckpt, b, dtype) for text, b in held_batches.items()}
     # streams: calibration (unpruned; per sequential variant), held-out (unpruned; per variant)
     cal = {None: cal_embed, **{v: list(cal_embed) for v in seq_variants}}
-    held = {(v, text): list(held_embed[text]) for v in [None, *one_shot, *seq_variants] for text in heldout}
+    # held-out: every stream of a batch stacked, [N, B, S, H]: 0 = unpruned, then one-shot, then sequential
+    streams = [None, *one_shot, *seq_variants]
+    held = {text: [jnp.broadcast_to(x[None], (len(streams),) + x.shape) for x in xs] for text, xs in held_embed.items()}
     errors, rows, kept_by_layer = _ErrorSums(), [], {}
     t0 = time.perf_counter()
     for layer_idx in range(cfg.num_hidden_layers):
         if show:
-            sys.stderr.write(f"\rlayer {layer_idx + 1}/{cfg.num_hidden_layers} ({len(held)} held-out streams)")
+            sys.stderr.write(f"\rlayer {layer_idx + 1}/{cfg.num_hidden_layers} ({len(streams)} held-out streams)")
             sys.stderr.flush()
         prefix = f"model.layers.{layer_idx}."
         abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0)))
@@ -270,23 +305,25 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
         # carry the calibration streams
         cal = {key: [mlp(x, h, z, masks[key]) for x, (h, z) in zip(cal[key], cal_hz[key])] for key in cal}
         energy0, energy = 0.0, 0.0
-        for (v, text), stream in held.items():
+        stacked_masks = None if not is_moe else jnp.stack(
+            [jnp.ones((E,), bool) if v is None else masks[v] for v in streams])
+        for text, xs in held.items():
             new = []
-            for x, g in zip(stream, held_geo[text]):
-                h, z = attention(x, g)
-                if is_moe and v is None:  # layer-local errors of every one-shot variant on unpruned inputs
-                    keys = one_shot
-                    norm, err = _routed_errors(graphdef, state, z, jnp.stack([masks[u] for u in keys]))
-                    valid = np.ones(norm.shape, bool)
-                    for i, u in enumerate(keys):
-                        errors.add((u, layer_idx), norm, err[i], valid)
+            for x_NBSH, (cos, sin, allowed) in zip(xs, held_geo[text]):
+                out, z = _stacked_layer(graphdef, state, x_NBSH, cos, sin, allowed[0], stacked_masks)
+                if is_moe:  # layer-local errors: one-shot variants on the unpruned inputs (stream 0)
+                    norm, err = _routed_errors(graphdef, state, z[0], stacked_masks[1:1 + len(one_shot)])
+                    for i, u in enumerate(one_shot):
+                        errors.add((u, layer_idx), norm, err[i], np.ones(norm.shape, bool))
                     n = np.asarray(norm, np.float64)
                     energy0, energy = energy0 + n[:, 0].sum(), energy + n.sum()
-                if is_moe and v is not None and v.mode == "sequential":  # its own (pruned) inputs
-                    norm, err = _routed_errors(graphdef, state, z, masks[v][None])
-                    errors.add((v, layer_idx), norm, err[0], np.ones(norm.shape, bool))
-                new.append(mlp(x, h, z, masks[v]))
-            held[v, text] = new
+                if is_moe and seq_variants:  # sequential variants on their own (pruned) inputs
+                    first = 1 + len(one_shot)
+                    norms, errs = _routed_errors_each(graphdef, state, z[first:], stacked_masks[first:])
+                    for i, u in enumerate(seq_variants):
+                        errors.add((u, layer_idx), norms[i], errs[i], np.ones(norms[i].shape, bool))
+                new.append(out)
+            held[text] = new
         if is_moe:
             rows += [dict(mode="one_shot", **r) for r in _analysis_rows(
                 layer_idx, stats, layer_sc, kept, keeps, float(energy0 / energy) if energy else float("nan"))]
@@ -295,13 +332,14 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
         sys.stderr.write("\n")
     norm_H, head_HV = _head(ckpt, dtype)
     totals = {}
-    for (v, text), stream in held.items():
-        nll = [_nll(x, norm_H, head_HV, jnp.asarray(ids), cfg.rms_norm_eps) for x, ids in zip(stream, held_batches[text])]
-        s, n = sum(float(a) for a, _ in nll), sum(int(b) for _, b in nll)
-        totals.setdefault(v, [0.0, 0])
-        totals[v][0] += s
-        totals[v][1] += n
-        rows.append(_ppl_row(v, text, s, n))
+    for text, xs in held.items():
+        sums = [_nll_stacked(x, norm_H, head_HV, jnp.asarray(ids), cfg.rms_norm_eps) for x, ids in zip(xs, held_batches[text])]
+        for i, v in enumerate(streams):
+            nll, count = sum(float(a[i]) for a, _ in sums), sum(int(b[i]) for _, b in sums)
+            totals.setdefault(v, [0.0, 0])
+            totals[v][0] += nll
+            totals[v][1] += count
+            rows.append(_ppl_row(v, text, nll, count))
     for v, (s, n) in totals.items():
         rows.append(_ppl_row(v, "all", s, n))
     rows += errors.rows()
