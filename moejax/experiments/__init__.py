@@ -10,6 +10,16 @@ from moejax.errors import ConfigError
 EXPERIMENTS = ("toy3", "score", "train_tiny", "prune_real")
 
 
+def refuse_unknown_settings(cls, settings: dict, experiment: str) -> None:
+    """Every experiment's typed config refuses keys it does not have, naming the valid ones."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise ConfigError(f"{experiment}: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+
+
 def get(name: str):
     """The experiment module for `name`, or a ConfigError listing the valid names."""
     if name not in EXPERIMENTS:

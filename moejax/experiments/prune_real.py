@@ -20,6 +20,7 @@ import sysconfig
 from pathlib import Path
 
 from moejax.errors import ConfigError
+from moejax.experiments import refuse_unknown_settings
 from moejax.scoring.score_checkpoint import ALL_SCORES
 
 DEFAULT_HELDOUT = ("difflib.py", "textwrap.py", "fractions.py")  # when the model lists none of its own
@@ -43,10 +44,7 @@ class PruneRealConfig:
 
     @classmethod
     def from_mapping(cls, d: dict) -> "PruneRealConfig":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ConfigError(f"prune_real: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+        refuse_unknown_settings(cls, d, "prune_real")
         d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None}
         if "keep" in d and not isinstance(d["keep"], tuple):
             d["keep"] = (d["keep"],)

@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 from moejax.errors import ConfigError
+from moejax.experiments import refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig
 from moejax.scoring.score_checkpoint import ALL_SCORES
 
@@ -25,10 +26,7 @@ class ScoreConfig:
 
     @classmethod
     def from_mapping(cls, d: dict) -> "ScoreConfig":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ConfigError(f"score: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+        refuse_unknown_settings(cls, d, "score")
         d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
         cfg = cls(**d)
         if not cfg.path:

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from moejax.errors import ConfigError
+from moejax.experiments import refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig, mesh_context
 from moejax.scoring.scores import check_score_names
 from moejax.scoring.select import resolve_keep
@@ -70,10 +71,7 @@ class Toy3Config:
     def from_mapping(cls, cfg: dict) -> "Toy3Config":
         """Build from a plain dict (a resolved Hydra config), rejecting unknown keys and bad values."""
         cfg = dict(cfg)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - fields)
-        if unknown:
-            raise ConfigError(f"toy3: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+        refuse_unknown_settings(cls, cfg, "toy3")
         if "keep" in cfg and cfg["keep"] is not None:
             keep = cfg["keep"]
             cfg["keep"] = tuple(keep) if isinstance(keep, (list, tuple)) else (keep,)

@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from moejax.errors import ConfigError
+from moejax.experiments import refuse_unknown_settings
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +168,7 @@ class TrainTinyConfig:
     @classmethod
     def from_mapping(cls, d: dict) -> "TrainTinyConfig":
         d = dict(d)
-        top = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - top)
-        if unknown:
-            raise ConfigError(f"train_tiny: unknown setting(s) {unknown}; valid: {sorted(top)}")
+        refuse_unknown_settings(cls, d, "train_tiny")
         for key, sub in (("arch", ArchConfig), ("data", DataConfig), ("train", TrainConfig)):
             d[key] = _typed(sub, d.get(key), "tiny" if key == "arch" else key)
         cfg = cls(**d)

@@ -59,6 +59,12 @@ class CheckpointLayout:
         return {n for ml in self.moe_layers.values() for n in (ml.router, ml.bias) if n}
 
 
+def layer_of(name: str) -> int | None:
+    """The decoder layer index in a tensor name (`...layers.{l}....`), or None."""
+    m = _DECODER.match(name)
+    return int(m["layer"]) if m else None
+
+
 def checkpoint_layout(reader: CheckpointReader) -> CheckpointLayout:
     """Group a checkpoint's tensors into MoE layers; every inconsistency (experts numbered with
     gaps, experts with different tensor sets, a router whose row count is not the expert count, a

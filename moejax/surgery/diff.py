@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout
+from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
 from moejax.hf.safetensors_io import CheckpointReader, TensorInfo
 from moejax.scoring.select import select_kept
 
@@ -108,7 +108,7 @@ def _expected_names(src_layout: CheckpointLayout, pruned_layout: CheckpointLayou
     src_layers = set(src_layout.decoder_layers)
     kept_layers = set(pruned_layout.decoder_layers)
     for name in src_layout.other:
-        layer = _layer_of(name)
+        layer = layer_of(name)
         if layer is None or layer in kept_layers or layer not in src_layers:
             expected[name] = name
     for layer, pml in pruned_layout.moe_layers.items():
@@ -122,13 +122,6 @@ def _expected_names(src_layout: CheckpointLayout, pruned_layout: CheckpointLayou
                 expected[pml.expert_tensor(j, rest)] = sml.expert_tensor(source_index, rest)
     return expected
 
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part == "layers" and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
 
 
 def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout
+from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
 from moejax.hf.safetensors_io import (CONFIG_NAME, INDEX_NAME, CheckpointReader, RawTensor, check_destination,
                                       staged_directory, write_safetensors_file)
 from moejax.scoring.scores import SCORES, LayerStats, compute_scores
@@ -223,18 +223,11 @@ def _renames(layout: CheckpointLayout, plan: PrunePlan) -> dict[str, str | None]
                 renames[name] = (ml.expert_tensor(new_index[e], name[len(ml.expert_tensor(e, "")):])
                                  if e in new_index and l not in plan.dropped_layers else None)
     for name in layout.other + sorted(layout.router_names()):
-        layer = _layer_of(name)
+        layer = layer_of(name)
         if layer is not None and layer in plan.dropped_layers:
             renames[name] = None
     return renames
 
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part == "layers" and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
 
 
 def _row_slice(reader: CheckpointReader, name: str, kept: list[int]) -> RawTensor:
