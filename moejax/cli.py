@@ -48,10 +48,8 @@ def parse_keep(text: str):
     """'8' -> 8 (a count), '0.25' -> 0.25 (a ratio of E)."""
     from moejax.errors import ConfigError
 
-    try:
+    if text.lstrip("+-").isdigit():
         return int(text)
-    except ValueError:
-        pass
     try:
         return float(text)
     except ValueError:

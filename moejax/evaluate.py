@@ -28,12 +28,12 @@ import numpy as np
 from flax import nnx
 
 from moejax.hf.model_io import OpenCheckpoint
-from moejax.models.deepseek_v3 import rope as rope_lib
 from moejax.models.deepseek_v3.model import DecoderLayer, linear, rms_norm
 from moejax.moe import dispatch as dispatch_lib
 from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.scores import StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
+from moejax.stream import batch_geometry
 
 METRICS = {
     "rel_error": "all-token relative error of the layer's routed output, sum ||y'-y||^2 / sum ||y||^2",
@@ -140,12 +140,7 @@ def _nll(x_BSH, norm_H, head_HV, ids_BS, eps):
 
 
 def _geometry(cfg, batches, dtype):
-    out = []
-    for ids in batches:
-        B, S = ids.shape
-        cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), jnp.dtype(dtype))
-        out.append((cos, sin, jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool))[None], (B, S, S))))
-    return out
+    return [batch_geometry(cfg, ids, None, dtype) for ids in batches]
 
 
 def _embed(ckpt: OpenCheckpoint, batches, dtype):

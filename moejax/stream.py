@@ -28,6 +28,16 @@ def _layer_forward(graphdef, state, x_BSH, cos, sin, allowed_BSS):
     return out, z
 
 
+def batch_geometry(cfg, ids_BS, mask_BS, dtype):
+    """(cos, sin, allowed [B, S, S]) of one batch: rope tables and the causal (and padding) mask."""
+    B, S = np.asarray(ids_BS).shape
+    cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), jnp.dtype(dtype))
+    allowed = jnp.tril(jnp.ones((S, S), bool))[None]
+    if mask_BS is not None:
+        allowed = allowed & jnp.asarray(mask_BS, bool)[:, None, :]
+    return cos, sin, jnp.broadcast_to(allowed, (B, S, S))
+
+
 def _embed(ckpt: OpenCheckpoint, batches, dtype) -> list:
     (spec,) = [s for s in ckpt.specs if s.param == "model.embed_tokens"]
     table = ckpt.reader.read(spec.hf_name)  # [V, H], one tensor; dropped after the lookup
@@ -48,14 +58,7 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     show = sys.stderr.isatty() if progress is None else progress
     n_tokens = sum(int(np.asarray(ids).size) for ids, _ in batches)
     hidden = _embed(ckpt, batches, dtype)
-    geometry = []
-    for ids, mask in batches:
-        B, S = np.asarray(ids).shape
-        cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), jnp.dtype(dtype))
-        allowed = jnp.tril(jnp.ones((S, S), bool))[None]
-        if mask is not None:
-            allowed = allowed & jnp.asarray(mask, bool)[:, None, :]
-        geometry.append((cos, sin, jnp.broadcast_to(allowed, (B, S, S))))
+    geometry = [batch_geometry(cfg, ids, mask, dtype) for ids, mask in batches]
     for layer_idx in range(cfg.num_hidden_layers):
         if show:
             sys.stderr.write(f"\rlayer {layer_idx + 1}/{cfg.num_hidden_layers} ({n_tokens} tokens)")

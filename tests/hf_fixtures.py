@@ -104,18 +104,24 @@ def rewrite(src, dst, transform=lambda name, reader: [(name, reader.read(name))]
     return write_checkpoint(dst, tensors, config, **kw)
 
 
+def quantised_linear(name, w, fmt):
+    """(name, array) pairs for one Linear whose dense weight is `name` = '...weight', in `fmt`."""
+    stem = name[: -len("weight")]
+    if fmt == "fp8_block":
+        q, scale_inv = quant.quantize_fp8_block(w)
+        return [(name, q), (stem + "weight_scale_inv", scale_inv)]
+    if fmt == "int4_pack":
+        packed, scale, shape = quant.pack_int4(w, 32)
+        return [(stem + "weight_packed", packed), (stem + "weight_scale", scale), (stem + "weight_shape", shape)]
+    packed, scale = quant.quantize_mxfp4(w)
+    return [(stem + "weight_packed", packed), (stem + "weight_scale", scale)]
+
+
 def quantize(fmt):
+    """A `rewrite` transform quantising every expert Linear (and, for FP8, the attention ones)."""
     def transform(name, reader):
         w = reader.read(name)
         if not (EXPERT.search(name) or (fmt == "fp8_block" and ATTN.search(name))):
             return [(name, w)]
-        stem = name[: -len("weight")]
-        if fmt == "fp8_block":
-            q, scale_inv = quant.quantize_fp8_block(w)
-            return [(name, q), (stem + "weight_scale_inv", scale_inv)]
-        if fmt == "int4_pack":
-            packed, scale, shape = quant.pack_int4(w, 32)
-            return [(stem + "weight_packed", packed), (stem + "weight_scale", scale), (stem + "weight_shape", shape)]
-        packed, scale = quant.quantize_mxfp4(w)
-        return [(stem + "weight_packed", packed), (stem + "weight_scale", scale)]
+        return quantised_linear(name, w, fmt)
     return transform

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hf_fixtures import QUANT_CONFIGS
+from hf_fixtures import quantised_linear as fixture_linear
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf import quant
 from moejax.hf.inspect import (
@@ -131,17 +132,8 @@ HIDDEN, INTER, VOCAB, EXPERTS, TOP_K = 64, 128, 50, 4, 2
 
 
 def quantised_linear(name, w, fmt):
-    """(name, array) pairs for one Linear whose dense weight is `name` = '...weight'."""
-    stem = name[: -len("weight")]
-    if fmt == "fp8_block":
-        q, scale_inv = quant.quantize_fp8_block(w)
-        return [(name, q), (stem + "weight_scale_inv", scale_inv)]
-    if fmt == "int4_pack":
-        packed, scale, shape = quant.pack_int4(w, 32)
-        return [(stem + "weight_packed", packed), (stem + "weight_scale", scale),
-                (stem + "weight_shape", shape.astype(np.int32))]
-    packed, scale = quant.quantize_mxfp4(w)
-    return [(stem + "weight_packed", packed), (stem + "weight_scale", scale)]
+    """hf_fixtures' quantised Linear, with weight_shape stored as I32 (as Kimi checkpoints do)."""
+    return [(n, v.astype(np.int32) if n.endswith("weight_shape") else v) for n, v in fixture_linear(name, w, fmt)]
 
 
 def build_quantised(path, fmt):

@@ -436,3 +436,33 @@ def test_extra_files_may_not_escape_or_collide(tmp_path, name):
     with pytest.raises(CheckpointError, match="extra file"):
         write_checkpoint(tmp_path / "out", [("a", np.ones(1))], {"c": 1}, extra_files={name: b""})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kernel", ["refused", "partial"])
+def test_byte_range_copy_falls_back_to_reading(tmp_path, monkeypatch, kernel):
+    """Carrying a tensor of another file by byte range gives the same bytes whether the kernel
+    copies it, refuses (EXDEV), or stops partway."""
+    import errno
+    import os
+
+    from moejax.hf.safetensors_io import SafetensorsFile, write_safetensors_file
+
+    rng = np.random.default_rng(0)
+    src = tmp_path / "src.safetensors"
+    arrays = {"a": rng.normal(size=(64, 33)).astype(np.float32), "b": rng.integers(0, 9, size=(7,)).astype(np.int64)}
+    write_safetensors_file(src, arrays.items())
+    real, calls = os.copy_file_range, []
+
+    def kernel_copy(in_fd, out_fd, count, offset_src=None, offset_dst=None):
+        calls.append(count)
+        if kernel == "refused" or len(calls) > 1:
+            raise OSError(errno.EXDEV, "cross-device")
+        return real(in_fd, out_fd, min(count, 100), offset_src)  # 100 bytes, then refuse
+
+    monkeypatch.setattr(os, "copy_file_range", kernel_copy)
+    f = SafetensorsFile(src)
+    write_safetensors_file(tmp_path / "out.safetensors", [(n, f.info(n)) for n in f.keys()])
+    out = SafetensorsFile(tmp_path / "out.safetensors")
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(out.read(name), array)
+    assert calls  # the kernel path was tried first

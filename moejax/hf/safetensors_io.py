@@ -622,20 +622,10 @@ _COPY_CHUNK = 64 * 2**20
 
 
 def _copy_file_range(info: TensorInfo, out_fd: int) -> None:
-    """Append the bytes of `info` to out_fd: os.copy_file_range (no user-space buffer) when the
-    kernel supports it for these files, else 64 MB chunks through memory."""
+    """Append the bytes of `info` to out_fd: os.copy_file_range (no user-space buffer) as far as
+    the kernel allows for these files, then 64 MB chunks through memory for the rest."""
     with open(info.file, "rb", buffering=0) as source:
-        copied = 0
-        if hasattr(os, "copy_file_range"):
-            try:
-                while copied < info.nbytes:
-                    count = os.copy_file_range(source.fileno(), out_fd, min(info.nbytes - copied, 2**30),
-                                               info.begin + copied)
-                    if count == 0:
-                        break
-                    copied += count
-            except OSError:  # e.g. EXDEV across file systems on old kernels: fall back below
-                pass
+        copied = _copy_in_kernel(source.fileno(), out_fd, info)
         source.seek(info.begin + copied)
         while copied < info.nbytes:
             chunk = source.read(min(_COPY_CHUNK, info.nbytes - copied))
@@ -646,6 +636,23 @@ def _copy_file_range(info: TensorInfo, out_fd: int) -> None:
                 view = view[os.write(out_fd, view):]
             copied += len(chunk)
     _check_complete_read(info, copied)
+
+
+def _copy_in_kernel(in_fd: int, out_fd: int, info: TensorInfo) -> int:
+    """Bytes of `info` copied with os.copy_file_range before it stops or is refused (e.g. EXDEV
+    across file systems on old kernels, or a platform without it): the caller copies the rest."""
+    copied = 0
+    if not hasattr(os, "copy_file_range"):
+        return copied
+    try:
+        while copied < info.nbytes:
+            count = os.copy_file_range(in_fd, out_fd, min(info.nbytes - copied, 2**30), info.begin + copied)
+            if count == 0:
+                break
+            copied += count
+    except OSError:
+        return copied
+    return copied
 
 
 def _element_bytes(dtype: str) -> int:
