@@ -72,7 +72,7 @@ def _mlp(graphdef, state, h_BSH, z_BSH, mask_E):
     layer = nnx.merge(graphdef, state)
     if not layer.is_moe:
         return h_BSH + layer.mlp(z_BSH)
-    return h_BSH + layer.mlp(z_BSH, mask_E)[0]
+    return h_BSH + layer.mlp(z_BSH, mask_E, forward_only=True)[0]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -87,7 +87,7 @@ def _routed_errors(graphdef, state, z_BSH, masks_VE):
     def routed(mask_E):
         r = moe.route(z, mask_E)
         return dispatch_lib.dispatch(z, r.expert_idx_TK, r.gate_TK, experts, dispatch_lib.swiglu,
-                                     moe.backend).astype(jnp.float32)
+                                     moe.backend, forward_only=True).astype(jnp.float32)
 
     y = routed(None)
     err = jax.lax.map(lambda m: jnp.sum((routed(m) - y) ** 2, axis=-1), masks_VE)
@@ -118,7 +118,7 @@ def _stacked_layer(graphdef, state, x_NBSH, cos, sin, allowed_BSS, masks_NE):
         out = h + layer.mlp(z)
     else:
         token_masks = jnp.repeat(masks_NE, B * S, axis=0)  # stream n's mask on each of its tokens
-        out = h + layer.mlp(z, token_masks)[0]
+        out = h + layer.mlp(z, token_masks, forward_only=True)[0]
     return out.reshape(N, B, S, H), z.reshape(N, B, S, H)
 
 

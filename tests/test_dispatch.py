@@ -99,3 +99,23 @@ def test_forward_only_skips_absent_pairs(block_rows):
     want = D.dense_pair_outputs(x, r.expert_idx_TK, w, fn)
     np.testing.assert_allclose(got[~absent], want[~absent], rtol=1e-6, atol=1e-5)
     assert float(jnp.abs(got[absent]).max()) == 0.0
+
+
+@pytest.mark.parametrize("chunk_rows,granule", [(8, 2), (8, 8), (16, 4)])
+def test_exact_expert_loop_every_group_size(chunk_rows, granule):
+    """The forward-only path for large experts: groups of every size class (empty, below a granule,
+    exact multiples of the chunk, several chunks plus a remainder), absent pairs zero, and a
+    remainder's spill into the next expert's rows overwritten."""
+    x, _, w, fn, _ = setup(6, "swiglu")
+    rng = np.random.default_rng(1)
+    # skewed choices: expert 0 takes many pairs, some experts none, 20% absent (index E)
+    p = rng.dirichlet(np.full(E, 0.3))
+    idx = rng.choice(E, size=(T, K), p=p)
+    idx[rng.random(idx.shape) < 0.2] = E
+    counts = np.bincount(idx.ravel(), minlength=E + 1)[:E]
+    assert counts.max() > 2 * chunk_rows and (counts == 0).any() and ((counts % chunk_rows) != 0).any()
+    got = jax.jit(D._exact_expert_loop, static_argnums=(3, 4, 5))(x, jnp.asarray(idx), w, fn, chunk_rows, granule)
+    want = D.dense_pair_outputs(x, jnp.asarray(np.minimum(idx, E - 1)), w, fn)
+    present = idx < E
+    np.testing.assert_allclose(got[present], want[present], rtol=1e-6, atol=1e-5)
+    assert float(jnp.abs(got[~present]).max()) == 0.0

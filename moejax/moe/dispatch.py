@@ -16,7 +16,9 @@ Backends
             then a matmul per block (batched for small experts, a loop for large ones): a grouped
             matmul in plain XLA with static shapes.
             Exact (no token dropping), empty experts cost nothing, gradients flow through the
-            gathers. Padding is at most E * (block_rows - 1) rows.
+            gathers. Padding is at most E * (block_rows - 1) rows. With `forward_only` (no
+            gradients) large experts skip the padding: a loop over experts runs each group in
+            full chunks plus one remainder rounded up to 32 rows.
 - "ragged": the same sorted pairs through `jax.lax.ragged_dot` (native on GPU/TPU; XLA:CPU
             expands it densely, so prefer "sorted" on CPU).
 - "ep":     expert parallelism over the "expert" axis of the mesh set with `jax.set_mesh`
@@ -128,12 +130,15 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
     absent: pairs whose expert index is E (one past the last expert) are absent and output zeros
       (an expert-parallel shard's pairs that other shards compute; a second routing's pairs that
       the first already computed). They are laid out after every expert's blocks.
-    forward_only: absent pairs allowed, and large experts loop over the blocks in use only (a
-      dynamic trip count, so no reverse-mode gradient)."""
+    forward_only: absent pairs allowed, and large experts run exactly, without block padding
+      (`_exact_expert_loop`: dynamic trip counts, so no reverse-mode gradient)."""
     n_tokens, top_k = expert_idx_TK.shape
     n_experts = jax.tree.leaves(weights)[0].shape[0]
     absent = absent or forward_only
     block_rows = block_rows or _default_block_rows(n_tokens * top_k, n_experts, weights)
+    small_experts = all(w.shape[-1] <= block_rows for w in jax.tree.leaves(weights))
+    if forward_only and not small_experts:
+        return _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn)
     layout = BlockLayout(expert_idx_TK, n_experts + 1 if absent else n_experts, block_rows)
     block_expert_N = jnp.minimum(layout.block_expert_N, n_experts - 1)
     token_M = jnp.arange(n_tokens * top_k, dtype=jnp.int32) // top_k
@@ -141,35 +146,87 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
     x_buf = jnp.zeros((rows, x_TD.shape[-1]), x_TD.dtype).at[layout.pair_slot_M].set(x_TD[token_M])
     x_NBD = x_buf.reshape(layout.n_blocks, block_rows, -1)
 
-    def block_linear(h_NBF, w_EFG):
-        if w_EFG.shape[-1] <= block_rows:
-            # Small experts: gathering each block's weights costs no more than its activations,
-            # and one batched matmul over all blocks beats a loop.
+    if small_experts:
+        # Small experts: gathering each block's weights costs no more than its activations, and
+        # one batched matmul over all blocks beats a loop.
+        def block_linear(h_NBF, w_EFG):
             return jnp.einsum("nbf,nfg->nbg", h_NBF, w_EFG[block_expert_N], precision=jax.lax.Precision.HIGHEST)
-        # Large experts: a loop over blocks reads each block's expert weights in place instead of
-        # materialising n_blocks copies of them.
-        def one(h_BF, e):
-            # Compute in float32 from the sliced expert. (XLA's loop-invariant code motion still
-            # hoists the conversion of a bfloat16 stack out of the loop, a float32 copy of all
-            # experts; `moejax score` turns that pass off for its memory budget, see moejax.cli.)
-            w_FG = jax.lax.dynamic_index_in_dim(w_EFG, e, keepdims=False)
-            return jnp.matmul(h_BF.astype(jnp.float32), w_FG.astype(jnp.float32),
-                              precision=jax.lax.Precision.HIGHEST).astype(h_BF.dtype)
 
-        n_used = layout.blocks_before_group(n_experts)  # blocks of real experts; the rest is padding
-        if not forward_only:
-            # Blocks past the last expert's (absent pairs, trailing padding) are skipped by a
-            # conditional, which keeps the loop differentiable.
-            skip = jnp.zeros(h_NBF.shape[1:2] + w_EFG.shape[-1:], h_NBF.dtype)
-            return jax.lax.map(lambda hei: jax.lax.cond(hei[2] < n_used, lambda: one(hei[0], hei[1]), lambda: skip),
-                               (h_NBF, block_expert_N, jnp.arange(h_NBF.shape[0])))
-        out = jnp.zeros(h_NBF.shape[:2] + w_EFG.shape[-1:], h_NBF.dtype)
-        body = lambda i, o: o.at[i].set(one(h_NBF[i], block_expert_N[i]))  # noqa: E731
-        return jax.lax.fori_loop(0, n_used, body, out)
-
-    y_NBD = expert_fn(block_linear, weights, x_NBD)
+        y_NBD = expert_fn(block_linear, weights, x_NBD)
+    else:
+        y_NBD = _loop_over_blocks(x_NBD, block_expert_N, layout.blocks_before_group(n_experts), weights,
+                                  expert_fn)
     y_TKD = y_NBD.reshape(rows, -1)[layout.pair_slot_M].reshape(n_tokens, top_k, -1)
     return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0) if absent else y_TKD
+
+
+def _f32_matmul(h_BF, w_FG):
+    # Compute in float32 from the sliced expert. (XLA's loop-invariant code motion still hoists
+    # the conversion of a bfloat16 stack out of the loop, a float32 copy of all experts;
+    # `moejax score` turns that pass off for its memory budget, see moejax.cli.)
+    return jnp.matmul(h_BF.astype(jnp.float32), w_FG.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST).astype(h_BF.dtype)
+
+
+def _loop_over_blocks(x_NBD, block_expert_N, n_used, weights, expert_fn):
+    """Large experts, differentiable: a loop over blocks that reads each block's expert weights in
+    place (instead of materialising n_blocks copies of them) and runs the whole expert on the
+    block in one iteration, so its hidden activations stay in cache. Blocks from `n_used` on
+    (absent pairs, trailing padding) are skipped by a conditional, which keeps the loop
+    differentiable (a dynamic trip count would not be)."""
+    def one(x_BD, e):
+        w = jax.tree.map(lambda w_E: jax.lax.dynamic_index_in_dim(w_E, e, keepdims=False), weights)
+        return expert_fn(_f32_matmul, w, x_BD)
+
+    out = jax.eval_shape(one, x_NBD[0], block_expert_N[0])
+    skip = jnp.zeros(out.shape, out.dtype)
+    return jax.lax.map(lambda xei: jax.lax.cond(xei[2] < n_used, lambda: one(xei[0], xei[1]), lambda: skip),
+                       (x_NBD, block_expert_N, jnp.arange(x_NBD.shape[0])))
+
+def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int = 128, granule: int = 32):
+    """Forward only, large experts: each expert's pairs exactly, no block padding. [T, K, D].
+
+    Pairs are sorted by expert (absent pairs, index E, last). A loop over experts runs each
+    expert's group as full chunks of `chunk_rows` rows plus one remainder chunk rounded up to
+    `granule` rows (a switch over the static sizes), so at most granule - 1 rows per expert are
+    wasted instead of up to a whole block. A remainder chunk may spill into the next experts'
+    rows: the loop is in expert order, so they are overwritten later; spill into absent rows is
+    zeroed at the end."""
+    n_tokens, top_k = expert_idx_TK.shape
+    n_experts = jax.tree.leaves(weights)[0].shape[0]
+    flat_M, order_M, sizes_E = _sort_by_expert(expert_idx_TK, n_experts + 1)
+    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    n_pairs = flat_M.shape[0]
+    xs_MD = jnp.concatenate([x_TD[order_M // top_k], jnp.zeros((chunk_rows, x_TD.shape[-1]), x_TD.dtype)])
+
+    def rows_out(w, start, n_rows):
+        y = expert_fn(_f32_matmul, w, jax.lax.dynamic_slice_in_dim(xs_MD, start, n_rows))
+        return jnp.pad(y, ((0, chunk_rows - n_rows), (0, 0))) if n_rows < chunk_rows else y
+
+    def one_expert(e, ys):
+        w = jax.tree.map(lambda w_E: jax.lax.dynamic_index_in_dim(w_E, e, keepdims=False), weights)
+        start, size = starts_E[e], sizes_E[e]
+        n_full = size // chunk_rows
+
+        def full_chunk(i, ys):
+            return jax.lax.dynamic_update_slice_in_dim(ys, rows_out(w, start + i * chunk_rows, chunk_rows),
+                                                       start + i * chunk_rows, axis=0)
+
+        ys = jax.lax.fori_loop(0, n_full, full_chunk, ys)
+        # The remainder: the branches return a chunk-sized result (zero rows past n), so `ys`
+        # itself never passes through the switch (which would copy it).
+        rest_start = start + n_full * chunk_rows
+        branches = [lambda: jnp.zeros((chunk_rows, ys.shape[-1]), ys.dtype)] + [
+            (lambda n=n: rows_out(w, rest_start, n)) for n in range(granule, chunk_rows + 1, granule)]
+        which = -(-(size - n_full * chunk_rows) // granule)
+        return jax.lax.dynamic_update_slice_in_dim(ys, jax.lax.switch(which, branches), rest_start, axis=0)
+
+    out = jax.eval_shape(lambda: expert_fn(_f32_matmul, jax.tree.map(lambda w: w[0], weights), xs_MD[:1]))
+    ys_MD = jnp.zeros((n_pairs + chunk_rows, out.shape[-1]), out.dtype)
+    ys_MD = jax.lax.fori_loop(0, n_experts, one_expert, ys_MD)
+    y_TKD = jnp.zeros((n_pairs, out.shape[-1]), out.dtype).at[order_M].set(ys_MD[:n_pairs])
+    y_TKD = y_TKD.reshape(n_tokens, top_k, -1)
+    return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0)
 
 
 def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
@@ -231,6 +288,9 @@ def combine(gate_TK: jax.Array, f_TKD: jax.Array) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def dispatch(x_TD, expert_idx_TK, gate_TK, weights, expert_fn: ExpertFn, backend: str = "sorted"):
-    """Routed output y_TD = sum_k gate_tk * expert_{idx_tk}(x_t) (SPEC section 1)."""
-    return combine(gate_TK, pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, backend)).astype(x_TD.dtype)
+def dispatch(x_TD, expert_idx_TK, gate_TK, weights, expert_fn: ExpertFn, backend: str = "sorted",
+             forward_only: bool = False):
+    """Routed output y_TD = sum_k gate_tk * expert_{idx_tk}(x_t) (SPEC section 1).
+    forward_only: no gradients will be taken (faster large experts, see `pair_outputs`)."""
+    f_TKD = pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, backend, forward_only=forward_only)
+    return combine(gate_TK, f_TKD).astype(x_TD.dtype)

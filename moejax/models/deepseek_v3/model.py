@@ -142,13 +142,15 @@ class MoE(nnx.Module):
         logits = jnp.matmul(x_TH.astype(jnp.float32), self.router[...].T, precision=HIGHEST)
         return route(logits, self.router_cfg, self.bias[...], expert_mask_E)
 
-    def __call__(self, x_BSH, expert_mask_E=None):
-        """(output [B, S, H], the routing of the B*S tokens)."""
+    def __call__(self, x_BSH, expert_mask_E=None, forward_only: bool = False):
+        """(output [B, S, H], the routing of the B*S tokens). forward_only: no gradients will be
+        taken, so the routed experts may take the faster exact path (moejax.moe.dispatch)."""
         B, S, H = x_BSH.shape
         x_TH = x_BSH.reshape(B * S, H)
         r = self.route(x_TH, expert_mask_E)
         experts = {"gate": self.experts_gate[...], "up": self.experts_up[...], "down": self.experts_down[...]}
-        y = dispatch_lib.dispatch(x_TH, r.expert_idx_TK, r.gate_TK, experts, dispatch_lib.swiglu, self.backend)
+        y = dispatch_lib.dispatch(x_TH, r.expert_idx_TK, r.gate_TK, experts, dispatch_lib.swiglu, self.backend,
+                                  forward_only=forward_only)
         y = y.reshape(B, S, H)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_BSH)
@@ -163,13 +165,13 @@ class DecoderLayer(nnx.Module):
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = MoE(cfg, dtype, rngs) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos, sin, allowed, expert_mask_E=None):
+    def __call__(self, x, cos, sin, allowed, expert_mask_E=None, forward_only: bool = False):
         """(output, routing or None for a dense layer, the MLP's input)."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
         z = self.post_attention_layernorm(h)
         if not self.is_moe:
             return h + self.mlp(z), None, z
-        y, routing = self.mlp(z, expert_mask_E)
+        y, routing = self.mlp(z, expert_mask_E, forward_only)
         return h + y, routing, z
 
 
@@ -191,12 +193,14 @@ class DeepseekV3ForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, input_ids_BS, attention_mask_BS=None, expert_masks_LE=None, return_routing: bool = False,
-                 return_moe_inputs: bool = False):
+                 return_moe_inputs: bool = False, forward_only: bool = False):
         """Logits [B, S, V]. attention_mask: 1 = token, 0 = padding (keys that are padding are not
         attended to; positions stay 0..S-1 as in transformers). expert_masks: bool [num_hidden_layers, E],
         True = expert kept (rows of dense layers are ignored). return_routing: also return
         {layer: Routing} of every MoE layer (tokens flattened batch-major); return_moe_inputs:
-        also return {layer: router input [B*S, H]} (what calibration statistics are taken on)."""
+        also return {layer: router input [B*S, H]} (what calibration statistics are taken on);
+        forward_only: no gradients will be taken (the routed experts then skip block padding;
+        `jitted()` sets it)."""
         cfg = self.config
         B, S = input_ids_BS.shape
         x = self.model.embed_tokens[...][input_ids_BS]
@@ -208,7 +212,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         routings, moe_inputs = {}, {}
         for l, layer in enumerate(self.model.layers):
             mask = None if expert_masks_LE is None or not layer.is_moe else expert_masks_LE[l]
-            x, routing, z = layer(x, cos, sin, allowed, mask)
+            x, routing, z = layer(x, cos, sin, allowed, mask, forward_only)
             if routing is not None:
                 routings[l], moe_inputs[l] = routing, z.reshape(B * S, -1)
         x = self.model.norm(x)
@@ -218,7 +222,8 @@ class DeepseekV3ForCausalLM(nnx.Module):
         return (logits, *extras) if extras else logits
 
     def jitted(self):
-        """A jitted forward with the same arguments as calling the model. The weights are passed
+        """A jitted inference forward (no gradients through it) with the same arguments as calling
+        the model. The weights are passed
         as arguments (not captured as constants, not re-synchronised after every call as
         `nnx.jit` does, which costs seconds per call for a model of several GB). It captures the
         weights as they are now: call it again after changing them."""
@@ -228,7 +233,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         def forward(state, input_ids, attention_mask=None, expert_masks=None, return_routing=False,
                     return_moe_inputs=False):
             return nnx.merge(graphdef, state)(input_ids, attention_mask, expert_masks, return_routing,
-                                              return_moe_inputs)
+                                              return_moe_inputs, forward_only=True)
 
         return functools.partial(forward, state)
 
