@@ -2,9 +2,11 @@
 
     python scripts/bench_forward.py                  # Moonlight-16B-A3B shapes cut to 2 layers, 2,048 tokens
     python scripts/bench_forward.py --tokens 512     # quicker
+    python scripts/bench_forward.py --parts          # also each part alone: attention, dense MLP, MoE, head
 
 Both run the same random weights (transformers makes them; moejax loads the saved checkpoint) on
-the same tokens, timed in the same run; the logits are compared too. Needs the test extra
+the same tokens, timed alternately in the same run (best of --repeat each); the logits are
+compared too. Needs the test extra
 (torch, transformers).
 """
 
@@ -31,7 +33,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=4)
+    ap.add_argument("--parts", action="store_true", help="also time each part of the forward alone")
     args = ap.parse_args()
 
     import jax
@@ -63,21 +66,69 @@ def main():
     with torch.no_grad():
         ids_t = torch.as_tensor(ids, dtype=torch.long)
         want = hf(ids_t).logits.numpy()
-        t_hf = best_of(lambda: hf(ids_t), args.repeat)
 
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        del hf
         model = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=jnp.float32)
     forward = model.jitted()
     ids_j = jnp.asarray(ids)
     t0 = time.perf_counter()
     got = np.asarray(forward(ids_j).block_until_ready())
     t_compile = time.perf_counter() - t0
-    t_jax = best_of(lambda: forward(ids_j).block_until_ready(), args.repeat)
+    # Interleaved (transformers, moejax, transformers, ...): this machine's speed drifts by 10-20%
+    # over minutes, which would otherwise land on whichever side ran during the slow spell.
+    t_hf = t_jax = float("inf")
+    with torch.no_grad():
+        for _ in range(args.repeat):
+            t_hf = min(t_hf, best_of(lambda: hf(ids_t), 1))
+            t_jax = min(t_jax, best_of(lambda: forward(ids_j).block_until_ready(), 1))
     print(f"max |logits difference| {np.abs(got - want).max():.2e} (max |logit| {np.abs(want).max():.2f})")
     print(f"forward    transformers eager {t_hf:6.2f} s | moejax jit {t_jax:6.2f} s -> {t_hf / t_jax:4.2f}x "
           f"(first call incl. compilation {t_compile:.2f} s)")
+    if args.parts:
+        compare_parts(hf, model, args.tokens, args.repeat)
+
+
+def compare_parts(hf, model, n_tokens, repeat):
+    """Each part of layer 0 (attention, dense MLP) and layer 1 (MoE) and the output head alone, on
+    the same random hidden states, timed alternately. Where the forward's time goes."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from moejax.models.deepseek_v3 import rope as rope_lib
+    from moejax.models.deepseek_v3.model import linear
+
+    x_np = np.random.default_rng(1).standard_normal((1, n_tokens, model.config.hidden_size)).astype(np.float32)
+    x_t, x_j = torch.from_numpy(x_np.copy()), jnp.asarray(x_np)
+    cos, sin = rope_lib.cos_sin(model.config, jnp.arange(n_tokens), x_j.dtype)
+    allowed = jnp.tril(jnp.ones((n_tokens, n_tokens), bool))[None]
+    position_embeddings = hf.model.rotary_emb(x_t, torch.arange(n_tokens)[None])
+    causal = torch.full((n_tokens, n_tokens), float("-inf")).triu(1)[None, None]
+
+    def jitted(module, call):
+        graphdef, state = nnx.split(module)
+        fn = jax.jit(lambda st, x: call(nnx.merge(graphdef, st), x))
+        return lambda: fn(state, x_j).block_until_ready()
+
+    (hf0, hf1), (j0, j1) = hf.model.layers[:2], model.model.layers[:2]
+    parts = {
+        "attention (layer 0)": (lambda: hf0.self_attn(x_t, position_embeddings=position_embeddings,
+                                                      attention_mask=causal),
+                                jitted(j0.self_attn, lambda m, x: m(x, cos, sin, allowed))),
+        "dense MLP (layer 0)": (lambda: hf0.mlp(x_t), jitted(j0.mlp, lambda m, x: m(x))),
+        "MoE (layer 1)": (lambda: hf1.mlp(x_t), jitted(j1.mlp, lambda m, x: m(x, None, True)[0])),
+        "output head": (lambda: hf.lm_head(x_t), jitted(model, lambda m, x: linear(x, m.lm_head[...]))),
+    }
+    with torch.no_grad():
+        for name, (torch_fn, jax_fn) in parts.items():
+            torch_fn(), jax_fn()
+            t_hf = t_jax = float("inf")
+            for _ in range(repeat):
+                t_hf = min(t_hf, best_of(torch_fn, 1))
+                t_jax = min(t_jax, best_of(jax_fn, 1))
+            print(f"{name:22s} transformers {t_hf:6.2f} s | moejax {t_jax:6.2f} s -> {t_hf / t_jax:4.2f}x")
 
 
 if __name__ == "__main__":
