@@ -183,6 +183,7 @@ def _loop_over_blocks(x_NBD, block_expert_N, n_used, weights, expert_fn):
     return jax.lax.map(lambda xei: jax.lax.cond(xei[2] < n_used, lambda: one(xei[0], xei[1]), lambda: skip),
                        (x_NBD, block_expert_N, jnp.arange(x_NBD.shape[0])))
 
+
 def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int = 128, granule: int = 32):
     """Forward only, large experts: each expert's pairs exactly, no block padding. [T, K, D].
 

@@ -223,10 +223,10 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
     def jitted(self):
         """A jitted inference forward (no gradients through it) with the same arguments as calling
-        the model. The weights are passed
-        as arguments (not captured as constants, not re-synchronised after every call as
-        `nnx.jit` does, which costs seconds per call for a model of several GB). It captures the
-        weights as they are now: call it again after changing them."""
+        the model. The weights are passed as arguments (not captured as constants, not
+        re-synchronised after every call as `nnx.jit` does, which costs seconds per call for a
+        model of several GB). It captures the weights as they are now: call it again after
+        changing them."""
         graphdef, state = nnx.split(self)
 
         @functools.partial(jax.jit, static_argnames=("return_routing", "return_moe_inputs"))
