@@ -6,8 +6,7 @@
 
 Both run the same random weights (transformers makes them; moejax loads the saved checkpoint) on
 the same tokens, timed alternately in the same run (best of --repeat each); the logits are
-compared too. Needs the test extra
-(torch, transformers).
+compared too. Needs the test extra (torch, transformers).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import best_of  # noqa: E402
+from _timing import best_alternating  # noqa: E402
 
 
 
@@ -75,13 +74,9 @@ def main():
     t0 = time.perf_counter()
     got = np.asarray(forward(ids_j).block_until_ready())
     t_compile = time.perf_counter() - t0
-    # Interleaved (transformers, moejax, transformers, ...): this machine's speed drifts by 10-20%
-    # over minutes, which would otherwise land on whichever side ran during the slow spell.
-    t_hf = t_jax = float("inf")
+    # Alternating: this machine's speed drifts by 10-20% over minutes.
     with torch.no_grad():
-        for _ in range(args.repeat):
-            t_hf = min(t_hf, best_of(lambda: hf(ids_t), 1))
-            t_jax = min(t_jax, best_of(lambda: forward(ids_j).block_until_ready(), 1))
+        t_hf, t_jax = best_alternating([lambda: hf(ids_t), lambda: forward(ids_j).block_until_ready()], args.repeat)
     print(f"max |logits difference| {np.abs(got - want).max():.2e} (max |logit| {np.abs(want).max():.2f})")
     print(f"forward    transformers eager {t_hf:6.2f} s | moejax jit {t_jax:6.2f} s -> {t_hf / t_jax:4.2f}x "
           f"(first call incl. compilation {t_compile:.2f} s)")
@@ -123,11 +118,8 @@ def compare_parts(hf, model, n_tokens, repeat):
     }
     with torch.no_grad():
         for name, (torch_fn, jax_fn) in parts.items():
-            torch_fn(), jax_fn()
-            t_hf = t_jax = float("inf")
-            for _ in range(repeat):
-                t_hf = min(t_hf, best_of(torch_fn, 1))
-                t_jax = min(t_jax, best_of(jax_fn, 1))
+            torch_fn(), jax_fn()  # compile, warm up
+            t_hf, t_jax = best_alternating([torch_fn, jax_fn], repeat)
             print(f"{name:22s} transformers {t_hf:6.2f} s | moejax {t_jax:6.2f} s -> {t_hf / t_jax:4.2f}x")
 
 

@@ -168,6 +168,11 @@ def _f32_matmul(h_BF, w_FG):
                       precision=jax.lax.Precision.HIGHEST).astype(h_BF.dtype)
 
 
+def _expert_weights(weights, e):
+    """Expert e's weights (a traced index) out of the stacked [E, ...] weights."""
+    return jax.tree.map(lambda w_E: jax.lax.dynamic_index_in_dim(w_E, e, keepdims=False), weights)
+
+
 def _loop_over_blocks(x_NBD, block_expert_N, n_used, weights, expert_fn):
     """Large experts, differentiable: a loop over blocks that reads each block's expert weights in
     place (instead of materialising n_blocks copies of them) and runs the whole expert on the
@@ -175,8 +180,7 @@ def _loop_over_blocks(x_NBD, block_expert_N, n_used, weights, expert_fn):
     (absent pairs, trailing padding) are skipped by a conditional, which keeps the loop
     differentiable (a dynamic trip count would not be)."""
     def one(x_BD, e):
-        w = jax.tree.map(lambda w_E: jax.lax.dynamic_index_in_dim(w_E, e, keepdims=False), weights)
-        return expert_fn(_f32_matmul, w, x_BD)
+        return expert_fn(_f32_matmul, _expert_weights(weights, e), x_BD)
 
     out = jax.eval_shape(one, x_NBD[0], block_expert_N[0])
     skip = jnp.zeros(out.shape, out.dtype)
@@ -195,9 +199,9 @@ def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int 
     zeroed at the end."""
     n_tokens, top_k = expert_idx_TK.shape
     n_experts = jax.tree.leaves(weights)[0].shape[0]
-    flat_M, order_M, sizes_E = _sort_by_expert(expert_idx_TK, n_experts + 1)
+    _, order_M, sizes_E = _sort_by_expert(expert_idx_TK, n_experts + 1)
     starts_E = jnp.cumsum(sizes_E) - sizes_E
-    n_pairs = flat_M.shape[0]
+    n_pairs = n_tokens * top_k
     xs_MD = jnp.concatenate([x_TD[order_M // top_k], jnp.zeros((chunk_rows, x_TD.shape[-1]), x_TD.dtype)])
 
     def rows_out(w, start, n_rows):
@@ -205,7 +209,7 @@ def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int 
         return jnp.pad(y, ((0, chunk_rows - n_rows), (0, 0))) if n_rows < chunk_rows else y
 
     def one_expert(e, ys):
-        w = jax.tree.map(lambda w_E: jax.lax.dynamic_index_in_dim(w_E, e, keepdims=False), weights)
+        w = _expert_weights(weights, e)
         start, size = starts_E[e], sizes_E[e]
         n_full = size // chunk_rows
 
