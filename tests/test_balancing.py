@@ -4,20 +4,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.moe.balancing import _loads_by_threshold, balance_bias
+import pytest
+
+from moejax.moe.balancing import balance_bias, kth_largest, loads_at_threshold
 from moejax.moe.routing import RouterConfig, route, routing_counts
 
 CFG = RouterConfig(top_k=4)
 
 
-def test_threshold_loads_equal_topk_loads_with_many_ties():
+def topk_loads(logits, bias):
+    return jax.vmap(lambda lg, b: routing_counts(route(lg, CFG, b).expert_idx_TK, 16))(logits, bias)
+
+
+# max_tied=1200 mends every tied token one by one; max_tied=1 overflows into the rank over all tokens
+@pytest.mark.parametrize("max_tied", [1200, 1])
+def test_threshold_loads_equal_topk_loads_with_many_ties(max_tied):
     # logits on a coarse grid and a zero bias: ties everywhere, including at the K-th value
     logits = jnp.round(jax.random.normal(jax.random.key(0), (3, 400, 16)) * 2) / 2
     bias = jnp.round(jax.random.normal(jax.random.key(1), (3, 16))) * 0.25
-    got = _loads_by_threshold(jnp.swapaxes(jax.nn.sigmoid(logits), -1, -2), bias, 4)
-    want = jax.vmap(lambda lg, b: routing_counts(route(lg, CFG, b).expert_idx_TK, 16))(logits, bias)
-    np.testing.assert_array_equal(got, want)
+    sel = jnp.swapaxes(jax.nn.sigmoid(logits), -1, -2) + bias[..., None]
+    got = loads_at_threshold(sel, kth_largest(sel, 4), 4, max_tied=max_tied)
+    np.testing.assert_array_equal(got, topk_loads(logits, bias))
     assert (got.sum(-1) == 400 * 4).all()
+
+
+def test_threshold_loads_mend_a_few_ties():
+    # continuous logits with three tokens given an exact tie across the K-th place
+    logits = np.array(jax.random.normal(jax.random.key(3), (2, 300, 16)))
+    for n, t in ((0, 5), (1, 7), (1, 250)):
+        order = np.argsort(-logits[n, t], kind="stable")
+        logits[n, t, order[4]] = logits[n, t, order[3]]  # 4th and 5th best equal
+    logits, bias = jnp.asarray(logits), jnp.zeros((2, 16))
+    sel = jnp.swapaxes(jax.nn.sigmoid(logits), -1, -2)
+    kth = kth_largest(sel, 4)
+    np.testing.assert_array_equal(kth, jax.lax.top_k(jnp.swapaxes(sel, -1, -2), 4)[0][..., 3])
+    got = loads_at_threshold(sel, kth, 4)
+    np.testing.assert_array_equal(got, topk_loads(logits, bias))
+    assert (got.sum(-1) == 300 * 4).all()
 
 
 def numpy_balance(logits, steps, rate, k):
