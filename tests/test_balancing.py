@@ -6,7 +6,8 @@ import numpy as np
 
 import pytest
 
-from moejax.moe.balancing import balance_bias, kth_largest, loads_at_threshold
+from moejax.moe.balancing import balance_bias, loads_at_threshold
+from moejax.moe.topk import kth_largest
 from moejax.moe.routing import RouterConfig, route, routing_counts
 
 CFG = RouterConfig(top_k=4)

@@ -216,37 +216,71 @@ def _stage_one(cfg: Toy3Config):
 @functools.lru_cache(maxsize=8)
 def _stage_two(cfg: Toy3Config):
     """Route the held-out tokens under every kept set and measure the error of each variant.
-    Returns a jitted function (f_held, logits_held, bias, masks) -> (all-token relative error [..., V],
+    Returns a function (f_held, logits_held, bias, masks) -> (all-token relative error [..., V],
     per-token relative errors [..., V, T]); the median is taken on the host (numpy's partition-based
-    median is far cheaper than a sort per variant on the device)."""
+    median is far cheaper than a sort per variant on the device).
+
+    Routing is `route`'s choice computed without `lax.top_k` (moejax/moe/topk.py, tested equal):
+    one jitted call finds each token's K-th largest biased score under every mask, a second reads
+    off the chosen experts and combines their outputs from the held-out table. (Two calls, so the
+    K-th values are materialised; fused into their consumer XLA recomputes them per expert.)
+    The unpruned layer is routed the same way, as variant 0, so a variant that routes every token
+    as the full layer does has an error of exactly zero.
+    """
     import jax
     import jax.numpy as jnp
 
     from moejax.models.toy import ToyMoE
-    from moejax.moe.dispatch import combine
-    from moejax.moe.routing import route
+    from moejax.moe.dispatch import combine_from_table
+    from moejax.moe.topk import kth_largest, topk_indices_at_threshold
 
     router_cfg = ToyMoE.router_cfg_for(cfg.top_k)
 
-    def layer_output(f_TED, logits_TE, bias_E, mask_E):
-        r = route(logits_TE, router_cfg, bias_E, mask_E)
-        return combine(r.gate_TK, jnp.take_along_axis(f_TED, r.expert_idx_TK[..., None], axis=1))
+    def masked_sel_VET(logits_TE, bias_E, masks_VE):
+        sel_ET = (jax.nn.sigmoid(logits_TE) + bias_E).T
+        return jnp.where(masks_VE[:, :, None], sel_ET, -jnp.inf)
 
-    def condition(f_TED, logits_TE, bias_E, masks_VE):
-        y_TD = layer_output(f_TED, logits_TE, bias_E, None)
-        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+    def with_unpruned(masks_VE):
+        return jnp.concatenate([jnp.ones_like(masks_VE[:1]), masks_VE])
 
-        def variant(mask_E):
-            err_sq_T = jnp.sum((layer_output(f_TED, logits_TE, bias_E, mask_E) - y_TD) ** 2, axis=-1)
-            return err_sq_T.sum() / y_sq_T.sum(), err_sq_T / y_sq_T
-
-        return jax.lax.map(variant, masks_VE)
+    # [S, O, T, E] logits, [S, O, L, E] biases, [S, O, L, V, E] masks: map over seeds and offsets
+    per_load = functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))
 
     @jax.jit
-    def run(f, lg, b, m):
-        per_load = jax.vmap(condition, in_axes=(None, None, 0, 0))
-        per_offset = jax.vmap(per_load, in_axes=(0, 0, 0, 0))
-        return jax.vmap(per_offset)(f, lg, b, m)
+    def kth_values(logits, bias, masks):
+        @functools.partial(jax.vmap, in_axes=(None, 0, 0))
+        def condition(logits_TE, bias_E, masks_VE):
+            return kth_largest(masked_sel_VET(logits_TE, bias_E, with_unpruned(masks_VE)), cfg.top_k)
+
+        return jax.vmap(jax.vmap(condition))(logits, bias, masks)
+
+    @jax.jit
+    def errors(f, logits, bias, masks, kth):
+        @per_load
+        def condition(f_TED, logits_TE, bias_E, masks_VE, kth_VT):
+            idx_VTK = topk_indices_at_threshold(
+                masked_sel_VET(logits_TE, bias_E, with_unpruned(masks_VE)), kth_VT, cfg.top_k)
+            s_TE = jax.nn.sigmoid(logits_TE)
+            gate_VTK = jax.vmap(lambda i: jnp.take_along_axis(s_TE, i, axis=-1))(idx_VTK)
+            gate_VTK = gate_VTK / (gate_VTK.sum(axis=-1, keepdims=True) + 1e-20)  # norm_topk_prob
+            gate_VTK = gate_VTK * router_cfg.routed_scaling_factor
+            # the unpruned output in its own call: sliced off the variants' outputs, XLA
+            # recomputed it for every variant (4x slower)
+            y_TD = combine_from_table(gate_VTK[0], idx_VTK[0], f_TED)
+            err_sq_VT = jnp.sum((combine_from_table(gate_VTK[1:], idx_VTK[1:], f_TED) - y_TD) ** 2, axis=-1)
+            y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+            return err_sq_VT.sum(axis=-1) / y_sq_T.sum(), err_sq_VT / y_sq_T
+
+        def seed_offset(args):
+            return condition(*args)
+
+        lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [L, V, T, D] outputs
+        flat = [a.reshape(-1, *a.shape[2:]) for a in (f, logits, bias, masks, kth)]
+        rel, per_token = jax.lax.map(seed_offset, flat)
+        return rel.reshape(*lead, *rel.shape[1:]), per_token.reshape(*lead, *per_token.shape[1:])
+
+    def run(f, logits, bias, masks):
+        return errors(f, logits, bias, masks, kth_values(logits, bias, masks))
 
     return run
 

@@ -6,9 +6,9 @@ score (with multiplicity) and counts, per expert, the tokens where the expert is
 When a float tie puts more than K experts there, it keeps those above plus the lowest-index tied
 ones: exactly the set `route` (top-k, ties to the lower index) chooses.
 
-The K-th largest comes from an insertion network over the expert axis: K running maxima updated
-with one max and one min per expert, all elementwise over tokens, so XLA runs it as one fused
-loop (about 10x faster on CPU than `lax.top_k` over the expert axis or K rounds of max-and-remove).
+The K-th largest comes from `moejax.moe.topk.kth_largest`, an insertion network over the expert
+axis run as one fused loop (about 10x faster on CPU than `lax.top_k` or K rounds of
+max-and-remove).
 
 Batched natively over leading axes (several seeds and conditions at once).
 """
@@ -19,20 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.moe.routing import RouterConfig, route, routing_counts
-
-
-def kth_largest(sel_BET: jax.Array, k: int) -> jax.Array:
-    """The k-th largest value over the expert axis (-2), counting repeats: [..., E, T] -> [..., T].
-
-    Keeps the k largest seen so far, sorted (best_0 >= ... >= best_{k-1}); each new value v
-    goes in with best_i <- max(best_i, min(best_{i-1}, v)). Unrolled over E (E elementwise steps).
-    """
-    best = [jnp.full(sel_BET.shape[:-2] + sel_BET.shape[-1:], -jnp.inf, sel_BET.dtype)] * k
-    for e in range(sel_BET.shape[-2]):
-        v = sel_BET[..., e, :]
-        best = [jnp.maximum(best[0], v)] + [jnp.maximum(best[i], jnp.minimum(best[i - 1], v))
-                                            for i in range(1, k)]
-    return best[-1]
+from moejax.moe.topk import kth_largest
 
 
 def loads_at_threshold(sel_BET: jax.Array, kth_BT: jax.Array, top_k: int, max_tied: int = 64) -> jax.Array:
