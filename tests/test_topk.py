@@ -36,10 +36,11 @@ def test_same_choice_as_lax_top_k(n_experts, k, coarse):
 
 def test_combine_from_table_equals_gathered_combine():
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    f_TED = jax.random.normal(k1, (50, 16, 8))
+    f_ETD = jax.random.normal(k1, (16, 50, 8))
+    f_TED = jnp.swapaxes(f_ETD, 0, 1)
     idx_VTK = jax.random.randint(k2, (3, 50, 4), 0, 16)
     gate_VTK = jax.random.uniform(k3, (3, 50, 4))
-    got = combine_from_table(gate_VTK, idx_VTK, f_TED)
+    got = combine_from_table(gate_VTK, idx_VTK, f_ETD)
     for v in range(3):
         want = combine(gate_VTK[v], jnp.take_along_axis(f_TED, idx_VTK[v][..., None], axis=1))
         np.testing.assert_allclose(got[v], want, rtol=1e-6, atol=1e-6)

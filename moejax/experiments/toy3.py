@@ -202,13 +202,22 @@ def _stage_one(cfg: Toy3Config):
                 return routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f_TKD, axis=-1)
 
             cal = jax.vmap(lambda x, b_LE: jax.vmap(lambda b: calib(x, b))(b_LE))(x_cal_OTD, bias_OLE)
-            f_held_OTED = jax.vmap(model.all_expert_outputs)(x_held_OTD)
             logits_held_OTE = jax.vmap(model.router_logits)(x_held_OTD)
-            return cal, f_held_OTED, logits_held_OTE, model.router[...]
+            return cal, logits_held_OTE, model.router[...]
 
-        cal, f_held, logits_held, router_SED = jax.vmap(per_seed)(state_S, x_cal_SOTD, x_held_SOTD, bias_SOLE)
+        cal, logits_held, router_SED = jax.vmap(per_seed)(state_S, x_cal_SOTD, x_held_SOTD, bias_SOLE)
+
+        def held_table(i):  # f_j(x) of every held-out token and expert of one (seed, offset)
+            s, o = i // len(cfg.offsets), i % len(cfg.offsets)
+            model = nnx.merge(graphdef, jax.tree.map(lambda a: a[s], state_S))
+            return model.expert_output_table(x_held_SOTD[s, o])
+
+        # a loop, not vmap: see dispatch.expert_output_table
+        n_held = x_held_SOTD.shape[0] * x_held_SOTD.shape[1]
+        f_held_SOETD = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
+            *x_held_SOTD.shape[:2], cfg.n_experts, *x_held_SOTD.shape[2:])
         return dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_SOTD.mean(axis=2),
-                    bias=bias_SOLE, router=router_SED, f_held=f_held, logits_held=logits_held)
+                    bias=bias_SOLE, router=router_SED, f_held=f_held_SOETD, logits_held=logits_held)
 
     return run
 
@@ -257,7 +266,7 @@ def _stage_two(cfg: Toy3Config):
     @jax.jit
     def errors(f, logits, bias, masks, kth):
         @per_load
-        def condition(f_TED, logits_TE, bias_E, masks_VE, kth_VT):
+        def condition(f_ETD, logits_TE, bias_E, masks_VE, kth_VT):
             idx_VTK = topk_indices_at_threshold(
                 masked_sel_VET(logits_TE, bias_E, with_unpruned(masks_VE)), kth_VT, cfg.top_k)
             s_TE = jax.nn.sigmoid(logits_TE)
@@ -266,8 +275,8 @@ def _stage_two(cfg: Toy3Config):
             gate_VTK = gate_VTK * router_cfg.routed_scaling_factor
             # the unpruned output in its own call: sliced off the variants' outputs, XLA
             # recomputed it for every variant (4x slower)
-            y_TD = combine_from_table(gate_VTK[0], idx_VTK[0], f_TED)
-            err_sq_VT = jnp.sum((combine_from_table(gate_VTK[1:], idx_VTK[1:], f_TED) - y_TD) ** 2, axis=-1)
+            y_TD = combine_from_table(gate_VTK[0], idx_VTK[0], f_ETD)
+            err_sq_VT = jnp.sum((combine_from_table(gate_VTK[1:], idx_VTK[1:], f_ETD) - y_TD) ** 2, axis=-1)
             y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
             return err_sq_VT.sum(axis=-1) / y_sq_T.sum(), err_sq_VT / y_sq_T
 

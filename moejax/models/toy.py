@@ -70,6 +70,6 @@ class ToyMoE(nnx.Module):
     def __call__(self, x_TD, expert_mask_E=None, backend: str = "sorted", bias_E=None) -> jax.Array:
         return self.routed_pass(x_TD, expert_mask_E, backend, bias_E)[2]
 
-    def all_expert_outputs(self, x_TD) -> jax.Array:
-        """f_j(x_t) for every expert, [T, E, D]: the table every pruned variant's output is read from."""
-        return dispatch_lib.all_expert_outputs(x_TD, self.expert_weights(), dispatch_lib.relu_mlp)
+    def expert_output_table(self, x_TD) -> jax.Array:
+        """f_j(x_t) for every expert, [E, T, D]: the table every pruned variant's output is read from."""
+        return dispatch_lib.expert_output_table(x_TD, self.expert_weights(), dispatch_lib.relu_mlp)
