@@ -73,3 +73,29 @@ def test_grouped_routing_balances_through_the_routing_function():
     cfg = RouterConfig(top_k=2, n_group=4, topk_group=2)
     got = balance_bias(logits, cfg, 5, 0.01)
     assert got.shape == (2, 16) and np.isfinite(np.asarray(got)).all() and float(jnp.abs(got).max()) > 0
+
+
+def _cycling_logits():
+    """Two balancing runs that settle into a 2-cycle well within 200 steps of rate 0.01."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2, 400, 8)) + rng.normal(size=(2, 1, 8)) * 0.8
+    w = rng.normal(size=(2, 16, 8)) / np.sqrt(8)
+    return np.einsum("btd,bed->bte", x, w).astype(np.float32)
+
+
+@pytest.mark.parametrize("steps", [200, 201])
+def test_cycle_shortcut_is_bitwise_the_full_trajectory(steps):
+    logits = _cycling_logits()
+    full = np.asarray(balance_bias(jnp.asarray(logits), CFG, steps, 0.01, max_period=0))
+    short = np.asarray(balance_bias(jnp.asarray(logits), CFG, steps, 0.01))
+    np.testing.assert_array_equal(full.view(np.int32), short.view(np.int32))
+    for row in range(2):  # and both agree with the plain numpy loop
+        np.testing.assert_allclose(short[row], numpy_balance(logits[row], steps, 0.01, 4), atol=1e-6)
+
+
+def test_cycle_shortcut_reads_far_steps_off_the_cycle():
+    logits = jnp.asarray(_cycling_logits())
+    even, odd, even2 = (np.asarray(balance_bias(logits, CFG, n, 0.01, max_period=0)) for n in (200, 201, 202))
+    assert not np.array_equal(even, odd) and np.array_equal(even, even2)  # a 2-cycle by step 200
+    np.testing.assert_array_equal(balance_bias(logits, CFG, 10**6, 0.01), even)
+    np.testing.assert_array_equal(balance_bias(logits, CFG, 10**6 + 1, 0.01), odd)
