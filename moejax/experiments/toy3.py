@@ -11,7 +11,8 @@ layer is on held-out tokens.
             balanced: 300 steps of bias -= 0.002 sign(load - mean(load)) on the calibration tokens
 
 Seeds are vectorised inside one job. How the work is laid out:
-  stage 1 (jit)  draw every seed's layer and tokens, balance, route the calibration tokens
+  host (numpy)   draw every seed's layer and tokens;
+  stage 1 (jit)  balance, route the calibration tokens
                  (sorted grouped-matmul backend: only routed pairs) and tabulate f_j(x) for
                  every held-out token and expert once (each pruned variant's output is a
                  gate-weighted sum of entries of that table, so no variant recomputes an expert);
@@ -136,88 +137,84 @@ def summary_title(cfg: Toy3Config) -> str:
     return f"mean rel_error over {cfg.seeds} seed(s) (± std), by keep:"
 
 
-def _draw(cfg: Toy3Config, seed):
-    """Everything random about one seed: the layer's weights and the tokens under each offset."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from moejax.models.toy import ToyMoE
-
-    d = cfg.d_model
-    k_model, k_dir, k_cal, k_held = jax.random.split(jax.random.key(seed), 4)
-    model = ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(params=k_model))
-    directions = {"ones": jnp.ones((d,)) / jnp.sqrt(d),
-                  "random": (v := jax.random.normal(k_dir, (d,))) / jnp.linalg.norm(v)}
-    mu_OD = cfg.offset_scale * jnp.sqrt(d) * jnp.stack([directions[o] for o in cfg.offsets])
-    # The same noise under both offsets: the offset comparison is paired.
-    x_cal_OTD = mu_OD[:, None] + jax.random.normal(k_cal, (cfg.n_calib, d))
-    x_held_OTD = mu_OD[:, None] + jax.random.normal(k_held, (cfg.n_heldout, d))
-    return nnx.state(model), x_cal_OTD, x_held_OTD
-
-
 def draw_inputs(cfg: Toy3Config, seeds) -> list[dict]:
-    """The drawn weights and tokens of each seed as numpy arrays (for independent re-computation,
-    e.g. the numpy implementation in scripts/bench_toy3.py)."""
-    import jax
+    """Everything random about each seed (SPEC section 4), drawn on the host with numpy: the
+    layer's weights router [E, d], w1 [E, d, h], w2 [E, h, d], and the tokens under each offset,
+    x_cal [O, n_calib, d] and x_held [O, n_heldout, d], all float32.
 
-    out = []
-    for seed in seeds:
-        state, x_cal, x_held = jax.device_get(jax.jit(functools.partial(_draw, cfg))(seed))
-        out.append({"router": np.asarray(state["router"][...]), "w1": np.asarray(state["w1"][...]),
-                    "w2": np.asarray(state["w2"][...]), "x_cal": np.asarray(x_cal), "x_held": np.asarray(x_held)})
-    return out
+    numpy rather than jax.random: the draw is cheap either way, but XLA took ~2.6 s to compile
+    the jax.random version, a quarter of a cold run. Weights, offset direction, calibration and
+    held-out tokens come from separate child streams, so changing a token count leaves the
+    weights as they were. (The `random` score uses its own stream, [seed, 0].)
+    """
+    return [_draw(cfg, int(seed)) for seed in seeds]
+
+
+def _draw(cfg: Toy3Config, seed: int) -> dict:
+    g_model, g_dir, g_cal, g_held = (np.random.default_rng(s)
+                                     for s in np.random.SeedSequence([seed, 1]).spawn(4))
+    d, h, n_experts = cfg.d_model, cfg.d_hidden, cfg.n_experts
+
+    def normal(gen, shape, std=1.0):
+        return gen.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    router = normal(g_model, (n_experts, d), d ** -0.5)
+    w1 = normal(g_model, (n_experts, d, h), d ** -0.5)
+    w2 = normal(g_model, (n_experts, h, d), h ** -0.5)
+    v = g_dir.standard_normal(d)
+    directions = {"ones": np.ones(d) / np.sqrt(d), "random": v / np.linalg.norm(v)}
+    mu_OD = (cfg.offset_scale * np.sqrt(d) * np.stack([directions[o] for o in cfg.offsets])).astype(np.float32)
+    # The same noise under both offsets: the offset comparison is paired.
+    x_cal = mu_OD[:, None] + normal(g_cal, (cfg.n_calib, d))
+    x_held = mu_OD[:, None] + normal(g_held, (cfg.n_heldout, d))
+    return {"router": router, "w1": w1, "w2": w2, "x_cal": x_cal, "x_held": x_held}
 
 
 @functools.lru_cache(maxsize=8)
 def _stage_one(cfg: Toy3Config):
-    """Per seed: the layer, the tokens, balancing, the calibration pass and the held-out table.
-    Returns a jitted function of the seed batch (cached per config, so repeated runs reuse it)."""
+    """Per seed: balancing, the calibration pass and the held-out table, from the drawn inputs
+    (`draw_inputs`, stacked over seeds). Returns a jitted function (cached per config, so repeated
+    runs reuse it)."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from moejax.models.toy import ToyMoE
     from moejax.moe.balancing import balance_bias
 
-    draw = functools.partial(_draw, cfg)
-    graphdef = nnx.graphdef(nnx.eval_shape(
-        lambda: ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(0))))
+    def layer(router, w1, w2):
+        return ToyMoE.from_weights(router, w1, w2, cfg.top_k)
 
     @jax.jit
-    def run(seeds_S):
-        state_S, x_cal_SOTD, x_held_SOTD = jax.vmap(draw)(seeds_S)
-        model_logits = jax.vmap(lambda st, x: nnx.merge(graphdef, st).router_logits(x))
-        logits_cal_SOTE = model_logits(state_S, x_cal_SOTD)
+    def run(router_S, w1_S, w2_S, x_cal_SOTD, x_held_SOTD):
+        weights_S = (router_S, w1_S, w2_S)
+        logits_cal_SOTE = jax.vmap(lambda w, x: layer(*w).router_logits(x))(weights_S, x_cal_SOTD)
         balanced_SOE = balance_bias(logits_cal_SOTE, ToyMoE.router_cfg_for(cfg.top_k),
                                     cfg.balance_steps, cfg.balance_rate)
         bias_SOLE = jnp.stack([balanced_SOE if ld == "balanced" else jnp.zeros_like(balanced_SOE)
                                for ld in cfg.loads], axis=2)
 
-        def per_seed(state, x_cal_OTD, x_held_OTD, bias_OLE):
-            model = nnx.merge(graphdef, state)
+        def per_seed(weights, x_cal_OTD, x_held_OTD, bias_OLE):
+            model = layer(*weights)
 
             def calib(x_TD, bias_E):
                 routing, f_TKD, _ = model.routed_pass(x_TD, None, cfg.backend, bias_E)
                 return routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f_TKD, axis=-1)
 
             cal = jax.vmap(lambda x, b_LE: jax.vmap(lambda b: calib(x, b))(b_LE))(x_cal_OTD, bias_OLE)
-            logits_held_OTE = jax.vmap(model.router_logits)(x_held_OTD)
-            return cal, logits_held_OTE, model.router[...]
+            return cal, jax.vmap(model.router_logits)(x_held_OTD)
 
-        cal, logits_held, router_SED = jax.vmap(per_seed)(state_S, x_cal_SOTD, x_held_SOTD, bias_SOLE)
+        cal, logits_held = jax.vmap(per_seed)(weights_S, x_cal_SOTD, x_held_SOTD, bias_SOLE)
 
         def held_table(i):  # f_j(x) of every held-out token and expert of one (seed, offset)
             s, o = i // len(cfg.offsets), i % len(cfg.offsets)
-            model = nnx.merge(graphdef, jax.tree.map(lambda a: a[s], state_S))
-            return model.expert_output_table(x_held_SOTD[s, o])
+            return layer(router_S[s], w1_S[s], w2_S[s]).expert_output_table(x_held_SOTD[s, o])
 
         # a loop, not vmap: see dispatch.expert_output_table
         n_held = x_held_SOTD.shape[0] * x_held_SOTD.shape[1]
         f_held_SOETD = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
             *x_held_SOTD.shape[:2], cfg.n_experts, *x_held_SOTD.shape[2:])
         return dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_SOTD.mean(axis=2),
-                    bias=bias_SOLE, router=router_SED, f_held=f_held_SOETD, logits_held=logits_held)
+                    bias=bias_SOLE, f_held=f_held_SOETD, logits_held=logits_held)
 
     return run
 
@@ -311,13 +308,16 @@ def _run(cfg: Toy3Config, progress=None):
     keeps = cfg.keep_counts()
     variants = [(name, keep) for name in cfg.scores for keep in keeps]  # stage two's variant axis
     all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)
+    batches = [all_seeds[i:i + cfg.seed_batch] for i in range(0, len(all_seeds), cfg.seed_batch)]
     rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0}
-    for start in range(0, len(all_seeds), cfg.seed_batch):
-        batch = all_seeds[start:start + cfg.seed_batch]
+    for batch in batches:
         conditions = list(itertools.product(enumerate(batch), enumerate(cfg.offsets), enumerate(cfg.loads)))
         t0 = time.perf_counter()
-        one = jax.block_until_ready(_stage_one(cfg)(np.asarray(batch, np.int32)))
+        drawn = draw_inputs(cfg, batch)
+        stacked = {k: np.stack([d[k] for d in drawn]) for k in ("router", "w1", "w2", "x_cal", "x_held")}
+        one = jax.block_until_ready(_stage_one(cfg)(*stacked.values()))
         host = jax.device_get({k: v for k, v in one.items() if k not in ("f_held", "logits_held")})
+        host["router"] = stacked["router"]
         t1 = time.perf_counter()
         masks = np.zeros((len(batch), len(cfg.offsets), len(cfg.loads), len(variants), cfg.n_experts), bool)
         for (s, seed), (o, offset), (l_, load) in conditions:

@@ -37,6 +37,17 @@ class ToyMoE(nnx.Module):
         self.w2 = nnx.Param(normal(d_hidden ** -0.5)(rngs.params(), (n_experts, d_hidden, d_model)))
         self.bias = BalanceBias(jnp.zeros((n_experts,), jnp.float32))
 
+    @classmethod
+    def from_weights(cls, router_ED, w1_EDH, w2_EHD, top_k: int = 4) -> "ToyMoE":
+        """A layer holding the given weights (drawn elsewhere) and a zero bias. Traceable: works
+        under jit and vmap."""
+        n_experts, d_model = router_ED.shape
+        graphdef, state = nnx.split(nnx.eval_shape(
+            lambda: cls(d_model, w1_EDH.shape[-1], n_experts, top_k, rngs=nnx.Rngs(0))))
+        nnx.replace_by_pure_dict(state, {"router": router_ED, "w1": w1_EDH, "w2": w2_EHD,
+                                         "bias": jnp.zeros((n_experts,), jnp.float32)})
+        return nnx.merge(graphdef, state)
+
     @staticmethod
     def router_cfg_for(top_k: int) -> RouterConfig:
         """Sigmoid scores, no groups, gates renormalised over the chosen experts, scale 1."""
