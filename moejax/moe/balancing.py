@@ -19,17 +19,17 @@ import jax
 import jax.numpy as jnp
 
 from moejax.moe.routing import RouterConfig, route, routing_counts
-from moejax.moe.topk import kth_largest
+from moejax.moe.topk import kth_largest, topk_indices_at_threshold
 
 
-def loads_at_threshold(sel_BET: jax.Array, kth_BT: jax.Array, top_k: int, max_tied: int = 64) -> jax.Array:
+def loads_at_threshold(sel_BET: jax.Array, kth_BT: jax.Array, top_k: int) -> jax.Array:
     """Expert loads [..., E] of top-k routing, given each token's K-th largest `sel` (`kth_largest`).
 
     Counting the experts at or above the K-th value is exact unless a float tie puts more than K
     experts there. Ties are rare but not negligible (a bias moving in steps of the balancing rate
-    meets a score gap of the same size in about every other step of toy3), so they are mended
-    where they are: up to `max_tied` tied tokens are routed one by one with `lax.top_k` (ties to
-    the lower index, as `route` does); more than that falls back to a rank over every token.
+    meets a score gap of the same size in about every other step of toy3); a step with one reads
+    every token's chosen experts off `topk_indices_at_threshold` (ties to the lower index, as
+    `route` chooses) and counts those.
 
     Keep `kth_BT` a materialised array (an argument or a loop carry): computed in the same fusion,
     XLA would recompute it for every expert.
@@ -37,33 +37,16 @@ def loads_at_threshold(sel_BET: jax.Array, kth_BT: jax.Array, top_k: int, max_ti
     *batch, n_experts, n_tokens = sel_BET.shape
     sel_NET = sel_BET.reshape(-1, n_experts, n_tokens)
     kth_NT = kth_BT.reshape(-1, n_tokens)
-    at_or_above_NET = sel_NET >= kth_NT[:, None, :]
     # summed in float32 (exact below 2**24 tokens): XLA:CPU reduces float32 about 2x faster than int32
-    fast_NE = jnp.sum(at_or_above_NET.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    fast_NE = jnp.sum((sel_NET >= kth_NT[:, None, :]).astype(jnp.float32), axis=-1).astype(jnp.int32)
 
-    def mend_ties():
-        tied_NT = at_or_above_NET.sum(axis=-2, dtype=jnp.int32) > top_k
-        return jax.lax.cond(tied_NT.sum() <= max_tied, mend_few, mend_all, tied_NT)
-
-    def mend_few(tied_NT):  # subtract, per tied token, the experts counted beyond its top-k
-        n_M, t_M = jnp.nonzero(tied_NT, size=max_tied, fill_value=0)
-        real_M = jnp.arange(max_tied) < tied_NT.sum()
-        sel_ME = sel_NET[n_M, :, t_M]
-        _, idx_MK = jax.lax.top_k(sel_ME, top_k)
-        chosen_ME = jax.nn.one_hot(idx_MK, n_experts, dtype=jnp.int32).sum(axis=-2)
-        extra_ME = (sel_ME >= kth_NT[n_M, t_M][:, None]).astype(jnp.int32) - chosen_ME
-        return fast_NE.at[n_M].add(-jnp.where(real_M[:, None], extra_ME, 0))
-
-    def mend_all(tied_NT):  # many ties: the experts above, plus the lowest-index tied ones
-        above_NET = sel_NET > kth_NT[:, None, :]
-        at_NET = at_or_above_NET & ~above_NET
-        free_NT = top_k - above_NET.sum(axis=-2, dtype=jnp.int32)  # seats left for the tied experts
-        tie_rank_NET = jnp.cumsum(at_NET, axis=-2, dtype=jnp.int32) - at_NET  # lower index first
-        chosen_NET = above_NET | (at_NET & (tie_rank_NET < free_NT[:, None, :]))
-        return jnp.sum(chosen_NET, axis=-1, dtype=jnp.int32)
+    def with_ties():
+        idx_NTK = topk_indices_at_threshold(sel_NET, kth_NT, top_k)
+        rows_N11 = jnp.arange(idx_NTK.shape[0])[:, None, None]
+        return jnp.zeros_like(fast_NE).at[rows_N11, idx_NTK].add(1)
 
     no_ties = jnp.all(fast_NE.sum(axis=-1) == n_tokens * top_k)
-    return jax.lax.cond(no_ties, lambda: fast_NE, mend_ties).reshape(*batch, n_experts)
+    return jax.lax.cond(no_ties, lambda: fast_NE, with_ties).reshape(*batch, n_experts)
 
 
 def balance_bias(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: float,
