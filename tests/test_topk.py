@@ -27,6 +27,7 @@ def test_same_choice_as_lax_top_k(n_experts, k, coarse):
     values_TK, idx_TK = jax.lax.top_k(jnp.swapaxes(sel_ET, -1, -2), k)
     kth_T = jax.jit(kth_largest, static_argnums=1)(sel_ET, k)
     np.testing.assert_array_equal(kth_T, values_TK[..., -1])
+    np.testing.assert_array_equal(kth_largest(sel_ET, k, unrolled=False), values_TK[..., -1])
     got = jax.jit(topk_indices_at_threshold, static_argnums=2)(sel_ET, kth_T, k)
     np.testing.assert_array_equal(got, np.sort(np.asarray(idx_TK), axis=-1))
     if coarse:  # the test really has ties across the K-th place

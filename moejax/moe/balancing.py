@@ -78,7 +78,7 @@ def balance_bias(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: flo
             b_NE = update(b_NE, loads_at_threshold(scores_NET + b_NE[..., None], kth_NT, cfg.top_k))
             return b_NE, kth_largest(scores_NET + b_NE[..., None], cfg.top_k)
 
-        init = (b0, kth_largest(scores_NET, cfg.top_k))
+        init = (b0, kth_largest(scores_NET, cfg.top_k, unrolled=False))  # once: cheap to compile
     else:  # softmax or group-limited routing: plain top-k through the routing function
         def advance(carry):
             idx = jax.vmap(lambda lg, b: route(lg, cfg, b).expert_idx_TK)(logits_NTE, carry[0])
