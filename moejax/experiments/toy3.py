@@ -178,17 +178,16 @@ def _stage_one(cfg: Toy3Config):
     import jax
     import jax.numpy as jnp
 
-    from moejax.models.toy import ToyMoE
+    from moejax.models import toy_layer
     from moejax.moe.balancing import balance_bias
-
-    def layer(router, w1, w2):
-        return ToyMoE.from_weights(router, w1, w2, cfg.top_k)
 
     @jax.jit
     def run(router_S, w1_S, w2_S, x_cal_SOTD, x_held_SOTD):
-        weights_S = (router_S, w1_S, w2_S)
-        logits_cal_SOTE = jax.vmap(lambda w, x: layer(*w).router_logits(x))(weights_S, x_cal_SOTD)
-        balanced_SOE = balance_bias(logits_cal_SOTE, ToyMoE.router_cfg_for(cfg.top_k),
+        def weights(s):
+            return {"router": router_S[s], "w1": w1_S[s], "w2": w2_S[s]}
+
+        logits_cal_SOTE = jax.vmap(jax.vmap(toy_layer.router_logits, in_axes=(None, 0)))(router_S, x_cal_SOTD)
+        balanced_SOE = balance_bias(logits_cal_SOTE, toy_layer.router_config(cfg.top_k),
                                     cfg.balance_steps, cfg.balance_rate)
         bias_SOLE = jnp.stack([balanced_SOE if ld == "balanced" else jnp.zeros_like(balanced_SOE)
                                for ld in cfg.loads], axis=2)
@@ -197,19 +196,19 @@ def _stage_one(cfg: Toy3Config):
 
         def calibrate(i):  # routing and each routed pair's ||f_j(x)|| of one (seed, offset, load)
             s, o, ld = i // (n_offsets * n_loads), i // n_loads % n_offsets, i % n_loads
-            model = layer(router_S[s], w1_S[s], w2_S[s])
-            routing, f_TKD, _ = model.routed_pass(x_cal_SOTD[s, o], None, cfg.backend, bias_SOLE[s, o, ld])
+            routing, f_TKD, _ = toy_layer.routed_pass(weights(s), x_cal_SOTD[s, o], cfg.top_k,
+                                                      bias_SOLE[s, o, ld], backend=cfg.backend)
             return routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f_TKD, axis=-1)
 
         # loops over conditions, not vmap: XLA:CPU runs the grouped matmuls of one condition at a
         # time about 1.5x faster than batched over all of them (likewise the table below)
         cal = [a.reshape(*bias_SOLE.shape[:3], *a.shape[1:])
                for a in jax.lax.map(calibrate, jnp.arange(bias_SOLE.shape[0] * n_offsets * n_loads))]
-        logits_held = jax.vmap(lambda w, x: jax.vmap(layer(*w).router_logits)(x))(weights_S, x_held_SOTD)
+        logits_held = jax.vmap(jax.vmap(toy_layer.router_logits, in_axes=(None, 0)))(router_S, x_held_SOTD)
 
         def held_table(i):  # f_j(x) of every held-out token and expert of one (seed, offset)
             s, o = i // n_offsets, i % n_offsets
-            return layer(router_S[s], w1_S[s], w2_S[s]).expert_output_table(x_held_SOTD[s, o])
+            return toy_layer.expert_output_table(weights(s), x_held_SOTD[s, o])
 
         n_held = x_held_SOTD.shape[0] * x_held_SOTD.shape[1]
         f_held_SOETD = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
@@ -237,11 +236,11 @@ def _stage_two(cfg: Toy3Config):
     import jax
     import jax.numpy as jnp
 
-    from moejax.models.toy import ToyMoE
+    from moejax.models import toy_layer
     from moejax.moe.dispatch import combine_from_table
     from moejax.moe.topk import kth_largest, topk_indices_at_threshold
 
-    router_cfg = ToyMoE.router_cfg_for(cfg.top_k)
+    router_cfg = toy_layer.router_config(cfg.top_k)
 
     def masked_sel_VET(logits_TE, bias_E, masks_VE):
         sel_ET = (jax.nn.sigmoid(logits_TE) + bias_E).T

@@ -1,4 +1,4 @@
-"""The toy MoE layer of SPEC section 4, as a Flax NNX module.
+"""The toy MoE layer of SPEC section 4, as a Flax NNX module (the math: moejax/models/toy_layer.py).
 
 One layer routed as DeepSeek-V3 routes (sigmoid, top K of E, balance bias, `norm_topk_prob`),
 no groups and no shared expert; each expert is a two-layer ReLU MLP `W2 . relu(W1 . x)`.
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.moe import dispatch as dispatch_lib
+from moejax.models import toy_layer
 from moejax.moe.routing import RouterConfig, Routing, route
 
 
@@ -37,33 +37,24 @@ class ToyMoE(nnx.Module):
         self.w2 = nnx.Param(normal(d_hidden ** -0.5)(rngs.params(), (n_experts, d_hidden, d_model)))
         self.bias = BalanceBias(jnp.zeros((n_experts,), jnp.float32))
 
-    @classmethod
-    def from_weights(cls, router_ED, w1_EDH, w2_EHD, top_k: int = 4) -> "ToyMoE":
-        """A layer holding the given weights (drawn elsewhere) and a zero bias. Traceable: works
-        under jit and vmap."""
-        n_experts, d_model = router_ED.shape
-        graphdef, state = nnx.split(nnx.eval_shape(
-            lambda: cls(d_model, w1_EDH.shape[-1], n_experts, top_k, rngs=nnx.Rngs(0))))
-        nnx.replace_by_pure_dict(state, {"router": router_ED, "w1": w1_EDH, "w2": w2_EHD,
-                                         "bias": jnp.zeros((n_experts,), jnp.float32)})
-        return nnx.merge(graphdef, state)
-
     @staticmethod
     def router_cfg_for(top_k: int) -> RouterConfig:
         """Sigmoid scores, no groups, gates renormalised over the chosen experts, scale 1."""
-        return RouterConfig(top_k=top_k, scoring_func="sigmoid", norm_topk_prob=True)
+        return toy_layer.router_config(top_k)
 
     @property
     def n_experts(self) -> int:
         return self.router.shape[0]
+
+    def weights(self) -> dict:
+        return {"router": self.router[...], "w1": self.w1[...], "w2": self.w2[...]}
 
     def expert_weights(self) -> dict:
         return {"w1": self.w1[...], "w2": self.w2[...]}
 
     def router_logits(self, x_TD: jax.Array) -> jax.Array:
         """x @ W_router.T in float32 (the router always runs in float32)."""
-        return jnp.matmul(x_TD.astype(jnp.float32), self.router[...].astype(jnp.float32).T,
-                          precision=jax.lax.Precision.HIGHEST)
+        return toy_layer.router_logits(self.router[...], x_TD)
 
     def route(self, x_TD: jax.Array, expert_mask_E: jax.Array | None = None,
               bias_E: jax.Array | None = None) -> Routing:
@@ -73,14 +64,12 @@ class ToyMoE(nnx.Module):
 
     def routed_pass(self, x_TD, expert_mask_E=None, backend: str = "sorted", bias_E=None):
         """Routing, each routed pair's expert output f_j(x) [T, K, D], and the layer output y [T, D]."""
-        routing = self.route(x_TD, expert_mask_E, bias_E)
-        f_TKD = dispatch_lib.pair_outputs(x_TD, routing.expert_idx_TK, self.expert_weights(),
-                                          dispatch_lib.relu_mlp, backend)
-        return routing, f_TKD, dispatch_lib.combine(routing.gate_TK, f_TKD)
+        bias_E = self.bias[...] if bias_E is None else bias_E
+        return toy_layer.routed_pass(self.weights(), x_TD, self.router_cfg.top_k, bias_E, expert_mask_E, backend)
 
     def __call__(self, x_TD, expert_mask_E=None, backend: str = "sorted", bias_E=None) -> jax.Array:
         return self.routed_pass(x_TD, expert_mask_E, backend, bias_E)[2]
 
     def expert_output_table(self, x_TD) -> jax.Array:
         """f_j(x_t) for every expert, [E, T, D]: the table every pruned variant's output is read from."""
-        return dispatch_lib.expert_output_table(x_TD, self.expert_weights(), dispatch_lib.relu_mlp)
+        return toy_layer.expert_output_table(self.weights(), x_TD)
