@@ -238,6 +238,7 @@ def _stage_two(cfg: Toy3Config):
 
     from moejax.models import toy_layer
     from moejax.moe.dispatch import combine_from_table
+    from moejax.moe.routing import gates
     from moejax.moe.topk import kth_largest, topk_indices_at_threshold
 
     router_cfg = toy_layer.router_config(cfg.top_k)
@@ -266,10 +267,7 @@ def _stage_two(cfg: Toy3Config):
         def condition(f_ETD, logits_TE, bias_E, masks_VE, kth_VT):
             idx_VTK = topk_indices_at_threshold(
                 masked_sel_VET(logits_TE, bias_E, with_unpruned(masks_VE)), kth_VT, cfg.top_k)
-            s_TE = jax.nn.sigmoid(logits_TE)
-            gate_VTK = jax.vmap(lambda i: jnp.take_along_axis(s_TE, i, axis=-1))(idx_VTK)
-            gate_VTK = gate_VTK / (gate_VTK.sum(axis=-1, keepdims=True) + 1e-20)  # norm_topk_prob
-            gate_VTK = gate_VTK * router_cfg.routed_scaling_factor
+            gate_VTK = gates(jax.nn.sigmoid(logits_TE), idx_VTK, router_cfg)
             # the unpruned output in its own call: sliced off the variants' outputs, XLA
             # recomputed it for every variant (4x slower)
             y_TD = combine_from_table(gate_VTK[0], idx_VTK[0], f_ETD)

@@ -91,11 +91,17 @@ def route(logits_TE: jax.Array, cfg: RouterConfig, bias_E: jax.Array | None = No
         sel_TE = _mask_to_best_groups(sel_TE, cfg.n_group, cfg.topk_group)
 
     _, idx_TK = jax.lax.top_k(sel_TE, cfg.top_k)  # stable: equal values -> lower index first
-    gate_TK = jnp.take_along_axis(scores_TE, idx_TK, axis=-1)
+    return Routing(idx_TK.astype(jnp.int32), gates(scores_TE, idx_TK, cfg), scores_TE)
+
+
+def gates(scores_TE: jax.Array, expert_idx_TK: jax.Array, cfg: RouterConfig) -> jax.Array:
+    """The chosen experts' weights: their unbiased scores, renormalised (`norm_topk_prob`) and scaled.
+    Leading axes of `expert_idx_TK` beyond the scores' (e.g. pruning variants) are broadcast."""
+    scores_TE = jnp.broadcast_to(scores_TE, expert_idx_TK.shape[:-1] + scores_TE.shape[-1:])
+    gate_TK = jnp.take_along_axis(scores_TE, expert_idx_TK, axis=-1)
     if cfg.norm_topk_prob:
         gate_TK = gate_TK / (jnp.sum(gate_TK, axis=-1, keepdims=True) + 1e-20)
-    gate_TK = gate_TK * cfg.routed_scaling_factor
-    return Routing(idx_TK.astype(jnp.int32), gate_TK, scores_TE)
+    return gate_TK * cfg.routed_scaling_factor
 
 
 def _mask_to_best_groups(sel_TE: jax.Array, n_group: int, topk_group: int) -> jax.Array:
