@@ -243,30 +243,24 @@ def _stage_two(cfg: Toy3Config):
 
     router_cfg = toy_layer.router_config(cfg.top_k)
 
-    def masked_sel_VET(logits_TE, bias_E, masks_VE):
-        sel_ET = (jax.nn.sigmoid(logits_TE) + bias_E).T
-        return jnp.where(masks_VE[:, :, None], sel_ET, -jnp.inf)
-
-    def with_unpruned(masks_VE):
-        return jnp.concatenate([jnp.ones_like(masks_VE[:1]), masks_VE])
+    def with_unpruned(masks_VE):  # variant 0 keeps every expert
+        return jnp.concatenate([jnp.ones_like(masks_VE[..., :1, :]), masks_VE], axis=-2)
 
     # [S, O, T, E] logits, [S, O, L, E] biases, [S, O, L, V, E] masks: map over seeds and offsets
     per_load = functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))
 
     @jax.jit
     def kth_values(logits, bias, masks):
-        @functools.partial(jax.vmap, in_axes=(None, 0, 0))
-        def condition(logits_TE, bias_E, masks_VE):
-            return kth_largest(masked_sel_VET(logits_TE, bias_E, with_unpruned(masks_VE)), cfg.top_k)
-
-        return jax.vmap(jax.vmap(condition))(logits, bias, masks)
+        sel_SOLET = jnp.swapaxes(jax.nn.sigmoid(logits)[:, :, None] + bias[:, :, :, None], -1, -2)
+        # the masks go into the network (one expert at a time), not onto a copy of the scores per variant
+        return kth_largest(sel_SOLET[:, :, :, None], cfg.top_k, keep_E=with_unpruned(masks))
 
     @jax.jit
     def errors(f, logits, bias, masks, kth):
         @per_load
         def condition(f_ETD, logits_TE, bias_E, masks_VE, kth_VT):
-            idx_VTK = topk_indices_at_threshold(
-                masked_sel_VET(logits_TE, bias_E, with_unpruned(masks_VE)), kth_VT, cfg.top_k)
+            sel_ET = (jax.nn.sigmoid(logits_TE) + bias_E).T
+            idx_VTK = topk_indices_at_threshold(sel_ET, kth_VT, cfg.top_k, keep_E=with_unpruned(masks_VE))
             gate_VTK = gates(jax.nn.sigmoid(logits_TE), idx_VTK, router_cfg)
             # the unpruned output in its own call: sliced off the variants' outputs, XLA
             # recomputed it for every variant (4x slower)
