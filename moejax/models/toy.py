@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.models import toy_layer
-from moejax.moe.routing import RouterConfig, Routing, route
+from moejax.moe.routing import RouterConfig, Routing
 
 
 class BalanceBias(nnx.Variable):
@@ -60,7 +60,7 @@ class ToyMoE(nnx.Module):
               bias_E: jax.Array | None = None) -> Routing:
         """Route with the layer's own balance bias, or with `bias_E` when given."""
         bias_E = self.bias[...] if bias_E is None else bias_E
-        return route(self.router_logits(x_TD), self.router_cfg, bias_E, expert_mask_E)
+        return toy_layer.route_tokens(self.router[...], x_TD, self.router_cfg.top_k, bias_E, expert_mask_E)
 
     def routed_pass(self, x_TD, expert_mask_E=None, backend: str = "sorted", bias_E=None):
         """Routing, each routed pair's expert output f_j(x) [T, K, D], and the layer output y [T, D]."""

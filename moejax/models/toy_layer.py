@@ -30,10 +30,16 @@ def router_logits(router_ED: jax.Array, x_TD: jax.Array) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def route_tokens(router_ED: jax.Array, x_TD: jax.Array, top_k: int, bias_E: jax.Array | None = None,
+                 expert_mask_E: jax.Array | None = None) -> Routing:
+    """The layer's routing of tokens x (SPEC section 1, through `route`)."""
+    return route(router_logits(router_ED, x_TD), router_config(top_k), bias_E, expert_mask_E)
+
+
 def routed_pass(weights: dict, x_TD: jax.Array, top_k: int, bias_E: jax.Array | None = None,
                 expert_mask_E: jax.Array | None = None, backend: str = "sorted"):
     """Routing, each routed pair's expert output f_j(x) [T, K, D], and the layer output y [T, D]."""
-    routing: Routing = route(router_logits(weights["router"], x_TD), router_config(top_k), bias_E, expert_mask_E)
+    routing = route_tokens(weights["router"], x_TD, top_k, bias_E, expert_mask_E)
     f_TKD = dispatch.pair_outputs(x_TD, routing.expert_idx_TK, _experts(weights), dispatch.relu_mlp, backend)
     return routing, f_TKD, dispatch.combine(routing.gate_TK, f_TKD)
 
