@@ -3,6 +3,7 @@
     python scripts/bench_forward.py                  # Moonlight-16B-A3B shapes cut to 2 layers, 2,048 tokens
     python scripts/bench_forward.py --tokens 512     # quicker
     python scripts/bench_forward.py --parts          # also each part alone: attention, dense MLP, MoE, head
+    python scripts/bench_forward.py --floor          # also the forward's matmuls alone, XLA against torch
 
 Both run the same random weights (transformers makes them; moejax loads the saved checkpoint) on
 the same tokens, timed alternately in the same run (best of --repeat each); the logits are
@@ -34,6 +35,8 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--parts", action="store_true", help="also time each part of the forward alone")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the forward's matmuls alone (same shapes in XLA and in torch)")
     args = ap.parse_args()
 
     import jax
@@ -82,6 +85,61 @@ def main():
           f"(first call incl. compilation {t_compile:.2f} s)")
     if args.parts:
         compare_parts(hf, model, args.tokens, args.repeat)
+    if args.floor:
+        compare_matmuls(model.config, args.tokens, min(args.repeat, 3), t_hf)
+
+def forward_matmuls(cfg, n_tokens: int):
+    """Every matmul of one forward over `n_tokens` tokens as (what, batch, M, K, N, how many).
+    The routed experts are counted as one chain over all T*K pairs (the same FLOPs as the
+    per-expert groups, at the best rate a kernel gets on them)."""
+    T, H, nh = n_tokens, cfg.hidden_size, cfg.num_attention_heads
+    L, n_dense = cfg.num_hidden_layers, min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    qk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    rows = [("kv_a_proj", 1, T, H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, L),
+            ("kv_b_proj", 1, T, cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + dv), L),
+            ("q k^T (per head)", nh, T, qk, T, L), ("p v (per head)", nh, T, T, dv, L),
+            ("o_proj", 1, T, nh * dv, H, L)]
+    if cfg.q_lora_rank is None:
+        rows.append(("q_proj", 1, T, H, nh * qk, L))
+    else:
+        rows += [("q_a_proj", 1, T, H, cfg.q_lora_rank, L), ("q_b_proj", 1, T, cfg.q_lora_rank, nh * qk, L)]
+    rows += [("dense gate/up", 1, T, H, cfg.intermediate_size, 2 * n_dense),
+             ("dense down", 1, T, cfg.intermediate_size, H, n_dense)]
+    n_moe, Im, TK = L - n_dense, cfg.moe_intermediate_size, T * cfg.num_experts_per_tok
+    if n_moe:
+        rows += [("router", 1, T, H, cfg.n_routed_experts, n_moe),
+                 ("routed gate/up (all pairs)", 1, TK, H, Im, 2 * n_moe), ("routed down (all pairs)", 1, TK, Im, H, n_moe)]
+        if cfg.n_shared_experts:
+            Is = Im * cfg.n_shared_experts
+            rows += [("shared gate/up", 1, T, H, Is, 2 * n_moe), ("shared down", 1, T, Is, H, n_moe)]
+    rows.append(("output head", 1, T, H, cfg.vocab_size, 1))
+    return rows
+
+
+def compare_matmuls(cfg, n_tokens, repeat, t_hf_forward):
+    """The forward's matmuls alone, each shape timed in XLA (jit, float32) and in torch, in turn.
+    If XLA's sum exceeds transformers' whole forward, no arrangement of the rest reaches 1x."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    rng = np.random.default_rng(2)
+    mm = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+    total_t = total_j = 0.0
+    print(f"{'matmul':28s} {'shape (batch x M x K x N)':28s} {'count':>5s} {'torch':>8s} {'XLA':>8s}  ratio")
+    for what, b, m, k, n, count in forward_matmuls(cfg, n_tokens):
+        a_np = rng.standard_normal((b, m, k), np.float32)
+        w_np = rng.standard_normal((b, k, n), np.float32) * 0.02
+        a_t, w_t, a_j, w_j = torch.from_numpy(a_np), torch.from_numpy(w_np), jnp.asarray(a_np), jnp.asarray(w_np)
+        mm(a_j, w_j).block_until_ready()
+        with torch.no_grad():
+            t_t, t_j = best_alternating([lambda: torch.matmul(a_t, w_t), lambda: mm(a_j, w_j).block_until_ready()],
+                                        repeat)
+        total_t, total_j = total_t + count * t_t, total_j + count * t_j
+        print(f"{what:28s} {f'{b} x {m} x {k} x {n}':28s} {count:5d} {t_t:7.3f}s {t_j:7.3f}s  {t_t / t_j:4.2f}x")
+    print(f"{'all matmuls of the forward':62s} {total_t:7.2f}s {total_j:7.2f}s  {total_t / total_j:4.2f}x")
+    print(f"transformers' whole forward {t_hf_forward:.2f} s; XLA's matmuls alone {total_j:.2f} s "
+          f"-> the most a jitted forward can reach with XLA's matmul kernels: {t_hf_forward / total_j:4.2f}x")
 
 
 def compare_parts(hf, model, n_tokens, repeat):
