@@ -143,3 +143,28 @@ def test_fused_expert_names_of_transformers_5_load_too(checkpoints, tmp_path):
     assert out.keys() == canonical.keys()
     assert out.read_bytes("model.layers.2.mlp.experts.5.up_proj.weight") == \
         canonical.read_bytes("model.layers.2.mlp.experts.5.up_proj.weight")
+
+
+@pytest.mark.parametrize("block_rows", [8, 16, 37])
+def test_causal_attention_in_blocks_equals_full_softmax_attention(block_rows):
+    """The query-block attention (each block sees keys up to its last query) against numpy's
+    softmax over the whole masked [S, S] scores, with right and left padding and uneven blocks."""
+    from moejax.models.deepseek_v3.model import causal_attention
+
+    B, S, N, D, E = 3, 37, 2, 5, 4
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, B, S, N, D)).astype(np.float32)
+    v = rng.standard_normal((B, S, N, E)).astype(np.float32)
+    pad = np.ones((B, S), bool)
+    pad[1, -6:] = False
+    pad[2, :4] = False
+    allowed = np.tril(np.ones((S, S), bool))[None] & pad[:, None, :]
+    got = np.asarray(causal_attention(*map(jnp.asarray, (q, k, v, allowed)), 0.3, block_rows=block_rows))
+
+    scores = np.einsum("bqnd,bknd->bnqk", q, k).astype(np.float64) * 0.3
+    scores = np.where(allowed[:, None], scores, -np.inf)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("bnqk,bkne->bqne", w / w.sum(-1, keepdims=True), v)
+    rows = allowed.any(-1)  # queries with at least one key to attend to
+    assert np.abs(got[rows] - want[rows]).max() < 1e-5
+    assert not rows.all()  # the left-padded rows exist (and are padding output, not compared)

@@ -115,11 +115,33 @@ class MLA(nnx.Module):
         k_rot = rope_lib.apply_rope(k_rot[:, :, None, :], cos_SD, sin_SD, cfg.rope_interleave)  # one shared head
         q = jnp.concatenate([q_pass, q_rot], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (B, S, nh, dr))], axis=-1)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * cfg.softmax_scale()
-        scores = jnp.where(allowed_BSS[:, None], scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-        o = jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision=HIGHEST).reshape(B, S, nh * dv)
+        o = causal_attention(q, k, v, allowed_BSS, cfg.softmax_scale()).reshape(B, S, nh * dv)
         return linear(o, self.o_proj[...], self._bias("o_proj"))
+
+
+def causal_attention(q_BSND, k_BSND, v_BSNE, allowed_BSS, scale: float, block_rows: int = 256):
+    """softmax(q k^T * scale, masked) v per head, in transformers' order of operations (scores
+    scaled after the matmul, softmax in float32, weights cast back before multiplying v).
+
+    allowed_BSS: True where query s may attend to key s'. It must be causal (False above the
+    diagonal, padding may remove more): queries run in blocks of `block_rows`, and each block
+    computes scores only for the keys up to its last query, so the masked upper triangle is neither
+    multiplied nor exponentiated (about half the work). The arrays are head-major inside, where
+    XLA:CPU runs both matmuls fastest (0.19 s against 0.41 s for the whole [S, S] in sequence-major
+    layout at 2,048 tokens, Moonlight's 16 heads). A query that may attend to no key (left padding)
+    gets uniform weights over its block's keys instead of over all keys: padding output either way.
+    """
+    B, S = q_BSND.shape[:2]
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BSND, k_BSND, v_BSNE))  # [B, heads, S, d]
+    block_rows = max(block_rows, -(-S // 16))  # at most 16 blocks: each is compiled separately
+    bounds = list(range(0, S, block_rows)) + [S]
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        scores = jnp.einsum("bnqd,bnkd->bnqk", q[:, :, lo:hi], k[:, :, :hi], precision=HIGHEST) * scale
+        scores = jnp.where(allowed_BSS[:, None, lo:hi, :hi], scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        outs.append(jnp.einsum("bnqk,bnke->bnqe", weights, v[:, :, :hi], precision=HIGHEST))
+    return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
 
 
 class MoE(nnx.Module):
