@@ -151,10 +151,10 @@ def test_causal_attention_in_blocks_equals_full_softmax_attention(block_rows):
     softmax over the whole masked [S, S] scores, with right and left padding and uneven blocks."""
     from moejax.models.deepseek_v3.model import causal_attention
 
-    B, S, N, D, E = 3, 37, 2, 5, 4
+    B, S, N, D, C = 3, 37, 2, 5, 4
     rng = np.random.default_rng(0)
     q, k = rng.standard_normal((2, B, S, N, D)).astype(np.float32)
-    v = rng.standard_normal((B, S, N, E)).astype(np.float32)
+    v = rng.standard_normal((B, S, N, C)).astype(np.float32)
     pad = np.ones((B, S), bool)
     pad[1, -6:] = False
     pad[2, :4] = False
@@ -164,7 +164,7 @@ def test_causal_attention_in_blocks_equals_full_softmax_attention(block_rows):
     scores = np.einsum("bqnd,bknd->bnqk", q, k).astype(np.float64) * 0.3
     scores = np.where(allowed[:, None], scores, -np.inf)
     w = np.exp(scores - scores.max(-1, keepdims=True))
-    want = np.einsum("bnqk,bkne->bqne", w / w.sum(-1, keepdims=True), v)
+    want = np.einsum("bnqk,bknc->bqnc", w / w.sum(-1, keepdims=True), v)
     rows = allowed.any(-1)  # queries with at least one key to attend to
     assert np.abs(got[rows] - want[rows]).max() < 1e-5
     assert not rows.all()  # the left-padded rows exist (and are padding output, not compared)

@@ -119,9 +119,10 @@ class MLA(nnx.Module):
         return linear(o, self.o_proj[...], self._bias("o_proj"))
 
 
-def causal_attention(q_BSND, k_BSND, v_BSNE, allowed_BSS, scale: float, block_rows: int = 256):
-    """softmax(q k^T * scale, masked) v per head, in transformers' order of operations (scores
-    scaled after the matmul, softmax in float32, weights cast back before multiplying v).
+def causal_attention(q_BSND, k_BSND, v_BSNC, allowed_BSS, scale: float, block_rows: int = 256):
+    """softmax(q k^T * scale, masked) v per head (N heads, D query/key and C value channels), in
+    transformers' order of operations (scores scaled after the matmul, softmax in float32, weights
+    cast back before multiplying v).
 
     allowed_BSS: True where query s may attend to key s'. It must be causal (False above the
     diagonal, padding may remove more): queries run in blocks of `block_rows`, and each block
@@ -132,7 +133,7 @@ def causal_attention(q_BSND, k_BSND, v_BSNE, allowed_BSS, scale: float, block_ro
     gets uniform weights over its block's keys instead of over all keys: padding output either way.
     """
     B, S = q_BSND.shape[:2]
-    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BSND, k_BSND, v_BSNE))  # [B, heads, S, d]
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BSND, k_BSND, v_BSNC))  # [B, heads, S, d]
     block_rows = max(block_rows, -(-S // 16))  # at most 16 blocks: each is compiled separately
     bounds = list(range(0, S, block_rows)) + [S]
     outs = []
@@ -140,7 +141,7 @@ def causal_attention(q_BSND, k_BSND, v_BSNE, allowed_BSS, scale: float, block_ro
         scores = jnp.einsum("bnqd,bnkd->bnqk", q[:, :, lo:hi], k[:, :, :hi], precision=HIGHEST) * scale
         scores = jnp.where(allowed_BSS[:, None, lo:hi, :hi], scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-        outs.append(jnp.einsum("bnqk,bnke->bnqe", weights, v[:, :, :hi], precision=HIGHEST))
+        outs.append(jnp.einsum("bnqk,bnkc->bnqc", weights, v[:, :, :hi], precision=HIGHEST))
     return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
 
 
