@@ -88,6 +88,12 @@ def main():
     if args.floor:
         compare_matmuls(model.config, args.tokens, min(args.repeat, 3), t_hf)
 
+
+# moejax's attention skips the causal upper triangle of these two (about half of each); the other
+# matmuls it must do in full
+ATTENTION_CORE = ("q k^T (per head)", "p v (per head)")
+
+
 def forward_matmuls(cfg, n_tokens: int):
     """Every matmul of one forward over `n_tokens` tokens as (what, batch, M, K, N, how many).
     The routed experts are counted as one chain over all T*K pairs (the same FLOPs as the
@@ -97,7 +103,7 @@ def forward_matmuls(cfg, n_tokens: int):
     qk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     rows = [("kv_a_proj", 1, T, H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, L),
             ("kv_b_proj", 1, T, cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + dv), L),
-            ("q k^T (per head)", nh, T, qk, T, L), ("p v (per head)", nh, T, T, dv, L),
+            (ATTENTION_CORE[0], nh, T, qk, T, L), (ATTENTION_CORE[1], nh, T, T, dv, L),
             ("o_proj", 1, T, nh * dv, H, L)]
     if cfg.q_lora_rank is None:
         rows.append(("q_proj", 1, T, H, nh * qk, L))
@@ -137,11 +143,9 @@ def compare_matmuls(cfg, n_tokens, repeat, t_hf_forward):
             t_t, t_j = best_alternating([lambda: torch.matmul(a_t, w_t), lambda: mm(a_j, w_j).block_until_ready()],
                                         repeat)
         total_t, total_j = total_t + count * t_t, total_j + count * t_j
-        core_j += count * t_j if "per head" in what else 0.0
+        core_j += count * t_j if what in ATTENTION_CORE else 0.0
         print(f"{what:28s} {f'{b} x {m} x {k} x {n}':28s} {count:5d} {t_t:7.3f}s {t_j:7.3f}s  {t_t / t_j:4.2f}x")
     print(f"{'all matmuls of the forward':62s} {total_t:7.2f}s {total_j:7.2f}s  {total_t / total_j:4.2f}x")
-    # moejax's attention skips the causal upper triangle (about half of q k^T and p v); the rest
-    # of the matmuls it must do in full.
     rest_j = total_j - core_j
     print(f"transformers' whole forward {t_hf_forward:.2f} s; XLA's matmuls alone {total_j:.2f} s, "
           f"without the attention core {rest_j:.2f} s -> the most a jitted forward can reach with XLA's "

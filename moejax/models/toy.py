@@ -50,7 +50,7 @@ class ToyMoE(nnx.Module):
         return {"router": self.router[...], "w1": self.w1[...], "w2": self.w2[...]}
 
     def expert_weights(self) -> dict:
-        return {"w1": self.w1[...], "w2": self.w2[...]}
+        return toy_layer.expert_weights(self.weights())
 
     def router_logits(self, x_TD: jax.Array) -> jax.Array:
         """x @ W_router.T in float32 (the router always runs in float32)."""

@@ -40,14 +40,15 @@ def routed_pass(weights: dict, x_TD: jax.Array, top_k: int, bias_E: jax.Array | 
                 expert_mask_E: jax.Array | None = None, backend: str = "sorted"):
     """Routing, each routed pair's expert output f_j(x) [T, K, D], and the layer output y [T, D]."""
     routing = route_tokens(weights["router"], x_TD, top_k, bias_E, expert_mask_E)
-    f_TKD = dispatch.pair_outputs(x_TD, routing.expert_idx_TK, _experts(weights), dispatch.relu_mlp, backend)
+    f_TKD = dispatch.pair_outputs(x_TD, routing.expert_idx_TK, expert_weights(weights), dispatch.relu_mlp, backend)
     return routing, f_TKD, dispatch.combine(routing.gate_TK, f_TKD)
 
 
 def expert_output_table(weights: dict, x_TD: jax.Array) -> jax.Array:
     """f_j(x_t) for every expert, [E, T, D]: the table every pruned variant's output is read from."""
-    return dispatch.expert_output_table(x_TD, _experts(weights), dispatch.relu_mlp)
+    return dispatch.expert_output_table(x_TD, expert_weights(weights), dispatch.relu_mlp)
 
 
-def _experts(weights: dict) -> dict:
+def expert_weights(weights: dict) -> dict:
+    """The experts' part of the layer's weights, as `dispatch.relu_mlp` takes them."""
     return {"w1": weights["w1"], "w2": weights["w2"]}
