@@ -12,11 +12,13 @@ follows transformers' eager implementation (ref: shared/reference/deepseek-v3-hf
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax import generate as generate_lib
 from moejax.models.deepseek_v3 import rope as rope_lib
 from moejax.models.deepseek_v3.config import DeepseekV3Config
 from moejax.models.toy import BalanceBias
@@ -96,10 +98,13 @@ class MLA(nnx.Module):
         b = getattr(self, name + "_bias", None)
         return None if b is None else b[...]
 
-    def __call__(self, x_BSH, cos_SD, sin_SD, allowed_BSS):
+    def _project(self, x_BSH, cos, sin):
+        """Queries split into their no-rope part [B, S, N, dn] and rotated rope part [B, S, N, dr],
+        the normalised KV latent [B, S, R] and the rotated shared rope key [B, S, dr]: everything
+        attention needs, and (latent, rope key) is all a cache must keep."""
         cfg = self.cfg
         B, S, _ = x_BSH.shape
-        nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        nh, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         if cfg.q_lora_rank is None:
             q = linear(x_BSH, self.q_proj[...])
         else:
@@ -109,14 +114,70 @@ class MLA(nnx.Module):
         q_pass, q_rot = q[..., :dn], q[..., dn:]
         ckv = linear(x_BSH, self.kv_a_proj_with_mqa[...], self._bias("kv_a_proj_with_mqa"))
         kv_latent, k_rot = ckv[..., :cfg.kv_lora_rank], ckv[..., cfg.kv_lora_rank:]
-        kv = linear(self.kv_a_layernorm(kv_latent), self.kv_b_proj[...]).reshape(B, S, nh, dn + dv)
+        q_rot = rope_lib.apply_rope(q_rot, cos, sin, cfg.rope_interleave)
+        k_rot = rope_lib.apply_rope(k_rot[:, :, None, :], cos, sin, cfg.rope_interleave)[:, :, 0]  # one shared head
+        return q_pass, q_rot, self.kv_a_layernorm(kv_latent), k_rot
+
+    def __call__(self, x_BSH, cos, sin, allowed_BSS):
+        """Attention over the keys of the same sequence, each head's keys and values expanded from
+        the latent (as transformers computes it). cos/sin [S, dr] or [B, S, dr]."""
+        cfg = self.cfg
+        B, S, _ = x_BSH.shape
+        nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q_pass, q_rot, latent, k_rot = self._project(x_BSH, cos, sin)
+        kv = linear(latent, self.kv_b_proj[...]).reshape(B, S, nh, dn + dv)
         k_nope, v = kv[..., :dn], kv[..., dn:]                          # per head: [k_nope | v]
-        q_rot = rope_lib.apply_rope(q_rot, cos_SD, sin_SD, cfg.rope_interleave)
-        k_rot = rope_lib.apply_rope(k_rot[:, :, None, :], cos_SD, sin_SD, cfg.rope_interleave)  # one shared head
         q = jnp.concatenate([q_pass, q_rot], axis=-1)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (B, S, nh, dr))], axis=-1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (B, S, nh, dr))], axis=-1)
         o = causal_attention(q, k, v, allowed_BSS, cfg.softmax_scale()).reshape(B, S, nh * dv)
         return linear(o, self.o_proj[...], self._bias("o_proj"))
+
+    def cached(self, x_BSH, cos, sin, cache: "LatentCache", start, allowed_BST):
+        """Attention for S new tokens written into the latent cache at columns start..start+S-1,
+        attending to the cache's T columns where allowed_BST (causal and padding, built by the
+        caller). "Absorbed" MLA, as DeepSeek's own inference computes it: the per-head key
+        projection is folded into the query (q_nope W_uk: scores against the latent itself) and
+        the value projection is applied after the weighted sum of latents, so only
+        kv_lora_rank + qk_rope_head_dim numbers per token are cached, not N heads of keys and
+        values. Equal to `__call__` up to float rounding. Returns (output, updated cache)."""
+        cfg = self.cfg
+        B, S, _ = x_BSH.shape
+        nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        q_pass, q_rot, latent, k_rot = self._project(x_BSH, cos, sin)
+        cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BTR, latent.astype(cache.latent_BTR.dtype),
+                                                         (0, start, 0)),
+                            jax.lax.dynamic_update_slice(cache.rope_BTD, k_rot.astype(cache.rope_BTD.dtype),
+                                                         (0, start, 0)))
+        w_RNX = self.kv_b_proj[...].reshape(cfg.kv_lora_rank, nh, dn + dv)
+        q_latent = jnp.einsum("bsnd,rnd->bnsr", q_pass, w_RNX[..., :dn], precision=HIGHEST)
+        scores = (jnp.einsum("bnsr,btr->bnst", q_latent, cache.latent_BTR, precision=HIGHEST)
+                  + jnp.einsum("bsnd,btd->bnst", q_rot, cache.rope_BTD, precision=HIGHEST)) * cfg.softmax_scale()
+        scores = jnp.where(allowed_BST[:, None], scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x_BSH.dtype)
+        o_latent = jnp.einsum("bnst,btr->bsnr", weights, cache.latent_BTR, precision=HIGHEST)
+        o = jnp.einsum("bsnr,rnc->bsnc", o_latent, w_RNX[..., dn:], precision=HIGHEST).reshape(B, S, nh * dv)
+        return linear(o, self.o_proj[...], self._bias("o_proj")), cache
+
+
+class LatentCache(NamedTuple):
+    """One MLA layer's KV cache: the normalised KV latent [B, T, R] (R = kv_lora_rank) and the
+    rotated shared rope key [B, T, dr] of every cached token (T columns, preallocated)."""
+
+    latent_BTR: jax.Array
+    rope_BTD: jax.Array
+
+
+class KVCache(NamedTuple):
+    """The model's cache: one LatentCache per decoder layer, and which columns hold a real token
+    (False: not written yet, or left padding)."""
+
+    layers: tuple
+    valid_BT: jax.Array
+
+
+class CachedOutput(NamedTuple):
+    logits_BSV: jax.Array  # float32 logits of the requested positions
+    cache: KVCache
 
 
 def causal_attention(q_BSND, k_BSND, v_BSNC, allowed_BSS, scale: float, block_rows: int = 256):
@@ -191,6 +252,14 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, allowed, expert_mask_E=None, forward_only: bool = False):
         """(output, routing or None for a dense layer, the MLP's input)."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
+        return self._mlp_block(h, expert_mask_E, forward_only)
+
+    def cached(self, x, cos, sin, cache: LatentCache, start, allowed_BST, expert_mask_E=None):
+        """The layer on new tokens against its latent cache (generation): (output, updated cache)."""
+        a, cache = self.self_attn.cached(self.input_layernorm(x), cos, sin, cache, start, allowed_BST)
+        return self._mlp_block(x + a, expert_mask_E, True)[0], cache
+
+    def _mlp_block(self, h, expert_mask_E, forward_only):
         z = self.post_attention_layernorm(h)
         if not self.is_moe:
             return h + self.mlp(z), None, z
@@ -216,18 +285,19 @@ class DeepseekV3ForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, input_ids_BS, attention_mask_BS=None, expert_masks_LE=None, return_routing: bool = False,
-                 return_moe_inputs: bool = False, forward_only: bool = False):
+                 return_moe_inputs: bool = False, forward_only: bool = False, positions_BS=None):
         """Logits [B, S, V]. attention_mask: 1 = token, 0 = padding (keys that are padding are not
         attended to; positions stay 0..S-1 as in transformers). expert_masks: bool [num_hidden_layers, E],
         True = expert kept (rows of dense layers are ignored). return_routing: also return
         {layer: Routing} of every MoE layer (tokens flattened batch-major); return_moe_inputs:
         also return {layer: router input [B*S, H]} (what calibration statistics are taken on);
         forward_only: no gradients will be taken (the routed experts then skip block padding;
-        `jitted()` sets it)."""
+        `jitted()` sets it); positions_BS: rope positions per token (default 0..S-1 in every row;
+        generation uses the count of real tokens before each one, as transformers' `generate`)."""
         cfg = self.config
         B, S = input_ids_BS.shape
         x = self.model.embed_tokens[...][input_ids_BS]
-        cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), x.dtype)
+        cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S) if positions_BS is None else positions_BS, x.dtype)
         allowed = jnp.tril(jnp.ones((S, S), bool))[None]
         if attention_mask_BS is not None:
             allowed = allowed & attention_mask_BS.astype(bool)[:, None, :]
@@ -238,11 +308,54 @@ class DeepseekV3ForCausalLM(nnx.Module):
             x, routing, z = layer(x, cos, sin, allowed, mask, forward_only)
             if routing is not None:
                 routings[l], moe_inputs[l] = routing, z.reshape(B * S, -1)
-        x = self.model.norm(x)
-        head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        logits = linear(x, head)
+        logits = self._logits(x)
         extras = ((routings,) if return_routing else ()) + ((moe_inputs,) if return_moe_inputs else ())
         return (logits, *extras) if extras else logits
+
+    def _logits(self, x_BSH):
+        head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return linear(self.model.norm(x_BSH), head)
+
+    # --- generation (moejax.generate drives these two; any model family with them can generate) ---
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty cache of `length` columns: kv_lora_rank + qk_rope_head_dim numbers per token
+        and layer, in the model's dtype."""
+        cfg = self.config
+        layer = lambda: LatentCache(jnp.zeros((batch, length, cfg.kv_lora_rank), self.dtype),  # noqa: E731
+                                    jnp.zeros((batch, length, cfg.qk_rope_head_dim), self.dtype))
+        return KVCache(tuple(layer() for _ in self.model.layers), jnp.zeros((batch, length), bool))
+
+    def cached_forward(self, input_ids_BS, positions_BS, cache: KVCache, start, attention_mask_BS=None,
+                       expert_masks_LE=None, last_only: bool = True) -> CachedOutput:
+        """Run S new tokens (cache columns start..start+S-1, rope positions positions_BS) against
+        the cache: prefill with the whole prompt at start=0, then one token per step. Each token
+        attends to the valid columns up to its own; attention_mask_BS marks the new tokens that
+        are real (left padding: 0). Logits of the last position only unless last_only=False."""
+        B, S = input_ids_BS.shape
+        T = cache.valid_BT.shape[1]
+        new_valid = jnp.ones((B, S), bool) if attention_mask_BS is None else attention_mask_BS.astype(bool)
+        valid = jax.lax.dynamic_update_slice(cache.valid_BT, new_valid, (0, start))
+        causal_ST = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]
+        allowed_BST = causal_ST[None] & valid[:, None, :]
+        x = self.model.embed_tokens[...][input_ids_BS]
+        cos, sin = rope_lib.cos_sin(self.config, positions_BS, x.dtype)
+        layers = []
+        for l, layer in enumerate(self.model.layers):
+            mask = None if expert_masks_LE is None or not layer.is_moe else expert_masks_LE[l]
+            x, layer_cache = layer.cached(x, cos, sin, cache.layers[l], start, allowed_BST, mask)
+            layers.append(layer_cache)
+        logits = self._logits(x[:, -1:] if last_only else x).astype(jnp.float32)
+        return CachedOutput(logits, KVCache(tuple(layers), valid))
+
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, expert_masks=None,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 stop_token_ids=None, **kw):
+        """Prompt then continuation, int32 [B, prompt + max_new_tokens], as transformers' `generate`
+        lays it out (see moejax.generate.generate)."""
+        return generate_lib.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens, expert_masks=expert_masks,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        stop_token_ids=stop_token_ids, **kw)
 
     def jitted(self):
         """A jitted inference forward (no gradients through it) with the same arguments as calling
@@ -254,9 +367,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
         @functools.partial(jax.jit, static_argnames=("return_routing", "return_moe_inputs"))
         def forward(state, input_ids, attention_mask=None, expert_masks=None, return_routing=False,
-                    return_moe_inputs=False):
+                    return_moe_inputs=False, positions=None):
             return nnx.merge(graphdef, state)(input_ids, attention_mask, expert_masks, return_routing,
-                                              return_moe_inputs, forward_only=True)
+                                              return_moe_inputs, forward_only=True, positions_BS=positions)
 
         return functools.partial(forward, state)
 

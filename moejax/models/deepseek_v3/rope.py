@@ -40,19 +40,22 @@ def inv_freq_and_attention_factor(cfg: DeepseekV3Config) -> tuple[np.ndarray, fl
     return inv_freq.astype(np.float32), float(factor)
 
 
-def cos_sin(cfg: DeepseekV3Config, positions_S, dtype):
-    """cos, sin [S, d] (the half-angle table repeated twice), scaled by the attention factor."""
+def cos_sin(cfg: DeepseekV3Config, positions, dtype):
+    """cos, sin [..., d] (the half-angle table repeated twice), scaled by the attention factor, for
+    positions of any shape: [S] (every row at 0..S-1) or [B, S] (per-row positions, as generation
+    with left padding uses)."""
     inv_freq, factor = inv_freq_and_attention_factor(cfg)
-    freqs = positions_S.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return (jnp.cos(emb) * factor).astype(dtype), (jnp.sin(emb) * factor).astype(dtype)
 
 
-def apply_rope(x_BSHD, cos_SD, sin_SD, interleave: bool):
-    """Rotate the rope part of queries/keys. Interleaved: pairs (2i, 2i+1) rotate together and the
-    output is laid out half-split (evens then odds), exactly as transformers does; q and k are
-    permuted alike, so q.k is unchanged."""
-    cos, sin = cos_SD[None, :, None, :], sin_SD[None, :, None, :]
+def apply_rope(x_BSND, cos, sin, interleave: bool):
+    """Rotate the rope part of queries/keys x [B, S, N heads, D]; cos/sin [S, D] or [B, S, D].
+    Interleaved: pairs (2i, 2i+1) rotate together and the output is laid out half-split (evens
+    then odds), exactly as transformers does; q and k are permuted alike, so q.k is unchanged."""
+    x_BSHD = x_BSND
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
     if interleave:
         half = x_BSHD.shape[-1] // 2
         x1, x2 = x_BSHD[..., 0::2], x_BSHD[..., 1::2]
