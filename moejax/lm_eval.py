@@ -1,0 +1,334 @@
+"""lm-evaluation-harness backend `moejax`: evaluate a checkpoint, or a pruned variant of it given as
+expert masks (no checkpoint written), on any lm-eval task.
+
+    from moejax.lm_eval import MoejaxLM
+    lm = MoejaxLM(pretrained=PATH, dtype="float32", batch_size=8)              # the whole model
+    lm = MoejaxLM(pretrained=PATH, scores="scores.parquet", score="reap", keep=0.5)   # a variant
+    lm = MoejaxLM(pretrained=PATH, pruning="pruned/pruning.json")               # `moejax prune`'s set
+    lm_eval.simple_evaluate(model=lm, tasks=["gsm8k"])
+
+and from the command line (`moejax-lm-eval` registers the model, then is lm-eval's own CLI):
+
+    moejax-lm-eval run --model moejax --model_args pretrained=PATH,dtype=float32 --tasks gsm8k
+
+Semantics follow lm-eval's own `hf` backend, so that the numbers agree with it
+(shared/reference/lm-eval-notes.md): the checkpoint's tokenizer.json encodes with its special
+tokens (a BOS where the tokenizer adds one), empty contexts are conditioned on the prefix token
+(BOS, else EOS), requests are sorted longest first with lm-eval's own Collator, inputs longer
+than max_length (config.json max_position_embeddings) are truncated on the left, and
+generate_until stops at the EOS token id as well as at the stop strings, greedy unless the task
+samples. Differences: sequence lengths are padded up to a few buckets (powers of two) and batches
+to batch_size, so a task compiles a handful of shapes; log-softmax and the gather of the
+continuation's log-probabilities run inside the compiled forward, so only [batch, length] numbers
+leave it; requests that share a context and differ only in a one-token continuation are
+computed separately (the `hf` backend reuses one forward for them: same numbers, more work here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.errors import ConfigError
+from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+
+try:
+    import lm_eval.models  # noqa: F401  (before registering: see lm-eval-notes.md)
+    from lm_eval import utils as lm_utils
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError(f"moejax.lm_eval needs lm-eval: pip install 'moejax[eval]' ({e})") from None
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def bucket(n: int, cap: int) -> int:
+    """The smallest bucket length >= n (at most cap, and never below n)."""
+    return max(n, min(next((b for b in BUCKETS if b >= n), n), cap))
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer.json (the `tokenizers` package, as transformers' fast tokenizers
+    wrap it) with the special tokens its tokenizer_config.json names."""
+
+    def __init__(self, path: Path, config: dict):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ConfigError(f"{path}: no tokenizer.json; lm-eval tasks are text, so the checkpoint needs its "
+                              "tokenizer (a train_tiny checkpoint writes a byte-level one)")
+        self.tok = HFTokenizer.from_file(str(file))
+        settings = {}
+        if (path / "tokenizer_config.json").is_file():
+            settings = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        # transformers' split_special_tokens: special-token text in a prompt is encoded as text
+        self.tok.encode_special_tokens = bool(settings.get("split_special_tokens", False))
+
+        def special(name):
+            value = settings.get(name)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                token_id = self.tok.token_to_id(value)
+                if token_id is None:
+                    raise ConfigError(f"{path / 'tokenizer_config.json'}: {name}={value!r} is not in tokenizer.json")
+                return token_id
+            token_id = config.get(f"{name}_id")
+            return token_id if isinstance(token_id, int) else None
+
+        self.eos_id, self.bos_id, self.pad_id = special("eos_token"), special("bos_token"), special("pad_token")
+        if self.eos_id is None:
+            raise ConfigError(f"{path}: no eos_token in tokenizer_config.json and no eos_token_id in config.json")
+        self.bos_str = self.tok.decode([self.bos_id], skip_special_tokens=False) if self.bos_id is not None else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@register_model("moejax")
+class MoejaxLM(TemplateLM):
+    """lm-eval model `moejax` (module docstring). Arguments as lm-eval's `model_args`:
+
+    pretrained: checkpoint folder (config.json, safetensors, tokenizer.json)
+    dtype: float32 | bfloat16; batch_size: requests per forward (an integer; not "auto")
+    max_length: context length (default config.json max_position_embeddings)
+    max_gen_toks: default new tokens for generate_until (tasks usually set their own)
+    pruning: a `pruning.json` (or the folder holding it) of `moejax prune` on this checkpoint
+    scores + score + keep: a `moejax score` parquet, a score name in it, a count or ratio of E
+    seed: for tasks that sample
+    """
+
+    def __init__(self, pretrained: str, dtype: str = "float32", batch_size: int | str = 8, max_length=None,
+                 max_gen_toks: int = 256, pruning: str | None = None, scores: str | None = None,
+                 score: str | None = None, keep=None, seed: int = 0, add_bos_token: bool | None = None,
+                 device: str | None = None, max_batch_size=None, expert_masks=None, model=None, **unused):
+        super().__init__()
+        if unused:
+            raise ConfigError(f"moejax lm-eval model: unknown model_args {sorted(unused)}; valid: pretrained, "
+                              "dtype, batch_size, max_length, max_gen_toks, pruning, scores, score, keep, seed, "
+                              "add_bos_token")
+        path = Path(pretrained).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"moejax lm-eval model: {path} has no config.json (pretrained= must be a local "
+                              "checkpoint folder)")
+        if dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"moejax lm-eval model: dtype={dtype!r}; expected float32 or bfloat16")
+        try:
+            self._batch_size = int(batch_size)
+            assert self._batch_size >= 1
+        except (ValueError, TypeError, AssertionError):
+            raise ConfigError(f"moejax lm-eval model: batch_size={batch_size!r}; expected an integer >= 1 "
+                              "(compiled shapes are fixed, so 'auto' is not offered)") from None
+        if device not in (None, "cpu", "cuda", "gpu", "tpu") and not str(device).startswith("cuda"):
+            raise ConfigError(f"moejax lm-eval model: device={device!r}; JAX places the model on its default "
+                              "backend (set JAX_PLATFORMS to choose)")
+        config = DeepseekV3Config.from_json_file(path / "config.json")
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        # the variant, checked before the model is loaded
+        if expert_masks is None:
+            expert_masks = self._variant_masks(config, pruning, scores, score, keep)
+        self.expert_masks = None if expert_masks is None else jnp.asarray(expert_masks, bool)
+        self.tokenizer = Tokenizer(path, raw)
+        self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true")
+        self._max_length = int(max_length) if max_length else config.max_position_embeddings
+        self._max_gen_toks = int(max_gen_toks)
+        self.seed = int(seed)
+        self.path = path
+        self.model = model or DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.dtype(dtype))
+        self._score_fn = _compiled_scorer(self.model)
+        self._generator = None
+
+    @staticmethod
+    def _variant_masks(config, pruning, scores, score, keep):
+        from moejax import variant
+
+        if pruning is not None and (scores is not None or score is not None or keep is not None):
+            raise ConfigError("moejax lm-eval model: give either pruning= or scores=/score=/keep=, not both")
+        if pruning is not None:
+            return variant.masks_from_pruning_record(pruning, config)
+        if scores is None and score is None and keep is None:
+            return None
+        if scores is None or score is None or keep is None:
+            raise ConfigError(f"moejax lm-eval model: a scored variant needs scores=FILE, score=NAME and keep=N "
+                              f"together; got scores={scores!r}, score={score!r}, keep={keep!r}")
+        return variant.masks_from_scores(scores, str(score), keep, config)
+
+    # --- what TemplateLM asks for ------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """As the hf backend: the tokenizer's special tokens unless told otherwise, none when the
+        string already starts with the BOS text."""
+        if add_special_tokens is None:
+            add_special_tokens = self.add_bos_token if self.add_bos_token is not None else True
+            if self.tokenizer.bos_str and string.startswith(self.tokenizer.bos_str):
+                add_special_tokens = False
+        return self.tokenizer.encode(string, add_special_tokens)
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens)
+
+    # --- log-likelihoods ---------------------------------------------------------------------
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(sum of the continuation's log-probabilities, whether it is the greedy continuation)
+        for each (request, context tokens, continuation tokens)."""
+        from tqdm import tqdm
+
+        def longest_first(req):
+            toks = req[1] + req[2]
+            return -len(toks), tuple(toks)
+
+        order = Collator(requests, sort_fn=longest_first)
+        results = []
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="moejax loglikelihood")
+        for chunk in order.get_batched(n=self.batch_size):
+            results.extend(self._score_batch(chunk))
+            bar.update(len(chunk))
+        bar.close()
+        return order.get_original(results)
+
+    def _score_batch(self, chunk) -> list[tuple[float, bool]]:
+        rows = []
+        for _, context, continuation in chunk:
+            if not context or not continuation:
+                raise ConfigError(f"lm-eval request with an empty context or continuation: {context!r}, "
+                                  f"{continuation!r}")
+            whole = (context + continuation)[-(self.max_length + 1):]  # left-truncated as the hf backend
+            rows.append((whole, len(continuation)))
+        length = bucket(max(len(w) - 1 for w, _ in rows), self.max_length)
+        B = self.batch_size
+        ids = np.zeros((B, length), np.int32)
+        targets = np.zeros((B, length), np.int32)
+        for b, (whole, _) in enumerate(rows):
+            ids[b, :len(whole) - 1] = whole[:-1]
+            targets[b, :len(whole) - 1] = whole[1:]
+        logp, greedy = self._score_fn(jnp.asarray(ids), jnp.asarray(targets), self.expert_masks)
+        logp, greedy = np.asarray(logp, np.float64), np.asarray(greedy)
+        out = []
+        for b, (whole, n_cont) in enumerate(rows):
+            span = slice(len(whole) - 1 - n_cont, len(whole) - 1)
+            out.append((float(logp[b, span].sum()), bool(greedy[b, span].all())))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's total log-likelihood over disjoint windows of max_length tokens, each
+        conditioned on the token before it (the first on the prefix token), as the hf backend."""
+        windows, owner = [], []
+        for i, (text,) in enumerate(req.args for req in requests):
+            for window in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, *window))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (ll, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+            totals[i] += ll
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # --- generation --------------------------------------------------------------------------
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or the task's sampling) continuations with the KV-cached generator, cut at the
+        first stop string; the EOS token id always stops a row."""
+        from tqdm import tqdm
+
+        from moejax.generate import Generator
+
+        if self._generator is None:
+            self._generator = Generator(self.model)
+        order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
+                         group_by="gen_kwargs", group_fn=lambda r: r[1])
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        results = []
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="moejax generate_until")
+        for chunk in order.get_batched(n=self.batch_size):
+            contexts, all_kwargs = zip(*chunk)
+            kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = kwargs.pop("max_gen_toks")
+            max_context = self.max_length - max_new
+            if max_context < 1:
+                raise ConfigError(f"generate_until: max_gen_toks={max_new} leaves no room for a prompt within "
+                                  f"max_length={self.max_length}")
+            encoded = [self.tok_encode(c)[-max_context:] for c in contexts]
+            P = bucket(max(len(e) for e in encoded), self.max_length)
+            B = self.batch_size
+            ids, mask = np.zeros((B, P), np.int32), np.zeros((B, P), np.int32)
+            for b in range(B):
+                e = encoded[b] if b < len(encoded) else encoded[0]  # a full batch: one compiled shape
+                ids[b, P - len(e):], mask[b, P - len(e):] = e, 1
+            sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0.0)) > 0
+            out = self._generator(ids, mask, max_new_tokens=max_new, expert_masks=self.expert_masks,
+                                  temperature=float(kwargs.get("temperature", 0.0)) if sample else 0.0,
+                                  top_k=kwargs.get("top_k") if sample else None,
+                                  top_p=kwargs.get("top_p") if sample else None, seed=self.seed,
+                                  stop_token_ids=[self.eot_token_id],
+                                  pad_token_id=self.tokenizer.pad_id if self.tokenizer.pad_id is not None
+                                  else self.eot_token_id,
+                                  stop_sequences=[s for s in until if s], decode=self.tok_decode, check_every=8)
+            for b, context in enumerate(contexts):
+                text = postprocess_generated_text(self.tok_decode(out[b, P:].tolist()), until, None)
+                results.append(text)
+                self.cache_hook.add_partial("generate_until", (context, all_kwargs[b]), text)
+            bar.update(len(contexts))
+        bar.close()
+        return order.get_original(results)
+
+
+def _compiled_scorer(model):
+    """(log p(target) [B, S], target == argmax [B, S]) of every position, in one compiled call:
+    the [B, S, V] logits never leave it. The weights are arguments (see model.jitted())."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def score(state, ids_BS, targets_BS, expert_masks):
+        logits = nnx.merge(graphdef, state)(ids_BS, None, expert_masks, forward_only=True)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        target_logp = jnp.take_along_axis(logp, targets_BS[..., None], axis=-1)[..., 0]
+        return target_logp, jnp.argmax(logp, axis=-1) == targets_BS
+
+    return lambda ids, targets, masks: score(state, ids, targets, masks)
+
+
+def cli() -> None:
+    """`moejax-lm-eval ...`: lm-eval's own command line with the `moejax` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

@@ -1,0 +1,159 @@
+"""The lm-eval backend `moejax` against lm-eval's own `hf` backend (transformers, torch CPU) on the
+same tiny checkpoint and the same local tasks: per-request log-likelihoods, is_greedy flags,
+generated strings and task metrics; variants applied as expert masks; errors before loading."""
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("lm_eval")
+
+from hf_fixtures import make_checkpoint  # noqa: E402
+
+from moejax.data import write_byte_tokenizer  # noqa: E402
+from moejax.errors import ConfigError  # noqa: E402
+from moejax.eval_tasks import TASKS, write_stdlib_tasks  # noqa: E402
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lmeval")
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_CACHE"] = str(root / "datasets")
+    ckpt = root / "tiny"
+    # a byte-level model: vocab 256, eos = pad = byte 0 (as train_tiny writes it), 512 positions
+    make_checkpoint(ckpt, seed=21, vocab_size=256, max_position_embeddings=512, n_routed_experts=16, n_group=4,
+                    topk_group=2, num_experts_per_tok=4, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    write_byte_tokenizer(ckpt, 512)
+    tasks = write_stdlib_tasks(root / "tasks", files=[STDLIB / "textwrap.py", STDLIB / "fractions.py"],
+                               n_nextline=6, n_mc=8, n_ppl=2)
+    return ckpt, tasks
+
+
+def evaluate(model, tasks_dir, tasks=TASKS):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    return lm_eval.simple_evaluate(model=model, tasks=list(tasks), task_manager=tm, bootstrap_iters=0,
+                                   log_samples=True)
+
+
+def responses(out, task):
+    return [s["resps"] for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.fixture(scope="module")
+def both(setup):
+    from lm_eval.models.huggingface import HFLM
+
+    from moejax.lm_eval import MoejaxLM
+
+    ckpt, tasks = setup
+    hf = evaluate(HFLM(pretrained=str(ckpt), dtype="float32", batch_size=4, device="cpu"), tasks)
+    mj = evaluate(MoejaxLM(pretrained=str(ckpt), dtype="float32", batch_size=4), tasks)
+    return hf, mj
+
+
+def test_loglikelihoods_and_greedy_flags_equal_the_hf_backend(both):
+    hf, mj = both
+    for task in ("stdlib_mc", "stdlib_ppl"):
+        want, got = responses(hf, task), responses(mj, task)
+        assert len(want) == len(got) > 0
+        for w_doc, g_doc in zip(want, got):
+            for w, g in zip(w_doc, g_doc):
+                w_ll = w[0][0] if task == "stdlib_mc" else w[0]
+                g_ll = g[0][0] if task == "stdlib_mc" else g[0]
+                assert abs(w_ll - g_ll) <= 1e-4 + 1e-6 * abs(w_ll), (task, w, g)
+                if task == "stdlib_mc":
+                    assert w[0][1] == g[0][1]
+
+
+def test_generated_strings_equal_the_hf_backend(both):
+    hf, mj = both
+    want, got = responses(hf, "stdlib_nextline"), responses(mj, "stdlib_nextline")
+    assert want == got
+    assert any(r[0][0] for r in got)  # something was generated
+
+
+def test_task_metrics_equal_the_hf_backend(both):
+    hf, mj = both
+    for task in TASKS:
+        w, g = hf["results"][task], mj["results"][task]
+        for metric, value in w.items():
+            if metric.endswith(",none") and isinstance(value, float) and "stderr" not in metric:
+                assert g[metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, metric)
+
+
+def test_variant_from_scores_changes_the_results_and_equals_explicit_masks(setup, tmp_path):
+    import pandas as pd
+
+    from moejax.lm_eval import MoejaxLM
+
+    ckpt, tasks = setup
+    config = json.loads((ckpt / "config.json").read_text())
+    E = config["n_routed_experts"]
+    moe_layers = range(config["first_k_dense_replace"], config["num_hidden_layers"])
+    rows = [{"layer": l, "expert": e, "score": "l1", "value": float((e * 7 + l) % E)} for l in moe_layers
+            for e in range(E)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "scores.parquet")
+    lm = MoejaxLM(pretrained=str(ckpt), batch_size=4, scores=str(tmp_path / "scores.parquet"), score="l1", keep=8)
+    masks = np.asarray(lm.expert_masks)
+    for l in moe_layers:
+        want = np.zeros(E, bool)
+        want[np.argsort(-np.array([(e * 7 + l) % E for e in range(E)]), kind="stable")[:8]] = True
+        np.testing.assert_array_equal(masks[l], want)
+    pruned = evaluate(lm, tasks, ["stdlib_ppl"])
+    full = evaluate(MoejaxLM(pretrained=str(ckpt), batch_size=4), tasks, ["stdlib_ppl"])
+    assert responses(pruned, "stdlib_ppl") != responses(full, "stdlib_ppl")
+    # the same kept sets from a pruning record give the same numbers
+    record = {"layers": {str(l): {"n_experts": E, "kept": np.flatnonzero(masks[l]).tolist()} for l in moe_layers}}
+    (tmp_path / "pruning.json").write_text(json.dumps(record))
+    again = evaluate(MoejaxLM(pretrained=str(ckpt), batch_size=4, pruning=str(tmp_path)), tasks, ["stdlib_ppl"])
+    assert responses(again, "stdlib_ppl") == responses(pruned, "stdlib_ppl")
+
+
+def test_invalid_variants_fail_before_the_model_is_loaded(setup, tmp_path, monkeypatch):
+    import pandas as pd
+
+    from moejax.lm_eval import MoejaxLM
+    from moejax.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    ckpt, _ = setup
+    monkeypatch.setattr(DeepseekV3ForCausalLM, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("loaded the model")))
+    pd.DataFrame([{"layer": 1, "expert": e, "score": "l1", "value": 1.0} for e in range(16)]).to_parquet(
+        tmp_path / "s.parquet")
+    with pytest.raises(ConfigError, match="no score 'reap'.*holds \\['l1'\\]"):
+        MoejaxLM(pretrained=str(ckpt), scores=str(tmp_path / "s.parquet"), score="reap", keep=8)
+    with pytest.raises(ConfigError, match="below top_k=4"):
+        MoejaxLM(pretrained=str(ckpt), scores=str(tmp_path / "s.parquet"), score="l1", keep=2)
+    with pytest.raises(ConfigError, match="missing \\[2\\]"):  # layer 2's scores are absent
+        MoejaxLM(pretrained=str(ckpt), scores=str(tmp_path / "s.parquet"), score="l1", keep=8)
+    with pytest.raises(ConfigError, match="no such pruning record"):
+        MoejaxLM(pretrained=str(ckpt), pruning=str(tmp_path / "nothing.json"))
+    with pytest.raises(ConfigError, match="scores=FILE, score=NAME and keep=N together"):
+        MoejaxLM(pretrained=str(ckpt), score="l1")
+    with pytest.raises(ConfigError, match="unknown model_args \\['kepp'\\]"):
+        MoejaxLM(pretrained=str(ckpt), kepp=8)
+
+
+def test_registered_and_built_from_model_args_strings(setup):
+    from lm_eval.api.registry import get_model
+
+    import moejax.lm_eval  # noqa: F401  (registers)
+
+    ckpt, _ = setup
+    cls = get_model("moejax")
+    assert cls is moejax.lm_eval.MoejaxLM
+    assert get_model("hf")  # registering did not replace lm-eval's own models
+    lm = cls.create_from_arg_string(f"pretrained={ckpt},dtype=float32", {"batch_size": "2", "device": None})
+    assert lm.batch_size == 2 and lm.max_length == 512 and lm.eot_token_id == 0
