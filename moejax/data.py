@@ -5,11 +5,23 @@ Tokenizers: `tokenizer.json` (through the `tokenizers` package) when the checkpo
 tiktoken `tiktoken.model` (Kimi-K2, Moonlight; through the `tiktoken` package, the optional extra
 `moejax[tiktoken]`) with the split pattern of Moonshot's tokenization_kimi.py; byte-level ids
 (UTF-8 bytes) when the checkpoint has neither. Special tokens are never produced from text.
+
+`write_byte_tokenizer(dir, model_max_length)` writes a Hugging Face tokenizer (tokenizer.json,
+tokenizer_config.json, special_tokens_map.json) whose ids are the text's UTF-8 bytes, for the
+byte-level models experiment=train_tiny trains, so transformers / lm-eval can read them; byte 0
+(NUL) is the eos and pad token. For a checkpoint saved without one:
+
+    python -m moejax.data write-tokenizer CKPT_DIR [--model-max-length N]
+
+(N defaults to config.json's max_position_embeddings.)
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
+import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +73,8 @@ class Tokenizer:
                 self._tok = HFTokenizer.from_file(str(tok_json))
             except Exception as e:  # the tokenizers package raises plain Exceptions
                 raise ConfigError(f"{tok_json}: cannot be read as a tokenizer ({e})") from None
+            # Special tokens are matched in the text unless this is set (tokenizer.json cannot store it).
+            self._tok.encode_special_tokens = True
             self.name = f"tokenizer.json ({tok_json})"
             self.encode = lambda text: self._tok.encode(text, add_special_tokens=False).ids
         elif (checkpoint_dir / "tiktoken.model").is_file():
@@ -182,3 +196,96 @@ def byte_stream(files) -> np.ndarray:
     parts = [np.frombuffer(Path(f).read_text(encoding="utf-8", errors="replace").encode("utf-8"), np.uint8)
              for f in files]
     return np.concatenate(parts) if parts else np.zeros((0,), np.uint8)
+
+
+# --- a Hugging Face tokenizer for byte-level models: token id == UTF-8 byte value ---------------
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte -> printable unicode character table (the one tokenizers' ByteLevel uses):
+    printable Latin-1 bytes stand for themselves, the others map to chr(256 + n) in byte order."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, n = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + n))
+            n += 1
+    return chars
+
+
+# Byte 0 (NUL, never in source text) is the eos and pad token, id 0. Its token string is byte 0's
+# ByteLevel character, "\u0100" ("Ā"): an added token must be a vocabulary entry to keep its id.
+EOS_TOKEN = _gpt2_byte_chars()[0]
+
+
+def byte_tokenizer():
+    """A `tokenizers.Tokenizer` mapping text to its UTF-8 bytes (id b for byte b), no BOS, no
+    post-processor; EOS_TOKEN (id 0) is a special added token, so decode(skip_special_tokens=True)
+    drops it. Its `encode_special_tokens` is set (the text "Ā" encodes as its bytes 196, 128, not
+    as id 0), but tokenizer.json does not store that flag: readers set it themselves
+    (`split_special_tokens` in tokenizer_config.json for transformers; `Tokenizer` here)."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: b for b, c in enumerate(_gpt2_byte_chars())}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    tok.encode_special_tokens = True
+    if tok.token_to_id(EOS_TOKEN) != 0 or tok.get_vocab_size() != 256:
+        raise AssertionError("byte tokenizer: the eos token did not land on id 0")
+    return tok
+
+
+def write_byte_tokenizer(out_dir, model_max_length: int) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir` (which
+    must exist): a byte-level tokenizer (`byte_tokenizer`) that transformers' AutoTokenizer loads
+    as a PreTrainedTokenizerFast with eos = pad = id 0 (byte 0, token string EOS_TOKEN) and no BOS;
+    `split_special_tokens` keeps the text "Ā" from turning into the eos token."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise ConfigError(f"write_byte_tokenizer: {out_dir}: no such folder")
+    if isinstance(model_max_length, bool) or not isinstance(model_max_length, int) or model_max_length <= 0:
+        raise ConfigError(f"write_byte_tokenizer: model_max_length must be a positive int, got {model_max_length!r}")
+    byte_tokenizer().save(str(out_dir / "tokenizer.json"))
+    eos = {"content": EOS_TOKEN, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+           "special": True}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
+              "bos_token": None, "add_bos_token": False, "add_eos_token": False,
+              "model_max_length": model_max_length, "clean_up_tokenization_spaces": False,
+              "split_special_tokens": True, "added_tokens_decoder": {"0": eos}}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    special = {"eos_token": eos, "pad_token": eos}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
+
+
+def _main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moejax.data", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write-tokenizer", help="write a byte-level Hugging Face tokenizer into a checkpoint folder")
+    w.add_argument("checkpoint", type=Path)
+    w.add_argument("--model-max-length", type=int, default=None,
+                   help="default: config.json's max_position_embeddings")
+    args = parser.parse_args(argv)
+    try:
+        n = args.model_max_length
+        if n is None:
+            config = args.checkpoint / "config.json"
+            try:
+                n = json.loads(config.read_text(encoding="utf-8"))["max_position_embeddings"]
+            except (OSError, ValueError, KeyError) as e:
+                raise ConfigError(f"{config}: cannot read max_position_embeddings ({e}); "
+                                  "pass --model-max-length") from None
+        write_byte_tokenizer(args.checkpoint, n)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote tokenizer.json, tokenizer_config.json, special_tokens_map.json into {args.checkpoint} "
+          f"(byte-level, eos = pad = id 0, model_max_length {n})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -222,7 +222,8 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                      keeps: list, *, sequential: bool = False, batch_size: int = 8, dtype=jnp.float32, seed: int = 0,
                      progress: bool | None = None) -> tuple[list[dict], dict]:
     """(tidy rows, info) for every (score, keep) variant; calib and each held-out text are token
-    ids [n_seq, seq_len]. Each decoder layer's weights are read once."""
+    ids [n_seq, seq_len]. Each decoder layer's weights are read once. info["kept"][layer] maps
+    "score@keep" (one-shot) and "sequential:score@keep" to that variant's kept experts."""
     cfg = ckpt.config
     E = cfg.n_routed_experts
     keeps = sorted({resolve_keep(k, E, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
@@ -296,7 +297,9 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                 masks[v] = jnp.asarray(kept[v.score, v.keep])
             for v in seq_variants:
                 _, own = layer_scores(cal_hz[v])
-                masks[v] = jnp.asarray(select_kept(own[v.score], v.keep))
+                seq_kept = select_kept(own[v.score], v.keep)
+                kept_by_layer[layer_idx][f"sequential:{v.score}@{v.keep}"] = np.flatnonzero(seq_kept).tolist()
+                masks[v] = jnp.asarray(seq_kept)
         # carry the calibration streams
         cal = {key: [mlp(x, h, z, masks[key]) for x, (h, z) in zip(cal[key], cal_hz[key])] for key in cal}
         energy0, energy = 0.0, 0.0

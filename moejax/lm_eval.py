@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.errors import ConfigError
+from moejax.generate import Generator, check_expert_masks
 from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 try:
@@ -140,7 +141,7 @@ class MoejaxLM(TemplateLM):
         # the variant, checked before the model is loaded
         if expert_masks is None:
             expert_masks = self._variant_masks(config, pruning, scores, score, keep)
-        self.expert_masks = None if expert_masks is None else jnp.asarray(expert_masks, bool)
+        self.expert_masks = check_expert_masks(expert_masks, config.num_hidden_layers, config.n_routed_experts)
         self.tokenizer = Tokenizer(path, raw)
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true")
         self._max_length = int(max_length) if max_length else config.max_position_embeddings
@@ -149,7 +150,21 @@ class MoejaxLM(TemplateLM):
         self.path = path
         self.model = model or DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.dtype(dtype))
         self._score_fn = _compiled_scorer(self.model)
-        self._generator = None
+        self._generator = Generator(self.model)
+
+    def variant(self, expert_masks) -> "MoejaxLM":
+        """The same model, tokenizer and compiled functions with other expert masks (bool
+        [num_hidden_layers, E], True = kept; None = every expert): how one job evaluates many
+        variants without reloading or recompiling."""
+        import copy
+
+        from lm_eval.api.model import CacheHook
+
+        cfg = self.model.config
+        other = copy.copy(self)
+        other.expert_masks = check_expert_masks(expert_masks, cfg.num_hidden_layers, cfg.n_routed_experts)
+        other.cache_hook = CacheHook(None)
+        return other
 
     @staticmethod
     def _variant_masks(config, pruning, scores, score, keep):
@@ -267,10 +282,6 @@ class MoejaxLM(TemplateLM):
         first stop string; the EOS token id always stops a row."""
         from tqdm import tqdm
 
-        from moejax.generate import Generator
-
-        if self._generator is None:
-            self._generator = Generator(self.model)
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)

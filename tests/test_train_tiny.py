@@ -162,6 +162,18 @@ def test_transformers_loads_it_and_agrees_on_heldout_perplexity(trained):
     assert 1.5 < record["heldout_ppl"] < 256
 
 
+def test_saved_checkpoint_has_a_byte_level_tokenizer(trained):
+    transformers = pytest.importorskip("transformers")
+
+    cfg, _, _, _ = trained
+    tok = transformers.AutoTokenizer.from_pretrained(cfg.path)
+    assert tok.encode("def f():\n    return 'é'\n") == list("def f():\n    return 'é'\n".encode("utf-8"))
+    assert tok.eos_token_id == 0 and tok.bos_token_id is None
+    assert tok.model_max_length == cfg.arch.max_position_embeddings
+    config = transformers.AutoConfig.from_pretrained(cfg.path)
+    assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (0, 0, None)
+
+
 @pytest.mark.parametrize("change,match", [
     ({"train": {"stepz": 3}}, r"unknown setting\(s\) \['train\.stepz'\]"),
     ({"arch": {"num_experts_per_tok": 9}}, r"num_experts_per_tok=9 \(top_k\) exceeds tiny\.n_routed_experts=8"),

@@ -1,5 +1,6 @@
 """Experiments by name. Each is a module with `Config` (a dataclass with `from_mapping`),
-`settings_from(resolved_hydra_config) -> dict`, `run(cfg, progress) -> (tidy DataFrame, timings)`,
+`settings_from(resolved_hydra_config) -> dict`, `run(cfg, progress, job_dir) -> (tidy DataFrame, timings)`
+(job_dir: the job's folder, for files an experiment keeps beside its results),
 `summary_title(cfg)` and `summary_table(df)`; `moejax.experiments.runner` does validation and files.
 To add one: write `moejax/experiments/NAME.py` and `conf/experiment/NAME.yaml`, and list NAME here."""
 
@@ -7,7 +8,7 @@ import importlib
 
 from moejax.errors import ConfigError
 
-EXPERIMENTS = ("toy3", "score", "train_tiny", "prune_real")
+EXPERIMENTS = ("toy3", "score", "train_tiny", "prune_real", "eval_tasks")
 
 
 def refuse_unknown_settings(cls, settings: dict, experiment: str) -> None:

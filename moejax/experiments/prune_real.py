@@ -113,7 +113,13 @@ def default_texts(cfg: PruneRealConfig) -> tuple[list[Path], list[Path]]:
     return calib, heldout
 
 
-def run(cfg: PruneRealConfig, progress=None):
+def run(cfg: PruneRealConfig, progress=None, job_dir=None):
+    df, info, timings = evaluate(cfg, progress)
+    return df, timings
+
+
+def evaluate(cfg: PruneRealConfig, progress=None):
+    """(tidy DataFrame, evaluate_pruning's info with every variant's kept sets, timings)."""
     import jax.numpy as jnp
     import pandas as pd
 
@@ -147,7 +153,7 @@ def run(cfg: PruneRealConfig, progress=None):
     timings = {"pass_s": info["seconds"], "variants": info["variants"], "calib_tokens": info["calib_tokens"],
                "heldout_tokens": info["heldout_tokens"], "calib_files": len(calib_files),
                "heldout_files": [str(f) for f in heldout_files]}
-    return df, timings
+    return df, info, timings
 
 
 def summary_title(cfg: PruneRealConfig) -> str:

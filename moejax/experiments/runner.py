@@ -56,7 +56,7 @@ def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
         (out_dir / "resolved_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         enable_compilation_cache()
         t0 = time.perf_counter()
-        df, timings = module.run(typed, progress=_progress(cfg["name"], getattr(typed, "seeds", 1)))
+        df, timings = module.run(typed, progress=_progress(cfg["name"], getattr(typed, "seeds", 1)), job_dir=out_dir)
         timings["total_s"] = time.perf_counter() - t0
         write_parquet_atomic(df, out_dir / "results.parquet")
         write_json_atomic(out_dir / "timings.json", timings)

@@ -44,7 +44,7 @@ def settings_from(cfg: dict) -> dict:
             "mesh_data": mesh.data, "mesh_expert": mesh.expert}
 
 
-def run(cfg: ScoreConfig, progress=None):
+def run(cfg: ScoreConfig, progress=None, job_dir=None):
     from moejax.scoring.score_checkpoint import score_checkpoint
 
     t0 = time.perf_counter()

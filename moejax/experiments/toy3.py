@@ -283,7 +283,7 @@ def _stage_two(cfg: Toy3Config):
     return run
 
 
-def run(cfg: Toy3Config, progress=None):
+def run(cfg: Toy3Config, progress=None, job_dir=None):
     """Run toy3; returns (tidy pandas DataFrame, timings dict)."""
     cfg.validate()
     with mesh_context(MeshConfig(cfg.mesh_data, cfg.mesh_expert)):

@@ -25,8 +25,9 @@ What it does
   tokens) take about 10 minutes on 2 idle CPU cores (~6,000 tokens/s) and about 15-17 on cores
   shared with another job (~3,300 tokens/s measured); held-out loss ~1.55 nats/byte (ppl ~4.7).
 - Output: `model.save_pretrained` into a staged folder plus `moejax_tiny.json` (stdlib root,
-  training and held-out files, config, steps, losses, seconds, versions), renamed into place as
-  one folder (`moejax.hf.safetensors_io.staged_directory`).
+  training and held-out files, config, steps, losses, seconds, versions) and a byte-level Hugging
+  Face tokenizer (`moejax.data.write_byte_tokenizer`: id == UTF-8 byte, byte 0 is eos/pad, no
+  BOS), renamed into place as one folder (`moejax.hf.safetensors_io.staged_directory`).
 
 Results: a tidy table with columns step, metric, layer, value; metrics train_loss (every step),
 lr, train_max_load_share (largest expert share of the step's routing decisions, mean over MoE
@@ -118,7 +119,10 @@ class ArchConfig:
                 "topk_method": "noaux_tc", "moe_layer_freq": 1, "tie_word_embeddings": False,
                 "attention_bias": False, "rope_interleave": True, "num_nextn_predict_layers": 0,
                 "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "initializer_range": 0.02,
-                "dtype": "float32"}
+                "dtype": "float32",
+                # byte-level: byte 0 (NUL, never in the text) is eos and pad, there is no BOS; these
+                # match the tokenizer files written next to the checkpoint (moejax.data.write_byte_tokenizer)
+                "eos_token_id": 0, "pad_token_id": 0, "bos_token_id": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -545,9 +549,10 @@ def versions() -> dict:
             "moejax": getattr(moejax, "__version__", "?")}
 
 
-def run(cfg: TrainTinyConfig, progress=None):
+def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     import pandas as pd
 
+    from moejax.data import write_byte_tokenizer
     from moejax.hf.safetensors_io import staged_directory
 
     timings = {}
@@ -648,6 +653,7 @@ def run(cfg: TrainTinyConfig, progress=None):
     out = Path(cfg.path).expanduser()
     with staged_directory(out, overwrite=True) as staging:   # checkpoint + record appear as one folder
         model.save_pretrained(staging, overwrite=True)
+        write_byte_tokenizer(staging, cfg.arch.max_position_embeddings)   # for transformers / lm-eval
         (staging / RECORD).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     timings["save_s"] = time.perf_counter() - ts
     log.info("train_tiny: saved %s (held-out loss %.4f, perplexity %.3f)", out, heldout_loss, math.exp(heldout_loss))

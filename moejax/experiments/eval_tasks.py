@@ -1,0 +1,235 @@
+"""`python -m moejax.run experiment=eval_tasks model=tiny` (or `model.path=CKPT`): every pruned
+variant on downstream tasks, in one job, without writing a checkpoint per variant.
+
+1. One calibration pass (prune_real's, `moejax.evaluate.evaluate_pruning`) gives every (score,
+   keep) variant's kept sets, one-shot and, with `prune.sequential=true`, greedy, and beside them
+   each variant's held-out perplexity and mean layer-local error (task `heldout`).
+2. Each variant (and the unpruned model) is evaluated on every task through the lm-eval backend
+   `moejax` (`moejax.lm_eval.MoejaxLM`): the model is loaded and compiled once, each variant
+   is a set of expert masks.
+
+Tasks: any lm-eval task name, looked up in `task_dir` (YAML files) and in lm-eval's own tasks
+(`include_defaults`). The default tasks are the offline ones built from the model's held-out
+files (`moejax.eval_tasks`: stdlib_nextline, stdlib_mc, stdlib_ppl): with `task_dir` empty they
+are written into the job folder from the checkpoint's `moejax_tiny.json`.
+
+Results: results.parquet with columns mode, score, keep, task, metric, value, stderr (mode none =
+the unpruned model); `moejax.results.load` reads it; experiments/eval_tasks/ has the notebook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+from moejax.errors import ConfigError
+from moejax.experiments import refuse_unknown_settings
+from moejax.experiments.prune_real import PruneRealConfig
+
+COLUMNS = ["mode", "score", "keep", "task", "metric", "value", "stderr"]
+DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTasksConfig:
+    path: str = ""
+    tasks: tuple = DEFAULT_TASKS
+    task_dir: str = ""             # folder of lm-eval YAML tasks; "" = build the stdlib tasks in the job folder
+    include_defaults: bool = True  # also look tasks up among lm-eval's own
+    limit: int | None = None       # documents per task (None = all)
+    keep: tuple = (0.5, 0.25)
+    scores: tuple = ("frequency", "reap", "ean", "signed", "l1", "random")
+    sequential: bool = False
+    calib: tuple = ()              # as prune_real: files/folders/globs; empty = standard-library sources
+    heldout: tuple = ()
+    seq_len: int = 256
+    calib_tokens: int = 32768
+    heldout_tokens: int = 16384
+    batch_size: int = 8            # calibration pass
+    eval_batch_size: int = 8       # lm-eval requests per forward
+    n_nextline: int = 200          # sizes of the built stdlib tasks
+    n_mc: int = 200
+    n_ppl: int | None = None       # None: about 64 KB of held-out text in pieces the model can take
+    bootstrap_iters: int = 1000    # lm-eval's stderr bootstrap for non-mean metrics
+    dtype: str = "float32"
+    seed: int = 0
+
+    @classmethod
+    def from_mapping(cls, d: dict) -> "EvalTasksConfig":
+        refuse_unknown_settings(cls, d, "eval_tasks")
+        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None or k in ("limit", "n_ppl")}
+        for key in ("keep", "tasks", "scores"):
+            if key in d and not isinstance(d[key], tuple):
+                d[key] = (d[key],)
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def prune_real(self) -> PruneRealConfig:
+        return PruneRealConfig(path=self.path, keep=self.keep, scores=self.scores, calib=self.calib,
+                               heldout=self.heldout, seq_len=self.seq_len, calib_tokens=self.calib_tokens,
+                               heldout_tokens=self.heldout_tokens, batch_size=self.batch_size,
+                               sequential=self.sequential, dtype=self.dtype, seed=self.seed)
+
+    def validate(self) -> None:
+        """Everything checkable before a model is loaded: the checkpoint and its tokenizer, the
+        scores and keeps (prune_real's checks, keeps resolved against E and top-k), the task names."""
+        from moejax.models.deepseek_v3 import DeepseekV3Config
+        from moejax.scoring.select import resolve_keep
+
+        self.prune_real().validate()
+        if not self.tasks:
+            raise ConfigError("eval_tasks: tasks is empty; name lm-eval tasks, e.g. tasks=[stdlib_mc]")
+        for name in ("eval_batch_size", "n_nextline", "n_mc", "n_ppl"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"eval_tasks: {name}={getattr(self, name)} must be >= 1")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
+                                       or self.limit < 1):
+            raise ConfigError(f"eval_tasks: limit={self.limit!r}; expected null or an integer >= 1")
+        if not (Path(self.path) / "tokenizer.json").is_file():
+            raise ConfigError(f"eval_tasks: {self.path} has no tokenizer.json (lm-eval tasks are text; for a "
+                              f"byte-level train_tiny model: python -m moejax.data write-tokenizer {self.path})")
+        cfg = DeepseekV3Config.from_json_file(Path(self.path) / "config.json")
+        for k in self.keep:
+            resolve_keep(k, cfg.n_routed_experts, cfg.num_experts_per_tok)
+        if self.task_dir and not Path(self.task_dir).is_dir():
+            raise ConfigError(f"eval_tasks: task_dir={self.task_dir}: no such folder")
+        if not self.task_dir and not set(self.tasks) <= set(DEFAULT_TASKS) and not self.include_defaults:
+            raise ConfigError(f"eval_tasks: tasks {sorted(set(self.tasks) - set(DEFAULT_TASKS))} need task_dir=... "
+                              "or include_defaults=true")
+
+
+Config = EvalTasksConfig
+
+
+def settings_from(cfg: dict) -> dict:
+    model, data, prune, lm = (cfg.get(k) or {} for k in ("model", "data", "prune", "lm_eval"))
+    settings = {"path": model.get("path") or "", **data, **prune, **lm}
+    for key in ("keep", "scores", "tasks", "dtype", "seed"):
+        if cfg.get(key) is not None:
+            settings[key] = cfg[key]
+    return settings
+
+
+def task_manager(cfg: EvalTasksConfig, task_dir: Path | None):
+    """lm-eval's TaskManager over task_dir (and lm-eval's own tasks), with every requested name
+    checked: unknown names are refused listing what it knows and where it looked."""
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(task_dir) if task_dir else None, include_defaults=cfg.include_defaults)
+    known = set(tm.all_tasks)
+    unknown = [t for t in cfg.tasks if t not in known]
+    if unknown:
+        where = ([str(task_dir)] if task_dir else []) + (["lm-eval's own tasks"] if cfg.include_defaults else [])
+        local = sorted(n for n in known if task_dir and n.startswith("stdlib_"))
+        raise ConfigError(f"eval_tasks: unknown task(s) {unknown}; looked in {' and '.join(where)} "
+                          f"({len(known)} tasks known{', e.g. ' + ', '.join(local) if local else ''}; "
+                          "`lm_eval ls tasks` lists lm-eval's own)")
+    return tm
+
+
+def build_tasks(cfg: EvalTasksConfig, job_dir: Path) -> Path | None:
+    """The folder of task YAML files: task_dir, or the stdlib tasks built into the job folder."""
+    if cfg.task_dir:
+        return Path(cfg.task_dir)
+    if not set(cfg.tasks) & set(DEFAULT_TASKS):
+        return None
+    from moejax.eval_tasks import write_stdlib_tasks
+
+    return write_stdlib_tasks(job_dir / "tasks", checkpoint=cfg.path, n_nextline=cfg.n_nextline, n_mc=cfg.n_mc,
+                              n_ppl=cfg.n_ppl, seed=cfg.seed)
+
+
+def _datasets_offline_hint(error: Exception, task: str) -> ConfigError:
+    return ConfigError(f"eval_tasks: task {task!r}: its dataset could not be loaded ({type(error).__name__}: "
+                       f"{error}). Tasks whose data lives on the Hugging Face hub need the network (or a local "
+                       "datasets cache; HF_DATASETS_OFFLINE=1 uses only the cache)")
+
+
+def task_rows(results: dict, variant: dict) -> list[dict]:
+    """Tidy rows from lm-eval's results dict: one per (task, metric[,filter])."""
+    rows = []
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+                continue
+            metric, filt = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            rows.append(dict(variant, task=task, metric=metric if filt == "none" else f"{metric},{filt}",
+                             value=float(value), stderr=float(stderr) if isinstance(stderr, (int, float)) else math.nan))
+    return rows
+
+
+def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
+    import pandas as pd
+    from tqdm import tqdm
+
+    from lm_eval import evaluator
+
+    from moejax.experiments import prune_real
+    from moejax.lm_eval import MoejaxLM
+    from moejax.models.deepseek_v3 import DeepseekV3Config
+    from moejax.variant import masks_from_kept
+
+    job_dir = Path(job_dir or ".")
+    task_dir = build_tasks(cfg, job_dir)
+    if set(cfg.tasks) <= set(DEFAULT_TASKS):
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON: never ask the hub
+    tm = task_manager(cfg, task_dir)  # unknown names fail here, before the calibration pass
+    try:  # the tasks and their data are loaded once, for every variant, and before calibrating
+        loaded = tm.load(list(cfg.tasks))
+    except (ConnectionError, OSError) as e:
+        raise _datasets_offline_hint(e, ",".join(cfg.tasks)) from None
+    for task in loaded["tasks"].values():
+        task.set_fewshot_seed(seed=cfg.seed)  # as simple_evaluate does
+
+    ppl_df, info, timings = prune_real.evaluate(cfg.prune_real(), progress)
+    info_kept = info["kept"]
+    model_cfg = DeepseekV3Config.from_json_file(Path(cfg.path) / "config.json")
+    keeps = sorted({int(k) for k in ppl_df.keep.dropna()}, reverse=True)
+    modes = ["one_shot"] + (["sequential"] if cfg.sequential else [])
+    variants = [dict(mode="none", score=None, keep=None)] + [
+        dict(mode=m, score=s, keep=k) for m in modes for s in cfg.scores for k in keeps]
+
+    rows = []
+    all_ppl = ppl_df[(ppl_df.metric == "perplexity") & (ppl_df.text == "all")]
+    for _, r in all_ppl.iterrows():
+        rows.append(dict(mode=r["mode"], score=r.score, keep=None if pd.isna(r.keep) else int(r.keep),
+                         task="heldout", metric="perplexity", value=float(r.value), stderr=math.nan))
+    err = ppl_df[ppl_df.metric == "rel_error"].groupby(["mode", "score", "keep"]).value.mean()
+    for (mode, score, keep), value in err.items():
+        rows.append(dict(mode=mode, score=score, keep=int(keep), task="heldout", metric="rel_error_mean",
+                         value=float(value), stderr=math.nan))
+
+    base = MoejaxLM(pretrained=cfg.path, dtype=cfg.dtype, batch_size=cfg.eval_batch_size, seed=cfg.seed)
+    for v in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
+        if v["mode"] == "none":
+            masks = None
+        else:
+            key = f"{'sequential:' if v['mode'] == 'sequential' else ''}{v['score']}@{v['keep']}"
+            masks = masks_from_kept({l: sets[key] for l, sets in info_kept.items()}, model_cfg, key)
+        results = evaluator.evaluate(lm=base.variant(masks), task_dict=loaded, limit=cfg.limit,
+                                     bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING")
+        rows += task_rows(results, v)
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    df["keep"] = df["keep"].astype("Int64")
+    timings["variants"] = len(variants)
+    return df, timings
+
+
+def summary_title(cfg: EvalTasksConfig) -> str:
+    return f"{cfg.path}: task metrics and held-out perplexity by variant (rows) and keep (columns):"
+
+
+def summary_table(df):
+    unpruned = df[df["mode"] == "none"].set_index(["task", "metric"]).value
+    wide = df[df["mode"] != "none"].pivot_table(index=["mode", "score"], columns=["task", "metric", "keep"],
+                                                values="value")
+    wide.columns = [f"{t} {m} keep={k}" for t, m, k in wide.columns]
+    for col in wide.columns:
+        task, metric = col.split(" ")[:2]
+        if (task, metric) in unpruned.index:
+            wide.loc[("none", "unpruned"), col] = unpruned[(task, metric)]
+    return wide.round(4)

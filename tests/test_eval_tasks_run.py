@@ -1,0 +1,97 @@
+"""experiment=eval_tasks: one calibration pass, then every variant on the local tasks through the
+moejax lm-eval backend; results tidy and loadable; a variant keeping every expert reproduces the
+unpruned numbers exactly; bad task names fail before any calibration."""
+
+import json
+import os
+import sysconfig
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("lm_eval")
+
+from hf_fixtures import make_checkpoint  # noqa: E402
+
+from moejax.data import write_byte_tokenizer  # noqa: E402
+from moejax.errors import ConfigError  # noqa: E402
+from moejax.experiments.runner import run_job  # noqa: E402
+
+E = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaltasks")
+    os.environ["HF_DATASETS_CACHE"] = str(root / "datasets")
+    path = root / "tiny"
+    make_checkpoint(path, seed=41, vocab_size=256, max_position_embeddings=512, n_routed_experts=E, n_group=4,
+                    topk_group=2, num_experts_per_tok=4, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    write_byte_tokenizer(path, 512)
+    # what train_tiny records: the held-out files the tasks are built from
+    (path / "moejax_tiny.json").write_text(json.dumps({"stdlib_root": sysconfig.get_paths()["stdlib"],
+                                                       "heldout": ["textwrap.py", "fractions.py"]}))
+    return path
+
+
+def job(ckpt, **over):
+    text = ckpt.parent / "calib.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 40)
+    cfg = {"name": "eval_tasks", "model": {"path": str(ckpt)}, "keep": [E, 8], "scores": ["frequency", "l1"],
+           "tasks": ["stdlib_nextline", "stdlib_mc", "stdlib_ppl"],
+           "lm_eval": {"n_nextline": 3, "n_mc": 6, "n_ppl": 2, "eval_batch_size": 4, "bootstrap_iters": 0},
+           "data": {"calib": [str(text)], "heldout": [str(text)], "seq_len": 32, "calib_tokens": 256,
+                    "heldout_tokens": 128, "batch_size": 4}}
+    for key, value in over.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def results(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("job")
+    run_job(job(ckpt, prune={"sequential": True}), out)
+    return out, pd.read_parquet(out / "results.parquet")
+
+
+def test_every_variant_on_every_task_in_a_tidy_table(results):
+    out, df = results
+    assert list(df.columns) == ["mode", "score", "keep", "task", "metric", "value", "stderr"]
+    assert json.loads((out / "status.json").read_text())["status"] == "completed"
+    assert (out / "tasks" / "stdlib_mc.yaml").is_file()  # the tasks are kept beside the results
+    tasks = df[df.task != "heldout"]
+    variants = tasks.groupby(["mode", "score", "keep"], dropna=False).task.nunique()
+    assert len(variants) == 1 + 2 * 2 * 2 and (variants == 3).all()  # none + 2 modes x 2 scores x 2 keeps
+    assert set(tasks.metric) == {"exact_match", "acc", "acc_norm", "word_perplexity", "byte_perplexity",
+                                 "bits_per_byte"}
+    assert set(df[df.task == "heldout"].metric) == {"perplexity", "rel_error_mean"}
+
+    from moejax.results import load
+
+    loaded = load(out)
+    assert len(loaded) == len(df) and loaded.value.dtype == float
+
+
+def test_keeping_every_expert_reproduces_the_unpruned_model_exactly(results):
+    _, df = results
+    base = df[df["mode"] == "none"].set_index(["task", "metric"]).value
+    full = df[(df.keep == E) & (df.metric != "rel_error_mean")]
+    assert len(full) == 2 * 2 * len(base)
+    for _, row in full.iterrows():
+        assert row.value == base[(row.task, row.metric)], (row.task, row.metric)
+    pruned = df[(df.keep == 8) & (df.metric == "bits_per_byte")]
+    assert (pruned.value != base[("stdlib_ppl", "bits_per_byte")]).all()  # pruning half changes every variant
+
+
+def test_unknown_task_fails_before_the_calibration_pass(ckpt, tmp_path, monkeypatch):
+    from moejax.experiments import prune_real
+
+    monkeypatch.setattr(prune_real, "evaluate", lambda *a, **k: pytest.fail("calibrated"))
+    with pytest.raises(ConfigError, match=r"unknown task\(s\) \['stdlib_nope'\]; looked in .*tasks"):
+        run_job(job(ckpt, tasks=["stdlib_mc", "stdlib_nope"], lm_eval={"include_defaults": False}), tmp_path / "a")
+    with pytest.raises(ConfigError, match="below top_k=4"):
+        run_job(job(ckpt, keep=[2]), tmp_path / "b")
+    with pytest.raises(ConfigError, match="unknown score"):
+        run_job(job(ckpt, scores=["frequency", "nonsense"]), tmp_path / "c")
