@@ -8,6 +8,8 @@ pandas notebook. The JAX-backed pieces live in the sub-packages:
 - `moejax.models.toy`             the toy MoE layer of SPEC section 4 (math: `models.toy_layer`)
 - `moejax.scoring`                expert scores (SPEC section 2) and keep/selection rules
 - `moejax.experiments.toy3`       the toy3 experiment
+- `moejax.generate`               KV-cached generation (`model.generate`, `Generator`)
+- `moejax.lm_eval`                the lm-eval backend `moejax` (needs the `eval` extra)
 """
 
 __version__ = "0.1.0"

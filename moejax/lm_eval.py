@@ -287,7 +287,7 @@ class MoejaxLM(TemplateLM):
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         results = []
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="moejax generate_until")
-        for chunk in order.get_batched(n=self.batch_size):
+        for batch_index, chunk in enumerate(order.get_batched(n=self.batch_size)):
             contexts, all_kwargs = zip(*chunk)
             kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -307,7 +307,8 @@ class MoejaxLM(TemplateLM):
             out = self._generator(ids, mask, max_new_tokens=max_new, expert_masks=self.expert_masks,
                                   temperature=float(kwargs.get("temperature", 0.0)) if sample else 0.0,
                                   top_k=kwargs.get("top_k") if sample else None,
-                                  top_p=kwargs.get("top_p") if sample else None, seed=self.seed,
+                                  top_p=kwargs.get("top_p") if sample else None,
+                                  seed=self.seed * 1_000_003 + batch_index,  # its own draws per batch
                                   stop_token_ids=[self.eot_token_id],
                                   pad_token_id=self.tokenizer.pad_id if self.tokenizer.pad_id is not None
                                   else self.eot_token_id,

@@ -91,7 +91,28 @@ def test_unknown_task_fails_before_the_calibration_pass(ckpt, tmp_path, monkeypa
     monkeypatch.setattr(prune_real, "evaluate", lambda *a, **k: pytest.fail("calibrated"))
     with pytest.raises(ConfigError, match=r"unknown task\(s\) \['stdlib_nope'\]; looked in .*tasks"):
         run_job(job(ckpt, tasks=["stdlib_mc", "stdlib_nope"], lm_eval={"include_defaults": False}), tmp_path / "a")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"'arc_easy'.*allenai/ai2_arc.*need the network"):
+        run_job(job(ckpt, tasks=["arc_easy"]), tmp_path / "net")
     with pytest.raises(ConfigError, match="below top_k=4"):
         run_job(job(ckpt, keep=[2]), tmp_path / "b")
     with pytest.raises(ConfigError, match="unknown score"):
         run_job(job(ckpt, scores=["frequency", "nonsense"]), tmp_path / "c")
+
+
+def test_notebook_code_runs_on_a_run(results, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import nbformat
+
+    root = Path(__file__).resolve().parents[1]
+    nb = nbformat.read(root / "experiments" / "eval_tasks" / "eval_tasks.ipynb", as_version=4)
+    code = "\n\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    env = {**os.environ, "PYTHONPATH": str(root), "MPLBACKEND": "Agg", "MOEJAX_EVAL_RESULTS": str(results[0]),
+           "MOEJAX_EVAL_FIGURE": str(tmp_path / "tasks.png")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "tasks.png").stat().st_size > 5_000

@@ -178,10 +178,12 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     if set(cfg.tasks) <= set(DEFAULT_TASKS):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON: never ask the hub
     tm = task_manager(cfg, task_dir)  # unknown names fail here, before the calibration pass
-    try:  # the tasks and their data are loaded once, for every variant, and before calibrating
-        loaded = tm.load(list(cfg.tasks))
-    except (ConnectionError, OSError) as e:
-        raise _datasets_offline_hint(e, ",".join(cfg.tasks)) from None
+    for name in cfg.tasks:  # each task's data, before calibrating: a task that needs the network is named
+        try:
+            tm.load([name])
+        except (ConnectionError, OSError) as e:
+            raise _datasets_offline_hint(e, name) from None
+    loaded = tm.load(list(cfg.tasks))  # once, for every variant
     for task in loaded["tasks"].values():
         task.set_fewshot_seed(seed=cfg.seed)  # as simple_evaluate does
 
