@@ -27,7 +27,8 @@ most 127 bytes (504 of them, ~64 KB).
 - stdlib_nextline (generate_until): {"context", "prefix", "target"}: the context ends with the
   start of the next line (`line_prefix`: its indentation and first word, "    return "); greedy
   generation until "\\n" (at most MAX_GEN_TOKS bytes) must reproduce the rest of that line
-  exactly (exact_match).
+  exactly (exact_match), and chrF (character n-gram F-score, graded: the small tiny model seldom
+  matches a whole rest of line exactly).
 - stdlib_mc (multiple_choice): {"context", "choices", "answer"}: the true next line and 3
   distinct other lines of the same file (target-like lines, drawn at random), shuffled; each
   choice is the whole line with its indentation and its "\\n" (so a choice that is a prefix of
@@ -222,7 +223,10 @@ def _task_config(task: str, data_file: Path) -> dict:
         body = {"output_type": "generate_until", "doc_to_text": "{{context}}", "doc_to_target": "{{target}}",
                 "target_delimiter": "",
                 "generation_kwargs": {"until": ["\n"], "max_gen_toks": MAX_GEN_TOKS, "do_sample": False},
-                "metric_list": [{"metric": "exact_match", **mean}]}
+                "metric_list": [{"metric": "exact_match", **mean},
+                                # graded: character n-gram F-score of the completions (sacrebleu's chrF,
+                                # corpus level), which separates models that rarely match exactly
+                                {"metric": "chrf", "aggregation": "chrf", "higher_is_better": True}]}
     elif task == "stdlib_mc":
         body = {"output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}",
                 "doc_to_target": "{{answer}}", "target_delimiter": "",

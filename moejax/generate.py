@@ -1,10 +1,10 @@
 """Generation with a preallocated KV cache: one jitted prefill, then a jitted decode loop.
 
-Any model family that offers two methods can generate (DeepSeek-V3's are in its model.py):
+Any model family that offers three methods can generate (DeepSeek-V3's are in its model.py):
 
     model.init_cache(batch, length) -> cache                  # preallocated, `length` columns
-    model.cached_forward(ids_BS, positions_BS, cache, start, attention_mask_BS, expert_masks,
-                         last_only=True) -> (logits_BSV float32, cache)
+    model.prefill(ids_BP, positions_BP, mask_BP, cache, expert_masks) -> (logits [B, 1, V], cache)
+    model.decode_step(ids_B1, positions_B1, cache, column, expert_masks) -> (logits [B, 1, V], cache)
 
 Layout and semantics are transformers' `generate` for a decoder-only model: prompts are
 left-padded (attention_mask 0 on the left), each real token's rope position is the number of real
@@ -121,8 +121,7 @@ class Generator:
         @functools.partial(jax.jit, static_argnums=0)
         def prefill(length: int, state, ids_BP, positions_BP, mask_BP, expert_masks):
             m = nnx.merge(graphdef, state)
-            out = m.cached_forward(ids_BP, positions_BP, m.init_cache(ids_BP.shape[0], length), 0, mask_BP,
-                                   expert_masks)
+            out = m.prefill(ids_BP, positions_BP, mask_BP, m.init_cache(ids_BP.shape[0], length), expert_masks)
             return out.logits_BSV[:, 0], out.cache
 
         @functools.partial(jax.jit, static_argnums=0)
@@ -141,8 +140,8 @@ class Generator:
                 token = jnp.where(done, pad_id, next_tokens(logits, jax.random.fold_in(key, i), sampling))
                 tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
                 done = done | jnp.isin(token, stop_ids)
-                out = m.cached_forward(token[:, None], (next_position_B + i)[:, None], cache, prompt_len + i, None,
-                                       expert_masks)
+                out = m.decode_step(token[:, None], (next_position_B + i)[:, None], cache, prompt_len + i,
+                                    expert_masks)
                 return i + 1, tokens, out.logits_BSV[:, 0], done, out.cache
 
             return jax.lax.while_loop(cond, body, (step, tokens_BN, logits_BV, done_B, cache))

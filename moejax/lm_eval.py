@@ -49,7 +49,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 def bucket(n: int, cap: int) -> int:

@@ -7,6 +7,7 @@ rows wide so routing is decisive, weights large enough that activations are not 
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import numpy as np
@@ -78,6 +79,25 @@ def reference(model, ids, mask):
     for h in hooks:
         h.remove()
     return out.logits.float().numpy(), chosen
+
+
+@contextlib.contextmanager
+def unreachable(model, experts):
+    """transformers' model with `experts` unreachable in every MoE layer (balance bias -1e4, so
+    they never win the top-k), restored on exit: the reference for moejax's expert masks."""
+    import torch
+
+    saved = {}
+    with torch.no_grad():
+        for l, layer in enumerate(model.model.layers):
+            if hasattr(layer.mlp, "gate"):
+                saved[l] = layer.mlp.gate.e_score_correction_bias.clone()
+                layer.mlp.gate.e_score_correction_bias[experts] = -1e4
+        try:
+            yield model
+        finally:
+            for l, b in saved.items():
+                model.model.layers[l].mlp.gate.e_score_correction_bias.copy_(b)
 
 
 # --- rewriting a checkpoint tensor by tensor (quantised variants, extra tensors) ---------------

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_fixtures import DEFAULT_ROPE, batch, make_checkpoint, reference  # noqa: E402
+from hf_fixtures import DEFAULT_ROPE, batch, make_checkpoint, reference, unreachable  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
@@ -90,17 +90,8 @@ def test_expert_mask_equals_unreachable_experts_in_transformers(checkpoints):
     keep = np.ones((hf.config.num_hidden_layers, hf.config.n_routed_experts), bool)
     keep[:, pruned] = False
     logits, chosen = run(model, ids, mask, expert_masks_LE=jnp.asarray(keep))
-    with torch.no_grad():
-        saved = {}
-        for l, layer in enumerate(hf.model.layers):
-            if hasattr(layer.mlp, "gate"):
-                saved[l] = layer.mlp.gate.e_score_correction_bias.clone()
-                layer.mlp.gate.e_score_correction_bias[pruned] = -1e4
-        try:
-            want, want_chosen = reference(hf, ids, mask)
-        finally:
-            for l, b in saved.items():
-                hf.model.layers[l].mlp.gate.e_score_correction_bias.copy_(b)
+    with unreachable(hf, pruned):
+        want, want_chosen = reference(hf, ids, mask)
     assert not np.isin(np.concatenate(list(chosen.values())), pruned).any()
     m = mask.astype(bool)
     assert np.abs(logits[m] - want[m]).max() < 1e-4

@@ -278,7 +278,7 @@ def test_lm_eval_builds_the_tasks_offline(tasks, tmp_path):
     assert {t: got[t]["type"] for t in et.TASKS} == {"stdlib_nextline": "generate_until",
                                                      "stdlib_mc": "multiple_choice",
                                                      "stdlib_ppl": "loglikelihood_rolling"}
-    assert got["stdlib_nextline"]["metrics"] == ["exact_match"]
+    assert got["stdlib_nextline"]["metrics"] == ["chrf", "exact_match"]
     assert got["stdlib_mc"]["metrics"] == ["acc", "acc_norm"]
     assert got["stdlib_ppl"]["metrics"] == ["bits_per_byte", "byte_perplexity", "word_perplexity"]
 

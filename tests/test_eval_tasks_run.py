@@ -64,7 +64,7 @@ def test_every_variant_on_every_task_in_a_tidy_table(results):
     tasks = df[df.task != "heldout"]
     variants = tasks.groupby(["mode", "score", "keep"], dropna=False).task.nunique()
     assert len(variants) == 1 + 2 * 2 * 2 and (variants == 3).all()  # none + 2 modes x 2 scores x 2 keeps
-    assert set(tasks.metric) == {"exact_match", "acc", "acc_norm", "word_perplexity", "byte_perplexity",
+    assert set(tasks.metric) == {"exact_match", "chrf", "acc", "acc_norm", "word_perplexity", "byte_perplexity",
                                  "bits_per_byte"}
     assert set(df[df.task == "heldout"].metric) == {"perplexity", "rel_error_mean"}
 

@@ -1,8 +1,6 @@
 """Generation with the latent KV cache (moejax.generate) against transformers' `generate`, the
 full forward, and sampling against the distribution straight from its definition."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +10,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_fixtures import DEFAULT_ROPE, make_checkpoint  # noqa: E402
+from hf_fixtures import DEFAULT_ROPE, make_checkpoint, unreachable  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
@@ -102,17 +100,13 @@ def test_decode_steps_equal_the_full_forward(checkpoints):
     T = full_ids.shape[1]
     graphdef, state = nnx.split(model)
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def cached_forward(last_only, state, ids, positions, cache, start, mask=None):
-        return nnx.merge(graphdef, state).cached_forward(ids, positions, cache, start, mask, last_only=last_only)
-
-    out = cached_forward(False, state, jnp.asarray(ids), jnp.asarray(positions[:, :9]), model.init_cache(4, T), 0,
-                         jnp.asarray(mask))
+    prefill = jax.jit(lambda state, *a: nnx.merge(graphdef, state).prefill(*a, last_only=False))
+    decode_step = jax.jit(lambda state, *a: nnx.merge(graphdef, state).decode_step(*a))
+    out = prefill(state, jnp.asarray(ids), jnp.asarray(positions[:, :9]), jnp.asarray(mask), model.init_cache(4, T))
     assert np.abs(np.asarray(out.logits_BSV)[mask.astype(bool)] - want[:, :9][mask.astype(bool)]).max() < 1e-4
     cache = out.cache
     for i in range(6):
-        out = cached_forward(True, state, jnp.asarray(cont[:, i:i + 1]), jnp.asarray(positions[:, 9 + i:10 + i]),
-                             cache, 9 + i)
+        out = decode_step(state, jnp.asarray(cont[:, i:i + 1]), jnp.asarray(positions[:, 9 + i:10 + i]), cache, 9 + i)
         cache = out.cache
         assert np.abs(np.asarray(out.logits_BSV)[:, 0] - want[:, 9 + i]).max() < 1e-4, i
     assert cache.layers[0].latent_BTR.shape == (4, T, hf.config.kv_lora_rank)  # the latent, not per-head k/v
@@ -125,17 +119,8 @@ def test_expert_masks_generate_as_transformers_with_unreachable_experts(checkpoi
     keep[:, pruned] = False
     ids, mask = prompts(hf.config.vocab_size, seed=4)
     got = gen(ids, mask, max_new_tokens=N, expert_masks=keep)
-    with torch.no_grad():
-        saved = {}
-        for l, layer in enumerate(hf.model.layers):
-            if hasattr(layer.mlp, "gate"):
-                saved[l] = layer.mlp.gate.e_score_correction_bias.clone()
-                layer.mlp.gate.e_score_correction_bias[pruned] = -1e4
-        try:
-            want = hf_generate(hf, ids, mask, N, eos_token_id=None)
-        finally:
-            for l, b in saved.items():
-                hf.model.layers[l].mlp.gate.e_score_correction_bias.copy_(b)
+    with unreachable(hf, pruned):
+        want = hf_generate(hf, ids, mask, N, eos_token_id=None)
     np.testing.assert_array_equal(got, want)
     assert (got != gen(ids, mask, max_new_tokens=N)).any()  # the masks changed the text
 

@@ -121,10 +121,12 @@ class MLA(nnx.Module):
     def __call__(self, x_BSH, cos, sin, allowed_BSS):
         """Attention over the keys of the same sequence, each head's keys and values expanded from
         the latent (as transformers computes it). cos/sin [S, dr] or [B, S, dr]."""
+        return self._expanded_attention(*self._project(x_BSH, cos, sin), allowed_BSS)
+
+    def _expanded_attention(self, q_pass, q_rot, latent, k_rot, allowed_BSS):
         cfg = self.cfg
-        B, S, _ = x_BSH.shape
+        B, S = latent.shape[:2]
         nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q_pass, q_rot, latent, k_rot = self._project(x_BSH, cos, sin)
         kv = linear(latent, self.kv_b_proj[...]).reshape(B, S, nh, dn + dv)
         k_nope, v = kv[..., :dn], kv[..., dn:]                          # per head: [k_nope | v]
         q = jnp.concatenate([q_pass, q_rot], axis=-1)
@@ -132,28 +134,36 @@ class MLA(nnx.Module):
         o = causal_attention(q, k, v, allowed_BSS, cfg.softmax_scale()).reshape(B, S, nh * dv)
         return linear(o, self.o_proj[...], self._bias("o_proj"))
 
-    def cached(self, x_BSH, cos, sin, cache: "LatentCache", start, allowed_BST):
-        """Attention for S new tokens written into the latent cache at columns start..start+S-1,
-        attending to the cache's T columns where allowed_BST (causal and padding, built by the
-        caller). "Absorbed" MLA, as DeepSeek's own inference computes it: the per-head key
-        projection is folded into the query (q_nope W_uk: scores against the latent itself) and
-        the value projection is applied after the weighted sum of latents, so only
-        kv_lora_rank + qk_rope_head_dim numbers per token are cached, not N heads of keys and
-        values. Equal to `__call__` up to float rounding. Returns (output, updated cache)."""
-        cfg = self.cfg
-        B, S, _ = x_BSH.shape
-        nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    def prefill(self, x_BSH, cos, sin, allowed_BSS, cache: "LatentCache"):
+        """`__call__` on a prompt that also writes its latents into cache columns 0..S-1:
+        (output, cache)."""
         q_pass, q_rot, latent, k_rot = self._project(x_BSH, cos, sin)
         cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BTR, latent.astype(cache.latent_BTR.dtype),
-                                                         (0, start, 0)),
+                                                         (0, 0, 0)),
+                            jax.lax.dynamic_update_slice(cache.rope_BTD, k_rot.astype(cache.rope_BTD.dtype), (0, 0, 0)))
+        return self._expanded_attention(q_pass, q_rot, latent, k_rot, allowed_BSS), cache
+
+    def decode(self, x_B1H, cos, sin, cache: "LatentCache", column, allowed_B1T):
+        """One new token per row, written into cache column `column`, attending to the cache's T
+        columns where allowed_B1T. "Absorbed" MLA, as DeepSeek's own inference decodes: the
+        per-head key projection is folded into the query (q_nope W_uk: scores against the latent
+        itself) and the value projection is applied after the weighted sum of latents, so only
+        kv_lora_rank + qk_rope_head_dim numbers per token are cached and nothing is expanded.
+        Equal to `__call__` up to float rounding. Returns (output, updated cache)."""
+        cfg = self.cfg
+        B, S, _ = x_B1H.shape
+        nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        q_pass, q_rot, latent, k_rot = self._project(x_B1H, cos, sin)
+        cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BTR, latent.astype(cache.latent_BTR.dtype),
+                                                         (0, column, 0)),
                             jax.lax.dynamic_update_slice(cache.rope_BTD, k_rot.astype(cache.rope_BTD.dtype),
-                                                         (0, start, 0)))
+                                                         (0, column, 0)))
         w_RNX = self.kv_b_proj[...].reshape(cfg.kv_lora_rank, nh, dn + dv)
         q_latent = jnp.einsum("bsnd,rnd->bnsr", q_pass, w_RNX[..., :dn], precision=HIGHEST)
         scores = (jnp.einsum("bnsr,btr->bnst", q_latent, cache.latent_BTR, precision=HIGHEST)
                   + jnp.einsum("bsnd,btd->bnst", q_rot, cache.rope_BTD, precision=HIGHEST)) * cfg.softmax_scale()
-        scores = jnp.where(allowed_BST[:, None], scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x_BSH.dtype)
+        scores = jnp.where(allowed_B1T[:, None], scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x_B1H.dtype)
         o_latent = jnp.einsum("bnst,btr->bsnr", weights, cache.latent_BTR, precision=HIGHEST)
         o = jnp.einsum("bsnr,rnc->bsnc", o_latent, w_RNX[..., dn:], precision=HIGHEST).reshape(B, S, nh * dv)
         return linear(o, self.o_proj[...], self._bias("o_proj")), cache
@@ -254,9 +264,14 @@ class DecoderLayer(nnx.Module):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
         return self._mlp_block(h, expert_mask_E, forward_only)
 
-    def cached(self, x, cos, sin, cache: LatentCache, start, allowed_BST, expert_mask_E=None):
-        """The layer on new tokens against its latent cache (generation): (output, updated cache)."""
-        a, cache = self.self_attn.cached(self.input_layernorm(x), cos, sin, cache, start, allowed_BST)
+    def prefill(self, x, cos, sin, allowed_BSS, cache: LatentCache, expert_mask_E=None):
+        """The layer on a prompt, its latents written into the cache: (output, cache)."""
+        a, cache = self.self_attn.prefill(self.input_layernorm(x), cos, sin, allowed_BSS, cache)
+        return self._mlp_block(x + a, expert_mask_E, True)[0], cache
+
+    def decode(self, x, cos, sin, cache: LatentCache, column, allowed_B1T, expert_mask_E=None):
+        """The layer on one new token per row against its latent cache: (output, cache)."""
+        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1T)
         return self._mlp_block(x + a, expert_mask_E, True)[0], cache
 
     def _mlp_block(self, h, expert_mask_E, forward_only):
@@ -316,7 +331,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return linear(self.model.norm(x_BSH), head)
 
-    # --- generation (moejax.generate drives these two; any model family with them can generate) ---
+    # --- generation (moejax.generate drives these three; any model family with them can generate) ---
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache of `length` columns: kv_lora_rank + qk_rope_head_dim numbers per token
@@ -326,27 +341,40 @@ class DeepseekV3ForCausalLM(nnx.Module):
                                     jnp.zeros((batch, length, cfg.qk_rope_head_dim), self.dtype))
         return KVCache(tuple(layer() for _ in self.model.layers), jnp.zeros((batch, length), bool))
 
-    def cached_forward(self, input_ids_BS, positions_BS, cache: KVCache, start, attention_mask_BS=None,
-                       expert_masks_LE=None, last_only: bool = True) -> CachedOutput:
-        """Run S new tokens (cache columns start..start+S-1, rope positions positions_BS) against
-        the cache: prefill with the whole prompt at start=0, then one token per step. Each token
-        attends to the valid columns up to its own; attention_mask_BS marks the new tokens that
-        are real (left padding: 0). Logits of the last position only unless last_only=False."""
-        B, S = input_ids_BS.shape
-        T = cache.valid_BT.shape[1]
-        new_valid = jnp.ones((B, S), bool) if attention_mask_BS is None else attention_mask_BS.astype(bool)
-        valid = jax.lax.dynamic_update_slice(cache.valid_BT, new_valid, (0, start))
-        causal_ST = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]
-        allowed_BST = causal_ST[None] & valid[:, None, :]
-        x = self.model.embed_tokens[...][input_ids_BS]
-        cos, sin = rope_lib.cos_sin(self.config, positions_BS, x.dtype)
+    def prefill(self, input_ids_BP, positions_BP, attention_mask_BP, cache: KVCache, expert_masks_LE=None,
+                last_only: bool = True) -> CachedOutput:
+        """The forward on a (left-padded) prompt that also fills cache columns 0..P-1: attention
+        as `__call__` computes it (keys and values expanded, causal blocks), only the latents
+        kept. Logits of the last position only unless last_only=False."""
+        B, P = input_ids_BP.shape
+        mask = attention_mask_BP.astype(bool)
+        allowed_BPP = jnp.tril(jnp.ones((P, P), bool))[None] & mask[:, None, :]
+        x = self.model.embed_tokens[...][input_ids_BP]
+        cos, sin = rope_lib.cos_sin(self.config, positions_BP, x.dtype)
         layers = []
         for l, layer in enumerate(self.model.layers):
-            mask = None if expert_masks_LE is None or not layer.is_moe else expert_masks_LE[l]
-            x, layer_cache = layer.cached(x, cos, sin, cache.layers[l], start, allowed_BST, mask)
+            x, layer_cache = layer.prefill(x, cos, sin, allowed_BPP, cache.layers[l], self._layer_mask(expert_masks_LE, l))
             layers.append(layer_cache)
         logits = self._logits(x[:, -1:] if last_only else x).astype(jnp.float32)
-        return CachedOutput(logits, KVCache(tuple(layers), valid))
+        return CachedOutput(logits, KVCache(tuple(layers), jax.lax.dynamic_update_slice(cache.valid_BT, mask, (0, 0))))
+
+    def decode_step(self, input_ids_B1, positions_B1, cache: KVCache, column, expert_masks_LE=None) -> CachedOutput:
+        """One new token per row, written into cache column `column` (after the prompt and the
+        tokens before it), attending to every valid column up to its own. Logits [B, 1, V]."""
+        T = cache.valid_BT.shape[1]
+        valid = jax.lax.dynamic_update_slice(cache.valid_BT, jnp.ones((input_ids_B1.shape[0], 1), bool), (0, column))
+        allowed_B1T = (valid & (jnp.arange(T) <= column)[None])[:, None, :]
+        x = self.model.embed_tokens[...][input_ids_B1]
+        cos, sin = rope_lib.cos_sin(self.config, positions_B1, x.dtype)
+        layers = []
+        for l, layer in enumerate(self.model.layers):
+            x, layer_cache = layer.decode(x, cos, sin, cache.layers[l], column, allowed_B1T,
+                                          self._layer_mask(expert_masks_LE, l))
+            layers.append(layer_cache)
+        return CachedOutput(self._logits(x).astype(jnp.float32), KVCache(tuple(layers), valid))
+
+    def _layer_mask(self, expert_masks_LE, layer: int):
+        return None if expert_masks_LE is None or not self.model.layers[layer].is_moe else expert_masks_LE[layer]
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, expert_masks=None,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
