@@ -89,8 +89,15 @@ def test_unknown_task_fails_before_the_calibration_pass(ckpt, tmp_path, monkeypa
     from moejax.experiments import prune_real
 
     monkeypatch.setattr(prune_real, "evaluate", lambda *a, **k: pytest.fail("calibrated"))
+    from moejax.eval_tasks import write_stdlib_tasks
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    tasks = write_stdlib_tasks(tmp_path / "tasks", [f"{stdlib}/textwrap.py"], n_nextline=1, n_mc=1, n_ppl=1)
     with pytest.raises(ConfigError, match=r"unknown task\(s\) \['stdlib_nope'\]; looked in .*tasks"):
-        run_job(job(ckpt, tasks=["stdlib_mc", "stdlib_nope"], lm_eval={"include_defaults": False}), tmp_path / "a")
+        run_job(job(ckpt, tasks=["stdlib_mc", "stdlib_nope"],
+                    lm_eval={"include_defaults": False, "task_dir": str(tasks)}), tmp_path / "a")
+    with pytest.raises(ConfigError, match="need task_dir"):
+        run_job(job(ckpt, tasks=["stdlib_nope"], lm_eval={"include_defaults": False}), tmp_path / "a2")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match=r"'arc_easy'.*allenai/ai2_arc.*need the network"):
