@@ -254,6 +254,16 @@ def _dumper():
     return Dumper
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot be read as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def position_budget(checkpoint=None) -> tuple[int, str]:
     """(positions, where from): how many tokens a document may span. A train_tiny checkpoint is
     trained on windows of data.seq_len bytes (its moejax_tiny.json) and is no good beyond them,
@@ -261,19 +271,16 @@ def position_budget(checkpoint=None) -> tuple[int, str]:
     DEFAULT_POSITIONS."""
     if checkpoint is not None:
         record = Path(checkpoint) / RECORD
-        if record.is_file():
-            try:
-                seq_len = json.loads(record.read_text(encoding="utf-8"))["config"]["data"]["seq_len"]
-                return int(seq_len), f"{record}: config.data.seq_len (the length it was trained at)"
-            except (ValueError, KeyError, TypeError):
-                pass
+        if record.is_file():  # a record without the training length (not train_tiny's) says nothing
+            seq_len = (_read_json(record).get("config") or {}).get("data", {}).get("seq_len")
+            if isinstance(seq_len, int) and seq_len > 0:
+                return seq_len, f"{record}: config.data.seq_len (the length it was trained at)"
         config = Path(checkpoint) / "config.json"
         if config.is_file():
-            try:
-                n = json.loads(config.read_text(encoding="utf-8"))["max_position_embeddings"]
-                return int(n), f"{config}: max_position_embeddings"
-            except (ValueError, KeyError, TypeError):
-                pass
+            n = _read_json(config).get("max_position_embeddings")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"{config}: max_position_embeddings={n!r}; expected a positive integer")
+            return n, f"{config}: max_position_embeddings"
     return DEFAULT_POSITIONS, "the default"
 
 

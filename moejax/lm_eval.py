@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from moejax.errors import ConfigError
 from moejax.generate import Generator, check_expert_masks
@@ -137,12 +138,11 @@ class MoejaxLM(TemplateLM):
             raise ConfigError(f"moejax lm-eval model: device={device!r}; JAX places the model on its default "
                               "backend (set JAX_PLATFORMS to choose)")
         config = DeepseekV3Config.from_json_file(path / "config.json")
-        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
         # the variant, checked before the model is loaded
         if expert_masks is None:
             expert_masks = self._variant_masks(config, pruning, scores, score, keep)
         self.expert_masks = check_expert_masks(expert_masks, config.num_hidden_layers, config.n_routed_experts)
-        self.tokenizer = Tokenizer(path, raw)
+        self.tokenizer = Tokenizer(path, config.raw)
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true")
         self._max_length = int(max_length) if max_length else config.max_position_embeddings
         self._max_gen_toks = int(max_gen_toks)
@@ -325,8 +325,6 @@ class MoejaxLM(TemplateLM):
 def _compiled_scorer(model):
     """(log p(target) [B, S], target == argmax [B, S]) of every position, in one compiled call:
     the [B, S, V] logits never leave it. The weights are arguments (see model.jitted())."""
-    from flax import nnx
-
     graphdef, state = nnx.split(model)
 
     @jax.jit

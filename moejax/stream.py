@@ -19,7 +19,7 @@ from flax import nnx
 
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
 from moejax.models.deepseek_v3 import rope as rope_lib
-from moejax.models.deepseek_v3.model import DecoderLayer
+from moejax.models.deepseek_v3.model import DecoderLayer, causal_allowed
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -32,10 +32,7 @@ def batch_geometry(cfg, ids_BS, mask_BS, dtype):
     """(cos, sin, allowed [B, S, S]) of one batch: rope tables and the causal (and padding) mask."""
     B, S = np.asarray(ids_BS).shape
     cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), jnp.dtype(dtype))
-    allowed = jnp.tril(jnp.ones((S, S), bool))[None]
-    if mask_BS is not None:
-        allowed = allowed & jnp.asarray(mask_BS, bool)[:, None, :]
-    return cos, sin, jnp.broadcast_to(allowed, (B, S, S))
+    return cos, sin, causal_allowed(mask_BS, B, S)
 
 
 def _embed(ckpt: OpenCheckpoint, batches, dtype) -> list:

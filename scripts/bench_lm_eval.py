@@ -1,8 +1,8 @@
 """Benchmark the lm-eval backend: `moejax` against lm-eval's own `hf` backend on stdlib_mc
 (loglikelihood requests), compilation included, float32 CPU.
 
-    python scripts/bench_lm_eval.py                                  # a random train_tiny-shaped model
-    python scripts/bench_lm_eval.py --model ~/.cache/moejax/models/tiny  # the trained one
+    python scripts/bench_lm_eval.py                  # the trained tiny model (model=tiny's path), if there
+    python scripts/bench_lm_eval.py --random         # a random train_tiny-shaped model, 300-byte contexts
     python scripts/bench_lm_eval.py --n-mc 400 --batch-size 16
 
 Both evaluate the same checkpoint on the same locally built task (`moejax.eval_tasks`) through
@@ -49,7 +49,10 @@ def random_tiny(path: Path) -> Path:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="a checkpoint with tokenizer.json (default: random)")
+    default = Path(os.environ.get("MOEJAX_HOME", Path.home() / ".cache" / "moejax")) / "models" / "tiny"
+    ap.add_argument("--model", type=Path, default=default if (default / "tokenizer.json").is_file() else None,
+                    help="a checkpoint with tokenizer.json (default: the trained tiny model, else random)")
+    ap.add_argument("--random", action="store_true", help="a random tiny-shaped model instead")
     ap.add_argument("--n-mc", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
@@ -66,6 +69,8 @@ def main():
     from moejax.eval_tasks import write_stdlib_tasks
     from moejax.lm_eval import MoejaxLM
 
+    if args.random:
+        args.model = None
     ckpt = args.model or random_tiny(tmp / "tiny")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = None if args.model and (args.model / "moejax_tiny.json").is_file() else \

@@ -178,12 +178,14 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     if set(cfg.tasks) <= set(DEFAULT_TASKS):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON: never ask the hub
     tm = task_manager(cfg, task_dir)  # unknown names fail here, before the calibration pass
-    for name in cfg.tasks:  # each task's data, before calibrating: a task that needs the network is named
+    loaded = {"tasks": {}, "groups": {}, "group_map": {}}  # TaskManager.load's dicts, merged
+    for name in cfg.tasks:  # each task and its data once, for every variant, before calibrating
         try:
-            tm.load([name])
-        except (ConnectionError, OSError) as e:
+            one = tm.load([name])
+        except (ConnectionError, OSError) as e:  # named: which task needs the network
             raise _datasets_offline_hint(e, name) from None
-    loaded = tm.load(list(cfg.tasks))  # once, for every variant
+        for key, value in one.items():
+            loaded.setdefault(key, {}).update(value)
     for task in loaded["tasks"].values():
         task.set_fewshot_seed(seed=cfg.seed)  # as simple_evaluate does
 

@@ -190,6 +190,14 @@ class CachedOutput(NamedTuple):
     cache: KVCache
 
 
+def causal_allowed(attention_mask_BS, B: int, S: int):
+    """bool [B, S, S]: query s may attend to key s' <= s that is not padding (mask 0)."""
+    allowed = jnp.tril(jnp.ones((S, S), bool))[None]
+    if attention_mask_BS is not None:
+        allowed = allowed & jnp.asarray(attention_mask_BS).astype(bool)[:, None, :]
+    return jnp.broadcast_to(allowed, (B, S, S))
+
+
 def causal_attention(q_BSND, k_BSND, v_BSNC, allowed_BSS, scale: float, block_rows: int = 256):
     """softmax(q k^T * scale, masked) v per head (N heads, D query/key and C value channels), in
     transformers' order of operations (scores scaled after the matmul, softmax in float32, weights
@@ -313,14 +321,10 @@ class DeepseekV3ForCausalLM(nnx.Module):
         B, S = input_ids_BS.shape
         x = self.model.embed_tokens[...][input_ids_BS]
         cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S) if positions_BS is None else positions_BS, x.dtype)
-        allowed = jnp.tril(jnp.ones((S, S), bool))[None]
-        if attention_mask_BS is not None:
-            allowed = allowed & attention_mask_BS.astype(bool)[:, None, :]
-        allowed = jnp.broadcast_to(allowed, (B, S, S))
+        allowed = causal_allowed(attention_mask_BS, B, S)
         routings, moe_inputs = {}, {}
         for l, layer in enumerate(self.model.layers):
-            mask = None if expert_masks_LE is None or not layer.is_moe else expert_masks_LE[l]
-            x, routing, z = layer(x, cos, sin, allowed, mask, forward_only)
+            x, routing, z = layer(x, cos, sin, allowed, self._layer_mask(expert_masks_LE, l), forward_only)
             if routing is not None:
                 routings[l], moe_inputs[l] = routing, z.reshape(B * S, -1)
         logits = self._logits(x)
@@ -348,7 +352,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         kept. Logits of the last position only unless last_only=False."""
         B, P = input_ids_BP.shape
         mask = attention_mask_BP.astype(bool)
-        allowed_BPP = jnp.tril(jnp.ones((P, P), bool))[None] & mask[:, None, :]
+        allowed_BPP = causal_allowed(mask, B, P)
         x = self.model.embed_tokens[...][input_ids_BP]
         cos, sin = rope_lib.cos_sin(self.config, positions_BP, x.dtype)
         layers = []
