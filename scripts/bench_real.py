@@ -58,14 +58,14 @@ def moonlight_checkpoint(path: Path) -> None:
     import ml_dtypes
     from flax import nnx
 
-    from moejax.hf.mapping import param_shapes, tensor_specs
+    from moejax.hf.mapping import tensor_specs
     from moejax.hf.safetensors_io import write_checkpoint
     from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
     from moejax.models.deepseek_v3.presets import PRESETS
 
     raw = {**PRESETS["moonlight-16b-a3b"], "num_hidden_layers": 4, "vocab_size": 32768}
     cfg = DeepseekV3Config.from_dict(raw)
-    specs = tensor_specs(cfg, param_shapes(nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg))))
+    specs = tensor_specs(cfg)
     rng = np.random.default_rng(0)
 
     def tensors():

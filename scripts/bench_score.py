@@ -93,7 +93,7 @@ def compute(tokens: int) -> None:
 def memory(tokens: int, layers: int) -> None:
     import ml_dtypes
 
-    from moejax.hf.mapping import param_shapes, tensor_specs
+    from moejax.hf.mapping import tensor_specs
     from moejax.hf.safetensors_io import write_checkpoint
     from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -101,7 +101,7 @@ def memory(tokens: int, layers: int) -> None:
 
     raw = moonlight(layers)
     cfg = DeepseekV3Config.from_dict(raw)
-    specs = tensor_specs(cfg, param_shapes(nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg))))
+    specs = tensor_specs(cfg)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(dir=os.environ.get("MOEJAX_BENCH_DIR")) as tmp:
         ckpt = Path(tmp) / "moonlight-8l"

@@ -1,6 +1,16 @@
-"""DeepSeek-V3 family (DeepSeek-V3/R1, Kimi-K2, Moonlight) in Flax NNX."""
+"""DeepSeek-V3 family (DeepSeek-V3/R1, Kimi-K2, Moonlight) in Flax NNX.
+
+The model is imported lazily, so the config (read by JAX-free checkpoint tools such as `moejax
+inspect`) does not pull in JAX."""
 
 from moejax.models.deepseek_v3.config import DeepseekV3Config
-from moejax.models.deepseek_v3.model import DeepseekV3ForCausalLM
 
 __all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM"]
+
+
+def __getattr__(name):
+    if name == "DeepseekV3ForCausalLM":
+        from moejax.models.deepseek_v3.model import DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

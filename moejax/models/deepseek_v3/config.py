@@ -1,6 +1,10 @@
 """DeepSeek-V3-family configuration (DeepSeek-V3/V3.1/R1, Kimi-K2, Moonlight): read `config.json`,
 resolve the rope settings the way transformers does, refuse what moejax does not implement.
 
+Every key moejax reads is checked for its type and range before use (an integer size must be a
+JSON integer, not `"8"`, `8.0` or `true`); every problem found is reported together in one
+`ConfigError` that names the file, the key, the value given and what was expected.
+
 `raw` keeps the file's dictionary untouched, so a checkpoint written back carries an equivalent
 (indeed identical) config, quantization_config and unknown keys included.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from pathlib import Path
 
 from moejax.errors import ConfigError
@@ -58,7 +63,12 @@ class DeepseekV3Config:
     tie_word_embeddings: bool = False
     rope_interleave: bool = True
     attention_bias: bool = False
+    # multi-token-prediction layers on disk: indices num_hidden_layers .. num_hidden_layers + this - 1
+    num_nextn_predict_layers: int = 0
     rope: RopeConfig = RopeConfig()
+    # moe_sparsity_config.num_experts of a checkpoint pruned per layer (one entry a layer, None for
+    # dense layers); None when the config has none. See `experts_in_layer`.
+    layer_num_experts: tuple[int | None, ...] | None = None
     raw: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # --- derived sizes -------------------------------------------------------------------
@@ -73,6 +83,26 @@ class DeepseekV3Config:
     def moe_layers(self) -> list[int]:
         return [l for l in range(self.num_hidden_layers) if self.is_moe_layer(l)]
 
+    def experts_in_layer(self, layer: int) -> int:
+        """The routed experts decoder layer `layer` holds: its entry of moe_sparsity_config.num_experts
+        when the config lists per-layer counts (a checkpoint pruned per layer, read with
+        uniform_experts=False), n_routed_experts otherwise; 0 for a dense layer. MTP layers
+        (num_hidden_layers .. num_hidden_layers + num_nextn_predict_layers - 1) count too."""
+        n_layers = self.num_hidden_layers + self.num_nextn_predict_layers
+        try:
+            index = operator.index(layer)
+        except TypeError:
+            index = None
+        if index is None or isinstance(layer, bool) or not 0 <= index < n_layers:
+            raise ConfigError(f"experts_in_layer: layer={layer!r}; expected an integer in [0, {n_layers}) "
+                              f"(num_hidden_layers={self.num_hidden_layers} + num_nextn_predict_layers="
+                              f"{self.num_nextn_predict_layers})")
+        if not self.is_moe_layer(index):
+            return 0
+        if self.layer_num_experts is not None and index < len(self.layer_num_experts):
+            return self.layer_num_experts[index]
+        return self.n_routed_experts
+
     @property
     def quantization_config(self) -> dict | None:
         return self.raw.get("quantization_config")
@@ -86,79 +116,105 @@ class DeepseekV3Config:
 
     # --- reading -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "DeepseekV3Config":
+    def from_dict(cls, d: dict, source: str = "config", *, uniform_experts: bool = True) -> "DeepseekV3Config":
+        """Read a config.json dictionary. Wrong types and ranges, inconsistent sizes and settings
+        moejax does not implement are all collected and raised as one ConfigError.
+
+        uniform_experts: refuse (the default) a moe_sparsity_config.num_experts that gives layers
+        different expert counts, as the model builds every MoE layer with n_routed_experts. Tools that
+        only read a per-layer-pruned checkpoint pass False and ask `experts_in_layer`."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object (a DeepSeek-V3 config), got {_show(d)}")
         d = dict(d)
         if "text_config" in d and "hidden_size" not in d:
             raise ConfigError(f"{source}: multimodal config (text_config) is not supported; "
                               "pass the text model's config")
         model_type = d.get("model_type")
         archs = d.get("architectures") or [ARCHITECTURE]
+        if not isinstance(archs, list):
+            raise ConfigError(f"{source}: architectures={_show(archs)}, expected a list of class names")
         if model_type not in MODEL_TYPES or ARCHITECTURE not in archs:
             raise ConfigError(f"{source}: model_type={model_type!r}, architectures={archs}; expected model_type "
                               f"in {list(MODEL_TYPES)} with architecture {ARCHITECTURE}")
-        problems = []
+        problems: list[str] = []        # wrong types, ranges and inconsistencies
+        unimplemented: list[str] = []   # valid settings moejax does not implement
+        given = {k: d[k] for k in _FIELD_RULES if k in d}
+        valid = _check_fields(given, problems)
+        for key in ("num_key_value_heads", "head_dim", "qk_head_dim", "moe_layer_freq"):
+            if d.get(key) is not None and _check(key, d[key], _POS_INT, problems):
+                valid[key] = d[key]
+
         if d.get("scoring_func", "sigmoid") != "sigmoid":
-            problems.append(f"scoring_func={d['scoring_func']!r} (only 'sigmoid' is implemented)")
+            unimplemented.append(f"scoring_func={d['scoring_func']!r} (only 'sigmoid' is implemented)")
         if d.get("topk_method", "noaux_tc") != "noaux_tc":
-            problems.append(f"topk_method={d['topk_method']!r} (only 'noaux_tc' is implemented)")
-        if d.get("moe_layer_freq", 1) != 1:
-            problems.append(f"moe_layer_freq={d['moe_layer_freq']!r} (only 1 is implemented)")
+            unimplemented.append(f"topk_method={d['topk_method']!r} (only 'noaux_tc' is implemented)")
+        if valid.get("moe_layer_freq", 1) != 1:
+            unimplemented.append(f"moe_layer_freq={d['moe_layer_freq']!r} (only 1 is implemented)")
         if d.get("hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act={d['hidden_act']!r} (only 'silu' is implemented)")
-        n_heads = d.get("num_attention_heads", cls.num_attention_heads)
-        if d.get("num_key_value_heads", n_heads) != n_heads:
-            problems.append(f"num_key_value_heads={d['num_key_value_heads']} differs from num_attention_heads="
-                            f"{n_heads} (MLA needs them equal)")
-        rope_dim = d.get("qk_rope_head_dim", cls.qk_rope_head_dim)
-        if d.get("head_dim", rope_dim) != rope_dim:
-            problems.append(f"head_dim={d['head_dim']} differs from qk_rope_head_dim={rope_dim} "
-                            "(transformers would use head_dim as the rope dimension)")
-        sparsity = d.get("moe_sparsity_config") or {}
-        counts = {n for n in sparsity.get("num_experts") or [] if n is not None}
-        if len(counts) > 1:
-            problems.append(f"moe_sparsity_config.num_experts gives layers different expert counts {sorted(counts)} "
-                            "(per-layer expert counts are not implemented; prune with one keep for every layer)")
-        rope = _rope_from_dict(d, problems)
-        if problems:
-            raise ConfigError(f"{source}: not implemented: " + "; ".join(problems))
-        names = {f.name for f in dataclasses.fields(cls)} - {"rope", "raw"}
-        kwargs = {k: d[k] for k in names if k in d and (d[k] is not None or k == "q_lora_rank")}
-        cfg = cls(**kwargs, rope=rope, raw=d)
-        cfg.validate(source)
-        return cfg
+            unimplemented.append(f"hidden_act={d['hidden_act']!r} (only 'silu' is implemented)")
+        merged = {**_DEFAULTS, **valid}
+        for name in given:              # a key given with a bad value has no usable value
+            if name not in valid:
+                merged.pop(name, None)
+        n_heads = merged.get("num_attention_heads")
+        if n_heads is not None and valid.get("num_key_value_heads", n_heads) != n_heads:
+            unimplemented.append(f"num_key_value_heads={d['num_key_value_heads']} differs from "
+                                 f"num_attention_heads={n_heads} (MLA needs them equal)")
+        rope_dim = merged.get("qk_rope_head_dim")
+        if rope_dim is not None and valid.get("head_dim", rope_dim) != rope_dim:
+            unimplemented.append(f"head_dim={d['head_dim']} differs from qk_rope_head_dim={rope_dim} "
+                                 "(transformers would use head_dim as the rope dimension)")
+        nope_dim = merged.get("qk_nope_head_dim")
+        if None not in (rope_dim, nope_dim) and valid.get("qk_head_dim", rope_dim + nope_dim) != rope_dim + nope_dim:
+            problems.append(f"qk_head_dim={d['qk_head_dim']} differs from qk_nope_head_dim + qk_rope_head_dim = "
+                            f"{nope_dim} + {rope_dim}")
+        rope = _rope_from_dict(d, merged, problems, unimplemented)
+        layer_counts = _layer_num_experts(d, merged, problems, unimplemented, uniform_experts)
+        problems += _relations(merged)
+        if problems or unimplemented:
+            raise ConfigError(_message(source, problems, unimplemented))
+        return cls(**given, rope=rope, layer_num_experts=layer_counts, raw=d)
 
     @classmethod
-    def from_json_file(cls, path) -> "DeepseekV3Config":
+    def from_json_file(cls, path, *, uniform_experts: bool = True) -> "DeepseekV3Config":
         path = Path(path)
         try:
-            d = json.loads(path.read_text())
+            text = path.read_bytes().decode("utf-8")
         except FileNotFoundError:
             raise ConfigError(f"{path}: config.json not found") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e}); config.json must be a UTF-8 JSON file") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
+        repeated: list[str] = []
+        try:
+            d = json.loads(text, object_pairs_hook=lambda pairs: _object_noting_repeats(pairs, repeated))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(d, source=str(path))
+        if repeated:
+            raise ConfigError(f"{path}: key(s) {sorted(set(repeated))} given more than once in one object "
+                              "(JSON readers keep the last silently); remove the repeats")
+        return cls.from_dict(d, source=str(path), uniform_experts=uniform_experts)
 
     def validate(self, source: str = "config") -> None:
-        E, G = self.n_routed_experts, self.n_group
-        if E % G:
-            raise ConfigError(f"{source}: n_routed_experts={E} is not divisible by n_group={G}")
-        if G > 1 and E // G < 2:
-            raise ConfigError(f"{source}: group-limited routing needs at least 2 experts per group, got {E // G}")
-        if not 1 <= self.topk_group <= G:
-            raise ConfigError(f"{source}: topk_group={self.topk_group} must lie in [1, n_group={G}]")
-        if self.num_experts_per_tok > self.topk_group * (E // G):
-            raise ConfigError(f"{source}: num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of "
-                              f"the chosen groups ({self.topk_group} x {E // G})")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"{source}: qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        """Check this config's fields (types, ranges, group routing): one ConfigError naming them all."""
+        problems: list[str] = []
+        given = {name: getattr(self, name) for name in _FIELD_RULES}
+        valid = _check_fields(given, problems)
+        problems += _relations(valid)
+        if problems:
+            raise ConfigError(_message(source, problems, []))
 
     def to_dict(self) -> dict:
         """The config as written to config.json: the source dictionary when there is one."""
         if self.raw:
             return dict(self.raw)
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("rope", "raw")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("rope", "raw", "layer_num_experts")}
         d.update(model_type="deepseek_v3", architectures=[ARCHITECTURE], num_key_value_heads=self.num_attention_heads,
                  scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1, hidden_act="silu")
+        if self.layer_num_experts is not None:
+            d["moe_sparsity_config"] = {"method": "prune", "num_experts": list(self.layer_num_experts)}
         rp = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta}
         if self.rope.rope_type == "yarn":
             rp.update({k: getattr(self.rope, k) for k in ("factor", "original_max_position_embeddings", "beta_fast",
@@ -167,29 +223,209 @@ class DeepseekV3Config:
         return d
 
 
-def _rope_from_dict(d: dict, problems: list) -> RopeConfig:
+# --- checking ------------------------------------------------------------------------------
+
+def _object_noting_repeats(pairs: list, repeated: list) -> dict:
+    """A JSON object as a dict; keys given more than once go to `repeated` (json keeps the last)."""
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                repeated.append(key)
+            seen.add(key)
+    return out
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# rule: (accepts(value), what was expected)
+_POS_INT = (lambda v: _is_int(v) and v > 0, "a positive integer")
+_NONNEG_INT = (lambda v: _is_int(v) and v >= 0, "a non-negative integer")
+_POS_INT_OR_NULL = (lambda v: v is None or (_is_int(v) and v > 0), "a positive integer or null")
+_POS_NUMBER = (lambda v: _is_number(v) and v > 0, "a positive finite number")
+_POS_NUMBER_OR_NULL = (lambda v: v is None or (_is_number(v) and v > 0), "a positive finite number or null")
+_NONNEG_NUMBER_OR_NULL = (lambda v: v is None or (_is_number(v) and v >= 0),
+                          "a non-negative finite number or null")
+_BOOL = (lambda v: isinstance(v, bool), "true or false")
+_STRING = (lambda v: isinstance(v, str), "a string")
+
+_FIELD_RULES = {
+    "vocab_size": _POS_INT, "hidden_size": _POS_INT, "intermediate_size": _POS_INT,
+    "moe_intermediate_size": _POS_INT, "num_hidden_layers": _POS_INT, "num_attention_heads": _POS_INT,
+    "n_shared_experts": _NONNEG_INT, "n_routed_experts": _POS_INT, "routed_scaling_factor": _POS_NUMBER,
+    "kv_lora_rank": _POS_INT, "q_lora_rank": _POS_INT_OR_NULL, "qk_rope_head_dim": _POS_INT,
+    "v_head_dim": _POS_INT, "qk_nope_head_dim": _POS_INT, "n_group": _POS_INT, "topk_group": _POS_INT,
+    "num_experts_per_tok": _POS_INT, "first_k_dense_replace": _NONNEG_INT, "norm_topk_prob": _BOOL,
+    "rms_norm_eps": _POS_NUMBER, "max_position_embeddings": _POS_INT, "tie_word_embeddings": _BOOL,
+    "rope_interleave": _BOOL, "attention_bias": _BOOL, "num_nextn_predict_layers": _NONNEG_INT,
+}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeepseekV3Config) if f.name in _FIELD_RULES}
+assert set(_FIELD_RULES) == {f.name for f in dataclasses.fields(DeepseekV3Config)} - {
+    "rope", "raw", "layer_num_experts"}, "every config field needs a rule"
+
+_ROPE_RULES = {
+    "rope_type": _STRING, "type": _STRING, "rope_theta": _POS_NUMBER, "factor": _POS_NUMBER_OR_NULL,
+    "original_max_position_embeddings": _POS_INT_OR_NULL, "beta_fast": _POS_NUMBER_OR_NULL,
+    "beta_slow": _POS_NUMBER_OR_NULL, "mscale": _NONNEG_NUMBER_OR_NULL, "mscale_all_dim": _NONNEG_NUMBER_OR_NULL,
+    "attention_factor": _POS_NUMBER_OR_NULL, "truncate": _BOOL,
+}
+
+
+def _show(value) -> str:
+    """The value as the file spells it, and its Python type: `"8" (str)`, `true (bool)`."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _check(key: str, value, rule, problems: list) -> bool:
+    ok, expected = rule
+    if ok(value):
+        return True
+    problems.append(f"{key}={_show(value)}, expected {expected}")
+    return False
+
+
+def _check_fields(given: dict, problems: list) -> dict:
+    """The fields of `given` that pass their rule; a problem for each that does not."""
+    return {k: v for k, v in given.items() if _check(k, v, _FIELD_RULES[k], problems)}
+
+
+def _relations(v: dict) -> list[str]:
+    """Constraints between fields, over those that passed their own check (`v`)."""
+    out = []
+    E, G, k, tg = (v.get(n) for n in ("n_routed_experts", "n_group", "num_experts_per_tok", "topk_group"))
+    if E is not None and k is not None and k > E:
+        out.append(f"num_experts_per_tok={k} exceeds n_routed_experts={E}")
+    if E is not None and G is not None:
+        if E % G:
+            out.append(f"n_routed_experts={E} is not divisible by n_group={G}")
+        elif G > 1 and E // G < 2:
+            out.append(f"group-limited routing needs at least 2 experts per group, got n_routed_experts={E} / "
+                       f"n_group={G} = {E // G}")
+        elif tg is not None and k is not None and 1 <= tg <= G and k <= E and k > tg * (E // G):
+            out.append(f"num_experts_per_tok={k} exceeds the experts of the chosen groups "
+                       f"(topk_group={tg} x {E // G})")
+    if G is not None and tg is not None and not 1 <= tg <= G:
+        out.append(f"topk_group={tg} must lie in [1, n_group={G}]")
+    if v.get("qk_rope_head_dim") is not None and v["qk_rope_head_dim"] % 2:
+        out.append(f"qk_rope_head_dim={v['qk_rope_head_dim']} must be even")
+    return out
+
+
+def _message(source: str, problems: list, unimplemented: list) -> str:
+    parts = list(problems)
+    if unimplemented:
+        parts.append("not implemented: " + "; ".join(unimplemented))
+    return f"{source}: " + "; ".join(parts)
+
+
+def _layer_num_experts(d: dict, v: dict, problems: list, unimplemented: list,
+                       uniform: bool) -> tuple | None:
+    """moe_sparsity_config.num_experts, checked: one entry per decoder layer (MTP layers optional),
+    null for a dense layer, a positive integer <= n_routed_experts for a MoE layer."""
+    sparsity = d.get("moe_sparsity_config")
+    if sparsity is None:
+        return None
+    if not isinstance(sparsity, dict):
+        problems.append(f"moe_sparsity_config={_show(sparsity)}, expected an object")
+        return None
+    counts = sparsity.get("num_experts")
+    if counts is None:
+        return None
+    key = "moe_sparsity_config.num_experts"
+    if not isinstance(counts, list):
+        problems.append(f"{key}={_show(counts)}, expected a list with one entry per layer")
+        return None
+    L, mtp, k0, E = (v.get(n) for n in ("num_hidden_layers", "num_nextn_predict_layers",
+                                        "first_k_dense_replace", "n_routed_experts"))
+    if L is not None and mtp is not None and len(counts) not in (L, L + mtp):
+        lengths = f"{L}" + (f" or {L + mtp}" if mtp else "")
+        problems.append(f"{key} has {len(counts)} entries, expected {lengths} (num_hidden_layers="
+                        f"{L}, num_nextn_predict_layers={mtp})")
+    ok = True
+    for layer, n in enumerate(counts):
+        dense = k0 is not None and layer < k0
+        if n is None:
+            if k0 is not None and not dense:
+                problems.append(f"{key}[{layer}]=null, but layer {layer} is a MoE layer (first_k_dense_replace="
+                                f"{k0}); expected a positive integer")
+                ok = False
+        elif not _check(f"{key}[{layer}]", n, (_POS_INT[0], "a positive integer (null for a dense layer)"),
+                        problems):
+            ok = False
+        elif dense:
+            problems.append(f"{key}[{layer}]={n}, but layer {layer} is dense (first_k_dense_replace={k0}); "
+                            "expected null")
+            ok = False
+        elif E is not None and n > E:
+            problems.append(f"{key}[{layer}]={n} exceeds n_routed_experts={E}")
+            ok = False
+    distinct = sorted({n for n in counts if _is_int(n)})
+    if uniform and len(distinct) > 1:
+        unimplemented.append(f"{key} gives layers different expert counts {distinct} (per-layer expert counts "
+                             "are not implemented; prune with one keep for every layer)")
+        ok = False
+    elif uniform and ok and E is not None and distinct and distinct != [E]:
+        problems.append(f"{key} gives every MoE layer {distinct[0]} experts but n_routed_experts={E}")
+        ok = False
+    return tuple(counts) if ok else None
+
+
+def _rope_from_dict(d: dict, v: dict, problems: list, unimplemented: list) -> RopeConfig:
     """transformers' resolution: `rope_scaling` wins over `rope_parameters`; a `rope_theta` inside the
-    dict wins over the top-level one; `type` is the legacy key of `rope_type`."""
-    rp = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-    rp.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-    rp.setdefault("rope_type", rp.get("type", "default"))
-    rope_type = rp["rope_type"]
-    if rope_type == "default":
-        return RopeConfig(theta=float(rp["rope_theta"]))
-    if rope_type != "yarn":
-        problems.append(f"rope_type={rope_type!r} (only 'default' and 'yarn' are implemented)")
+    dict wins over the top-level one; `type` is the legacy key of `rope_type`. `v`: the top-level
+    fields that passed their checks. Returns a placeholder when something is wrong (and noted)."""
+    n_problems = len(problems)
+    where, rp = None, {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = d.get(key)
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{key}={_show(value)}, expected an object (or null)")
+        elif value and not rp:
+            where, rp = key, dict(value)
+    for name, rule in _ROPE_RULES.items():
+        if name in rp:
+            _check(f"{where}.{name}", rp[name], rule, problems)
+    for name in ("rope_theta", "original_max_position_embeddings"):
+        if d.get(name) is not None:
+            _check(name, d[name], _ROPE_RULES[name], problems)
+    theta_key = f"{where}.rope_theta" if "rope_theta" in rp else "rope_theta"
+    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+    if theta is None and "rope_theta" not in rp:
+        problems.append(f"{theta_key}=null, expected {_POS_NUMBER[1]}")
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if len(problems) > n_problems:
         return RopeConfig()
-    omp = d.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") \
-        or d.get("max_position_embeddings", 4096)
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    if rope_type != "yarn":
+        unimplemented.append(f"rope_type={rope_type!r} (only 'default' and 'yarn' are implemented)")
+        return RopeConfig()
+    max_pos = v.get("max_position_embeddings")
+    omp = d.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or max_pos
     factor = rp.get("factor")
+    if omp is None or (factor is None and max_pos is None):
+        return RopeConfig()             # max_position_embeddings was wrong (and noted)
     if factor is None:
-        factor = d.get("max_position_embeddings", 4096) / omp
+        factor = max_pos / omp
+    optional = {k: None if rp.get(k) is None else float(rp[k]) for k in ("mscale", "mscale_all_dim",
+                                                                          "attention_factor")}
     return RopeConfig(
-        rope_type="yarn", theta=float(rp["rope_theta"]), factor=float(factor),
-        original_max_position_embeddings=int(omp),
+        rope_type="yarn", theta=float(theta), factor=float(factor), original_max_position_embeddings=int(omp),
         beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
-        mscale=rp.get("mscale"), mscale_all_dim=rp.get("mscale_all_dim"),
-        attention_factor=rp.get("attention_factor"), truncate=bool(rp.get("truncate", True)))
+        truncate=rp.get("truncate", True), **optional)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
