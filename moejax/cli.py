@@ -1,13 +1,14 @@
 """The `moejax` command for checkpoint tools (experiments go through `python -m moejax.run`).
 
-    moejax score CKPT (--text PATH... | --tokens FILE.npy) [--seq-len 512] [--max-tokens N]
+    moejax score CKPT (--text PATH... | --tokens FILE.npy) [--seq-len N] [--max-tokens N]
                  [--scores frequency,reap,...] [--batch-size B] [--dtype bfloat16]
                  [--mesh-expert 8] [--mesh-data 1] --out scores.parquet
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
                  [--layers-keep FILE.json] [--group-aware | --collapse-groups] [--drop-mtp] [--overwrite]
     moejax inspect CKPT [--json]
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
-    moejax diff SRC PRUNED [--hash] [--json]
+    moejax diff SRC PRUNED [--hash] [--json]       (exit 1 when a check fails)
+    moejax clean FOLDER...                          (stale staging folders of killed runs)
 """
 
 from __future__ import annotations
@@ -91,10 +92,15 @@ def _prune(args) -> None:
 def _diff(args) -> None:
     import json
 
-    from moejax.surgery.diff import diff_checkpoints, format_diff
+    from moejax.surgery.diff import diff_checkpoints, failed_checks, format_diff
 
     report = diff_checkpoints(args.src, args.pruned, hash_tensors=args.hash)
     print(json.dumps(report, indent=2) if args.json else format_diff(report))
+    failed = failed_checks(report)
+    if failed:
+        print(f"moejax diff: checks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv=None) -> int:
@@ -105,7 +111,8 @@ def main(argv=None) -> int:
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--text", nargs="+", help="text files, folders or globs")
     data.add_argument("--tokens", help="pre-tokenised ids, a .npy int array [n_seq, seq_len]")
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--scores", default=None, help="comma-separated; default: all nine")
     p.add_argument("--batch-size", type=int, default=8)
@@ -142,13 +149,51 @@ def main(argv=None) -> int:
     from moejax.hf.inspect import register_cli
 
     register_cli(sub)
+    p = sub.add_parser("clean", help="remove staging folders left in FOLDER by a killed prune or save")
+    p.add_argument("folder", nargs="+", help="folders that held the destination of the killed command")
+    p.set_defaults(func=_clean)
+
     args = parser.parse_args(argv)
+    return run_command(f"moejax {args.command}", lambda: args.func(args))
+
+
+def run_command(prog: str, command) -> int:
+    """Run `command()` and turn every expected failure into one line on stderr and an exit status:
+    2 for moejax's own errors (bad input, named), 1 for an OS error (disk full, read-only output:
+    the path and the errno), 128 + signal number for SIGINT / SIGTERM. Staging folders are already
+    gone by then (`staged_directory`). Anything else is a bug and keeps its traceback."""
+    import signal
+
+    from moejax.signals import Killed
+
     try:
-        args.func(args)
+        status = command()
     except MoejaxError as e:
-        print(f"moejax {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except OSError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a write (inside one, KillSwitch raises Killed)
+        print(f"{prog}: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Killed as e:
+        print(f"{prog}: {e}; its staging folder was removed, nothing was written", file=sys.stderr)
+        return 128 + e.signum
+    return status if isinstance(status, int) else 0
+
+
+def _clean(args) -> None:
+    from pathlib import Path
+
+    from moejax.hf.safetensors_io import remove_stale_staging
+
+    for folder in args.folder:
+        if not Path(folder).is_dir():
+            raise MoejaxError(f"{folder}: not a folder")
+        removed = remove_stale_staging(Path(folder))
+        print(f"{folder}: removed {len(removed)} stale staging folder(s)" +
+              "".join(f"\n  {path.name}" for path in removed))
 
 
 if __name__ == "__main__":

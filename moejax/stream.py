@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.errors import CheckpointError
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
 from moejax.models.deepseek_v3 import rope as rope_lib
 from moejax.models.deepseek_v3.model import DecoderLayer, causal_allowed
@@ -38,6 +39,11 @@ def batch_geometry(cfg, ids_BS, mask_BS, dtype):
 def _embed(ckpt: OpenCheckpoint, batches, dtype) -> list:
     (spec,) = [s for s in ckpt.specs if s.param == "model.embed_tokens"]
     table = ckpt.reader.read(spec.hf_name)  # [V, H], one tensor; dropped after the lookup
+    used = np.unique(np.concatenate([np.asarray(ids).ravel() for ids, _ in batches]))
+    bad = used[~np.isfinite(table[used].astype(np.float32)).all(axis=1)]
+    if bad.size:
+        raise CheckpointError(f"{spec.hf_name} in {ckpt.reader.shard_of(spec.hf_name).name}: non-finite values "
+                              f"(NaN or inf) in the rows of token id(s) {bad[:16].tolist()}, which the data uses")
     return [jnp.asarray(table[np.asarray(ids)].astype(jnp.dtype(dtype))) for ids, _ in batches]
 
 

@@ -145,3 +145,20 @@ def quantize(fmt):
             return [(name, w)]
         return quantised_linear(name, w, fmt)
     return transform
+
+
+# --- complete checkpoints without transformers (headers and shapes from the config) -----------
+
+def full_config(**overrides) -> dict:
+    """A complete, valid DeepSeek-V3 config.json dictionary: BASE with model_type and architectures,
+    then `overrides` (remember num_key_value_heads when changing num_attention_heads)."""
+    return {**BASE, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **overrides}
+
+
+def spec_shapes(config: dict) -> list[tuple[str, tuple]]:
+    """(name, HF shape) of every tensor a checkpoint of `config` must hold, in file order: what
+    moejax.hf.check expects, so a fixture built from it is complete (quantised Linears aside)."""
+    from moejax.hf.mapping import tensor_specs
+    from moejax.models.deepseek_v3.config import DeepseekV3Config
+
+    return [(s.hf_name, s.hf_shape) for s in tensor_specs(DeepseekV3Config.from_dict(config, uniform_experts=False))]

@@ -62,7 +62,7 @@ def test_stray_and_mtp_tensors_are_skipped_then_carried(source, tmp_path, caplog
                       ("model.layers.3.embed_tokens.weight", np.ones((2, 3), np.float32))]  # MTP layer (L=3)
         return items
 
-    src = rewrite(source, tmp_path / "extras", add_extras)
+    src = rewrite(source, tmp_path / "extras", add_extras, {"num_nextn_predict_layers": 1})
     with caplog.at_level("INFO", logger="moejax.hf.model_io"):
         model = DeepseekV3ForCausalLM.from_pretrained(src)
     assert "not used by the forward" in caplog.text

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hf_fixtures import QUANT_CONFIGS
+from hf_fixtures import QUANT_CONFIGS, full_config, spec_shapes
 from hf_fixtures import quantised_linear as fixture_linear
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf import quant
@@ -129,6 +130,12 @@ def test_tied_embeddings_count_once_and_fully_active(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 HIDDEN, INTER, VOCAB, EXPERTS, TOP_K = 64, 128, 50, 4, 2
+# Layers 0 (dense) and 1 (MoE) plus MTP layer 2; group routing over 2 groups of 2 experts.
+SMALL = dict(num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=1, hidden_size=HIDDEN,
+             moe_intermediate_size=INTER, vocab_size=VOCAB, n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K,
+             n_group=2, topk_group=1)
+MLP_LINEAR = re.compile(r"\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj\.weight$")
+ATTN_LINEAR = re.compile(r"\.self_attn\.\w+_proj(_with_mqa)?\.weight$")
 
 
 def quantised_linear(name, w, fmt):
@@ -136,33 +143,38 @@ def quantised_linear(name, w, fmt):
     return [(n, v.astype(np.int32) if n.endswith("weight_shape") else v) for n, v in fixture_linear(name, w, fmt)]
 
 
-def build_quantised(path, fmt):
-    """Layers 0 (dense) and 1 (MoE) plus an MTP layer 2 with its own embedding and MoE block;
-    expert and dense-MLP Linears quantised in `fmt`. Returns the arrays written, by name."""
+def mtp_shapes(config, layer):
+    """(name, shape) of a DeepSeek-V3 MTP layer at decoder index `layer`: a full decoder layer (its
+    shapes as tensor_specs gives them for a model one layer deeper) plus its own embedding, norms,
+    projection and head."""
+    deeper = spec_shapes({**config, "num_hidden_layers": layer + 1, "num_nextn_predict_layers": 0})
+    stem = f"model.layers.{layer}."
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    return [(n, s) for n, s in deeper if n.startswith(stem)] + [
+        (stem + "embed_tokens.weight", (vocab, hidden)), (stem + "enorm.weight", (hidden,)),
+        (stem + "hnorm.weight", (hidden,)), (stem + "eh_proj.weight", (hidden, 2 * hidden)),
+        (stem + "shared_head.norm.weight", (hidden,)), (stem + "shared_head.head.weight", (vocab, hidden))]
+
+
+def build_checkpoint(path, fmt=None, alter=None, extra=(), **overrides):
+    """A complete checkpoint of full_config(**SMALL, **overrides): every tensor tensor_specs asks for
+    plus MTP layer 2. MLP Linears (experts, shared experts, dense MLP) quantised in `fmt` (FP8:
+    attention Linears too), as real releases store them; routers and balance biases F32, the rest
+    BF16. `alter(name, array)` may replace an array before writing; `extra` adds (name, array)
+    pairs. Returns the arrays written, by name."""
     rng = np.random.default_rng(0)
-
-    def dense(*shape):
-        return rng.standard_normal(shape).astype(np.float32)
-
-    tensors = [("model.embed_tokens.weight", dense(VOCAB, HIDDEN).astype(BF16)),
-               ("lm_head.weight", dense(VOCAB, HIDDEN).astype(BF16)),
-               ("model.norm.weight", dense(HIDDEN).astype(BF16)),
-               ("model.layers.0.input_layernorm.weight", dense(HIDDEN).astype(BF16))]
-    tensors += quantised_linear("model.layers.0.mlp.down_proj.weight", dense(HIDDEN, INTER), fmt)
-    for layer in (1, 2):
-        stem = f"model.layers.{layer}.mlp."
-        tensors += [(stem + "gate.weight", dense(EXPERTS, HIDDEN)),
-                    (stem + "gate.e_score_correction_bias", dense(EXPERTS))]
-        for e in range(EXPERTS):
-            for proj, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
-                                ("down_proj", (HIDDEN, INTER))):
-                tensors += quantised_linear(f"{stem}experts.{e}.{proj}.weight", dense(*shape), fmt)
-    tensors += [("model.layers.2.embed_tokens.weight", dense(VOCAB, HIDDEN).astype(BF16)),
-                ("model.layers.2.enorm.weight", dense(HIDDEN).astype(BF16)),
-                ("model.layers.2.eh_proj.weight", dense(HIDDEN, 2 * HIDDEN).astype(BF16))]
-    config = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": HIDDEN, "vocab_size": VOCAB,
-              "num_attention_heads": 4, "n_routed_experts": EXPERTS, "num_experts_per_tok": TOP_K,
-              "num_nextn_predict_layers": 1, "quantization_config": QUANT_CONFIGS[fmt]}
+    config = full_config(**{**SMALL, **overrides})
+    if fmt is not None:
+        config["quantization_config"] = QUANT_CONFIGS[fmt]
+    shapes = spec_shapes(config) + mtp_shapes(config, config["num_hidden_layers"])
+    tensors = []
+    for name, shape in shapes:
+        w = rng.standard_normal(shape).astype(np.float32)
+        if fmt is not None and (MLP_LINEAR.search(name) or (fmt == "fp8_block" and ATTN_LINEAR.search(name))):
+            tensors += quantised_linear(name, w, fmt)
+        else:
+            tensors.append((name, w if ".mlp.gate." in name else w.astype(BF16)))
+    tensors = [(n, alter(n, a) if alter else a) for n, a in tensors] + list(extra)
     write_checkpoint(path, tensors, config, max_shard_bytes=60_000)
     return dict(tensors)
 
@@ -176,7 +188,7 @@ def logical_size(name, array, fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8_block", "int4_pack", "mxfp4"])
 def test_quantised_counts_packed_values_logically(tmp_path, fmt, no_tensor_data):
-    arrays = build_quantised(tmp_path / fmt, fmt)
+    arrays = build_checkpoint(tmp_path / fmt, fmt)
     report = inspect_checkpoint(tmp_path / fmt)
     sizes = {name: logical_size(name, array, fmt) for name, array in arrays.items()}
 
@@ -219,13 +231,13 @@ def test_repricing_replaces_scales(tmp_path):
     """Re-pricing experts in their own format gives the bytes quantize_* wrote (values and scales,
     so the old scales are not counted twice); re-pricing FP8 experts in BF16 drops their scale_inv
     tensors (2 bytes per value, nothing else)."""
-    arrays = build_quantised(tmp_path / "mx", "mxfp4")
+    arrays = build_checkpoint(tmp_path / "mx", "mxfp4")
     plan = plan_checkpoint(tmp_path / "mx")
     stored, mx_bf16 = plan["pricings"][0], next(p for p in plan["pricings"] if p["name"] == "experts MXFP4 / rest BF16")
     assert mx_bf16["bytes"]["routed_experts"] == stored["bytes"]["routed_experts"] == sum(
         a.nbytes for n, a in arrays.items() if ".experts." in n)
 
-    arrays = build_quantised(tmp_path / "fp8", "fp8_block")
+    arrays = build_checkpoint(tmp_path / "fp8", "fp8_block")
     plan = plan_checkpoint(tmp_path / "fp8")
     bf16 = next(p for p in plan["pricings"] if p["name"] == "experts BF16 / rest BF16")
     routed_values = sum(a.size for n, a in arrays.items() if ".experts." in n and n.endswith(".weight"))
@@ -235,18 +247,57 @@ def test_repricing_replaces_scales(tmp_path):
 
 
 def test_packed_tensor_of_the_wrong_dtype_is_named(tmp_path):
+    """A complete INT4 checkpoint but for one weight_packed stored as I64: 4-bit values would be
+    unpacked from the wrong element size, so the shared check refuses it, naming tensor and shard."""
     name = "model.layers.1.mlp.experts.0.up_proj.weight_packed"
-    tensors = [("model.layers.1.mlp.gate.weight", np.zeros((1, 8), np.float32)),
-               (name, np.zeros((4, 4), np.uint8))]
-    write_checkpoint(tmp_path / "c", tensors, {"num_hidden_layers": 2, "num_experts_per_tok": 1,
-                                               "quantization_config": QUANT_CONFIGS["int4_pack"]})
-    with pytest.raises(CheckpointError, match=rf"{name}.*dtype U8, expected I32 for int4_pack"):
+    build_checkpoint(tmp_path / "c", "int4_pack", alter=lambda n, a: a.astype(np.int64) if n == name else a)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} in model-\d+-of-\d+\.safetensors: "
+                                              r"dtype I64, expected I32 for int4_pack") as error:
+        inspect_checkpoint(tmp_path / "c")
+    assert "does not match its config.json" in str(error.value)
+    with pytest.raises(CheckpointError, match=re.escape(name)):
+        plan_checkpoint(tmp_path / "c")
+
+
+def test_bad_config_key_names_the_file(tmp_path):
+    """A size given as a string is refused by the config reader, naming config.json, the key, the
+    value as written and what was expected; a size left out takes DeepSeek-V3's default, which the
+    tensors then contradict."""
+    build_checkpoint(tmp_path / "c")
+    config_path = tmp_path / "c" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_hidden_layers": "2"}))
+    with pytest.raises(ConfigError, match=r"c/config\.json: num_hidden_layers=\"2\" \(str\), "
+                                          r"expected a positive integer"):
+        inspect_checkpoint(tmp_path / "c")
+
+    del config["num_hidden_layers"]  # the default is DeepSeek-V3's 61 layers
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"c: checkpoint does not match its config\.json:(.|\n)*"
+                                              r"tensor\(s\) missing"):
         inspect_checkpoint(tmp_path / "c")
 
 
-def test_missing_config_key_names_the_file(tmp_path):
-    write_checkpoint(tmp_path / "c", [("model.norm.weight", np.zeros(4, np.float32))], {"hidden_size": 4})
-    with pytest.raises(CheckpointError, match=r"config\.json: 'num_hidden_layers' must be a positive integer"):
+def test_surplus_decoder_layer_is_refused(tmp_path):
+    """num_hidden_layers=2 and num_nextn_predict_layers=1 allow layers 0..2: a layer 3 tensor is not
+    taken for another MTP layer (nor counted), it is refused, naming the layer."""
+    surplus = ("model.layers.3.input_layernorm.weight", np.ones(HIDDEN, BF16))
+    build_checkpoint(tmp_path / "c", extra=[surplus])
+    message = (r"decoder layer\(s\) \[3\] that config\.json does not account for: num_hidden_layers=2 and "
+               r"num_nextn_predict_layers=1 allow layers 0\.\.2(.|\n)*model\.layers\.3\.input_layernorm\.weight")
+    with pytest.raises(CheckpointError, match=message):
+        inspect_checkpoint(tmp_path / "c")
+    with pytest.raises(CheckpointError, match=message):
+        plan_checkpoint(tmp_path / "c")
+
+
+def test_router_stored_as_integers_is_refused(tmp_path, no_tensor_data):
+    """A router of I32 bit patterns would be ranked as numbers by anything reading it: refused,
+    naming the tensor, from the header alone."""
+    name = "model.layers.1.mlp.gate.weight"
+    build_checkpoint(tmp_path / "c", alter=lambda n, a: a.view(np.int32) if n == name else a)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} in model-\d+-of-\d+\.safetensors: dtype I32, "
+                                              r"expected one of \['BF16', 'F16', 'F32'\]"):
         inspect_checkpoint(tmp_path / "c")
 
 
@@ -278,18 +329,21 @@ def write_sparse_checkpoint(path, tensors, config):
     return offset
 
 
+def big_config(experts=16, heads=128):
+    """One MoE layer (no dense layer, no shared expert) of `experts` BF16 experts of 3 x 2**31
+    values each (12.9 GB per expert), a 1024-token vocabulary, BASE's small attention ranks."""
+    return full_config(num_hidden_layers=1, first_k_dense_replace=0, hidden_size=BIG_HIDDEN,
+                       moe_intermediate_size=BIG_INTER, vocab_size=1024, num_attention_heads=heads,
+                       num_key_value_heads=heads, n_routed_experts=experts, n_shared_experts=0, n_group=1,
+                       topk_group=1, num_experts_per_tok=2)
+
+
 def big_moe(path, experts=16, heads=128):
-    """One MoE layer of `experts` BF16 experts of 3 x 2**31 values each (12.9 GB per expert)."""
-    tensors = {"model.embed_tokens.weight": ("BF16", (1024, BIG_HIDDEN)),
-               "model.layers.0.input_layernorm.weight": ("BF16", (BIG_HIDDEN,)),
-               "model.layers.0.mlp.gate.weight": ("BF16", (experts, BIG_HIDDEN))}
-    for e in range(experts):
-        stem = f"model.layers.0.mlp.experts.{e}."
-        tensors[stem + "gate_proj.weight"] = ("BF16", (BIG_INTER, BIG_HIDDEN))
-        tensors[stem + "up_proj.weight"] = ("BF16", (BIG_INTER, BIG_HIDDEN))
-        tensors[stem + "down_proj.weight"] = ("BF16", (BIG_HIDDEN, BIG_INTER))
-    config = {"num_hidden_layers": 1, "num_attention_heads": heads, "n_routed_experts": experts,
-              "num_experts_per_tok": 2, "hidden_size": BIG_HIDDEN}
+    """A complete header-only checkpoint of big_config: every tensor the config implies (names and
+    shapes from tensor_specs), BF16 but for the F32 balance bias. Returns the data bytes."""
+    config = big_config(experts, heads)
+    tensors = {name: ("F32" if name.endswith("e_score_correction_bias") else "BF16", shape)
+               for name, shape in spec_shapes(config)}
     return write_sparse_checkpoint(path, tensors, config)
 
 
@@ -297,39 +351,60 @@ def pricing(plan, name):
     return next(p for p in plan["pricings"] if p["name"] == name)
 
 
+def hand_shapes(config):
+    """The checkpoint of a one-MoE-layer config (big_config) counted by hand from DeepSeek-V3's
+    architecture, not from moejax: ([out, in] of each non-expert matrix, BF16 vector values)."""
+    H, V, E, heads = (config[k] for k in ("hidden_size", "vocab_size", "n_routed_experts", "num_attention_heads"))
+    q, kv, nope, rope, v = (config[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                 "qk_rope_head_dim", "v_head_dim"))
+    matrices = [(V, H), (V, H), (E, H),                          # embedding, lm_head, router
+                (q, H), (heads * (nope + rope), q),              # q_a_proj, q_b_proj
+                (kv + rope, H), (heads * (nope + v), kv),        # kv_a_proj_with_mqa, kv_b_proj
+                (H, heads * v)]                                  # o_proj
+    vectors = 3 * H + q + kv  # final norm, input and post-attention norms; q_a and kv_a norms
+    return matrices, vectors
+
+
+def fp8_bytes(rows, cols):
+    """One byte per value plus a float32 scale per 128x128 block (a partial block is a block)."""
+    return rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
+
+
 def test_plan_hand_computed(tmp_path, no_tensor_data):
     total = big_moe(tmp_path / "big")
     plan = plan_checkpoint(tmp_path / "big")
+    config, experts = big_config(), 16
     expert_matrix = BIG_INTER * BIG_HIDDEN  # 2**31 values
-    embed, norm, router = 1024 * BIG_HIDDEN, BIG_HIDDEN, 16 * BIG_HIDDEN
-    assert total == 2 * (16 * 3 * expert_matrix + embed + norm + router) == 206_294_876_160
+    matrices, vectors = hand_shapes(config)
+    bias = 4 * experts  # the F32 balance bias
+    other = 2 * sum(r * c for r, c in matrices) + 2 * vectors + bias
+    assert total == 2 * experts * 3 * expert_matrix + other == 206_637_236_368
 
     stored = pricing(plan, "as stored")
-    assert stored["bytes"] == {"routed_experts": 16 * 3 * 2 * expert_matrix,
-                               "other": 2 * (embed + norm + router), "total": total}
-    # 206.29 GB: H100 0.9*80 = 72 -> 4 (51.6 each); H200 126.9 -> 2; B200 162 -> 2; B300 259.2 -> 1;
+    assert stored["bytes"] == {"routed_experts": experts * 3 * 2 * expert_matrix, "other": other, "total": total}
+    # 206.64 GB: H100 0.9*80 = 72 -> 4 (51.7 each); H200 126.9 -> 2; B200 162 -> 2; B300 259.2 -> 1;
     # TPU v5p 85.5 -> 4
     assert stored["devices"] == {"H100": 4, "H200": 2, "B200": 2, "B300": 1, "TPU v5p": 4}
     assert pricing(plan, "experts BF16 / rest BF16")["bytes"] == stored["bytes"]
 
-    # FP8: one byte per value plus a 4-byte scale per 128x128 block; the norm keeps its 2 bytes
-    fp8_matrix = expert_matrix + 4 * (BIG_INTER // 128) * (BIG_HIDDEN // 128)
-    fp8_rest = (embed + 4 * 8 * 512) + (router + 4 * 1 * 512) + 2 * norm
+    # FP8: every matrix in FP8 blocks; the norms keep their 2 bytes, the bias its 4
+    fp8_rest = sum(fp8_bytes(r, c) for r, c in matrices) + 2 * vectors + bias
+    fp8_experts = experts * 3 * fp8_bytes(BIG_INTER, BIG_HIDDEN)
     fp8 = pricing(plan, "experts FP8 / rest FP8")
-    assert fp8["bytes"] == {"routed_experts": 16 * 3 * fp8_matrix, "other": fp8_rest,
-                            "total": 16 * 3 * fp8_matrix + fp8_rest} and fp8["bytes"]["total"] == 103_172_687_872
+    assert fp8["bytes"] == {"routed_experts": fp8_experts, "other": fp8_rest, "total": fp8_experts + fp8_rest}
+    assert fp8["bytes"]["total"] == 103_344_044_384
     assert fp8["devices"] == {"H100": 2, "H200": 1, "B200": 1, "B300": 1, "TPU v5p": 2}
 
     # MXFP4: half a byte per value plus one E8M0 byte per 32 values of a row
     mx_matrix = BIG_INTER * (BIG_HIDDEN // 2 + BIG_HIDDEN // 32)
     mx = pricing(plan, "experts MXFP4 / rest BF16")
-    assert mx["bytes"]["routed_experts"] == 16 * 3 * mx_matrix == 54_760_833_024
+    assert mx["bytes"]["routed_experts"] == experts * 3 * mx_matrix == 54_760_833_024
     assert mx["bytes"]["other"] == stored["bytes"]["other"]
     assert set(mx["devices"].values()) == {1}
     assert plan["constraints"] == {"routed_experts": [16], "num_attention_heads": 128, "max_devices": 1024}
     assert plan["units"] == "GB = 1e9 bytes" and plan["headroom"] == 0.9
     text = format_plan(plan)
-    assert "GB = 1e9 bytes" in text and "weights only" in text and "206.29 GB" in text
+    assert "GB = 1e9 bytes" in text and "weights only" in text and "206.64 GB" in text
 
 
 def test_plan_divisibility_bites(tmp_path):
@@ -337,15 +412,15 @@ def test_plan_divisibility_bites(tmp_path):
     devices = pricing(plan_checkpoint(tmp_path / "two_heads"), "as stored")["devices"]
     assert devices == {"H100": None, "H200": 2, "B200": 2, "B300": 1, "TPU v5p": None}  # 4 does not divide 2
 
-    big_moe(tmp_path / "twelve", experts=12)  # 154.75 GB
+    big_moe(tmp_path / "twelve", experts=12)  # 155.10 GB
     plan = plan_checkpoint(tmp_path / "twelve", extra_gpus={"small": 30, "H100": 40})
     devices = pricing(plan, "as stored")["devices"]
-    # small: 0.9*30 = 27 GB needs 8 (19.3 each), which does not divide 12 experts; H100 overridden
+    # small: 0.9*30 = 27 GB needs 8 (19.4 each), which does not divide 12 experts; H100 overridden
     # to 40 GB: 36 GB needs 8 too; H200 126.9 -> 2
     assert devices["small"] is None and devices["H100"] is None and devices["H200"] == 2
     assert plan["accelerators"]["H100"] == 40 and plan["accelerators"]["small"] == 30
     assert "no fit" in format_plan(plan)
-    assert pricing(plan, "experts FP8 / rest BF16")["devices"]["small"] == 4  # 77.4 GB / 4 = 19.4
+    assert pricing(plan, "experts FP8 / rest BF16")["devices"]["small"] == 4  # 77.8 GB / 4 = 19.5
 
 
 def test_smallest_device_count_rules():
@@ -361,7 +436,7 @@ def test_smallest_device_count_rules():
 
 def test_plan_argument_errors(tmp_path):
     path = tmp_path / "q"
-    build_quantised(path, "mxfp4")
+    build_checkpoint(path, "mxfp4")
     with pytest.raises(ConfigError, match="headroom"):
         plan_checkpoint(path, headroom=1.5)
     with pytest.raises(ConfigError, match="'X'.*positive number of GB"):

@@ -72,7 +72,9 @@ def test_tokenizer_json_and_npy_tokens(ckpt, tmp_path):
 @pytest.mark.parametrize("args,match", [
     (["--text", "/no/such/file.txt"], "no such file"),
     (["--text", "{empty}"], "no text files"),
-    (["--text", str(STDLIB_TEXT), "--seq-len", "100000"], "fewer than one sequence"),
+    (["--text", str(STDLIB_TEXT), "--seq-len", "100000"], "exceeds the model's max_position_embeddings=256"),
+    (["--text", str(STDLIB_TEXT), "--max-tokens", "0"], "max_tokens=0 (--max-tokens): expected a positive"),
+    (["--text", str(STDLIB_TEXT), "--max-tokens", "-5"], "max_tokens=-5"),
     (["--text", str(STDLIB_TEXT), "--scores", "frequency,magic"], "valid scores"),
     (["--tokens", "{bad_npy}"], "ids must lie in"),
 ])

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.layout import CheckpointLayout, checkpoint_layout
+from moejax.hf.check import PACKED_DTYPES, check_checkpoint
+from moejax.hf.layout import CheckpointLayout
 from moejax.hf.quant import FP8_BLOCK, MXFP4_GROUP_SIZE, QUANT_FORMATS, detect_format
 from moejax.hf.safetensors_io import CONFIG_NAME, DTYPE_BITS, CheckpointReader, TensorInfo
 
@@ -37,8 +38,6 @@ DEFAULT_HEADROOM = 0.9
 MAX_DEVICES = 1024
 
 PACKED_SUFFIX = "weight_packed"
-# Packed 4-bit formats: the dtype their `weight_packed` must have.
-_PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8"}
 
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.")
 _EMBEDDING = re.compile(r"^(?:.*\.)?embed_tokens\.weight$")
@@ -82,9 +81,9 @@ def companion_suffixes(fmt: str | None) -> frozenset[str]:
 def values_per_element(info: TensorInfo, fmt: str | None) -> int:
     """How many logical values one stored element holds: 8 for an INT4 ``weight_packed`` (I32), 2
     for an MXFP4 one (U8), else 1. A packed tensor of the wrong dtype is a corrupt checkpoint."""
-    if fmt not in _PACKED_DTYPES or _suffix(info.name) != PACKED_SUFFIX:
+    if fmt not in PACKED_DTYPES or _suffix(info.name) != PACKED_SUFFIX:
         return 1
-    expected = _PACKED_DTYPES[fmt]
+    expected = PACKED_DTYPES[fmt]
     if info.dtype != expected:
         raise CheckpointError(
             f"{info.file}: tensor {info.name!r} has dtype {info.dtype}, expected {expected} for "
@@ -124,10 +123,10 @@ class _Checkpoint:
 
 
 def _load(path) -> _Checkpoint:
-    reader = CheckpointReader(path)
+    checked = check_checkpoint(path, uniform_experts=False)  # the check every command runs first
+    reader, layout = checked.reader.reader, checked.layout
     config = reader.config()
-    fmt = detect_format(config.get("quantization_config"))
-    layout = checkpoint_layout(reader)
+    fmt = checked.fmt
     routed = layout.routed_names()
     tensors = {name: tensor_facts(reader.info(name), fmt, name in routed) for name in reader.keys()}
     return _Checkpoint(Path(path), config, fmt, layout, tensors)

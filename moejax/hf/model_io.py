@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import shutil
 from pathlib import Path
 
@@ -29,17 +28,15 @@ from flax import nnx
 
 from moejax.errors import CheckpointError
 from moejax.hf import quant
+from moejax.hf.check import check_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
-from moejax.hf.mapping import TensorSpec, get_path, param_shapes, tensor_specs
+from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
 from moejax.hf.safetensors_io import CheckpointReader, RawTensor, numpy_dtype, write_checkpoint
 from moejax.models.deepseek_v3.config import DeepseekV3Config
 from moejax.models.deepseek_v3.model import DeepseekV3ForCausalLM
 
 log = logging.getLogger(__name__)
 
-DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
-_STRAY = re.compile(r"\.rotary_emb\.inv_freq$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _ALWAYS_F32 = ("mlp.router", "mlp.bias")  # router weight and balance bias stay float32
 
 
@@ -51,16 +48,6 @@ class HFSource:
     dtypes: dict      # hf name -> safetensors dtype string
     carried: tuple    # hf names with no parameter (written back from the source as bytes)
     quantized: dict   # hf name of a quantised weight -> the on-disk tensors holding it
-
-
-def stored_as(reader: CheckpointReader, name: str, fmt: str | None) -> tuple[str, ...] | None:
-    """The on-disk tensors holding `name`: (name,) when dense, its quantised set, or None if absent."""
-    if fmt is not None and name.endswith("weight"):
-        quantized = quant.companion_tensor_names(name, fmt)
-        optional = [name[: -len("weight")] + sfx for sfx in quant.QUANT_FORMATS[fmt].optional_suffixes]
-        if all(n in reader for n in quantized):
-            return quantized + tuple(n for n in optional if n in reader)
-    return (name,) if name in reader else None
 
 
 def read_decoded(reader: CheckpointReader, name: str, stored: tuple, fmt: str | None, qcfg: dict | None):
@@ -79,58 +66,21 @@ def read_decoded(reader: CheckpointReader, name: str, stored: tuple, fmt: str | 
                              weight_zero_point=zero_point, name=name)
 
 
+def check_finite(value: np.ndarray, where: str) -> None:
+    """Raise naming `where` and the first bad position when `value` holds a NaN or an infinity."""
+    finite = np.isfinite(value)
+    if not finite.all():
+        bad = np.argwhere(~finite)
+        raise CheckpointError(f"{where}: {len(bad)} non-finite value(s) (NaN or inf), first at index "
+                              f"{tuple(int(i) for i in bad[0])}: {value[tuple(bad[0])]}")
+
+
 def _int4_group_size(qcfg: dict) -> int:
     sizes = {g.get("weights", {}).get("group_size") for g in (qcfg.get("config_groups") or {}).values()} - {None}
     if len(sizes) != 1:
         raise CheckpointError(f"quantization_config: expected one weights.group_size across config_groups, "
                               f"got {sorted(sizes)}")
     return sizes.pop()
-
-
-def _extra_tensors(cfg: DeepseekV3Config, names, expected: set) -> tuple[list, list]:
-    """Split the checkpoint's names the model has no parameter for into (carried, unexpected)."""
-    carried, unexpected = [], []
-    for name in names:
-        if name in expected:
-            continue
-        layer = _LAYER.match(name)
-        if _STRAY.search(name) or (layer and int(layer.group(1)) >= cfg.num_hidden_layers):
-            carried.append(name)  # MTP layer or a stray buffer: not part of the forward
-        else:
-            unexpected.append(name)
-    return carried, unexpected
-
-
-def check_checkpoint(cfg: DeepseekV3Config, reader: CheckpointReader, specs: list[TensorSpec],
-                     fmt: str | None) -> tuple[list[str], dict]:
-    """Every mismatch between the checkpoint and the config, as messages (empty = fine), and the
-    on-disk tensors of each expected tensor. Only headers are read."""
-    problems, stored = [], {}
-    missing = []
-    for s in specs:
-        on_disk = stored_as(reader, s.hf_name, fmt)
-        if on_disk is None:
-            missing.append(s.hf_name)
-            continue
-        stored[s.hf_name] = on_disk
-        where = f"{s.hf_name} in {reader.shard_of(on_disk[0]).name}"
-        info = reader.info(on_disk[0])
-        if on_disk == (s.hf_name,) or fmt == "fp8_block":  # dense, or FP8 (same name, same shape)
-            if tuple(info.shape) != tuple(s.hf_shape):
-                problems.append(f"{where}: shape {list(info.shape)}, expected {list(s.hf_shape)} from config.json")
-            allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(DENSE_DTYPES)
-            if info.dtype not in allowed:
-                problems.append(f"{where}: dtype {info.dtype}, expected one of {sorted(allowed)}")
-        elif info.shape[0] != s.hf_shape[0]:  # packed: rows are output features
-            problems.append(f"{s.hf_name[:-len('weight')]}weight_packed in {reader.shard_of(on_disk[0]).name}: "
-                            f"{info.shape[0]} rows, expected {s.hf_shape[0]} from config.json")
-    if missing:
-        hint = f" (quantised as {fmt})" if fmt else ""
-        problems.append(f"{len(missing)} tensor(s) missing{hint}, e.g. {missing[:5]}")
-    _, unexpected = _extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {sorted(unexpected)[:5]}")
-    return problems, stored
 
 
 @dataclasses.dataclass
@@ -150,9 +100,13 @@ class OpenCheckpoint:
         return [s for s in self.specs if s.param.startswith(prefix)]
 
     def read_param_tensor(self, s: TensorSpec, dtype) -> np.ndarray:
-        """One HF tensor decoded, transposed to the parameter's layout and cast."""
+        """One HF tensor decoded, transposed to the parameter's layout and cast; a NaN or infinity
+        (in the stored values or from the cast) is refused naming the tensor, so no score, kept set
+        or metric is ever computed from one."""
         value = read_decoded(self.reader, s.hf_name, self.stored[s.hf_name], self.fmt, self.config.quantization_config)
-        return (value.T if s.transpose else value).astype(dtype)
+        value = (value.T if s.transpose else value).astype(dtype)
+        check_finite(value, f"{s.hf_name} in {self.reader.shard_of(self.stored[s.hf_name][0]).name}")
+        return value
 
     def fill(self, abstract, specs: list[TensorSpec], dtype, prefix: str = "", mesh=None):
         """Materialise `abstract` (an nnx.eval_shape'd module) with the tensors of `specs`, whose
@@ -220,20 +174,14 @@ class OpenCheckpoint:
 
 
 def open_checkpoint(path) -> OpenCheckpoint:
-    """Read config.json and every safetensors header; raise every mismatch at once."""
-    path = Path(path)
-    cfg = DeepseekV3Config.from_json_file(path / "config.json")
-    reader = FusedExpertsReader(CheckpointReader(path))
-    fmt = quant.detect_format(cfg.quantization_config)
-    specs = tensor_specs(cfg, param_shapes(nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg))))
-    problems, stored = check_checkpoint(cfg, reader, specs, fmt)
-    if problems:
-        raise CheckpointError(f"{path}: checkpoint does not match its config.json:\n  - " + "\n  - ".join(problems))
-    carried, _ = _extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
-    if carried:
+    """Read config.json and every safetensors header (`moejax.hf.check.check_checkpoint`, the
+    check every command runs); raise every mismatch at once."""
+    checked = check_checkpoint(path)
+    if checked.carried:
         log.info("%s: %d tensor(s) not used by the forward (MTP layer, rotary_emb.inv_freq), kept for saving: %s",
-                 path, len(carried), carried[:3])
-    return OpenCheckpoint(path.resolve(), cfg, reader, fmt, specs, stored, carried)
+                 path, len(checked.carried), checked.carried[:3])
+    return OpenCheckpoint(checked.path, checked.config, checked.reader, checked.fmt, checked.specs, checked.stored,
+                          checked.carried)
 
 
 def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=None) -> DeepseekV3ForCausalLM:
@@ -281,7 +229,7 @@ def save_pretrained(model: DeepseekV3ForCausalLM, out_dir, *, max_shard_bytes: i
     out_dir = Path(out_dir)
     cfg = model.config
     source: HFSource | None = getattr(model, "hf_source", None)
-    specs = tensor_specs(cfg, param_shapes(model))
+    specs = tensor_specs(cfg)
     default = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(np.dtype(model.dtype), "BF16")
     reader = CheckpointReader(source.path) if source else None
     host = _HostParams(model)

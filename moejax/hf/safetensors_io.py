@@ -17,6 +17,8 @@ import math
 import os
 import secrets
 import shutil
+import socket
+import stat
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.errors import CheckpointError
+from moejax.signals import KillSwitch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD_NAME = "model.safetensors"
@@ -292,7 +295,8 @@ class CheckpointReader:
         self._headers: dict[Path, SafetensorsFile] = {}
         self._index_path = self.directory / INDEX_NAME
         if self._index_path.exists():
-            self._weight_map = _read_weight_map(self._index_path)
+            self._weight_map = _read_weight_map(self._index_path, allowed_root(self.directory))
+            self._check_index_lists_every_tensor()
         else:
             self._weight_map = self._map_from_shard_headers()
 
@@ -357,18 +361,60 @@ class CheckpointReader:
     def _map_from_shard_headers(self) -> dict[str, Path]:
         """Without an index, the shards' own headers say which tensor is where."""
         single = self.directory / SINGLE_SHARD_NAME
-        shards = [single] if single.exists() else sorted(self.directory.glob("*.safetensors"))
+        shards = [single] if single.exists() or single.is_symlink() else sorted(self.directory.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(
                 f"{self.directory}: no {INDEX_NAME}, no {SINGLE_SHARD_NAME} and no *.safetensors files")
+        root = allowed_root(self.directory)
         weight_map: dict[str, Path] = {}
         for path in shards:
+            check_regular_file(path, root, f"{self.directory}: shard {path.name!r}")
             for name in self._shard(path).keys():
                 if name in weight_map:
                     raise CheckpointError(f"{self.directory}: tensor {name!r} is in both "
                                           f"{weight_map[name].name} and {path.name}")
                 weight_map[name] = path
         return weight_map
+
+    def _check_index_lists_every_tensor(self) -> None:
+        """Every tensor of every indexed shard must be in the index, under that shard: a tensor the
+        index does not list would be invisible to every command and silently dropped by a copy."""
+        unlisted = []
+        for path in self.files():
+            listed = set(self.names_in(path))
+            unlisted += [f"{name!r} in {path.relative_to(self.directory)}"
+                         for name in self._shard(path).keys() if name not in listed]
+        if unlisted:
+            raise CheckpointError(f"{self._index_path}: {len(unlisted)} tensor(s) are in a shard but not in the "
+                                  f"index's weight_map (or listed under another shard), e.g. {unlisted[:3]}")
+
+
+def allowed_root(directory: Path) -> Path:
+    """The folder a checkpoint's files may resolve into: the checkpoint folder itself, or, for a
+    Hugging Face cache snapshot (`models--org--name/snapshots/REV/`, whose files are symlinks to
+    `../../blobs/HASH`), the cached repository's folder."""
+    directory = Path(directory)
+    if directory.resolve().parent.name == "snapshots" and (directory.resolve().parent.parent / "blobs").is_dir():
+        return directory.resolve().parent.parent
+    return directory.resolve()
+
+
+def check_regular_file(path: Path, root: Path, where: str) -> Path:
+    """`path` resolved, refused unless it is a regular file inside `root` (a symlink may point
+    anywhere inside it). Dangling links, link loops, FIFOs and devices are refused by name."""
+    try:
+        resolved = Path(path).resolve(strict=True)
+        mode = resolved.stat().st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: {path} does not exist (or is a dangling symbolic link)") from None
+    except (OSError, RuntimeError) as error:  # ELOOP, EACCES; RuntimeError: a loop on older Pythons
+        raise CheckpointError(f"{where}: {path} cannot be resolved: {error}") from None
+    if not resolved.is_relative_to(root):
+        raise CheckpointError(f"{where}: {path} resolves to {resolved}, outside the checkpoint folder {root}; "
+                              "refusing to read or copy files from elsewhere")
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{where}: {path} is not a regular file (a FIFO, device or folder)")
+    return resolved
 
 
 def read_json_object(path: Path) -> dict:
@@ -384,15 +430,21 @@ def read_json_object(path: Path) -> dict:
     return value
 
 
-def _read_weight_map(index_path: Path) -> dict[str, Path]:
-    """The index's weight_map with every shard checked to exist, so a missing shard fails now."""
+def _read_weight_map(index_path: Path, root: Path) -> dict[str, Path]:
+    """The index's weight_map with every shard checked before any is read: a relative path inside
+    the checkpoint folder (subfolders allowed), resolving to a regular file inside `root`."""
     weight_map = read_json_object(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not all(
             isinstance(name, str) and isinstance(shard, str) for name, shard in weight_map.items()):
         raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
     for shard in sorted(set(weight_map.values())):
-        if not (index_path.parent / shard).is_file():
+        relative = Path(shard)
+        if not shard or relative.is_absolute() or ".." in relative.parts or "\\" in shard:
+            raise CheckpointError(f"{index_path}: names shard {shard!r}; shard paths must be relative paths "
+                                  "inside the checkpoint folder")
+        if not (index_path.parent / shard).exists() and not (index_path.parent / shard).is_symlink():
             raise CheckpointError(f"{index_path}: names shard {shard!r}, which does not exist")
+        check_regular_file(index_path.parent / shard, root, f"{index_path}: shard {shard!r}")
     return {name: index_path.parent / shard for name, shard in weight_map.items()}
 
 
@@ -452,33 +504,107 @@ def write_checkpoint(
     return out_dir
 
 
+STAGING_MARKER = ".moejax-staging"  # inside every staging folder: who made it, so a later run may remove it
+
+
 @contextlib.contextmanager
 def staged_directory(out_dir: Path, overwrite: bool) -> Iterator[Path]:
     """A hidden sibling folder to write into; renamed to out_dir when the block completes, removed
-    when it raises (or is interrupted), so out_dir is either complete or untouched."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(6)}"
-    staging.mkdir()
+    when it raises, is interrupted (Ctrl-C) or terminated (SIGTERM: `moejax.signals.KillSwitch`
+    turns both into `Killed`), so out_dir is either complete or untouched. A SIGKILL cannot be caught: the folder's marker file lets the next run for the same
+    out_dir (or `moejax clean`) remove it once its process is gone."""
+    out_dir = Path(out_dir)
     try:
-        yield staging
-        _move_into_place(staging, out_dir, overwrite)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"{out_dir.parent}: cannot create the output's parent folder: {error}") from error
+    remove_stale_staging(out_dir.parent, out_dir.name)
+    staging = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(6)}"
+    with KillSwitch() as switch:
+        try:
+            staging.mkdir()
+            (staging / STAGING_MARKER).write_text(json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "destination": out_dir.name}) + "\n")
+            yield staging
+            switch.check()
+            (staging / STAGING_MARKER).unlink()
+            _move_into_place(staging, out_dir, overwrite)
+        except BaseException:
+            switch.stopped = True  # a second signal must not interrupt the clean-up
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def remove_stale_staging(folder: Path, destination: str | None = None) -> list[Path]:
+    """Remove the staging folders in `folder` (those for `destination` only, when given) that
+    moejax made (marker file inside) and whose process is gone (same host, pid not running).
+    Nothing else is touched: no marker, another host, or a live process means leave it. Returns
+    the folders removed."""
+    removed = []
+    pattern = f".{destination}.tmp-*" if destination else ".*.tmp-*"
+    for candidate in sorted(Path(folder).glob(pattern)):
+        marker = candidate / STAGING_MARKER
+        if candidate.is_symlink() or not candidate.is_dir() or not marker.is_file():
+            continue
+        try:
+            owner = json.loads(marker.read_text(encoding="utf-8"))
+            pid, host = int(owner["pid"]), owner["host"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if host != socket.gethostname() or _process_alive(pid):
+            continue
+        shutil.rmtree(candidate, ignore_errors=True)
+        removed.append(candidate)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def check_destination(out_dir: Path, overwrite: bool, protect: str | os.PathLike | None) -> None:
-    """Refuse before any work: an existing folder without overwrite, or a path that would write
-    into the source checkpoint or (by replacing a parent folder) delete it."""
+    """Refuse before any work: an existing folder without overwrite, a symbolic link (replacing it
+    would delete or write through a folder elsewhere), or a path that would write into the source
+    checkpoint or (by replacing a parent folder) delete it."""
+    out_dir = Path(out_dir)
     if protect is not None:
         protected, target = Path(protect).resolve(), out_dir.resolve()
         if target.is_relative_to(protected) or protected.is_relative_to(target):
             raise CheckpointError(f"{out_dir}: refusing to write into, or replace a folder holding, "
                                   f"the source checkpoint {protect}")
+    if out_dir.is_symlink():
+        raise CheckpointError(f"{out_dir}: is a symbolic link (to {os.readlink(out_dir)}); refusing to replace "
+                              "it or write through it: remove the link or choose another destination")
     if out_dir.exists() and not overwrite:
-        raise CheckpointError(f"{out_dir}: already exists; pass overwrite=True to replace it")
+        raise CheckpointError(f"{out_dir}: already exists; pass --overwrite (overwrite=True) to replace it")
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"{out_dir}: exists and is not a directory")
+    parent = next((p for p in out_dir.absolute().parents if p.exists()), None)
+    if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
+        raise CheckpointError(f"{out_dir}: cannot be created: {parent} is not a writable folder")
+
+
+def check_output_file(path: str | os.PathLike) -> Path:
+    """Make sure a result file can be written before the work that produces it: its folder is
+    created and a probe file written and removed there. Raises a one-line CheckpointError naming
+    the path and the OS error (read-only, missing permission, disk full, a file in the way)."""
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a folder; expected a file path for the output")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name}.probe-{secrets.token_hex(4)}"
+        probe.write_bytes(b"0" * 4096)
+        probe.unlink()
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot write the output here: {error}") from error
+    return path
 
 
 def _check_extra_file_names(extra_files: dict[str, bytes], writes_config: bool) -> None:
@@ -666,7 +792,7 @@ def _move_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
         staging.rename(out_dir)
         return
     if not overwrite:  # appeared while we were writing
-        raise CheckpointError(f"{out_dir}: already exists; pass overwrite=True to replace it")
+        raise CheckpointError(f"{out_dir}: already exists; pass --overwrite (overwrite=True) to replace it")
     retired = out_dir.parent / f".{out_dir.name}.old-{secrets.token_hex(6)}"
     out_dir.rename(retired)
     try:

@@ -31,6 +31,12 @@ class MeshConfig:
     def expert_parallel(self) -> bool:
         return self.expert > 1
 
+    def check_experts(self, n_experts: int, where: str) -> None:
+        """Routed experts must split evenly over the expert axis; refused before any work."""
+        if n_experts % self.expert:
+            raise ConfigError(f"mesh.expert={self.expert} (--mesh-expert) does not divide the {n_experts} routed "
+                              f"experts of {where}; choose a divisor of {n_experts}")
+
     @classmethod
     def from_dict(cls, d) -> "MeshConfig":
         d = dict(d or {})

@@ -10,18 +10,24 @@ import platform
 import time
 from pathlib import Path
 
-from moejax.errors import ConfigError
+import numpy as np
+
+from moejax.errors import CheckpointError, ConfigError
+from moejax.hf.safetensors_io import check_output_file
 from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.scoring.scores import check_score_names, compute_scores
 
+DEFAULT_SEQ_LEN = 512  # or the model's max_position_embeddings when that is shorter
 ALL_SCORES = ("frequency", "reap", "reap_code", "ean", "w_mean", "bias", "signed", "l1", "random")
 
 
-def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, max_tokens: int | None = None,
+def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None = None, max_tokens: int | None = None,
                      scores=ALL_SCORES, batch_size: int = 8, out=None, progress=None, dtype="float32",
                      mesh: MeshConfig | None = None):
     """Scores as a pandas DataFrame (layer, expert, score, value); written to `out` (parquet, plus
-    `out` with suffix .json) when given. Everything is checked before the pass starts.
+    `out` with suffix .json) when given. Everything is checked before the pass starts (the output
+    paths are created and written to, so a read-only or full disk fails now, not after the pass).
+    seq_len: tokens per packed text sequence; default 512, or max_position_embeddings if shorter.
     dtype: compute dtype of the pass ("float32", or "bfloat16" to halve the memory of a layer;
     routers and statistics stay float32/float64 either way). mesh: run the pass expert-parallel
     (routed experts split over mesh.expert devices); the scores are the same."""
@@ -39,12 +45,25 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, 
         raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
     if (text is None) == (tokens is None):
         raise ConfigError("give calibration data as text paths or as a tokens .npy file (exactly one)")
-    if seq_len < 1 or batch_size < 1:
-        raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
+    if (seq_len is not None and seq_len < 1) or batch_size < 1:
+        raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1 (--seq-len, --batch-size)")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"max_tokens={max_tokens} (--max-tokens): expected a positive number of tokens")
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
-    vocab = ckpt.config.vocab_size
+    if out is not None:  # before the pass, not after hours of it
+        check_output_file(out)
+        check_output_file(Path(out).with_suffix(".json"))
+    vocab, max_positions = ckpt.config.vocab_size, ckpt.config.max_position_embeddings
+    seq_len = min(DEFAULT_SEQ_LEN, max_positions) if seq_len is None else seq_len
+    if text is not None and seq_len > max_positions:
+        raise ConfigError(f"seq_len={seq_len} (--seq-len) exceeds the model's max_position_embeddings="
+                          f"{max_positions} (config.json)")
+    (mesh or MeshConfig()).check_experts(ckpt.config.n_routed_experts, str(checkpoint))
     if tokens is not None:
         ids, tokenizer = npy_tokens(tokens, vocab, max_tokens), f"pre-tokenised ({tokens})"
+        if ids.shape[1] > max_positions:
+            raise ConfigError(f"tokens file {tokens}: sequences of {ids.shape[1]} tokens exceed the model's "
+                              f"max_position_embeddings={max_positions} (config.json)")
     else:
         tok = Tokenizer(checkpoint, vocab)
         ids, tokenizer = text_tokens(text if isinstance(text, (list, tuple)) else [text], tok, seq_len, max_tokens), \
@@ -61,6 +80,9 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int = 512, 
     rows = []
     for layer, st in stats.items():
         for name, values in compute_scores(st, scores).items():
+            if not np.isfinite(values).all():
+                raise CheckpointError(f"layer {layer}: score {name!r} is not finite (NaN or inf) at experts "
+                                      f"{np.flatnonzero(~np.isfinite(values)).tolist()[:16]}; nothing was written")
             rows += [{"layer": layer, "expert": e, "score": name, "value": float(v)} for e, v in enumerate(values)]
     df = pd.DataFrame(rows, columns=["layer", "expert", "score", "value"])
     if out is not None:

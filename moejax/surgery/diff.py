@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moejax.hf.check import check_checkpoint, checkpoint_problems
 from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
 from moejax.hf.safetensors_io import CheckpointReader, TensorInfo
 from moejax.scoring.select import select_kept
@@ -62,10 +63,12 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
 
 def data_free_scores(reader: CheckpointReader, ml: MoeLayer) -> dict[str, np.ndarray]:
     """SPEC section 2's weights-only scores of one source layer, in float64."""
-    w = reader.read(ml.router).astype(np.float64)
+    from moejax.surgery.prune import finite_rows
+
+    w = finite_rows(reader, ml.router, ml.layer)
     scores = {"signed": w.sum(axis=1), "l1": np.abs(w).sum(axis=1)}
     if ml.bias:
-        scores["bias"] = -reader.read(ml.bias).astype(np.float64)
+        scores["bias"] = -finite_rows(reader, ml.bias, ml.layer)
     return scores
 
 
@@ -126,10 +129,11 @@ def _expected_names(src_layout: CheckpointLayout, pruned_layout: CheckpointLayou
 
 def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
     """The audit of `pruned` against `src` as a JSON-serialisable dict (see module docstring)."""
-    src_reader, pruned_reader = CheckpointReader(src), CheckpointReader(pruned)
-    src_reader.validate()
-    pruned_reader.validate()
-    src_layout, pruned_layout = checkpoint_layout(src_reader), checkpoint_layout(pruned_reader)
+    checked = check_checkpoint(src, uniform_experts=False)  # the source must be sound, as for prune
+    src_reader, src_layout = checked.reader.reader, checked.layout
+    pruned_problems = checkpoint_problems(pruned)          # the pruned one is audited: its problems are reported
+    pruned_reader = CheckpointReader(pruned)
+    pruned_layout = checkpoint_layout(pruned_reader)
     layers, kept_by_layer = {}, {}
     for layer, pml in pruned_layout.moe_layers.items():
         sml = src_layout.moe_layers.get(layer)
@@ -171,6 +175,7 @@ def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
         "source": str(Path(src).resolve()), "pruned": str(Path(pruned).resolve()),
         "layers": layers,
         "dropped_layers": dropped_layers,
+        "pruned_config_problems": pruned_problems,
         "tensors": {
             "compared": len(pruned_names & set(expected)), "missing": missing, "unexpected": unexpected,
             "shape_or_dtype_mismatch": mismatched,
@@ -191,11 +196,21 @@ def _summary(report: dict) -> dict:
         "order_preserved": all(e["order_preserved"] for e in entries),
         "other_tensors_identical": not (t["missing"] or t["unexpected"] or t["shape_or_dtype_mismatch"]
                                         or t["bytes_differ"]),
+        "pruned_matches_its_config": not report["pruned_config_problems"],
     }
     for name in DATA_FREE:
         layers = [e["scores"][name] for e in entries if "scores" in e and name in e["scores"]]
         summary[f"{name}_reproduces_layers"] = f"{sum(s['reproduces'] for s in layers)}/{len(layers)}"
     return summary
+
+
+CHECKS = ("all_rows_identical", "all_bias_identical", "order_preserved", "other_tensors_identical",
+          "pruned_matches_its_config")  # `moejax diff` exits 1 when any of these is false
+
+
+def failed_checks(report: dict) -> list[str]:
+    """The audit's checks that failed (the data-free scores' reproduction is information, not a check)."""
+    return [name for name in CHECKS if not report["summary"][name]]
 
 
 def format_diff(report: dict) -> str:
@@ -210,6 +225,9 @@ def format_diff(report: dict) -> str:
              f" ({t['compared']} compared)",
              f"other tensors same bytes            "
              f"{yes[not t['bytes_differ']] if t['bytes_compared'] else 'not checked (--hash)'}"]
+    lines.append(f"pruned checkpoint matches its config {yes[s['pruned_matches_its_config']]}")
+    for problem in report["pruned_config_problems"][:5]:
+        lines.append(f"  {problem}")
     if report["dropped_layers"]:
         lines.append(f"layers absent from the pruned checkpoint: {report['dropped_layers']}")
     for key in ("missing", "unexpected", "shape_or_dtype_mismatch", "bytes_differ"):

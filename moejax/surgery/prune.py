@@ -27,9 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
-from moejax.hf.safetensors_io import (CONFIG_NAME, INDEX_NAME, CheckpointReader, RawTensor, check_destination,
-                                      staged_directory, write_safetensors_file)
+from moejax.hf.check import check_checkpoint
+from moejax.hf.layout import CheckpointLayout, MoeLayer, layer_of
+from moejax.hf.safetensors_io import (CONFIG_NAME, INDEX_NAME, CheckpointReader, RawTensor, allowed_root,
+                                      check_destination, check_regular_file, staged_directory,
+                                      write_safetensors_file)
 from moejax.scoring.scores import SCORES, LayerStats, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
 
@@ -55,12 +57,23 @@ class PrunePlan:
 def router_stats(reader: CheckpointReader, ml: MoeLayer, seed: int = 0) -> LayerStats:
     """The weights-only part of a layer's statistics (router rows and balance bias, in float64):
     all that the data-free scores read. Calibration sums are zero and unused by them."""
-    router = reader.read(ml.router).astype(np.float64)
+    router = finite_rows(reader, ml.router, ml.layer)
     E = router.shape[0]
-    bias = reader.read(ml.bias).astype(np.float64) if ml.bias else np.zeros(E)
+    bias = finite_rows(reader, ml.bias, ml.layer) if ml.bias else np.zeros(E)
     zeros = np.zeros(E)
     return LayerStats(counts_E=zeros, gate_norm_sum_E=zeros, norm_sum_E=zeros, mean_input_D=np.zeros(router.shape[1]),
                       router_ED=router, bias_E=bias, seed=seed, layer=ml.layer)
+
+
+def finite_rows(reader: CheckpointReader, name: str, layer: int) -> np.ndarray:
+    """A router or bias tensor in float64, refused when any expert's row holds a NaN or infinity
+    (a data-free score would be NaN, or plausible and wrong), naming the layer, tensor and experts."""
+    value = reader.read(name).astype(np.float64)
+    bad = ~np.isfinite(value.reshape(value.shape[0], -1)).all(axis=1)
+    if bad.any():
+        raise CheckpointError(f"layer {layer}: {name} in {reader.shard_of(name).name} has non-finite values "
+                              f"(NaN or inf) in the rows of expert(s) {np.flatnonzero(bad).tolist()[:16]}")
+    return value
 
 
 def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> dict[int, np.ndarray]:
@@ -87,8 +100,10 @@ def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> di
             problems.append(f"no rows for MoE layer {layer}")
         elif rows["expert"].tolist() != list(range(ml.n_experts)):
             problems.append(f"layer {layer}: experts {rows['expert'].tolist()[:8]}..., expected 0..{ml.n_experts - 1}")
+        elif not np.isfinite(values := rows["value"].to_numpy(np.float64)).all():
+            problems.append(f"layer {layer}: non-finite values at experts {np.flatnonzero(~np.isfinite(values)).tolist()[:16]}")
         else:
-            out[layer] = rows["value"].to_numpy(np.float64)
+            out[layer] = values
     extra = sorted(set(df["layer"].unique()) - set(layers))
     if extra:
         problems.append(f"rows for layers {extra}, which are not MoE layers of the checkpoint being pruned")
@@ -142,11 +157,8 @@ def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, config: dic
                  collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0) -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
     writing when the request is not well defined (SPEC section 2)."""
-    E_cfg, top_k = config.get("n_routed_experts"), config.get("num_experts_per_tok")
-    n_layers = config.get("num_hidden_layers")
-    if not all(isinstance(v, int) for v in (E_cfg, top_k, n_layers)):
-        raise ConfigError(f"{reader.directory / CONFIG_NAME}: expected integer n_routed_experts, num_experts_per_tok "
-                          f"and num_hidden_layers (a DeepSeek-V3-family config), got {E_cfg!r}, {top_k!r}, {n_layers!r}")
+    # Types and ranges were checked with the checkpoint (DeepseekV3Config.from_dict).
+    E_cfg, top_k, n_layers = config["n_routed_experts"], config["num_experts_per_tok"], config["num_hidden_layers"]
     if not layout.moe_layers:
         raise CheckpointError(f"{reader.directory}: no MoE layers (no `layers.N.mlp.experts.E.*` tensors)")
     wrong_E = {l: ml.n_experts for l, ml in layout.moe_layers.items() if ml.n_experts != E_cfg}
@@ -155,6 +167,9 @@ def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, config: dic
                               f"{wrong_E} experts (already pruned per layer? per-layer counts are not re-pruned)")
     dropped = tuple(l for l in layout.moe_layers if l >= n_layers) if drop_mtp else ()
     layers = {l: ml for l, ml in layout.moe_layers.items() if l not in dropped}
+    if not layers:
+        raise ConfigError(f"--drop-mtp would leave no MoE layer to prune: the only MoE layers {list(dropped)} are "
+                          f"MTP layers (num_hidden_layers={n_layers}); prune without --drop-mtp")
     counts = _keep_counts(layers, keep, layers_keep, top_k)
     scores = _layer_scores(reader, layers, score, scores_file, seed)
     n_group = int(config.get("n_group") or 1)
@@ -262,9 +277,11 @@ def write_pruned(reader: CheckpointReader, layout: CheckpointLayout, plan: Prune
                 tensors.append((name, _row_slice(reader, name, plan.kept[sliced[name]])))
             else:
                 tensors.append((new_name, reader.info(name)))
-        if tensors:
-            total += write_safetensors_file(staging / path.name, tensors, reader.shard(path).metadata)
-            weight_map.update({name: path.name for name, _ in tensors})
+        if tensors:  # same relative path as in the source: shards in subfolders may share a file name
+            relative = path.relative_to(reader.directory)
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            total += write_safetensors_file(staging / relative, tensors, reader.shard(path).metadata)
+            weight_map.update({name: relative.as_posix() for name, _ in tensors})
     if progress:
         sys.stderr.write("\n")
     if reader.has_index() or len(set(weight_map.values())) > 1:
@@ -273,16 +290,41 @@ def write_pruned(reader: CheckpointReader, layout: CheckpointLayout, plan: Prune
     return weight_map
 
 
-def _copy_other_files(src: Path, staging: Path) -> None:
-    """Tokenizer, generation config, code and anything else that is not weights, verbatim."""
-    for item in sorted(src.iterdir()):
-        if (item.name.endswith(".safetensors") or item.name in (INDEX_NAME, CONFIG_NAME, PRUNING_RECORD)
-                or item.name.startswith(".")):
-            continue
-        if item.is_dir():
-            shutil.copytree(item, staging / item.name, symlinks=True)
-        else:
-            shutil.copy2(item, staging / item.name)
+def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
+    """The source's files that are not weights (tokenizer, generation config, code, ...), as paths
+    relative to the folder, each checked to be a regular file inside it (or inside the Hugging Face
+    cache repository it is a snapshot of) before anything is written; and notes on what is left
+    out. Hidden files, config.json, the index, pruning.json and the indexed shards are not copied."""
+    src = reader.directory
+    root = allowed_root(src)
+    shards = {path.resolve() for path in reader.files()}
+    files, notes = [], []
+
+    def visit(folder: Path) -> None:
+        for item in sorted(folder.iterdir()):
+            relative = item.relative_to(src)
+            if item.name.startswith(".") or relative.as_posix() in (INDEX_NAME, CONFIG_NAME, PRUNING_RECORD):
+                continue
+            if item.is_dir() and not item.is_symlink():
+                visit(item)
+                continue
+            if item.is_symlink() and item.is_dir():  # is_dir follows the link; False for loops
+                target = item.resolve()
+                if not target.is_relative_to(root):
+                    raise CheckpointError(f"{src}: {relative} is a link to the folder {target}, outside the "
+                                          f"checkpoint folder {root}; refusing to copy files from elsewhere")
+                visit(item)
+                continue
+            resolved = check_regular_file(item, root, f"{src}: {relative}")
+            if resolved in shards:
+                continue
+            if item.suffix == ".safetensors":
+                notes.append(f"{relative} is not in the checkpoint's index and was not copied")
+                continue
+            files.append(relative)
+
+    visit(src)
+    return files, notes
 
 
 def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layers_keep: dict | None = None,
@@ -295,13 +337,14 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
 
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, protect=src)
-    reader = CheckpointReader(src)
-    reader.validate()
+    checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
+    reader, layout = checked.reader.reader, checked.layout
     config = reader.config()
-    layout = checkpoint_layout(reader)
+    copied, file_notes = other_files(reader)
     plan = plan_pruning(reader, layout, config, score=score, keep=keep, scores_file=scores_file,
                         layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
                         drop_mtp=drop_mtp, seed=seed)
+    plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), "score": score,
         "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "keep": keep,
@@ -312,7 +355,9 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     show = sys.stderr.isatty() if progress is None else progress
     with staged_directory(dst, overwrite) as staging:
         write_pruned(reader, layout, plan, staging, progress=show)
-        _copy_other_files(src, staging)
+        for relative in copied:
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / relative, staging / relative)
         (staging / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2) + "\n", encoding="utf-8")
         (staging / PRUNING_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record

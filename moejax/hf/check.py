@@ -1,0 +1,162 @@
+"""The one check of a checkpoint folder against its config.json, run by every command before work.
+
+`check_checkpoint(path)` is what `from_pretrained`, `moejax score`, `prune`, `inspect`, `plan` and
+`diff` all call first, so each refuses exactly what the others refuse:
+
+* files: the index's shard paths are relative and stay inside the folder (a Hugging Face cache
+  snapshot's symlinks into its `blobs/` are fine), every shard is a regular file, every tensor of
+  a shard is listed in the index (`CheckpointReader`);
+* the config: types and ranges of every key (`DeepseekV3Config.from_dict`);
+* the tensors: every tensor the config implies is present with the shape the config gives and a
+  dtype moejax reads as what it claims to be (a router stored as I32 is refused, not ranked by
+  its bit patterns); a quantised weight has its companions; every other tensor is accounted for:
+  decoder layers beyond `num_hidden_layers + num_nextn_predict_layers` are an error, not
+  silently taken for MTP layers.
+
+Only headers and config.json are read. The module imports neither JAX nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from moejax.errors import CheckpointError
+from moejax.hf import quant
+from moejax.hf.fused_experts import FusedExpertsReader
+from moejax.hf.layout import CheckpointLayout, checkpoint_layout
+from moejax.hf.mapping import TensorSpec, tensor_specs
+from moejax.hf.safetensors_io import CONFIG_NAME, CheckpointReader
+from moejax.models.deepseek_v3.config import DeepseekV3Config
+
+DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
+PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8"}  # the element type of a packed 4-bit `weight_packed`
+_STRAY = re.compile(r"\.rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass
+class CheckedCheckpoint:
+    """A checkpoint folder whose headers agree with its config.json."""
+
+    path: Path                 # resolved
+    config: DeepseekV3Config
+    reader: FusedExpertsReader  # answers per-expert names for transformers-5 fused expert tensors too
+    fmt: str | None             # quantisation format, or None
+    specs: list[TensorSpec]     # every HF tensor the config implies, in file order
+    stored: dict                # hf name -> the on-disk tensors holding it
+    carried: list[str]          # tensors with no parameter: MTP layers, stray rotary buffers
+    layout: CheckpointLayout    # the MoE structure by tensor name (routers, biases, expert tensors)
+
+
+def stored_as(reader, name: str, fmt: str | None) -> tuple[str, ...] | None:
+    """The on-disk tensors holding `name`: (name,) when dense, its quantised set, or None if absent."""
+    if fmt is not None and name.endswith("weight"):
+        quantized = quant.companion_tensor_names(name, fmt)
+        optional = [name[: -len("weight")] + sfx for sfx in quant.QUANT_FORMATS[fmt].optional_suffixes]
+        if all(n in reader for n in quantized):
+            return quantized + tuple(n for n in optional if n in reader)
+    return (name,) if name in reader else None
+
+
+def mtp_layers(cfg: DeepseekV3Config) -> range:
+    """Decoder-layer indices of the multi-token-prediction layers the config allows for."""
+    return range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+
+
+def split_extra_tensors(cfg: DeepseekV3Config, names, expected: set) -> tuple[list, list]:
+    """The checkpoint's names the model has no parameter for, split into (carried, unexpected):
+    carried are MTP-layer tensors (layers the config's num_nextn_predict_layers allows) and stray
+    rotary buffers; anything else is unexpected."""
+    carried, unexpected = [], []
+    mtp = mtp_layers(cfg)
+    for name in names:
+        if name in expected:
+            continue
+        layer = _LAYER.match(name)
+        if _STRAY.search(name) or (layer and int(layer.group(1)) in mtp):
+            carried.append(name)
+        else:
+            unexpected.append(name)
+    return carried, unexpected
+
+
+def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> list[str]:
+    where = f"{s.hf_name} in {reader.shard_of(on_disk[0]).name}"
+    info = reader.info(on_disk[0])
+    if on_disk == (s.hf_name,) and fmt == "fp8_block" and info.dtype == "F8_E4M3":
+        scale = s.hf_name[: -len("weight")] + "weight_scale_inv"
+        return [f"{where}: FP8 weight without its scale tensor {scale!r} (missing)"]
+    if on_disk == (s.hf_name,) or fmt == "fp8_block":  # dense, or FP8 (same name, same shape)
+        problems = []
+        if tuple(info.shape) != tuple(s.hf_shape):
+            problems.append(f"{where}: shape {list(info.shape)}, expected {list(s.hf_shape)} from config.json")
+        allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(DENSE_DTYPES)
+        if info.dtype not in allowed:
+            problems.append(f"{where}: dtype {info.dtype}, expected one of {sorted(allowed)}")
+        return problems
+    packed = f"{s.hf_name[:-len('weight')]}weight_packed in {reader.shard_of(on_disk[0]).name}"
+    if info.dtype != PACKED_DTYPES[fmt]:  # else 4-bit values would be unpacked from the wrong element size
+        return [f"{packed}: dtype {info.dtype}, expected {PACKED_DTYPES[fmt]} for {fmt} (quantization_config)"]
+    if len(info.shape) != 2 or info.shape[0] != s.hf_shape[0]:  # packed: rows are output features
+        return [f"{packed}: shape {list(info.shape)}, expected {s.hf_shape[0]} rows from config.json"]
+    return []
+
+
+def check_tensors(cfg: DeepseekV3Config, reader, specs: list[TensorSpec], fmt: str | None) -> tuple[list[str], dict]:
+    """Every mismatch between the checkpoint's headers and the config, as messages (empty = fine),
+    and the on-disk tensors of each expected tensor."""
+    problems, stored, missing = [], {}, []
+    for s in specs:
+        on_disk = stored_as(reader, s.hf_name, fmt)
+        if on_disk is None:
+            missing.append(s.hf_name)
+            continue
+        stored[s.hf_name] = on_disk
+        problems += _check_tensor(s, on_disk, reader, fmt)
+    if missing:
+        hint = f" (quantised as {fmt})" if fmt else ""
+        problems.append(f"{len(missing)} tensor(s) missing{hint}, e.g. {missing[:5]}")
+    _, unexpected = split_extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
+    if unexpected:
+        layers = sorted({int(m.group(1)) for n in unexpected if (m := _LAYER.match(n))})
+        beyond = [l for l in layers if l >= cfg.num_hidden_layers]
+        if beyond:
+            problems.append(
+                f"tensors of decoder layer(s) {beyond} that config.json does not account for: num_hidden_layers="
+                f"{cfg.num_hidden_layers} and num_nextn_predict_layers={cfg.num_nextn_predict_layers} allow layers "
+                f"0..{cfg.num_hidden_layers + cfg.num_nextn_predict_layers - 1}")
+        problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {sorted(unexpected)[:5]}")
+    return problems, stored
+
+
+def check_checkpoint(path, *, uniform_experts: bool = True) -> CheckedCheckpoint:
+    """Read config.json and every safetensors header of the folder `path`; raise every mismatch at
+    once as a `CheckpointError` (or the config's `ConfigError`), before any tensor data is read.
+
+    uniform_experts=False accepts a checkpoint pruned to different expert counts per layer
+    (`moe_sparsity_config`), which the checkpoint tools read but the model does not build."""
+    problems, checked = _checked(path, uniform_experts)
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match its config.json:\n  - " + "\n  - ".join(problems))
+    return checked
+
+
+def checkpoint_problems(path, *, uniform_experts: bool = False) -> list[str]:
+    """The mismatches `check_checkpoint` would raise, as a list, for a tool that reports them
+    (`moejax diff` auditing a pruned checkpoint). Unreadable files and configs still raise."""
+    return _checked(path, uniform_experts)[0]
+
+
+def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]:
+    path = Path(path)
+    raw = CheckpointReader(path)
+    cfg = DeepseekV3Config.from_json_file(path / CONFIG_NAME, uniform_experts=uniform_experts)
+    reader = FusedExpertsReader(raw)
+    fmt = quant.detect_format(cfg.quantization_config)
+    specs = tensor_specs(cfg)
+    problems, stored = check_tensors(cfg, reader, specs, fmt)
+    carried, _ = split_extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
+    layout = checkpoint_layout(raw) if not problems else None
+    return problems, CheckedCheckpoint(path.resolve(), cfg, reader, fmt, specs, stored, carried, layout)
