@@ -3,9 +3,13 @@ DataFrame. Never imports JAX, so a notebook can load results without it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
-import tempfile
+import secrets
+import signal
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -13,20 +17,59 @@ import pandas as pd
 from moejax.errors import MoejaxError
 
 
-def _atomic_write(path: Path, write) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+class ResultsWarning(UserWarning):
+    """`load` skipped a job folder (or part of one) and says which and why."""
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT/SIGTERM back (they are delivered on exit) so that creating a temporary file and
+    remembering its name cannot be torn apart by a kill: otherwise the file would be left behind."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _atomic_write(path: Path, write) -> None:
+    """`write(tmp)` into a new hidden sibling `.NAME.<random>.tmp`, then rename it over `path`.
+
+    The sibling is created with mode 0o666 so that the umask (and a default ACL) set its
+    permissions as for any new file: a shared $MOEJAX_OUT stays readable by colleagues (mkstemp's
+    0o600 did not). It is removed on any exception, a signal's included."""
+    path = Path(path)
+    tmp = None
+    try:
+        for _ in range(100):
+            candidate = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+            with _signals_held():
+                try:
+                    os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                except FileExistsError:
+                    continue
+                tmp = candidate
+            break
+        else:
+            raise FileExistsError(f"could not create a temporary file beside {path}")
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        tmp = None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=1, default=str)))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def write_parquet_atomic(df: pd.DataFrame, path: Path) -> None:
@@ -65,37 +108,135 @@ def _overrides(d: Path) -> dict:
     return out
 
 
-def load(path, status: str = "completed") -> pd.DataFrame:
+class _Skip(Exception):
+    """This job folder gives no rows; the message says why."""
+
+
+def _read_status(d: Path) -> dict | None:
+    """The job's status.json as a dict, None when there is none; _Skip when it cannot be read."""
+    path = d / "status.json"
+    try:
+        status = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _Skip(f"status.json is unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(status, dict) or not isinstance(status.get("status"), str):
+        raise _Skip(f"status.json is not a status record (no \"status\" string): {str(status)[:80]!r}")
+    return status
+
+
+def _not_completed(status: dict | None) -> str:
+    """Why a job did not complete, from its status record."""
+    if status is None:
+        return "no status.json (still running, or ended without notice, e.g. SIGKILL or out of memory)"
+    kind = status["status"]
+    if kind == "failed":
+        return f"failed: {status.get('error', '?')}"
+    if kind == "killed":
+        seconds = status.get("seconds")
+        return f"killed by {status.get('signal', '?')}" + (f" after {seconds} s" if seconds is not None else "")
+    return f"status {kind!r}"
+
+
+def _float_values(values: pd.Series, d: Path, problems: list[str]) -> pd.Series:
+    """The `value` column as float64 (so that jobs of different schemas concatenate to a numeric
+    column). A value that is not a number becomes NaN and is reported, never dropped silently."""
+    if pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_complex_dtype(values):
+        return values.astype("float64")  # int, bool, Int64/Float64 (pd.NA -> NaN)
+
+    bad = []
+
+    def number(v):
+        if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
+            return math.nan
+        try:
+            return float(v)  # numbers, numpy scalars, Decimal, numeric strings
+        except (TypeError, ValueError):
+            bad.append(v)
+            return math.nan
+
+    out = pd.Series([number(v) for v in values], index=values.index, dtype="float64")
+    if bad:
+        examples = ", ".join(repr(v) for v in list(dict.fromkeys(map(str, bad)))[:3])
+        problems.append(f"{d}: {len(bad)} non-numeric 'value'(s) read as NaN (e.g. {examples})")
+    return out
+
+
+def load(path, status: str | None = "completed") -> pd.DataFrame:
     """One tidy DataFrame from a run folder or a multirun sweep folder.
 
     Rows come from each job's results.parquet; columns added: `job` (Hydra job number, -1 for a
     single run), `job_dir`, and every override of the job. An override whose name is already a
     results column (e.g. `keep`, whose results column holds the resolved count) is added as
     `override.<name>`. Jobs whose status is not `status` are skipped (status=None keeps all that
-    have results).
+    have results). `value` is always float64.
+
+    What is readable is loaded; one `ResultsWarning` lists every job folder that was skipped or
+    repaired and why (a corrupt results.parquet or status.json, a failed, killed or unfinished
+    job, non-numeric values). Raises MoejaxError when no job gives any rows.
     """
     root = Path(path)
     if not root.exists():
         raise MoejaxError(f"results folder {root} does not exist")
-    frames = []
-    for d in job_dirs(root):
-        results = d / "results.parquet"
-        if not results.is_file():
+    frames, problems = [], []
+    dirs = job_dirs(root)
+    for d in dirs:
+        try:
+            df = _load_job(d, status, problems)
+        except _Skip as exc:
+            problems.append(f"{d}: {exc}")
             continue
-        if status is not None:
-            try:
-                job_status = json.loads((d / "status.json").read_text()).get("status")
-            except (FileNotFoundError, json.JSONDecodeError):
-                job_status = None
-            if job_status != status:
-                continue
-        df = pd.read_parquet(results)
-        extra = {"job": _job_num(d), "job_dir": str(d)}
-        for key, value in _overrides(d).items():
-            extra[f"override.{key}" if key in df.columns else key] = value
-        for key, value in extra.items():
-            df[key] = value
-        frames.append(df)
+        if df is not None:
+            frames.append(df)
     if not frames:
-        raise MoejaxError(f"no completed job with results.parquet under {root}")
-    return pd.concat(frames, ignore_index=True)
+        why = "".join(f"\n  {p}" for p in problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
+        wanted = "job" if status is None else f"{status} job"
+        raise MoejaxError(f"no {wanted} with a readable results.parquet under {root}"
+                          f" ({len(dirs)} job folder(s) found){why}")
+    if problems:
+        warnings.warn(f"moejax.results.load({str(root)!r}): {len(problems)} problem(s), loaded "
+                      f"{len(frames)} of {len(dirs)} job folder(s):" + "".join(f"\n  {p}" for p in problems),
+                      ResultsWarning, stacklevel=2)
+    out = pd.concat(frames, ignore_index=True)
+    if "value" in out.columns:
+        out["value"] = out["value"].astype("float64")  # NaN where a job had no value column
+    return out
+
+
+def _load_job(d: Path, status: str | None, problems: list[str]) -> pd.DataFrame | None:
+    """The rows of one job folder, None when it is (silently) filtered out; _Skip with the reason
+    when it should have given rows and did not."""
+    try:
+        record = _read_status(d)
+    except _Skip as exc:
+        if status is not None:
+            raise
+        problems.append(f"{d}: {exc}; its results are loaded anyway (status=None)")
+        record = None
+    job_status = record["status"] if record else None
+    if status is not None and job_status != status:
+        if job_status == "completed":
+            return None  # asked for another status: not a problem
+        raise _Skip(_not_completed(record))
+    results = d / "results.parquet"
+    if not results.is_file():
+        if job_status == "completed":
+            raise _Skip("status.json says completed but results.parquet is missing")
+        raise _Skip(_not_completed(record) + "; no results.parquet")
+    try:
+        df = pd.read_parquet(results)
+    except Exception as exc:  # pyarrow raises its own types for a truncated or foreign file
+        raise _Skip(f"results.parquet is unreadable ({type(exc).__name__}: {exc})") from None
+    try:
+        overrides = _overrides(d)
+    except Exception as exc:  # without them its rows could not be told apart from other jobs'
+        raise _Skip(f".hydra/overrides.yaml is unreadable ({type(exc).__name__}: {exc})") from None
+    if "value" in df.columns:
+        df["value"] = _float_values(df["value"], d, problems)
+    extra = {"job": _job_num(d), "job_dir": str(d)}
+    for key, value in overrides.items():
+        extra[f"override.{key}" if key in df.columns else key] = value
+    for key, value in extra.items():
+        df[key] = value
+    return df

@@ -2,28 +2,93 @@
 
 Thin on purpose: compose the config, hand a plain dict to `moejax.experiments.runner`, which
 imports JAX only inside the job (the sweep controller, --cfg and --help never touch it).
+
+How a job ends (the job folder's status.json says the same):
+  completed          exit status 0.
+  MoejaxError        (a ConfigError, a bad checkpoint, ...: the user's to fix) one line on stderr,
+                     `moejax.run: error: <message>`, exit status 2, status.json "failed" and the
+                     traceback in error.txt. HYDRA_FULL_ERROR=1 shows the traceback on stderr instead.
+  any other error    a bug: Hydra prints its traceback, exit status 1, status.json "failed".
+  SIGTERM / SIGINT   status.json "killed" (signal, seconds, stage), exit status 128 + signal number
+                     (143 / 130), as a shell reports a process that a signal ended.
+
+In a sweep (-m) a job's MoejaxError prints the same one line, prefixed with the job's number and
+overrides, and the job is marked failed for Hydra (no traceback). Hydra runs every job of the
+current batch (the basic sweeper's one batch is the whole sweep, unless hydra.sweeper.max_batch_size
+is set; a launcher's jobs run in parallel), then stops: later batches are not launched, and the
+sweep exits with status 1 after "Error executing job with overrides: [...]" and one line
+repeating the first failed job's error and naming its status.json (with a remote launcher such
+as submitit the per-job lines are in the jobs' logs; this one reaches the terminal). The other
+jobs' folders are complete and `moejax.results.load` reads them, warning about the failed ones.
+SIGTERM/SIGINT to a sweep run by the basic launcher (one process) ends the current job as
+"killed" and the whole sweep with 128 + signal number; jobs not yet started have no folder.
+
+The clean line is printed here, inside the task function, because Hydra's own handler
+(hydra._internal.utils.run_and_report) prints a traceback for every exception except its
+CompactHydraException, and exits 1. A single run leaves Hydra with SystemExit(2), which Hydra
+does not catch; a sweep job raises a CompactHydraException so that Hydra records the job as
+failed, lets the batch's other jobs run, and reports it without a traceback.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 # conf/ sits at the top of a source checkout and inside the wheel as the package moejax.conf.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else "pkg://moejax.conf"
 
+USAGE_ERROR = 2  # exit status of a MoejaxError: the command line or the inputs need fixing
+
+
+class SweepJobFailed(CompactHydraException):
+    """A sweep job ended with a MoejaxError (already printed in one line); Hydra prints this
+    message without a traceback at the end of the batch."""
+
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def main(cfg: DictConfig) -> None:
-    from moejax.experiments.runner import run_job
+    from moejax.errors import ConfigError, MoejaxError
+    from moejax.experiments.runner import record_failure, run_job
+    from moejax.signals import Killed
 
     hc = HydraConfig.get()
-    run_job(OmegaConf.to_container(cfg, resolve=True), Path(hc.runtime.output_dir),
-            overrides=list(hc.overrides.task))
+    out_dir = Path(hc.runtime.output_dir)
+    overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # as typed: 'x=${...}' stays text
+    try:
+        try:
+            plain = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as exc:  # e.g. an interpolation that cannot be resolved
+            where = f" at {exc.full_key}" if getattr(exc, "full_key", None) else ""
+            error = ConfigError(f"the config does not resolve{where}: {str(exc).splitlines()[0]}")
+            record_failure(out_dir, error, overrides)
+            raise error from exc
+        run_job(plain, out_dir, overrides=overrides)
+    except MoejaxError as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if hc.mode == RunMode.MULTIRUN:
+            job = f"job {hc.job.num} ({' '.join(overrides)})"
+            sys.stderr.write(f"moejax.run: error: {job}: {exc}\n")
+            sys.stderr.flush()
+            # repeated at the end: with a remote launcher (submitit) the line above went to the job's log
+            raise SweepJobFailed(f"moejax.run: job {hc.job.num} failed: {exc} ({out_dir / 'status.json'})") from None
+        sys.stderr.write(f"moejax.run: error: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(USAGE_ERROR) from None
+    except Killed as exc:
+        sys.stderr.write(f"moejax.run: {exc}; see {out_dir / 'status.json'}\n")
+        sys.stderr.flush()
+        raise SystemExit(128 + exc.signum) from None
 
 
 if __name__ == "__main__":

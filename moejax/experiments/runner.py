@@ -5,12 +5,20 @@ Files in the job folder (beside Hydra's .hydra/):
   results.parquet        the tidy table (written atomically)
   timings.json           seconds per stage
   status.json            written last: {"status": "completed", ...}; its presence means success
-  error.txt              only on failure (with status.json saying "failed")
+                         (the loader reads only completed jobs); otherwise "failed" (an exception:
+                         "error" holds it) or "killed" (SIGTERM/SIGINT: "signal", "seconds", "stage"
+                         and "progress" say how far it got)
+  error.txt              only on failure: the traceback (with status.json saying "failed")
+
+SIGTERM (Slurm at the time limit, `timeout`, `kill`) and SIGINT (Ctrl-C) raise `Killed` in the
+job (see KillSwitch), which unwinds it (temporary files are removed, no results.parquet is
+written) and then writes status.json. Python runs signal handlers between bytecodes, so a job
+inside one long XLA call notices the signal when the call returns (Slurm's KillWait, 30 s by
+default, is the time it has before SIGKILL, which nothing can catch: such a job has no status.json).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -21,9 +29,29 @@ from pathlib import Path
 from moejax.errors import ConfigError
 from moejax.experiments import EXPERIMENTS, get
 from moejax.parallel.mesh import MeshConfig, request_cpu_devices
-from moejax.results import write_json_atomic, write_parquet_atomic
+from moejax.results import write_json_atomic, write_parquet_atomic, write_text_atomic
+from moejax.signals import KillSwitch, Killed
 
 log = logging.getLogger(__name__)
+
+MISSING = "???"  # OmegaConf's mark of a mandatory value; OmegaConf.to_container keeps it as this string
+
+# How to set a mandatory key, where more can be said than KEY=VALUE.
+_HOW_TO_SET = {
+    "model.path": "model.path=/path/to/checkpoint (a local Hugging Face checkpoint folder), "
+                  "or model=tiny (the small model that experiment=train_tiny trains)",
+}
+
+
+def missing_keys(cfg, prefix: str = "") -> list[str]:
+    """Dotted names of the mandatory values (`???`) nobody set, in a resolved config dict."""
+    if isinstance(cfg, dict):
+        items = cfg.items()
+    elif isinstance(cfg, list):
+        items = enumerate(cfg)
+    else:
+        return [prefix] if cfg == MISSING else []
+    return [k for key, value in items for k in missing_keys(value, f"{prefix}.{key}" if prefix else str(key))]
 
 
 def experiment_config(cfg: dict):
@@ -31,6 +59,10 @@ def experiment_config(cfg: dict):
     name = cfg.get("name")
     if not name:
         raise ConfigError(f"no experiment chosen; add experiment=NAME with NAME one of: {', '.join(EXPERIMENTS)}")
+    unset = missing_keys(cfg)
+    if unset:
+        raise ConfigError("; ".join(f"{key} is not set: add {_HOW_TO_SET.get(key, f'{key}=VALUE')}"
+                                    for key in unset))
     module = get(name)
     return module, module.Config.from_mapping(module.settings_from(cfg))
 
@@ -45,45 +77,94 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        module, typed = experiment_config(cfg)  # before any compute
-        request_cpu_devices(MeshConfig.from_dict(cfg.get("mesh")).n_devices)  # before JAX starts
-        import yaml
+class _Progress:
+    """Where a job is: its stage, and the units (seeds) the experiment reported through the
+    progress callback. The callback draws a line on a terminal; experiments take a non-None
+    callback to mean "show progress bars", so off a terminal it is not passed (and not counted)."""
 
-        (out_dir / "resolved_config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-        enable_compilation_cache()
-        t0 = time.perf_counter()
-        df, timings = module.run(typed, progress=_progress(cfg["name"], getattr(typed, "seeds", 1)), job_dir=out_dir)
-        timings["total_s"] = time.perf_counter() - t0
-        write_parquet_atomic(df, out_dir / "results.parquet")
-        write_json_atomic(out_dir / "timings.json", timings)
-        print(f"\n{module.summary_title(typed)}\n{module.summary_table(df).to_string()}\n\n"
-              f"results: {out_dir / 'results.parquet'}")
-        write_json_atomic(out_dir / "status.json", {"status": "completed", "experiment": cfg["name"],
-                                                    "overrides": overrides or [], "rows": len(df),
-                                                    "seconds": round(timings["total_s"], 3)})
-        return df
-    except BaseException as exc:
-        (out_dir / "error.txt").write_text("".join(traceback.format_exception(exc)))
-        write_json_atomic(out_dir / "status.json", {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                                                    "overrides": overrides or []})
-        raise
+    def __init__(self, name: str, total: int):
+        self.name, self.total, self.done, self.stage = name, total, 0, "validate"
+        self.t0 = time.perf_counter()
 
+    def callback(self):
+        return self.update if sys.stderr.isatty() else None
 
-def _progress(name: str, total: int):
-    """A seeds progress line on a terminal, silent otherwise."""
-    if not sys.stderr.isatty():
-        return None
-    done = [0]
-
-    def update(n: int) -> None:
-        done[0] += n
-        sys.stderr.write(f"\r{name}: {done[0]}/{total} seeds")
-        if done[0] >= total:
+    def update(self, n: int) -> None:
+        self.done += n
+        sys.stderr.write(f"\r{self.name}: {self.done}/{self.total} seeds")
+        if self.done >= self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
-    return update
+    def record(self, counted: bool) -> dict:
+        out = {"seconds": round(time.perf_counter() - self.t0, 3), "stage": self.stage}
+        if counted:
+            out["progress"] = {"seeds_done": self.done, "seeds_total": self.total}
+        return out
+
+
+def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = _Progress(cfg.get("name") or "job", 1)
+    counted = False
+    with KillSwitch() as switch:
+        try:
+            module, typed = experiment_config(cfg)  # before any compute
+            request_cpu_devices(MeshConfig.from_dict(cfg.get("mesh")).n_devices)  # before JAX starts
+            import yaml
+
+            write_text_atomic(out_dir / "resolved_config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+            progress.stage, progress.total = "start", getattr(typed, "seeds", 1)
+            enable_compilation_cache()
+            progress.stage = "compute"
+            t0 = time.perf_counter()
+            callback = progress.callback()
+            counted = callback is not None
+            df, timings = module.run(typed, progress=callback, job_dir=out_dir)
+            timings["total_s"] = time.perf_counter() - t0
+            progress.stage = "write"
+            switch.check()
+            write_parquet_atomic(df, out_dir / "results.parquet")
+            write_json_atomic(out_dir / "timings.json", timings)
+            print(f"\n{module.summary_title(typed)}\n{module.summary_table(df).to_string()}\n\n"
+                  f"results: {out_dir / 'results.parquet'}")
+            switch.check()
+            write_json_atomic(out_dir / "status.json", {"status": "completed", "experiment": cfg["name"],
+                                                        "overrides": overrides or [], "rows": len(df),
+                                                        "seconds": round(timings["total_s"], 3)})
+            switch.stopped = True  # completed is the truth now; a signal from here on changes nothing
+            return df
+        except BaseException as exc:
+            switch.stopped = True  # first, and not a call (a handler may run on entering one): a
+            switch.acknowledge()   # second signal must not tear the status apart
+            if switch.signum is None and isinstance(exc, Killed):  # an inner switch (a staging folder) took it
+                switch.signum = exc.signum
+            if switch.signum is None:
+                record_failure(out_dir, exc, overrides)
+                raise
+            killed = exc if isinstance(exc, Killed) else Killed(switch.signum)
+            if killed is not exc:  # the experiment turned Killed into another exception
+                killed.__traceback__ = exc.__traceback__
+            record_killed(out_dir, killed, overrides, {**progress.record(counted), "experiment": cfg.get("name")})
+            if killed is exc:
+                raise
+            raise killed from exc
+
+
+def record_failure(out_dir: Path, exc: BaseException, overrides: list[str] | None = None) -> None:
+    """error.txt (the traceback) and status.json = failed, for a job that raised `exc`."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / "error.txt", "".join(traceback.format_exception(exc)))
+    write_json_atomic(out_dir / "status.json", {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                                                "overrides": overrides or []})
+
+
+def record_killed(out_dir: Path, exc: Killed, overrides: list[str] | None, how_far: dict) -> None:
+    """status.json = killed, with the signal and how far the job got (no results.parquet: a
+    killed job never reaches it, and a half-written one is a removed temporary file)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    write_json_atomic(Path(out_dir) / "status.json", {"status": "killed", "signal": exc.signal_name,
+                                                      **how_far, "where": where, "overrides": overrides or []})
