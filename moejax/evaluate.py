@@ -291,13 +291,13 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                 return scores_cache[id(hz[0][1])][1]
 
             stats, layer_sc = layer_scores(cal_hz[None])
-            kept = {(s, k): select_kept(layer_sc[s], k) for s in scores for k in keeps}
+            kept = {(s, k): select_kept(layer_sc[s], k, f"layer {layer_idx}: score {s!r}") for s in scores for k in keeps}
             kept_by_layer[layer_idx] = {f"{s}@{k}": np.flatnonzero(m).tolist() for (s, k), m in kept.items()}
             for v in one_shot:
                 masks[v] = jnp.asarray(kept[v.score, v.keep])
             for v in seq_variants:
                 _, own = layer_scores(cal_hz[v])
-                seq_kept = select_kept(own[v.score], v.keep)
+                seq_kept = select_kept(own[v.score], v.keep, f"layer {layer_idx}: score {v.score!r} (sequential)")
                 kept_by_layer[layer_idx][f"sequential:{v.score}@{v.keep}"] = np.flatnonzero(seq_kept).tolist()
                 masks[v] = jnp.asarray(seq_kept)
         # carry the calibration streams

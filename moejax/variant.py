@@ -90,5 +90,6 @@ def masks_from_scores(path, score: str, keep, config) -> np.ndarray:
         if rows.expert.tolist() != list(range(E)):
             raise ConfigError(f"{path}: layer {l}, score {score}: expected experts 0..{E - 1}, got "
                               f"{len(rows)} rows")
-        kept[int(l)] = np.flatnonzero(select_kept(rows.value.to_numpy(np.float64), count)).tolist()
+        values = rows.value.to_numpy(np.float64)
+        kept[int(l)] = np.flatnonzero(select_kept(values, count, f"{path}: layer {l}: score {score!r}")).tolist()
     return masks_from_kept(kept, config, f"{path} ({score}, keep={keep})")

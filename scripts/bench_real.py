@@ -56,11 +56,10 @@ print(json.dumps({"cold": cold, "warm": warm, "peak_mb": hwm / 1024}))
 
 def moonlight_checkpoint(path: Path) -> None:
     import ml_dtypes
-    from flax import nnx
 
     from moejax.hf.mapping import tensor_specs
     from moejax.hf.safetensors_io import write_checkpoint
-    from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moejax.models.deepseek_v3 import DeepseekV3Config
     from moejax.models.deepseek_v3.presets import PRESETS
 
     raw = {**PRESETS["moonlight-16b-a3b"], "num_hidden_layers": 4, "vocab_size": 32768}

@@ -95,9 +95,7 @@ def memory(tokens: int, layers: int) -> None:
 
     from moejax.hf.mapping import tensor_specs
     from moejax.hf.safetensors_io import write_checkpoint
-    from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from flax import nnx
+    from moejax.models.deepseek_v3 import DeepseekV3Config
 
     raw = moonlight(layers)
     cfg = DeepseekV3Config.from_dict(raw)

@@ -483,3 +483,27 @@ def test_moejax_clean_removes_only_dead_staging(src, tmp_path, capsys):
     (tmp_path / ".other.tmp-x").mkdir()
     code, _ = run(["clean", tmp_path], capsys)
     assert code == 0 and not list(tmp_path.glob(".out.tmp-*")) and (tmp_path / ".other.tmp-x").is_dir()
+
+
+def test_mtp_layer_block_is_checked_like_any_layer(src, tmp_path, capsys):
+    """An MTP layer's router is pruned and ranked too: stored as I32 it is refused, not ranked by bits."""
+    def add_mtp(name, reader):
+        items = [(name, reader.read(name))]
+        if name.startswith("model.layers.2."):
+            value = reader.read(name)
+            items.append((name.replace("model.layers.2.", "model.layers.3."),
+                          value.view(np.int32) if name.endswith("mlp.gate.weight") else value))
+        return items
+
+    bad = copy_of(src, tmp_path / "mtp", add_mtp, {"num_nextn_predict_layers": 1})
+    for argv in (prune_args(bad, tmp_path / "out"), ["inspect", bad]):
+        refused(argv, capsys, "model.layers.3.mlp.gate.weight in", bad)
+    assert clean(tmp_path / "out")
+
+
+def test_nan_score_names_the_layer_wherever_experts_are_selected():
+    from moejax.errors import ConfigError
+    from moejax.scoring.select import select_kept
+
+    with pytest.raises(ConfigError, match=r"^layer 3: score 'reap': non-finite values \(NaN or inf\) at experts \[1\]$"):
+        select_kept(np.array([1.0, np.nan, 2.0]), 1, "layer 3: score 'reap'")

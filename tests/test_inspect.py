@@ -19,7 +19,6 @@ import pytest
 from hf_fixtures import QUANT_CONFIGS, full_config, spec_shapes
 from hf_fixtures import quantised_linear as fixture_linear
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf import quant
 from moejax.hf.inspect import (
     ACCELERATORS_GB,
     format_inspect,

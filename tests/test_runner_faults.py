@@ -293,7 +293,7 @@ def test_sweep_config_errors_are_one_line_per_job(tmp_path, batch):
     ran = [0, 1] if batch is None else [0]
     assert [e.split(":")[2].strip().split()[:2] for e in errors] == [["job", str(j)] for j in ran]
     assert all("is below top_k=4" in e for e in errors)
-    assert f"moejax.run: job 0 failed: keep=2 is below top_k=4" in out.stderr and str(sweep / "0" / "status.json") in out.stderr
+    assert "moejax.run: job 0 failed: keep=2 is below top_k=4" in out.stderr and str(sweep / "0" / "status.json") in out.stderr
     for j in ran:
         assert json.loads((sweep / str(j) / "status.json").read_text())["status"] == "failed"
     assert (sweep / "1").exists() == (batch is None)

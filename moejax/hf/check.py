@@ -26,7 +26,7 @@ from moejax.errors import CheckpointError
 from moejax.hf import quant
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
-from moejax.hf.mapping import TensorSpec, tensor_specs
+from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
 from moejax.hf.safetensors_io import CONFIG_NAME, CheckpointReader
 from moejax.models.deepseek_v3.config import DeepseekV3Config
 
@@ -104,6 +104,24 @@ def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> lis
     return []
 
 
+def _check_mtp_blocks(cfg: DeepseekV3Config, reader, fmt: str | None, missing: list) -> list[str]:
+    """An MTP layer on disk holds a whole decoder block (which prune prunes, and whose router a
+    data-free score ranks): checked like a main-model layer. Its MTP-only tensors (enorm, hnorm,
+    eh_proj, shared_head) are carried unread. A checkpoint may leave MTP layers out entirely."""
+    problems = []
+    present = {int(m.group(1)) for name in reader.keys() if (m := _LAYER.match(name))}
+    for layer in mtp_layers(cfg):
+        if layer not in present:
+            continue
+        for s in layer_specs(cfg, layer):
+            on_disk = stored_as(reader, s.hf_name, fmt)
+            if on_disk is None:
+                missing.append(s.hf_name)
+            else:
+                problems += _check_tensor(s, on_disk, reader, fmt)
+    return problems
+
+
 def check_tensors(cfg: DeepseekV3Config, reader, specs: list[TensorSpec], fmt: str | None) -> tuple[list[str], dict]:
     """Every mismatch between the checkpoint's headers and the config, as messages (empty = fine),
     and the on-disk tensors of each expected tensor."""
@@ -115,6 +133,7 @@ def check_tensors(cfg: DeepseekV3Config, reader, specs: list[TensorSpec], fmt: s
             continue
         stored[s.hf_name] = on_disk
         problems += _check_tensor(s, on_disk, reader, fmt)
+    problems += _check_mtp_blocks(cfg, reader, fmt, missing)
     if missing:
         hint = f" (quantised as {fmt})" if fmt else ""
         problems.append(f"{len(missing)} tensor(s) missing{hint}, e.g. {missing[:5]}")

@@ -25,8 +25,9 @@ from pathlib import Path
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import PACKED_DTYPES, check_checkpoint
 from moejax.hf.layout import CheckpointLayout
-from moejax.hf.quant import FP8_BLOCK, MXFP4_GROUP_SIZE, QUANT_FORMATS, detect_format
-from moejax.hf.safetensors_io import CONFIG_NAME, DTYPE_BITS, CheckpointReader, TensorInfo
+from moejax.hf.quant import FP8_BLOCK, MXFP4_GROUP_SIZE, QUANT_FORMATS
+from moejax.hf.safetensors_io import DTYPE_BITS, TensorInfo
+from moejax.models.deepseek_v3.config import DeepseekV3Config
 
 GB = 10**9  # decimal, as accelerator vendors quote memory
 
@@ -116,7 +117,7 @@ class _Checkpoint:
     """A checkpoint as headers, config and layout: everything inspect and plan look at."""
 
     path: Path
-    config: dict
+    config: DeepseekV3Config  # types and ranges checked (moejax.hf.check)
     fmt: str | None
     layout: CheckpointLayout
     tensors: dict[str, TensorFacts]
@@ -124,22 +125,10 @@ class _Checkpoint:
 
 def _load(path) -> _Checkpoint:
     checked = check_checkpoint(path, uniform_experts=False)  # the check every command runs first
-    reader, layout = checked.reader.reader, checked.layout
-    config = reader.config()
-    fmt = checked.fmt
+    reader, layout, fmt = checked.reader.reader, checked.layout, checked.fmt
     routed = layout.routed_names()
     tensors = {name: tensor_facts(reader.info(name), fmt, name in routed) for name in reader.keys()}
-    return _Checkpoint(Path(path), config, fmt, layout, tensors)
-
-
-def _config_int(checkpoint: _Checkpoint, key: str, *, required: bool = True) -> int | None:
-    value = checkpoint.config.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise CheckpointError(
-            f"{checkpoint.path / CONFIG_NAME}: {key!r} must be a positive integer, got {value!r}")
-    return value
+    return _Checkpoint(Path(path), checked.config, fmt, layout, tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,13 +153,12 @@ def inspect_checkpoint(path) -> dict:
     * ``bytes``: stored bytes, split the same way and by safetensors dtype code.
     """
     checkpoint = _load(path)
-    num_layers = _config_int(checkpoint, "num_hidden_layers")
+    num_layers = checkpoint.config.num_hidden_layers
     tensors = checkpoint.tensors.values()
     decoder = [l for l in checkpoint.layout.decoder_layers if l < num_layers]
     mtp = [l for l in checkpoint.layout.decoder_layers if l >= num_layers]
     moe = checkpoint.layout.moe_layers
-    main_moe = [l for l in moe if l < num_layers]
-    experts_per_token = _config_int(checkpoint, "num_experts_per_tok", required=bool(main_moe))
+    experts_per_token = checkpoint.config.num_experts_per_tok
     by_dtype = Counter()
     for facts in tensors:
         by_dtype[facts.dtype] += facts.nbytes
@@ -415,10 +403,8 @@ def device_constraints(checkpoint: _Checkpoint) -> dict:
     n_routed_experts when the checkpoint has no routed experts) and num_attention_heads."""
     experts = sorted({layer.n_experts for layer in checkpoint.layout.moe_layers.values()})
     if not experts:
-        configured = _config_int(checkpoint, "n_routed_experts", required=False)
-        experts = [configured] if configured else []
-    return {"routed_experts": experts,
-            "num_attention_heads": _config_int(checkpoint, "num_attention_heads", required=False)}
+        experts = [checkpoint.config.n_routed_experts]
+    return {"routed_experts": experts, "num_attention_heads": checkpoint.config.num_attention_heads}
 
 
 def format_plan(report: dict) -> str:

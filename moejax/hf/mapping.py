@@ -127,21 +127,28 @@ def tensor_specs(cfg: DeepseekV3Config) -> list[TensorSpec]:
     layer, `cfg.experts_in_layer`) gives that layer's router, bias and expert tensors."""
     specs = []
 
-    def add(rule: Rule, layer: int | None, expert: int | None):
-        fmt = {"l": layer, "e": expert}
-        shape = tuple(cfg.experts_in_layer(layer) if dim is None else dim for dim in rule.shape(cfg))
-        specs.append(TensorSpec(rule.hf.format(**fmt), rule.param.format(**fmt), rule.transpose, expert, shape))
+    def add(rule: Rule, layer: None, expert: None):
+        specs.append(TensorSpec(rule.hf, rule.param, rule.transpose, None, tuple(rule.shape(cfg))))
 
     for rule in GLOBAL_RULES[:2]:
         add(rule, None, None)
     for layer in range(cfg.num_hidden_layers):
-        for rule in LAYER_RULES:
-            if not rule.when(cfg, layer):
-                continue
-            for expert in (range(cfg.experts_in_layer(layer)) if rule.per_expert else [None]):
-                add(rule, layer, expert)
+        specs += layer_specs(cfg, layer)
     if GLOBAL_RULES[2].when(cfg, 0):
         add(GLOBAL_RULES[2], None, None)
+    return specs
+
+
+def layer_specs(cfg: DeepseekV3Config, layer: int) -> list[TensorSpec]:
+    """The decoder-layer tensors of layer `layer` (an MTP layer's decoder block included)."""
+    specs = []
+    for rule in LAYER_RULES:
+        if not rule.when(cfg, layer):
+            continue
+        for expert in (range(cfg.experts_in_layer(layer)) if rule.per_expert else [None]):
+            fmt = {"l": layer, "e": expert}
+            shape = tuple(cfg.experts_in_layer(layer) if dim is None else dim for dim in rule.shape(cfg))
+            specs.append(TensorSpec(rule.hf.format(**fmt), rule.param.format(**fmt), rule.transpose, expert, shape))
     return specs
 
 

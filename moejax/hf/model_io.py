@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 from pathlib import Path
 
 import jax

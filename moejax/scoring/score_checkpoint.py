@@ -5,7 +5,6 @@ statistics and the run's settings. The scores file is what pruning and evaluatio
 from __future__ import annotations
 
 import contextlib
-import json
 import platform
 import time
 from pathlib import Path

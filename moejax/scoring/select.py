@@ -31,12 +31,14 @@ def resolve_keep(keep, n_experts: int, top_k: int) -> int:
     return count
 
 
-def select_kept(score_E: np.ndarray, keep: int) -> np.ndarray:
+def select_kept(score_E: np.ndarray, keep: int, where: str = "score") -> np.ndarray:
     """Boolean mask of the `keep` highest-scoring experts. Ranked in float64; ties break toward
-    the lower expert index (a stable sort of -score)."""
+    the lower expert index (a stable sort of -score). A NaN or infinity is refused, the message
+    starting with `where` (e.g. "layer 3: score 'reap'")."""
     score = np.asarray(score_E, np.float64)
     if not np.all(np.isfinite(score)):
-        raise ConfigError(f"score has non-finite values at experts {np.flatnonzero(~np.isfinite(score)).tolist()}")
+        raise ConfigError(f"{where}: non-finite values (NaN or inf) at experts "
+                          f"{np.flatnonzero(~np.isfinite(score)).tolist()[:16]}")
     order = np.argsort(-score, kind="stable")
     mask = np.zeros(score.shape[0], bool)
     mask[order[:keep]] = True

@@ -183,7 +183,7 @@ def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, config: dic
             except ConfigError as error:
                 raise ConfigError(f"layer {l}: {error}") from None
     else:
-        kept = {l: select_kept(scores[l], counts[l]) for l in layers}
+        kept = {l: select_kept(scores[l], counts[l], f"layer {l}: score {score!r}") for l in layers}
     groups = "none"
     if n_group > 1:
         per_group = {l: group_counts(m, n_group).tolist() for l, m in kept.items()}
