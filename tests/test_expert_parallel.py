@@ -189,16 +189,17 @@ def test_toy3_identical_on_eight_expert_shards():
 
 # --- sharding snapshot --------------------------------------------------------------------------
 
-def sharding_snapshot(preset: str) -> dict:
+def sharding_snapshot(preset: str) -> tuple[dict, dict, MeshConfig]:
     """Every parameter of a tiny model under a mesh preset: its partition spec and the shape of
-    one device's shard."""
+    one device's shard; also each parameter's full shape, and the preset's mesh."""
     import yaml
     from flax import nnx
 
     from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
     root = Path(__file__).resolve().parents[1]
-    mesh = make_mesh(MeshConfig.from_dict(yaml.safe_load((root / "conf" / "mesh" / f"{preset}.yaml").read_text())))
+    mesh_cfg = MeshConfig.from_dict(yaml.safe_load((root / "conf" / "mesh" / f"{preset}.yaml").read_text()))
+    mesh = make_mesh(mesh_cfg)
     cfg = DeepseekV3Config.from_dict({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
                                       "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
                                       "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -208,20 +209,39 @@ def sharding_snapshot(preset: str) -> dict:
                                       "first_k_dense_replace": 1})
     model = shard_model(DeepseekV3ForCausalLM(cfg, rngs=nnx.Rngs(0)), mesh)
     specs = partition_specs(model)
-    out = {}
+    out, shapes = {}, {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
         name = ".".join(str(p) for p in path)
         value = var.get_value()
         out[name] = {"spec": str(specs[name]), "shard_shape": list(value.sharding.shard_shape(value.shape))}
+        shapes[name] = list(value.shape)
+    return out, shapes, mesh_cfg
+
+
+def expected_sharding(shapes: dict, mesh_cfg: MeshConfig) -> dict:
+    """The rule as README states it, independent of the rule table: a routed-expert stack
+    (`...mlp.experts_{gate,up,down}`, [E, ...]) is split over the expert axis (E / expert per
+    device), everything else is replicated (one device holds all of it)."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.split(".")[-1] in ("experts_gate", "experts_up", "experts_down") and ".mlp." in name:
+            assert shape[0] == 8 and shape[0] % mesh_cfg.expert == 0
+            out[name] = {"spec": "P('expert',)", "shard_shape": [shape[0] // mesh_cfg.expert, *shape[1:]]}
+        else:
+            out[name] = {"spec": "P()", "shard_shape": list(shape)}
     return out
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "mesh").glob("*.yaml")))
 def test_sharding_snapshot(preset):
-    """A change of sharding must show up in review: update with MOEJAX_UPDATE_SNAPSHOTS=1."""
-    got = sharding_snapshot(preset)
+    """A change of sharding must show up in review: update with MOEJAX_UPDATE_SNAPSHOTS=1 (which
+    rewrites the file and then skips, so an update run never passes by comparing with itself)."""
+    got, shapes, mesh_cfg = sharding_snapshot(preset)
+    assert got == expected_sharding(shapes, mesh_cfg)   # checked in update runs too
+    assert sum(v["spec"] != "P()" for v in got.values()) == 3   # the one MoE layer's three stacks
     path = SNAPSHOTS / f"sharding_{preset}.json"
     if os.environ.get("MOEJAX_UPDATE_SNAPSHOTS"):
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        pytest.skip(f"MOEJAX_UPDATE_SNAPSHOTS is set: rewrote {path}; review its diff and rerun without it")
     assert got == json.loads(path.read_text())

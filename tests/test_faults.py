@@ -507,3 +507,16 @@ def test_nan_score_names_the_layer_wherever_experts_are_selected():
 
     with pytest.raises(ConfigError, match=r"^layer 3: score 'reap': non-finite values \(NaN or inf\) at experts \[1\]$"):
         select_kept(np.array([1.0, np.nan, 2.0]), 1, "layer 3: score 'reap'")
+
+
+def test_a_write_nested_in_a_staging_folder_keeps_it_marked(tmp_path):
+    """train_tiny saves a checkpoint into its own staging folder (replacing it): the folder stays
+    marked as moejax's until the outer write completes, and the result carries no marker."""
+    from moejax.hf.safetensors_io import staged_directory, write_checkpoint
+
+    with staged_directory(tmp_path / "out", overwrite=False) as staging:
+        write_checkpoint(staging, [("a", np.ones(2, np.float32))], {"x": 1}, overwrite=True)
+        assert (staging / STAGING_MARKER).is_file()
+        (staging / "record.json").write_text("{}")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors", "record.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -102,6 +102,43 @@ def test_selection_follows_the_score_with_ties_to_the_lower_index(flat, tmp_path
             assert kept == sorted(np.argsort(-fn(w, b), kind="stable")[:4].tolist()), (score, layer)
 
 
+TIED_SCALES = {1: [1.0, 3.0, 2.0, 0.5, 2.0, 2.0, 4.0, 2.0],     # router row j = scale_j * v: identical
+               2: [-3.0, 2.0, 2.0, -2.0, 2.0, 2.0, 2.5, 2.0]}  # rows, hence exactly tied scores
+TIED_BIAS = {1: [0.1, -0.2, -0.3, -0.2, 0.3, -0.2, 0.0, -0.2],
+             2: [0.0, 0.4, 0.0, -0.1, 0.0, 0.0, 0.2, 0.0]}
+
+
+def test_exact_ties_at_the_cut_go_to_the_lower_index(flat, tmp_path):
+    """Router rows and bias entries with genuine exact ties straddling the cut (SPEC section 2:
+    ties break toward the lower expert index), against python's sort by (-score, index)."""
+    def tie(name, reader):
+        w = reader.read(name)
+        parts = name.split(".")
+        if name.endswith("mlp.gate.weight"):
+            # layer 2: v of mixed signs with a positive sum, so l1 and signed tie different experts
+            v = w[0] * np.sign(w[0].sum()) if parts[2] == "2" else np.abs(w[0])
+            return [(name, (np.array(TIED_SCALES[int(parts[2])], np.float32)[:, None] * v).astype(w.dtype))]
+        if name.endswith("mlp.gate.e_score_correction_bias"):
+            return [(name, np.array(TIED_BIAS[int(parts[2])], w.dtype))]
+        return [(name, w)]
+
+    src = rewrite(flat, tmp_path / "tied", tie)
+    r = CheckpointReader(src)
+    for score, fn in {"l1": lambda w, b: np.abs(w).sum(1), "signed": lambda w, b: w.sum(1),
+                      "bias": lambda w, b: -b}.items():
+        prune_checkpoint(src, tmp_path / score, score=score, keep=4)
+        for layer, kept in kept_of(tmp_path / score).items():
+            w = r.read(f"model.layers.{layer}.mlp.gate.weight").astype(np.float64)
+            value = fn(w, r.read(f"model.layers.{layer}.mlp.gate.e_score_correction_bias").astype(np.float64))
+            order = sorted(range(E), key=lambda j: (-value[j], j))       # ties: the lower index first
+            assert value[order[3]] == value[order[4]], (score, layer)      # a genuine tie at the cut
+            assert kept == sorted(order[:4]), (score, layer, value.tolist())
+    # the cases spelled out: layer 1, l1 ranks 6 > 1 > {2, 4, 5, 7} tied: keeps 2 and 4 of the four
+    assert kept_of(tmp_path / "l1")[1] == [1, 2, 4, 6]
+    assert kept_of(tmp_path / "bias")[1] == [1, 2, 3, 5]                 # -bias 0.3, then 0.2 x {1, 3, 5, 7}
+    assert kept_of(tmp_path / "l1")[2] == [0, 1, 2, 6] and kept_of(tmp_path / "signed")[2] == [1, 2, 4, 6]
+
+
 def test_transformers_loads_it_and_matches_the_masked_source(flat, tmp_path):
     import torch
     from transformers import DeepseekV3ForCausalLM as HFModel

@@ -56,9 +56,9 @@ def test_keep_all_experts_gives_the_unpruned_numbers_exactly(setup):
     assert (pruned.value != pruned.text.map(unpruned)).all()  # pruning a quarter changes every perplexity
 
 
-def numpy_routed(z, w, b, experts, mask, cfg):
-    """SPEC section 1 in numpy: sigmoid scores, bias for the choice only, group-limited top-k,
-    renormalised gates times routed_scaling_factor; experts down(silu(gate x) * up x)."""
+def numpy_chosen(z, w, b, mask, cfg):
+    """SPEC section 1's choice in numpy: (sigmoid scores [T, E], chosen experts [T, K]) with the
+    bias for the choice only and group-limited top-k."""
     s = 1 / (1 + np.exp(-(z @ w.T)))
     sel = np.where(mask, s + b, -np.inf)
     G = cfg["n_group"]
@@ -67,7 +67,13 @@ def numpy_routed(z, w, b, experts, mask, cfg):
     allowed = np.zeros((len(z), G), bool)
     np.put_along_axis(allowed, best, True, axis=-1)
     sel = np.where(np.repeat(allowed, E // G, axis=-1), sel, -np.inf)
-    idx = np.argsort(-sel, axis=-1, kind="stable")[:, :K]
+    return s, np.argsort(-sel, axis=-1, kind="stable")[:, :K]
+
+
+def numpy_routed(z, w, b, experts, mask, cfg):
+    """SPEC section 1 in numpy: sigmoid scores, bias for the choice only, group-limited top-k,
+    renormalised gates times routed_scaling_factor; experts down(silu(gate x) * up x)."""
+    s, idx = numpy_chosen(z, w, b, mask, cfg)
     gate = np.take_along_axis(s, idx, -1)
     gate = gate / gate.sum(-1, keepdims=True) * cfg["routed_scaling_factor"]
     y = np.zeros_like(z)
@@ -130,6 +136,104 @@ def test_kept_sets_and_analyses(setup):
     e = df[df.metric == "rel_error"].pivot_table(index=["score", "keep", "layer"], columns="mode", values="value")
     first = e.xs(1, level="layer")
     assert np.allclose(first["one_shot"], first["sequential"])
+
+
+def router_inputs(model, layer, ids_by_text):
+    """transformers' router input (post_attention_layernorm output) at `layer`, float64 [T, H],
+    tokens in (text, sequence, position) order."""
+    import torch
+
+    z = []
+    hook = model.model.layers[layer].post_attention_layernorm.register_forward_hook(
+        lambda m, i, o: z.append(o.detach().double().numpy().reshape(-1, o.shape[-1])))
+    with torch.no_grad():
+        for ids in ids_by_text:
+            model(torch.as_tensor(ids, dtype=torch.long))
+    hook.remove()
+    return np.concatenate(z)
+
+
+def test_published_analyses_match_numpy(setup):
+    """Every per-layer analysis of SPEC section 3 recomputed from transformers' activations and
+    numpy routing: usage concentration (top E/4 share of the calibration routing decisions),
+    cos(mu, ones), energy at position 0 (held-out routed output), Spearman against frequency
+    (scipy, ties averaged) and each pairwise overlap of kept sets (python sets)."""
+    from scipy.stats import spearmanr
+
+    path, model, calib, heldout, df, info = setup
+    r = CheckpointReader(path)
+    cfg = r.config()
+    for layer in (1, 2):
+        pre = f"model.layers.{layer}.mlp."
+        w = r.read(pre + "gate.weight").astype(np.float64)
+        b = r.read(pre + "gate.e_score_correction_bias").astype(np.float64)
+        a = df[(df.layer == layer) & (df["mode"] == "one_shot")]
+        value = lambda metric, **by: a[(a.metric == metric) & np.logical_and.reduce(  # noqa: E731
+            [a[k] == v for k, v in by.items()] or [True])].value.item()
+
+        z = router_inputs(model, layer, [calib])
+        _, idx = numpy_chosen(z, w, b, np.ones(E, bool), cfg)
+        counts = np.bincount(idx.ravel(), minlength=E)
+        assert counts.sum() == calib.size * K
+        top = sorted(counts.tolist(), reverse=True)[:E // 4]
+        assert value("usage_top_quarter") == pytest.approx(sum(top) / counts.sum(), abs=1e-12)
+        mu = z.mean(axis=0)
+        assert value("cosine_mu_ones") == pytest.approx(mu.sum() / np.sqrt((mu ** 2).sum() * mu.size), rel=1e-5)
+
+        zh = router_inputs(model, layer, [heldout["a"], heldout["b"]])
+        y = numpy_routed(zh, w, b, [tuple(r.read(f"{pre}experts.{e}.{p}_proj.weight").astype(np.float64)
+                                          for p in ("gate", "up", "down")) for e in range(E)],
+                         np.ones(E, bool), cfg)
+        energy = (y ** 2).sum(-1)
+        first = np.arange(len(zh)) % SEQ == 0              # sequence position 0 of every held-out row
+        assert value("energy_pos0") == pytest.approx(energy[first].sum() / energy.sum(), rel=1e-4)
+
+        weight_only = {"frequency": counts, "l1": np.abs(w).sum(1), "signed": w.sum(1)}
+        for name, score in weight_only.items():
+            want = spearmanr(score, counts).statistic
+            assert value("spearman_frequency", score=name) == pytest.approx(want, abs=1e-9), name
+        kept = info["kept"][layer]
+        names = ["frequency", "reap", "l1", "signed", "random"]
+        for keep in (8, 4):
+            for x in names:
+                for y_ in names:
+                    if x != y_:
+                        want = len(set(kept[f"{x}@{keep}"]) & set(kept[f"{y_}@{keep}"]))
+                        assert value(f"overlap_{y_}", score=x, keep=keep) == want, (layer, keep, x, y_)
+            # the frequency kept set itself: the `keep` most used experts, ties to the lower index
+            assert kept[f"frequency@{keep}"] == sorted(sorted(range(E), key=lambda j: (-counts[j], j))[:keep])
+
+
+def test_analysis_rows_against_python_on_ties():
+    """`_analysis_rows` alone on a hand-made layer with tied counts and tied scores: every value
+    against plain python / scipy."""
+    from types import SimpleNamespace
+
+    from scipy.stats import spearmanr
+
+    from moejax.evaluate import _analysis_rows
+
+    counts = np.array([5, 9, 0, 9, 3, 12, 1, 9, 4, 9, 2, 7])             # E = 12: the top quarter is 3
+    mu = np.array([0.3, -1.2, 0.5, 2.0, 0.1])
+    scores = {"signed": np.array([1.0, -2, 1, 3, 3, 0, -1, 2, 2, 5, -3, 1]),
+              "l1": np.array([4.0, 1, 1, 2, 7, 3, 3, 3, 0, 6, 5, 2])}
+    kept = {("signed", 4): np.isin(np.arange(12), [3, 4, 7, 9]), ("l1", 4): np.isin(np.arange(12), [0, 1, 5, 9])}
+    rows = _analysis_rows(3, SimpleNamespace(counts_E=counts, mean_input_D=mu), scores, kept, [4], 0.125)
+    get = {(r["metric"], r.get("score")): r["value"] for r in rows}
+    assert all(r["layer"] == 3 for r in rows)
+    assert get["usage_top_quarter", None] == pytest.approx((12 + 9 + 9) / counts.sum())
+    assert get["cosine_mu_ones", None] == pytest.approx(sum(mu) / (np.sqrt(sum(mu ** 2)) * np.sqrt(5)))
+    assert get["energy_pos0", None] == 0.125
+    for name in scores:
+        assert get["spearman_frequency", name] == pytest.approx(spearmanr(scores[name], counts).statistic)
+    signed, l1 = {3, 4, 7, 9}, {0, 1, 5, 9}
+    # no frequency score given: its kept set is the 4 most used, the tie at 9 (experts 1, 3, 7, 9)
+    # broken toward the lower index
+    frequency = set(sorted(range(12), key=lambda j: (-counts[j], j))[:4])
+    assert frequency == {1, 3, 5, 7}
+    assert get["overlap_l1", "signed"] == get["overlap_signed", "l1"] == len(signed & l1) == 1
+    assert get["overlap_frequency", "signed"] == len(signed & frequency) == 2
+    assert get["overlap_frequency", "l1"] == len(l1 & frequency) == 2
 
 
 def test_experiment_through_hydra_runner(tmp_path, setup):

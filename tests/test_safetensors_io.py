@@ -415,7 +415,7 @@ def test_failed_overwrite_keeps_the_old_folder(tmp_path):
         yield "b", np.zeros(2, np.float32)
         raise RuntimeError("midway")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^midway$"):
         write_checkpoint(out, tensors(), None, overwrite=True)
     assert CheckpointReader(out).keys() == ["a"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

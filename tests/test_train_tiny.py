@@ -83,13 +83,46 @@ def test_heldout_files_are_disjoint_from_training_and_recorded(trained):
     assert not any("site-packages" in n or n.startswith("test/") for n in train + held)
     extra = {str(p.resolve()) for p in notes.iterdir()}
     assert extra <= set(train) | set(held)                           # data.text files are split too
-    # the split is a stable function of the names: the same again, and ~5% held out
+    # held out = the fixed list plus exactly the files whose hash falls in the fraction; ~5% of them
+    names = sorted(set(train) | set(held))
+    fixed = [n for n in cfg.data.heldout_always if n in names]
+    assert held[:len(fixed)] == fixed
+    assert set(held) == set(fixed) | {n for n in names if hash_share(n) < cfg.data.heldout_fraction}
+    assert len(train) + len(held) == len(names)
+    assert 0.02 < len(held) / len(names) < 0.10
+
+
+def hash_share(name: str) -> float:
+    """The documented stable hash: the first 8 bytes of sha256("moejax-heldout:" + name), big-endian,
+    as a fraction of 2**64 (the same on every machine and Python version)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(("moejax-heldout:" + name).encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+def test_split_heldout_against_its_definition():
+    """split_heldout on hand-picked names: the files of `always` present (in `always`'s order)
+    then every other file whose stable hash falls below the fraction (in input order); training
+    files keep the input order. Pinned literally too: a changed hash would silently change which
+    files a published tiny model was evaluated on."""
     from moejax.data import split_heldout
 
-    names = sorted(set(train) | set(held))
-    assert split_heldout(names, cfg.data.heldout_fraction, cfg.data.heldout_always)[1] == held \
-        or sorted(split_heldout(names, cfg.data.heldout_fraction, cfg.data.heldout_always)[1]) == sorted(held)
-    assert 0.02 < len(held) / len(names) < 0.10
+    names = ["difflib.py"] + [f"pkg/mod{i}.py" for i in reversed(range(12))] + ["textwrap.py"]
+    always = ("textwrap.py", "absent.py", "difflib.py")
+    train, held = split_heldout(names, 0.3, always)
+    assert held == ["textwrap.py", "difflib.py", "pkg/mod10.py", "pkg/mod6.py", "pkg/mod5.py", "pkg/mod1.py"]
+    assert train == [n for n in names if n not in held]
+    # the same from the definition, for several fractions (the held-out set only grows with it)
+    previous = set()
+    for fraction in (0.05, 0.3, 0.5, 0.9):
+        train, held = split_heldout(names, fraction, always)
+        fixed = [n for n in always if n in names]
+        want = fixed + [n for n in names if n not in fixed and hash_share(n) < fraction]
+        assert held == want and train == [n for n in names if n not in want]
+        assert previous <= set(held)
+        previous = set(held)
+    assert split_heldout(names, 0.3) == ([n for n in names if hash_share(n) >= 0.3],
+                                         [n for n in names if hash_share(n) < 0.3])
 
 
 def test_resume_continues_from_the_latest_checkpoint(trained, tmp_path, caplog):
@@ -252,3 +285,39 @@ def test_prune_real_on_the_trained_model(trained, tmp_path):
     full = ppl[ppl.keep == 8]
     assert (full.value.to_numpy() == full.text.map(unpruned).to_numpy()).all()
     assert unpruned["all"] < 256  # the trained model beats a uniform guess over bytes
+
+
+def test_balance_bias_step_follows_the_rule_in_numpy(trained):
+    """DeepSeek-V3's auxiliary-loss-free rule (SPEC section 4's `bias -= rate * sign(load -
+    mean(load))`, the docstring's `bias_e += rate * sign(mean_load - load_e)`), recomputed in numpy
+    from the experts each token chose in the step's batch: two real training steps (the second
+    starting from a nonzero bias) move every MoE layer's bias by exactly that. A flipped sign
+    (which training, the loss and the range checks above all survive) fails here."""
+    import jax.numpy as jnp
+
+    cfg = trained[0]
+    trainer = tt.Trainer(cfg)            # the same settings: the compiled step of the fixture is reused
+    rate = np.float32(cfg.train.bias_update_rate)
+    moe_layers = range(cfg.arch.first_k_dense_replace, cfg.arch.num_hidden_layers)
+    rng = np.random.default_rng(7)
+    moved = 0
+    for _ in range(2):
+        ids = jnp.asarray(rng.integers(1, 256, size=(cfg.train.batch_size, cfg.data.seq_len)), jnp.int32)
+        before = {l: np.array(trainer.model.model.layers[l].mlp.bias[...]) for l in moe_layers}
+        # the loads of the step's batch under the current parameters and bias: the compiled held-out
+        # pass (of the fixture's eval batch shape) on the batch repeated, divided by the repeats
+        reps = cfg.train.eval_batch_size // cfg.train.batch_size
+        _, counts = trainer._evaluate(trainer.state, jnp.tile(ids, (reps, 1)))
+        assert all((np.asarray(counts[l]) % reps == 0).all() for l in moe_layers)
+        load = {l: np.asarray(counts[l], np.int64) // reps for l in moe_layers}
+        trainer.state, _ = trainer.step(trainer.state, ids)
+        after = trainer.model
+        for l in moe_layers:
+            assert load[l].sum() == ids.size * cfg.arch.num_experts_per_tok
+            assert load[l].min() < load[l].mean() < load[l].max()        # the batch is unbalanced
+            # busy experts (load above the mean) go down, idle ones up, at-mean ones stay
+            want = before[l] + rate * np.sign(load[l].mean() - load[l]).astype(np.float32)
+            got = np.asarray(after.model.layers[l].mlp.bias[...])
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-7, err_msg=f"layer {l}")
+            moved += int((before[l] != 0).any())
+    assert moved == len(moe_layers)                                       # the second step started off zero

@@ -793,6 +793,8 @@ def _move_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
         return
     if not overwrite:  # appeared while we were writing
         raise CheckpointError(f"{out_dir}: already exists; pass --overwrite (overwrite=True) to replace it")
+    if (out_dir / STAGING_MARKER).is_file():  # out_dir is an outer write's staging folder: keep it marked
+        shutil.copyfile(out_dir / STAGING_MARKER, staging / STAGING_MARKER)
     retired = out_dir.parent / f".{out_dir.name}.old-{secrets.token_hex(6)}"
     out_dir.rename(retired)
     try:
