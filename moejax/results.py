@@ -45,17 +45,10 @@ def _atomic_write(path: Path, write) -> None:
     path = Path(path)
     tmp = None
     try:
-        for _ in range(100):
-            candidate = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-            with _signals_held():
-                try:
-                    os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-                except FileExistsError:
-                    continue
-                tmp = candidate
-            break
-        else:
-            raise FileExistsError(f"could not create a temporary file beside {path}")
+        candidate = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"  # 48 random bits: no retry
+        with _signals_held():
+            os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            tmp = candidate
         write(tmp)
         os.replace(tmp, path)
         tmp = None
