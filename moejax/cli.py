@@ -35,7 +35,8 @@ def _score(args) -> None:
     if "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LOW_MEMORY_XLA_FLAGS}".strip()
         request_cpu_devices(mesh.n_devices)
-    from moejax.scoring.score_checkpoint import ALL_SCORES, score_checkpoint
+    from moejax.scoring.score_checkpoint import score_checkpoint
+    from moejax.scoring.scores import ALL_SCORES
 
     scores = args.scores.split(",") if args.scores else list(ALL_SCORES)
     df = score_checkpoint(args.checkpoint, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_diff)
 
-    from moejax.hf.inspect import register_cli
+    from moejax.hf.inspection import register_cli
 
     register_cli(sub)
     p = sub.add_parser("clean", help="remove staging folders left in FOLDER by a killed prune or save")

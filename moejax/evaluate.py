@@ -25,13 +25,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 from flax import nnx
 
 from moejax.hf.model_io import OpenCheckpoint
 from moejax.models.deepseek_v3.model import DecoderLayer, linear, rms_norm
 from moejax.moe import dispatch as dispatch_lib
+from moejax.nll import next_token_nll
 from moejax.scoring.observe import accumulate_layer
-from moejax.scoring.scores import StatsAccumulator, compute_scores
+from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.stream import batch_geometry
 
@@ -130,9 +132,7 @@ def _nll_stacked(x_NBSH, norm_H, head_HV, ids_BS, eps):
 @jax.jit
 def _nll(x_BSH, norm_H, head_HV, ids_BS, eps):
     """Sum of next-token negative log-likelihoods, and the number of predicted tokens."""
-    logits = linear(rms_norm(x_BSH, norm_H, eps), head_HV).astype(jnp.float32)[:, :-1]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, ids_BS[:, 1:, None], axis=-1)[..., 0]
+    nll = next_token_nll(linear(rms_norm(x_BSH, norm_H, eps), head_HV), ids_BS)
     return jnp.sum(nll), nll.size
 
 
@@ -159,13 +159,6 @@ def _head(ckpt: OpenCheckpoint, dtype):
     return jnp.asarray(norm), jnp.asarray(head)
 
 
-def _spearman(a, b) -> float:
-    import pandas as pd
-
-    ra, rb = pd.Series(a).rank().to_numpy(), pd.Series(b).rank().to_numpy()
-    return float(np.corrcoef(ra, rb)[0, 1]) if ra.std() > 0 and rb.std() > 0 else float("nan")
-
-
 def _analysis_rows(layer, stats, scores, kept, keeps, energy_pos0):
     """Per-layer analyses of SPEC section 3 on the unpruned calibration statistics."""
     rows = []
@@ -178,7 +171,7 @@ def _analysis_rows(layer, stats, scores, kept, keeps, energy_pos0):
     rows.append(dict(layer=layer, metric="energy_pos0", value=energy_pos0))
     freq = stats.counts_E
     for name, s in scores.items():
-        rows.append(dict(layer=layer, score=name, metric="spearman_frequency", value=_spearman(s, freq)))
+        rows.append(dict(layer=layer, score=name, metric="spearman_frequency", value=rank_correlation(s, freq)))
         for keep in keeps:
             for other in scores:
                 if other != name:
@@ -247,10 +240,8 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     held = {text: [jnp.broadcast_to(x[None], (len(streams),) + x.shape) for x in xs] for text, xs in held_embed.items()}
     errors, rows, kept_by_layer = _ErrorSums(), [], {}
     t0 = time.perf_counter()
-    for layer_idx in range(cfg.num_hidden_layers):
-        if show:
-            sys.stderr.write(f"\rlayer {layer_idx + 1}/{cfg.num_hidden_layers} ({len(streams)} held-out streams)")
-            sys.stderr.flush()
+    for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams)} held-out streams)",
+                          unit="layer", disable=not show):
         prefix = f"model.layers.{layer_idx}."
         abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0)))
         layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix)
@@ -326,8 +317,6 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
             rows += [dict(mode="one_shot", **r) for r in _analysis_rows(
                 layer_idx, stats, layer_sc, kept, keeps, float(energy0 / energy) if energy else float("nan"))]
         del layer, state, cal_hz, attention_cache, mlp_cache, scores_cache
-    if show:
-        sys.stderr.write("\n")
     norm_H, head_HV = _head(ckpt, dtype)
     totals = {}
     for text, xs in held.items():

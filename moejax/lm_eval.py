@@ -37,6 +37,7 @@ from flax import nnx
 
 from moejax.errors import ConfigError
 from moejax.generate import Generator, check_expert_masks
+from moejax.nll import target_logprobs
 from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 try:
@@ -330,9 +331,7 @@ def _compiled_scorer(model):
     @jax.jit
     def score(state, ids_BS, targets_BS, expert_masks):
         logits = nnx.merge(graphdef, state)(ids_BS, None, expert_masks, forward_only=True)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        target_logp = jnp.take_along_axis(logp, targets_BS[..., None], axis=-1)[..., 0]
-        return target_logp, jnp.argmax(logp, axis=-1) == targets_BS
+        return target_logprobs(logits, targets_BS), jnp.argmax(logits, axis=-1) == targets_BS
 
     return lambda ids, targets, masks: score(state, ids, targets, masks)
 

@@ -15,6 +15,7 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 from flax import nnx
 
 from moejax.errors import CheckpointError
@@ -62,10 +63,8 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     n_tokens = sum(int(np.asarray(ids).size) for ids, _ in batches)
     hidden = _embed(ckpt, batches, dtype)
     geometry = [batch_geometry(cfg, ids, mask, dtype) for ids, mask in batches]
-    for layer_idx in range(cfg.num_hidden_layers):
-        if show:
-            sys.stderr.write(f"\rlayer {layer_idx + 1}/{cfg.num_hidden_layers} ({n_tokens} tokens)")
-            sys.stderr.flush()
+    for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({n_tokens} tokens)", unit="layer",
+                          disable=not show):
         prefix = f"model.layers.{layer_idx}."
         abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0)))
         layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix, mesh=mesh)
@@ -79,5 +78,3 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
         if layer.is_moe:
             yield layer_idx, layer.mlp, router_inputs
         del layer, state
-    if show:
-        sys.stderr.write("\n")

@@ -13,7 +13,8 @@ from hf_fixtures import make_checkpoint, rewrite  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
 from moejax.hf.safetensors_io import CheckpointReader, SafetensorsFile  # noqa: E402
-from moejax.surgery.diff import diff_checkpoints, match_rows, spearman  # noqa: E402
+from moejax.scoring.scores import rank_correlation  # noqa: E402
+from moejax.surgery.diff import diff_checkpoints, match_rows  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402
 
 
@@ -123,8 +124,8 @@ def test_match_rows_and_spearman_helpers():
     rows = [b"a", b"b", b"a", b"c"]
     assert match_rows(rows, [b"a", b"a", b"c"]) == [0, 2, 3]
     assert match_rows(rows, [b"c", b"a", b"x"]) == [3, 0, None]
-    assert spearman(np.array([1.0, 2, 3, 4]), np.array([10.0, 20, 30, 25])) == pytest.approx(0.8)
-    assert spearman(np.ones(3), np.arange(3.0)) is None
+    assert rank_correlation(np.array([1.0, 2, 3, 4]), np.array([10.0, 20, 30, 25])) == pytest.approx(0.8)
+    assert np.isnan(rank_correlation(np.ones(3), np.arange(3.0)))
 
 
 def test_cli(src, tmp_path, capsys):

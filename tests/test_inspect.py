@@ -1,4 +1,4 @@
-"""`moejax inspect` / `moejax plan` (moejax.hf.inspect): parameter counts checked against
+"""`moejax inspect` / `moejax plan` (moejax.hf.inspection): parameter counts checked against
 transformers and the safetensors package, packed 4-bit tensors counted in logical values, active
 parameters recomputed from the config, device plans hand-computed on sparse header-only
 checkpoints, and all of it without reading a byte of tensor data."""
@@ -19,7 +19,7 @@ import pytest
 from hf_fixtures import QUANT_CONFIGS, full_config, spec_shapes
 from hf_fixtures import quantised_linear as fixture_linear
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.inspect import (
+from moejax.hf.inspection import (
     ACCELERATORS_GB,
     format_inspect,
     format_plan,
@@ -503,6 +503,6 @@ def test_human_units():
 
 
 def test_module_imports_no_jax_or_torch():
-    code = "import sys, moejax.hf.inspect; print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))"
+    code = "import sys, moejax.hf.inspection; print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
-from moejax.scoring.score_checkpoint import ALL_SCORES
+from moejax.scoring.scores import ALL_SCORES
 
 DEFAULT_HELDOUT = ("difflib.py", "textwrap.py", "fractions.py")  # when the model lists none of its own
 TINY_RECORD = "moejax_tiny.json"

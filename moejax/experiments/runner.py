@@ -90,11 +90,14 @@ class _Progress:
         return self.update if sys.stderr.isatty() else None
 
     def update(self, n: int) -> None:
+        from tqdm import tqdm
+
+        if self.done == 0:
+            self.bar = tqdm(total=self.total, desc=self.name, unit="seed")
         self.done += n
-        sys.stderr.write(f"\r{self.name}: {self.done}/{self.total} seeds")
+        self.bar.update(n)
         if self.done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+            self.bar.close()
 
     def record(self, counted: bool) -> dict:
         out = {"seconds": round(time.perf_counter() - self.t0, 3), "stage": self.stage}

@@ -9,7 +9,7 @@ import time
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig
-from moejax.scoring.score_checkpoint import ALL_SCORES
+from moejax.scoring.scores import ALL_SCORES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -317,11 +317,9 @@ def train_batch(stream: np.ndarray, seed: int, step: int, batch: int, seq_len: i
 
 def next_token_loss(logits_BSV, ids_BS):
     """Mean next-token cross-entropy in float32 over positions 0..S-2 (predicting 1..S-1)."""
-    import jax
-    import jax.numpy as jnp
+    from moejax.nll import next_token_nll
 
-    logp = jax.nn.log_softmax(logits_BSV[:, :-1].astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, ids_BS[:, 1:, None], axis=-1)[..., 0].mean()
+    return next_token_nll(logits_BSV, ids_BS).mean()
 
 
 def sequence_balance_loss(routing, n_experts: int, top_k: int, batch: int):
@@ -369,7 +367,9 @@ def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int):
     import jax.numpy as jnp
     from flax import nnx
 
+    from moejax.moe.balancing import bias_step
     from moejax.moe.routing import routing_counts
+    from moejax.nll import next_token_nll
 
     def step(state, ids_BS):
         model, optimizer = nnx.merge(graphdef, state)
@@ -389,15 +389,14 @@ def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int):
         for l, load in loads.items():   # auxiliary-loss-free balancing (DeepSeek-V3 section 2.1.2)
             load = load.astype(jnp.float32)
             bias = model.model.layers[l].mlp.bias
-            bias[...] = bias[...] + rate * jnp.sign(load.mean() - load)
+            bias[...] = bias_step(bias[...], load, rate)
             shares.append(load.max() / load.sum())
         return nnx.state((model, optimizer)), {"loss": ce, "max_load_share": jnp.mean(jnp.stack(shares))}
 
     def evaluate(state, ids_NS):
         model, _ = nnx.merge(graphdef, state)
         logits, routing = model(ids_NS, return_routing=True)
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(logp, ids_NS[:, 1:, None], axis=-1)[..., 0].sum()
+        nll = next_token_nll(logits, ids_NS).sum()
         return nll, {l: routing_counts(r.expert_idx_TK, E) for l, r in routing.items()}
 
     return jax.jit(step, donate_argnums=0), jax.jit(evaluate)
@@ -508,28 +507,21 @@ def _save_checkpoint(manager, trainer: Trainer, step: int, meta: dict) -> None:
 # --- progress --------------------------------------------------------------------------------------
 
 class Progress:
-    """`train_tiny: step 120/2000 loss 1.234 12,345 tok/s eta 5m` on stderr when it is a terminal."""
+    """`train_tiny: 120/2000 steps [..] loss=1.234, tok/s=12,345` (tqdm) on stderr when it is a terminal."""
 
     def __init__(self, total: int, start: int, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.on = self.stream.isatty()
-        self.total, self.start, self.t0, self.last = total, start, time.perf_counter(), 0.0
+        from tqdm import tqdm
+
+        stream = stream if stream is not None else sys.stderr
+        self.bar = tqdm(total=total, initial=start, desc="train_tiny", unit="step", file=stream,
+                        disable=not stream.isatty(), mininterval=0.5)
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        now = time.perf_counter()
-        if not self.on or (now - self.last < 0.5 and step < self.total):
-            return
-        self.last = now
-        done = step - self.start
-        eta = (now - self.t0) / done * (self.total - step) if done else float("nan")
-        self.stream.write(f"\rtrain_tiny: step {step}/{self.total}  loss {loss:.3f}  {tokens_per_s:,.0f} tok/s  "
-                          f"eta {eta / 60:.1f} min ")
-        self.stream.flush()
+        self.bar.set_postfix_str(f"loss {loss:.3f}  {tokens_per_s:,.0f} tok/s", refresh=False)
+        self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
-        if self.on:
-            self.stream.write("\n")
-            self.stream.flush()
+        self.bar.close()
 
 
 # --- the experiment -------------------------------------------------------------------------------

@@ -22,6 +22,13 @@ from moejax.moe.routing import RouterConfig, route, routing_counts
 from moejax.moe.topk import kth_largest, topk_indices_at_threshold
 
 
+def bias_step(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+    """One step of auxiliary-loss-free balancing (DeepSeek-V3 section 2.1.2), over the last axis:
+    bias - rate * sign(load - mean(load)). Busy experts' biases fall, idle ones rise."""
+    load_E = load_E.astype(jnp.float32)
+    return bias_E - rate * jnp.sign(load_E - load_E.mean(axis=-1, keepdims=True))
+
+
 def loads_at_threshold(sel_BET: jax.Array, kth_BT: jax.Array, top_k: int) -> jax.Array:
     """Expert loads [..., E] of top-k routing, given each token's K-th largest `sel` (`kth_largest`).
 
@@ -65,7 +72,7 @@ def balance_bias(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: flo
     b0 = jnp.zeros(logits_NTE.shape[::2], jnp.float32)
 
     def update(b_NE, load_NE):
-        return b_NE - rate * jnp.sign(load_NE - load_NE.mean(axis=-1, keepdims=True))
+        return bias_step(b_NE, load_NE, rate)
 
     if cfg.scoring_func == "sigmoid" and cfg.n_group == 1:
         scores_NET = jnp.swapaxes(jax.nn.sigmoid(logits_NTE), -1, -2)  # expert-major: tokens elementwise

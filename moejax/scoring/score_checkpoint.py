@@ -14,10 +14,9 @@ import numpy as np
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.safetensors_io import check_output_file
 from moejax.parallel.mesh import MeshConfig, make_mesh
-from moejax.scoring.scores import check_score_names, compute_scores
+from moejax.scoring.scores import ALL_SCORES, check_score_names, compute_scores
 
 DEFAULT_SEQ_LEN = 512  # or the model's max_position_embeddings when that is shorter
-ALL_SCORES = ("frequency", "reap", "reap_code", "ean", "w_mean", "bias", "signed", "l1", "random")
 
 
 def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None = None, max_tokens: int | None = None,

@@ -3,8 +3,10 @@
 Every score reads a `LayerStats` (the per-layer sums of one calibration pass, kept in float64 so
 rankings do not depend on summation order) and returns float64 [E]. Higher = keep.
 
-To add a score: write `def my_score(st: LayerStats) -> np.ndarray`, decorate it with
-`@register("my_score")`, and it is available to every experiment by name.
+To add a score: write `def my_score(st: LayerStats) -> np.ndarray` here, decorate it with
+`@register("my_score")` (`data_free=True` if it reads only the router weights and bias, so `moejax
+prune` can compute it without a calibration pass), and it is available to every experiment and
+command by name. `ALL_SCORES` and `DATA_FREE_SCORES` are the one list of scores, read off the registry.
 """
 
 from __future__ import annotations
@@ -110,11 +112,14 @@ def stats_from_pairs(expert_idx_TK, gate_TK, out_norm_TK, mean_input_D, router_E
 
 
 SCORES: dict[str, Callable[[LayerStats], np.ndarray]] = {}
+_DATA_FREE: set[str] = set()
 
 
-def register(name: str):
+def register(name: str, *, data_free: bool = False):
     def deco(fn):
         SCORES[name] = fn
+        if data_free:
+            _DATA_FREE.add(name)
         return fn
     return deco
 
@@ -156,28 +161,43 @@ def w_mean(st: LayerStats) -> np.ndarray:
     return st.router_ED @ st.mean_input_D
 
 
-@register("bias")
+@register("bias", data_free=True)
 def bias(st: LayerStats) -> np.ndarray:
     """-e_score_correction_bias[j]   (lowest bias = busiest in training = keep)"""
     return -st.bias_E
 
 
-@register("signed")
+@register("signed", data_free=True)
 def signed(st: LayerStats) -> np.ndarray:
     """sum_d W_router[j, d]   (signed row sum)"""
     return st.router_ED.sum(axis=1)
 
 
-@register("l1")
+@register("l1", data_free=True)
 def l1(st: LayerStats) -> np.ndarray:
     """sum_d |W_router[j, d]|   (compressed-tensors MagnitudeExpertPruner default)"""
     return np.abs(st.router_ED).sum(axis=1)
 
 
-@register("random")
+@register("random", data_free=True)
 def random(st: LayerStats) -> np.ndarray:
     """Uniform random, seeded per (seed, layer)."""
     return np.random.default_rng([st.seed, st.layer]).random(st.n_experts)
+
+
+ALL_SCORES = tuple(SCORES)                                          # every score, in this file's order
+DATA_FREE_SCORES = tuple(n for n in SCORES if n in _DATA_FREE)     # bias, signed, l1, random
+
+
+def rank_correlation(a, b) -> float:
+    """Spearman's rank correlation of two scores over the same experts (average ranks for ties);
+    NaN when either is constant (no ranking to correlate)."""
+    from scipy.stats import spearmanr
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if np.ptp(a) == 0 or np.ptp(b) == 0:
+        return float("nan")
+    return float(spearmanr(a, b).statistic)
 
 
 def check_score_names(names) -> list[str]:

@@ -20,9 +20,11 @@ import numpy as np
 from moejax.hf.check import check_checkpoint, checkpoint_problems
 from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
 from moejax.hf.safetensors_io import CheckpointReader, TensorInfo
+from moejax.scoring.scores import DATA_FREE_SCORES, compute_scores, rank_correlation
 from moejax.scoring.select import select_kept
 
-DATA_FREE = ("signed", "l1", "bias")
+# The data-free scores a selection is audited against (random explains nothing).
+DATA_FREE = tuple(n for n in DATA_FREE_SCORES if n != "random")
 
 
 def _rows(reader: CheckpointReader, name: str) -> tuple[str, list[bytes]]:
@@ -51,25 +53,17 @@ def match_rows(source_rows: list[bytes], pruned_rows: list[bytes]) -> list[int |
     return matched
 
 
-def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
-    """Spearman's rank correlation (average ranks for ties); None when either side is constant."""
-    import pandas as pd
-
-    ra, rb = pd.Series(a).rank().to_numpy(), pd.Series(b).rank().to_numpy()
-    if ra.std() == 0 or rb.std() == 0:
-        return None
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
 def data_free_scores(reader: CheckpointReader, ml: MoeLayer) -> dict[str, np.ndarray]:
-    """SPEC section 2's weights-only scores of one source layer, in float64."""
-    from moejax.surgery.prune import finite_rows
+    """SPEC section 2's weights-only scores of one source layer (the registry's functions on the
+    router and bias, in float64); `bias` only where the layer has one."""
+    from moejax.surgery.prune import router_stats
 
-    w = finite_rows(reader, ml.router, ml.layer)
-    scores = {"signed": w.sum(axis=1), "l1": np.abs(w).sum(axis=1)}
-    if ml.bias:
-        scores["bias"] = -finite_rows(reader, ml.bias, ml.layer)
-    return scores
+    names = [n for n in DATA_FREE if n != "bias" or ml.bias]
+    return compute_scores(router_stats(reader, ml), names)
+
+
+def _none_if_nan(value: float) -> float | None:
+    return None if np.isnan(value) else value
 
 
 def _score_report(scores: dict[str, np.ndarray], kept: list[int]) -> dict:
@@ -84,7 +78,7 @@ def _score_report(scores: dict[str, np.ndarray], kept: list[int]) -> dict:
             "reproduces": chosen[name] == kept,
             "overlap": len(set(chosen[name]) & set(kept)),
             "gap_at_cut": float(ranked[n - 1] - ranked[n]) if n < E else None,
-            "spearman_with_bias": spearman(s, scores["bias"]) if "bias" in scores else None,
+            "spearman_with_bias": _none_if_nan(rank_correlation(s, scores["bias"])) if "bias" in scores else None,
         }
     pairs = {f"{a}~{b}": len(set(chosen[a]) & set(chosen[b])) for a, b in itertools.combinations(scores, 2)}
     return {"scores": out, "overlap_between_scores": pairs}

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
@@ -32,11 +33,10 @@ from moejax.hf.layout import CheckpointLayout, MoeLayer, layer_of
 from moejax.hf.safetensors_io import (CONFIG_NAME, INDEX_NAME, CheckpointReader, RawTensor, allowed_root,
                                       check_destination, check_regular_file, staged_directory,
                                       write_safetensors_file)
-from moejax.scoring.scores import SCORES, LayerStats, compute_scores
+from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, LayerStats, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
 
 PRUNING_RECORD = "pruning.json"
-DATA_FREE_SCORES = ("bias", "signed", "l1", "random")  # need the router tensors only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,10 +264,7 @@ def write_pruned(reader: CheckpointReader, layout: CheckpointLayout, plan: Prune
             sliced.update({name: l for name in (ml.router, ml.bias) if name})
     weight_map, total = {}, 0
     files = reader.files()
-    for i, path in enumerate(files, 1):
-        if progress:
-            sys.stderr.write(f"\rshard {i}/{len(files)} {path.name}")
-            sys.stderr.flush()
+    for path in tqdm(files, desc="shards", unit="shard", disable=not progress):
         tensors = []
         for name in reader.names_in(path):
             new_name = renames.get(name, name)
@@ -282,8 +279,6 @@ def write_pruned(reader: CheckpointReader, layout: CheckpointLayout, plan: Prune
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
             total += write_safetensors_file(staging / relative, tensors, reader.shard(path).metadata)
             weight_map.update({name: relative.as_posix() for name, _ in tensors})
-    if progress:
-        sys.stderr.write("\n")
     if reader.has_index() or len(set(weight_map.values())) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
