@@ -330,7 +330,7 @@ def _compiled_scorer(model):
 
     @jax.jit
     def score(state, ids_BS, targets_BS, expert_masks):
-        logits = nnx.merge(graphdef, state)(ids_BS, None, expert_masks, forward_only=True)
+        logits = nnx.merge(graphdef, state)(ids_BS, None, expert_masks, forward_only=True).logits_BSV
         return target_logprobs(logits, targets_BS), jnp.argmax(logits, axis=-1) == targets_BS
 
     return lambda ids, targets, masks: score(state, ids, targets, masks)

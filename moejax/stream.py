@@ -63,13 +63,12 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     n_tokens = sum(int(np.asarray(ids).size) for ids, _ in batches)
     hidden = _embed(ckpt, batches, dtype)
     geometry = [batch_geometry(cfg, ids, mask, dtype) for ids, mask in batches]
+    backend = "ep" if mesh is not None else "sorted"
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({n_tokens} tokens)", unit="layer",
                           disable=not show):
         prefix = f"model.layers.{layer_idx}."
-        abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0), backend))
         layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix, mesh=mesh)
-        if mesh is not None and layer.is_moe:
-            layer.mlp.backend = "ep"
         graphdef, state = nnx.split(layer)
         router_inputs = []
         for b, (cos, sin, allowed) in enumerate(geometry):

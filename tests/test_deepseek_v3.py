@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory):
 
 
 def run(model, ids, mask, **kw):
-    logits, routing = model.jitted()(jnp.asarray(ids), jnp.asarray(mask), return_routing=True,
+    logits, routing, _ = model.jitted()(jnp.asarray(ids), jnp.asarray(mask), return_routing=True,
                                      expert_masks=kw.get("expert_masks_LE"))
     return np.asarray(logits), {l: np.asarray(r.expert_idx_TK) for l, r in routing.items()}
 

@@ -90,7 +90,7 @@ def test_decode_steps_equal_the_full_forward(checkpoints):
     full_ids = np.concatenate([ids, cont], 1)
     full_mask = np.concatenate([mask, np.ones_like(cont)], 1)
     positions = np.maximum(np.cumsum(full_mask, 1) - 1, 0)
-    want = np.asarray(model.jitted()(jnp.asarray(full_ids), jnp.asarray(full_mask), positions=jnp.asarray(positions)))
+    want = np.asarray(model.jitted()(jnp.asarray(full_ids), jnp.asarray(full_mask), positions=jnp.asarray(positions)).logits_BSV)
     with torch.no_grad():  # the full forward with these positions is transformers' too
         hf_logits = hf(torch.as_tensor(full_ids, dtype=torch.long), attention_mask=torch.as_tensor(full_mask),
                        position_ids=torch.as_tensor(positions, dtype=torch.long)).logits.numpy()

@@ -375,7 +375,7 @@ def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int):
         model, optimizer = nnx.merge(graphdef, state)
 
         def loss_fn(model):
-            logits, routing = model(ids_BS, return_routing=True)
+            logits, routing, _ = model(ids_BS, return_routing=True)
             ce = next_token_loss(logits, ids_BS)
             loss = ce
             if alpha > 0:
@@ -395,7 +395,7 @@ def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int):
 
     def evaluate(state, ids_NS):
         model, _ = nnx.merge(graphdef, state)
-        logits, routing = model(ids_NS, return_routing=True)
+        logits, routing, _ = model(ids_NS, return_routing=True)
         nll = next_token_nll(logits, ids_NS).sum()
         return nll, {l: routing_counts(r.expert_idx_TK, E) for l, r in routing.items()}
 

@@ -191,16 +191,11 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=No
     (run the model under `jax.set_mesh(mesh)`). backend: default "ep" with a mesh, else "sorted"."""
     ckpt = open_checkpoint(path)
     backend = backend or ("ep" if mesh is not None else "sorted")
-    abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(ckpt.config, dtype))
-    model = ckpt.fill(abstract, ckpt.specs, dtype, mesh=mesh)
-    for layer in model.model.layers:
-        if layer.is_moe:
-            layer.mlp.backend = backend
     quantized = {n: on_disk for n, on_disk in ckpt.stored.items() if on_disk != (n,)}
-    model.hf_source = HFSource(path=ckpt.path, dtypes={n: ckpt.reader.info(on_disk[0]).dtype
-                                                       for n, on_disk in ckpt.stored.items()},
-                               carried=tuple(ckpt.carried), quantized=quantized)
-    return model
+    source = HFSource(path=ckpt.path, dtypes={n: ckpt.reader.info(on_disk[0]).dtype for n, on_disk in ckpt.stored.items()},
+                      carried=tuple(ckpt.carried), quantized=quantized)
+    abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(ckpt.config, dtype, backend=backend, hf_source=source))
+    return ckpt.fill(abstract, ckpt.specs, dtype, mesh=mesh)
 
 
 class _HostParams:
@@ -227,7 +222,7 @@ def save_pretrained(model: DeepseekV3ForCausalLM, out_dir, *, max_shard_bytes: i
     folder (tokenizer, generation_config.json) are copied too."""
     out_dir = Path(out_dir)
     cfg = model.config
-    source: HFSource | None = getattr(model, "hf_source", None)
+    source: HFSource | None = model.hf_source
     specs = tensor_specs(cfg)
     default = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}.get(np.dtype(model.dtype), "BF16")
     reader = CheckpointReader(source.path) if source else None

@@ -4,7 +4,7 @@
     mesh = make_mesh(MeshConfig(expert=8))
     model = shard_model(model, mesh)            # routed experts split over "expert", rest replicated
     with jax.set_mesh(mesh):
-        logits = model.jitted()(input_ids)
+        logits = model.jitted()(input_ids).logits_BSV
 
 Importing this package does not import JAX (the mesh config is read before JAX may start).
 """

@@ -70,7 +70,7 @@ def calibrate(model, batches) -> dict[int, LayerStats]:
         input_ids = jnp.asarray(input_ids)
         mask = np.ones(input_ids.shape, bool) if attention_mask is None else np.asarray(attention_mask, bool)
         masks.append(mask.reshape(-1))
-        _, moe_inputs = forward(input_ids, jnp.asarray(mask), return_moe_inputs=True)
+        moe_inputs = forward(input_ids, jnp.asarray(mask), return_moe_inputs=True).moe_inputs
         for l, x_TH in moe_inputs.items():
             per_layer[l].append(x_TH)
     stats = {}

@@ -6,7 +6,7 @@ the balance bias stay float32 whatever the model dtype (as transformers keeps th
 follows transformers' eager implementation (ref: shared/reference/deepseek-v3-hf.md section 2).
 
     model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.float32)
-    logits_BSV = model(input_ids_BS, attention_mask_BS, expert_masks_LE)
+    logits_BSV = model(input_ids_BS, attention_mask_BS, expert_masks_LE).logits_BSV
 """
 
 from __future__ import annotations
@@ -185,6 +185,15 @@ class KVCache(NamedTuple):
     valid_BT: jax.Array
 
 
+class CausalLMOutput(NamedTuple):
+    """What the forward returns, whatever is asked for: always the logits; the routing and the
+    router inputs of every MoE layer when requested (None otherwise)."""
+
+    logits_BSV: jax.Array
+    routing: dict | None = None     # {layer: Routing}, tokens flattened batch-major (return_routing)
+    moe_inputs: dict | None = None  # {layer: router input [B*S, H]} (return_moe_inputs)
+
+
 class CachedOutput(NamedTuple):
     logits_BSV: jax.Array  # float32 logits of the requested positions
     cache: KVCache
@@ -260,12 +269,12 @@ class MoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV3Config, layer: int, dtype, rngs: nnx.Rngs, backend: str = "sorted"):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MLA(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = MoE(cfg, dtype, rngs) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+        self.mlp = MoE(cfg, dtype, rngs, backend) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
     def __call__(self, x, cos, sin, allowed, expert_mask_E=None, forward_only: bool = False):
         """(output, routing or None for a dense layer, the MLP's input)."""
@@ -291,25 +300,30 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepseekV3Model(nnx.Module):
-    def __init__(self, cfg: DeepseekV3Config, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV3Config, dtype, rngs: nnx.Rngs, backend: str = "sorted"):
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, l, dtype, rngs) for l in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, l, dtype, rngs, backend) for l in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class DeepseekV3ForCausalLM(nnx.Module):
-    """`logits = model(input_ids)`; from_pretrained / save_pretrained live in `moejax.hf.model_io`."""
+    """`logits = model(input_ids).logits_BSV`; from_pretrained / save_pretrained live in `moejax.hf.model_io`."""
 
-    def __init__(self, cfg: DeepseekV3Config, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None):
+    def __init__(self, cfg: DeepseekV3Config, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None,
+                 backend: str = "sorted", hf_source=None):
+        """backend: the MoE layers' dispatch backend (`moejax.moe.dispatch`; "ep" on a mesh).
+        hf_source: where the weights came from (`moejax.hf.model_io.HFSource`, set by
+        from_pretrained), so save_pretrained gives back the source's dtypes and carried tensors."""
         rngs = rngs or nnx.Rngs(0)
         self.config = cfg
         self.dtype = dtype
-        self.model = DeepseekV3Model(cfg, dtype, rngs)
+        self.hf_source = hf_source
+        self.model = DeepseekV3Model(cfg, dtype, rngs, backend)
         self.lm_head = None if cfg.tie_word_embeddings else _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, input_ids_BS, attention_mask_BS=None, expert_masks_LE=None, return_routing: bool = False,
                  return_moe_inputs: bool = False, forward_only: bool = False, positions_BS=None):
-        """Logits [B, S, V]. attention_mask: 1 = token, 0 = padding (keys that are padding are not
+        """`CausalLMOutput`: logits [B, S, V] (and what is asked for). attention_mask: 1 = token, 0 = padding (keys that are padding are not
         attended to; positions stay 0..S-1 as in transformers). expert_masks: bool [num_hidden_layers, E],
         True = expert kept (rows of dense layers are ignored). return_routing: also return
         {layer: Routing} of every MoE layer (tokens flattened batch-major); return_moe_inputs:
@@ -327,9 +341,8 @@ class DeepseekV3ForCausalLM(nnx.Module):
             x, routing, z = layer(x, cos, sin, allowed, self._layer_mask(expert_masks_LE, l), forward_only)
             if routing is not None:
                 routings[l], moe_inputs[l] = routing, z.reshape(B * S, -1)
-        logits = self._logits(x)
-        extras = ((routings,) if return_routing else ()) + ((moe_inputs,) if return_moe_inputs else ())
-        return (logits, *extras) if extras else logits
+        return CausalLMOutput(self._logits(x), routings if return_routing else None,
+                              moe_inputs if return_moe_inputs else None)
 
     def _logits(self, x_BSH):
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
