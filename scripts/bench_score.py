@@ -45,7 +45,7 @@ def compute(tokens: int) -> None:
 
     from moejax.models.deepseek_v3 import DeepseekV3Config
     from moejax.models.deepseek_v3.model import MoE
-    from moejax.moe import dispatch
+    from moejax.moe import dispatch, grouped
     from moejax.scoring.observe import _pairs
 
     cfg = DeepseekV3Config.from_dict(moonlight(2))
@@ -60,7 +60,7 @@ def compute(tokens: int) -> None:
     experts = {"gate": moe.experts_gate[...], "up": moe.experts_up[...], "down": moe.experts_down[...]}
     idx = moe.route(x).expert_idx_TK
     # the scoring pass's grouped matmul (forward only)
-    routed = jax.jit(lambda x, i, w: dispatch.sorted_pair_outputs(x, i, w, dispatch.swiglu, forward_only=True))
+    routed = jax.jit(lambda x, i, w: grouped.sorted_pair_outputs(x, i, w, dispatch.swiglu, forward_only=True))
     jax.block_until_ready(routed(x, idx, experts))
     t_routed = best_of(lambda: jax.block_until_ready(routed(x, idx, experts)))
     flops_routed = 2 * 3 * idx.size * cfg.hidden_size * cfg.moe_intermediate_size
@@ -74,7 +74,7 @@ def compute(tokens: int) -> None:
 
     def dense_observer(x, w):  # every expert on every token (REAP code's observer), in token chunks
         def chunk(xc):
-            return jnp.linalg.norm(dispatch.all_expert_outputs(xc, w, dispatch.swiglu), axis=-1)
+            return jnp.linalg.norm(grouped.all_expert_outputs(xc, w, dispatch.swiglu), axis=-1)
         return jax.lax.map(chunk, x.reshape(16, -1, x.shape[-1]))
 
     dense = jax.jit(dense_observer)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moejax.moe import dispatch as D
+from moejax.moe import grouped as G
 from moejax.moe.routing import RouterConfig, route
 
 T, E, DM, H, K = 96, 16, 8, 12, 3
@@ -114,7 +115,7 @@ def test_exact_expert_loop_every_group_size(chunk_rows, granule):
     idx[rng.random(idx.shape) < 0.2] = E
     counts = np.bincount(idx.ravel(), minlength=E + 1)[:E]
     assert counts.max() > 2 * chunk_rows and (counts == 0).any() and ((counts % chunk_rows) != 0).any()
-    got = jax.jit(D._exact_expert_loop, static_argnums=(3, 4, 5))(x, jnp.asarray(idx), w, fn, chunk_rows, granule)
+    got = jax.jit(G._exact_expert_loop, static_argnums=(3, 4, 5))(x, jnp.asarray(idx), w, fn, chunk_rows, granule)
     want = D.dense_pair_outputs(x, jnp.asarray(np.minimum(idx, E - 1)), w, fn)
     present = idx < E
     np.testing.assert_allclose(got[present], want[present], rtol=1e-6, atol=1e-5)

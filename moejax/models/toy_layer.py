@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.moe import dispatch
+from moejax.moe import dispatch, grouped
 from moejax.moe.routing import RouterConfig, Routing, route
 
 
@@ -46,7 +46,7 @@ def routed_pass(weights: dict, x_TD: jax.Array, top_k: int, bias_E: jax.Array | 
 
 def expert_output_table(weights: dict, x_TD: jax.Array) -> jax.Array:
     """f_j(x_t) for every expert, [E, T, D]: the table every pruned variant's output is read from."""
-    return dispatch.expert_output_table(x_TD, expert_weights(weights), dispatch.relu_mlp)
+    return grouped.expert_output_table(x_TD, expert_weights(weights), dispatch.relu_mlp)
 
 
 def expert_weights(weights: dict) -> dict:

@@ -31,13 +31,12 @@ over E for the oracle) and as a grouped matmul over blocks. See `relu_mlp` and `
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 
-Linear = Callable[[jax.Array, jax.Array], jax.Array]
-ExpertFn = Callable[[Linear, dict, jax.Array], jax.Array]
+from moejax.moe.expert_parallel import ep_pair_outputs
+from moejax.moe.grouped import ExpertFn, Linear, dense_pair_outputs, ragged_pair_outputs, sorted_pair_outputs
+
 
 BACKENDS = ("dense", "sorted", "ragged", "ep")
 
@@ -52,231 +51,7 @@ def swiglu(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
 
 
-def _matmul(x, w):
-    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
-
-
-def expert_output_table(x_TD: jax.Array, weights: dict, expert_fn: ExpertFn) -> jax.Array:
-    """f_j(x_t) for every expert and every token, expert-major: [E, T, D].
-
-    A loop over experts (`lax.map`), so each expert's matmuls run as whole GEMMs: XLA:CPU ran the
-    vmapped form (one batched dot over the experts) at about half the speed. Call it outside
-    `vmap` for that reason (vmapped, the loop body becomes a batched dot again).
-    """
-    return jax.lax.map(lambda w: expert_fn(_matmul, w, x_TD), weights)
-
-
-def all_expert_outputs(x_TD: jax.Array, weights: dict, expert_fn: ExpertFn) -> jax.Array:
-    """f_j(x_t) for every token and every expert: [T, E, D]."""
-    return jnp.swapaxes(expert_output_table(x_TD, weights, expert_fn), 0, 1)
-
-
-def dense_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
-    """Oracle: compute every expert on every token, keep the routed pairs. [T, K, D]."""
-    f_TED = all_expert_outputs(x_TD, weights, expert_fn)
-    return jnp.take_along_axis(f_TED, expert_idx_TK[..., None], axis=1)
-
-
-def _sort_by_expert(expert_idx_TK: jax.Array, n_experts: int):
-    """Pairs (m = t * K + k) ordered by expert, token order kept within an expert; and group sizes."""
-    flat_M = expert_idx_TK.reshape(-1)
-    order_M = jnp.argsort(flat_M, stable=True)
-    group_sizes_E = jnp.zeros((n_experts,), jnp.int32).at[flat_M].add(1)
-    return flat_M, order_M, group_sizes_E
-
-
-class BlockLayout:
-    """Where each routed pair sits in the expert-sorted, block-padded buffer.
-
-    pair_slot_M: buffer row of pair m (m = t * K + k)
-    block_expert_N: the expert that owns block n (trailing unused blocks point at E-1; their rows are
-      zero and nobody reads them back)
-    """
-
-    def __init__(self, expert_idx_TK: jax.Array, n_experts: int, block_rows: int):
-        flat_M, order_M, group_sizes_E = _sort_by_expert(expert_idx_TK, n_experts)
-        n_pairs = flat_M.shape[0]
-        self.block_rows = block_rows
-        self.n_blocks = -(-(n_pairs + n_experts * (block_rows - 1)) // block_rows)
-        padded_E = -(-group_sizes_E // block_rows) * block_rows
-        padded_end_E = jnp.cumsum(padded_E)
-        group_start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-        sorted_expert_M = flat_M[order_M]
-        rank_in_group_M = jnp.arange(n_pairs, dtype=jnp.int32) - group_start_E[sorted_expert_M]
-        slot_sorted_M = padded_end_E[sorted_expert_M] - padded_E[sorted_expert_M] + rank_in_group_M
-        self.pair_slot_M = jnp.zeros((n_pairs,), jnp.int32).at[order_M].set(slot_sorted_M)
-        block_start_N = jnp.arange(self.n_blocks, dtype=jnp.int32) * block_rows
-        self.block_expert_N = jnp.minimum(
-            jnp.searchsorted(padded_end_E, block_start_N, side="right"), n_experts - 1).astype(jnp.int32)
-        self.group_sizes_E = group_sizes_E
-        self._padded_end_E = padded_end_E
-
-    def blocks_before_group(self, group: int) -> jax.Array:
-        """How many blocks the groups before `group` fill (a traced scalar)."""
-        return self._padded_end_E[group - 1] // self.block_rows
-
-
-# The exact forward-only loop pays per expert (a loop iteration, a copy of its weights) to save
-# block padding: worth it for large experts (Moonlight's 2048 x 1408), not for small ones (measured
-# on the train_tiny model, 128 x 64: the block loop ran a [8, 128]-token forward in 31 ms against 72
-# and compiled in 3.6-4.7 s against 5-13 s).
-EXACT_LOOP_MIN_WEIGHTS = 1 << 18
-
-
-def _default_block_rows(n_pairs: int, n_experts: int, weights) -> int:
-    """Rows per block, balancing padded compute (about E * B / 2 rows) against per-block weight
-    cost (n_blocks * D * F): the minimum of a * (M + E B / 2) + b * (M / B + E) is at
-    B = sqrt(2 M b / (E a)). Measured on a 2-core CPU: b/a ~ 20 when every block's weights are
-    gathered for one batched matmul (small experts: the toy), b/a ~ 80 when large experts are read
-    in place by a loop over blocks (Moonlight-sized experts, scripts/bench_score.py)."""
-    def rule(cost_ratio):
-        b = int(max(8, min(256, (2 * cost_ratio * n_pairs / n_experts) ** 0.5)))
-        return 1 << (b.bit_length() - 1)
-
-    small = rule(20)
-    if all(w.shape[-1] <= small for w in jax.tree.leaves(weights)):
-        return small
-    return rule(80)
-
-
-def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int | None = None,
-                        forward_only: bool = False, absent: bool = False):
-    """Only the routed pairs, as a block-sparse grouped matmul. [T, K, D].
-
-    absent: pairs whose expert index is E (one past the last expert) are absent and output zeros
-      (an expert-parallel shard's pairs that other shards compute; a second routing's pairs that
-      the first already computed). They are laid out after every expert's blocks.
-    forward_only: absent pairs allowed, and large experts (each matrix at least
-      EXACT_LOOP_MIN_WEIGHTS numbers) run exactly, without block padding (`_exact_expert_loop`:
-      dynamic trip counts, so no reverse-mode gradient)."""
-    n_tokens, top_k = expert_idx_TK.shape
-    n_experts = jax.tree.leaves(weights)[0].shape[0]
-    absent = absent or forward_only
-    block_rows = block_rows or _default_block_rows(n_tokens * top_k, n_experts, weights)
-    small_experts = all(w.shape[-1] <= block_rows for w in jax.tree.leaves(weights))
-    large_experts = min(w[0].size for w in jax.tree.leaves(weights)) >= EXACT_LOOP_MIN_WEIGHTS
-    if forward_only and large_experts:
-        return _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn)
-    layout = BlockLayout(expert_idx_TK, n_experts + 1 if absent else n_experts, block_rows)
-    block_expert_N = jnp.minimum(layout.block_expert_N, n_experts - 1)
-    token_M = jnp.arange(n_tokens * top_k, dtype=jnp.int32) // top_k
-    rows = layout.n_blocks * block_rows
-    x_buf = jnp.zeros((rows, x_TD.shape[-1]), x_TD.dtype).at[layout.pair_slot_M].set(x_TD[token_M])
-    x_NBD = x_buf.reshape(layout.n_blocks, block_rows, -1)
-
-    if small_experts:
-        # Small experts: gathering each block's weights costs no more than its activations, and
-        # one batched matmul over all blocks beats a loop.
-        def block_linear(h_NBF, w_EFG):
-            return jnp.einsum("nbf,nfg->nbg", h_NBF, w_EFG[block_expert_N], precision=jax.lax.Precision.HIGHEST)
-
-        y_NBD = expert_fn(block_linear, weights, x_NBD)
-    else:
-        y_NBD = _loop_over_blocks(x_NBD, block_expert_N, layout.blocks_before_group(n_experts), weights,
-                                  expert_fn)
-    y_TKD = y_NBD.reshape(rows, -1)[layout.pair_slot_M].reshape(n_tokens, top_k, -1)
-    return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0) if absent else y_TKD
-
-
-def _f32_matmul(h_BF, w_FG):
-    # Compute in float32 from the sliced expert. (XLA's loop-invariant code motion still hoists
-    # the conversion of a bfloat16 stack out of the loop, a float32 copy of all experts;
-    # `moejax score` turns that pass off for its memory budget, see moejax.cli.)
-    return jnp.matmul(h_BF.astype(jnp.float32), w_FG.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST).astype(h_BF.dtype)
-
-
-def _expert_weights(weights, e):
-    """Expert e's weights (a traced index) out of the stacked [E, ...] weights."""
-    return jax.tree.map(lambda w_E: jax.lax.dynamic_index_in_dim(w_E, e, keepdims=False), weights)
-
-
-def _loop_over_blocks(x_NBD, block_expert_N, n_used, weights, expert_fn):
-    """Large experts, differentiable: a loop over blocks that reads each block's expert weights in
-    place (instead of materialising n_blocks copies of them) and runs the whole expert on the
-    block in one iteration, so its hidden activations stay in cache. Blocks from `n_used` on
-    (absent pairs, trailing padding) are skipped by a conditional, which keeps the loop
-    differentiable (a dynamic trip count would not be)."""
-    def one(x_BD, e):
-        return expert_fn(_f32_matmul, _expert_weights(weights, e), x_BD)
-
-    out = jax.eval_shape(one, x_NBD[0], block_expert_N[0])
-    skip = jnp.zeros(out.shape, out.dtype)
-    return jax.lax.map(lambda xei: jax.lax.cond(xei[2] < n_used, lambda: one(xei[0], xei[1]), lambda: skip),
-                       (x_NBD, block_expert_N, jnp.arange(x_NBD.shape[0])))
-
-
-def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int = 512, granule: int = 32):
-    """Forward only, large experts: each expert's pairs exactly, no block padding. [T, K, D].
-
-    Pairs are sorted by expert (absent pairs, index E, last). A loop over experts runs each
-    expert's group as full chunks of `chunk_rows` rows plus one remainder chunk rounded up to
-    `granule` rows (a switch over the static sizes), so at most granule - 1 rows per expert are
-    wasted instead of up to a whole block. A remainder chunk may spill into the next experts'
-    rows: the loop is in expert order, so they are overwritten later; spill into absent rows is
-    zeroed at the end. 512-row chunks ran the Moonlight-shaped layer 7% faster than 128 (fewer,
-    larger matmuls per expert) for 0.3 s more compilation (16 remainder sizes instead of 4)."""
-    n_tokens, top_k = expert_idx_TK.shape
-    n_experts = jax.tree.leaves(weights)[0].shape[0]
-    _, order_M, sizes_E = _sort_by_expert(expert_idx_TK, n_experts + 1)
-    starts_E = jnp.cumsum(sizes_E) - sizes_E
-    n_pairs = n_tokens * top_k
-    xs_MD = jnp.concatenate([x_TD[order_M // top_k], jnp.zeros((chunk_rows, x_TD.shape[-1]), x_TD.dtype)])
-
-    def rows_out(w, start, n_rows):
-        y = expert_fn(_f32_matmul, w, jax.lax.dynamic_slice_in_dim(xs_MD, start, n_rows))
-        return jnp.pad(y, ((0, chunk_rows - n_rows), (0, 0))) if n_rows < chunk_rows else y
-
-    def one_expert(e, ys):
-        w = _expert_weights(weights, e)
-        start, size = starts_E[e], sizes_E[e]
-        n_full = size // chunk_rows
-
-        def full_chunk(i, ys):
-            return jax.lax.dynamic_update_slice_in_dim(ys, rows_out(w, start + i * chunk_rows, chunk_rows),
-                                                       start + i * chunk_rows, axis=0)
-
-        ys = jax.lax.fori_loop(0, n_full, full_chunk, ys)
-        # The remainder: the branches return a chunk-sized result (zero rows past n), so `ys`
-        # itself never passes through the switch (which would copy it).
-        rest_start = start + n_full * chunk_rows
-        branches = [lambda: jnp.zeros((chunk_rows, ys.shape[-1]), ys.dtype)] + [
-            (lambda n=n: rows_out(w, rest_start, n)) for n in range(granule, chunk_rows + 1, granule)]
-        which = -(-(size - n_full * chunk_rows) // granule)
-        return jax.lax.dynamic_update_slice_in_dim(ys, jax.lax.switch(which, branches), rest_start, axis=0)
-
-    out = jax.eval_shape(lambda: expert_fn(_f32_matmul, jax.tree.map(lambda w: w[0], weights), xs_MD[:1]))
-    ys_MD = jnp.zeros((n_pairs + chunk_rows, out.shape[-1]), out.dtype)
-    # Only the experts that got pairs, still in expert order (which the spill rule needs): XLA
-    # copies an expert's weights out of the stack at the top of each iteration, so an iteration
-    # for an empty expert would still cost a copy of its weights.
-    used_E = sizes_E[:n_experts] > 0
-    used_in_order = jnp.argsort(~used_E, stable=True).astype(jnp.int32)
-    ys_MD = jax.lax.fori_loop(0, jnp.sum(used_E, dtype=jnp.int32),
-                              lambda i, ys: one_expert(used_in_order[i], ys), ys_MD)
-    y_TKD = jnp.zeros((n_pairs, out.shape[-1]), out.dtype).at[order_M].set(ys_MD[:n_pairs])
-    y_TKD = y_TKD.reshape(n_tokens, top_k, -1)
-    return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0)
-
-
-def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
-    """Routed pairs through `jax.lax.ragged_dot` (GPU/TPU grouped matmul). [T, K, D]."""
-    n_tokens, top_k = expert_idx_TK.shape
-    n_experts = jax.tree.leaves(weights)[0].shape[0]
-    _, order_M, group_sizes_E = _sort_by_expert(expert_idx_TK, n_experts)
-    xs_MD = x_TD[order_M // top_k]
-
-    def ragged_linear(h_MF, w_EFG):
-        return jax.lax.ragged_dot(h_MF, w_EFG, group_sizes_E, precision=jax.lax.Precision.HIGHEST)
-
-    ys_MD = expert_fn(ragged_linear, weights, xs_MD)
-    y_MD = jnp.zeros_like(ys_MD).at[order_M].set(ys_MD)
-    return y_MD.reshape(n_tokens, top_k, -1)
-
-
 def _expert_parallel(x_TD, expert_idx_TK, weights, expert_fn, forward_only=False):
-    from moejax.moe.expert_parallel import ep_pair_outputs
-
     return ep_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, forward_only=forward_only)
 
 
@@ -320,7 +95,7 @@ def combine(gate_TK: jax.Array, f_TKD: jax.Array) -> jax.Array:
 
 def combine_from_table(gate_TK: jax.Array, expert_idx_TK: jax.Array, f_ETD: jax.Array) -> jax.Array:
     """y_t = sum_k g_tk f[idx_tk, t], reading the pair outputs from a table of every expert's output
-    (`expert_output_table`, [E, T, D]). Leading axes of gate/idx (e.g. pruning variants) share it.
+    (`moejax.moe.grouped.expert_output_table`, [E, T, D]). Leading axes of gate/idx (e.g. pruning variants) share it.
 
     One gathered row per slot k, summed as it goes: XLA:CPU fuses each row gather into the sum,
     where gathering all K rows first ([..., T, K, D]) ran about 8x slower.

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moejax.moe.dispatch import sorted_pair_outputs
+from moejax.moe.grouped import sorted_pair_outputs
 
 log = logging.getLogger(__name__)
 
