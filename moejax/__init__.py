@@ -10,6 +10,23 @@ pandas notebook. The JAX-backed pieces live in the sub-packages:
 - `moejax.experiments.toy3`       the toy3 experiment
 - `moejax.generate`               KV-cached generation (`model.generate`, `Generator`)
 - `moejax.lm_eval`                the lm-eval backend `moejax` (needs the `eval` extra)
+
+Shape-suffix letters: an array's name ends in one capital per axis (`x_BSH` is [batch, sequence,
+hidden], `rows_B11` adds two unit axes); each letter has one meaning everywhere:
+
+    A  pruning variants (stacked expert masks)     N  attention heads
+    B  batch rows (or any leading batch axes)      O  toy3 offsets
+    C  KV-cache positions (columns)                P  prompt positions (prefill)
+    D  model width of the toy / generic MoE code   Q  per-head query/key width (or its rope part)
+    E  experts                                     R  MLA latent rank (kv_lora_rank)
+    F  an expert's intermediate width              S  sequence positions
+    G  expert groups (group-limited routing)       T  tokens, flattened (B*S, or the toy's tokens)
+    H  hidden width (DeepSeek-V3)                  U  per-head value width
+    I  a generic linear's input features           V  vocabulary
+    J  a generic linear's output features          W  toy3 loads (skewed, balanced)
+    K  top-k slots per token                       X  expert-parallel shards (devices)
+    L  layers                                      Y  blocks of the sorted grouped matmul
+    M  routed (token, slot) pairs, flattened       Z  seeds
 """
 
 __version__ = "0.1.0"

@@ -78,7 +78,7 @@ def _mlp(graphdef, state, h_BSH, z_BSH, mask_E):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _routed_errors(graphdef, state, z_BSH, masks_VE):
+def _routed_errors(graphdef, state, z_BSH, masks_AE):
     """Per-token squared norms of the unpruned routed output and of its error under each mask:
     (||y_t||^2 [B, S], ||y'_t - y_t||^2 [V, B, S]); shared experts excluded (SPEC section 3)."""
     moe = nnx.merge(graphdef, state).mlp
@@ -92,41 +92,41 @@ def _routed_errors(graphdef, state, z_BSH, masks_VE):
                                      moe.backend, forward_only=True).astype(jnp.float32)
 
     y = routed(None)
-    err = jax.lax.map(lambda m: jnp.sum((routed(m) - y) ** 2, axis=-1), masks_VE)
+    err = jax.lax.map(lambda m: jnp.sum((routed(m) - y) ** 2, axis=-1), masks_AE)
     return jnp.sum(y ** 2, axis=-1).reshape(B, S), err.reshape(-1, B, S)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _routed_errors_each(graphdef, state, z_NBSH, masks_NE):
-    """`_routed_errors` of stream n's own inputs under its own mask n: ([N, B, S], [N, B, S])."""
+def _routed_errors_each(graphdef, state, z_ABSH, masks_AE):
+    """`_routed_errors` of stream n's own inputs under its own mask n: ([A, B, S], [A, B, S])."""
     def one(z_mask):
         norm, err = _routed_errors(graphdef, state, z_mask[0], z_mask[1][None])
         return norm, err[0]
-    return jax.lax.map(one, (z_NBSH, masks_NE))
+    return jax.lax.map(one, (z_ABSH, masks_AE))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _stacked_layer(graphdef, state, x_NBSH, cos, sin, allowed_BSS, masks_NE):
-    """One decoder layer on N streams at once (stacked into the batch, so every weight is read
-    once per call for all of them), stream n's MoE pruned by masks_NE[n] (None: dense layer).
-    Returns (output [N, B, S, H], router input [N, B, S, H])."""
-    N, B, S, H = x_NBSH.shape
+def _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed_BSS, masks_AE):
+    """One decoder layer on A streams at once (stacked into the batch, so every weight is read
+    once per call for all of them), stream n's MoE pruned by masks_AE[n] (None: dense layer).
+    Returns (output [A, B, S, H], router input [A, B, S, H])."""
+    A, B, S, H = x_ABSH.shape
     layer = nnx.merge(graphdef, state)
-    x = x_NBSH.reshape(N * B, S, H)
-    allowed = jnp.broadcast_to(allowed_BSS[None], (N, B, S, S)).reshape(N * B, S, S)
+    x = x_ABSH.reshape(A * B, S, H)
+    allowed = jnp.broadcast_to(allowed_BSS[None], (A, B, S, S)).reshape(A * B, S, S)
     h = x + layer.self_attn(layer.input_layernorm(x), cos, sin, allowed)
     z = layer.post_attention_layernorm(h)
-    if masks_NE is None:
+    if masks_AE is None:
         out = h + layer.mlp(z)
     else:
-        token_masks = jnp.repeat(masks_NE, B * S, axis=0)  # stream n's mask on each of its tokens
+        token_masks = jnp.repeat(masks_AE, B * S, axis=0)  # stream n's mask on each of its tokens
         out = h + layer.mlp(z, token_masks, forward_only=True)[0]
-    return out.reshape(N, B, S, H), z.reshape(N, B, S, H)
+    return out.reshape(A, B, S, H), z.reshape(A, B, S, H)
 
 
 @jax.jit
-def _nll_stacked(x_NBSH, norm_H, head_HV, ids_BS, eps):
-    return jax.lax.map(lambda x: _nll(x, norm_H, head_HV, ids_BS, eps), x_NBSH)
+def _nll_stacked(x_ABSH, norm_H, head_HV, ids_BS, eps):
+    return jax.lax.map(lambda x: _nll(x, norm_H, head_HV, ids_BS, eps), x_ABSH)
 
 
 @jax.jit
@@ -235,7 +235,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     held_embed = {text: _embed(ckpt, b, dtype) for text, b in held_batches.items()}
     # streams: calibration (unpruned; per sequential variant), held-out (unpruned; per variant)
     cal = {None: cal_embed, **{v: list(cal_embed) for v in seq_variants}}
-    # held-out: every stream of a batch stacked, [N, B, S, H]: 0 = unpruned, then one-shot, then sequential
+    # held-out: every stream of a batch stacked, [A, B, S, H]: 0 = unpruned, then one-shot, then sequential
     streams = [None, *one_shot, *seq_variants]
     held = {text: [jnp.broadcast_to(x[None], (len(streams),) + x.shape) for x in xs] for text, xs in held_embed.items()}
     errors, rows, kept_by_layer = _ErrorSums(), [], {}
@@ -298,8 +298,8 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
             [jnp.ones((E,), bool) if v is None else masks[v] for v in streams])
         for text, xs in held.items():
             new = []
-            for x_NBSH, (cos, sin, allowed) in zip(xs, held_geo[text]):
-                out, z = _stacked_layer(graphdef, state, x_NBSH, cos, sin, allowed[0], stacked_masks)
+            for x_ABSH, (cos, sin, allowed) in zip(xs, held_geo[text]):
+                out, z = _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed[0], stacked_masks)
                 if is_moe:  # layer-local errors: one-shot variants on the unpruned inputs (stream 0)
                     norm, err = _routed_errors(graphdef, state, z[0], stacked_masks[1:1 + len(one_shot)])
                     for i, u in enumerate(one_shot):

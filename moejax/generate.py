@@ -125,7 +125,7 @@ class Generator:
             return out.logits_BSV[:, 0], out.cache
 
         @functools.partial(jax.jit, static_argnums=0)
-        def decode(sampling: Sampling, state, cache, logits_BV, tokens_BN, done_B, step, end, prompt_len,
+        def decode(sampling: Sampling, state, cache, logits_BV, tokens_BS, done_B, step, end, prompt_len,
                    next_position_B, expert_masks, key, stop_ids, pad_id):
             """Decode steps step..end-1 (fewer once every row is done): sample a token from the
             carried logits, write it, run it through the model for the next logits."""
@@ -144,7 +144,7 @@ class Generator:
                                     expert_masks)
                 return i + 1, tokens, out.logits_BSV[:, 0], done, out.cache
 
-            return jax.lax.while_loop(cond, body, (step, tokens_BN, logits_BV, done_B, cache))
+            return jax.lax.while_loop(cond, body, (step, tokens_BS, logits_BV, done_B, cache))
 
         self._prefill, self._decode = prefill, decode
 
@@ -174,18 +174,18 @@ class Generator:
         masks = check_expert_masks(expert_masks, cfg.num_hidden_layers, cfg.n_routed_experts)
 
         B, P = ids.shape
-        N = int(max_new_tokens)
+        n_new = int(max_new_tokens)
         positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-        logits, cache = self._prefill(P + N, self.state, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask),
+        logits, cache = self._prefill(P + n_new, self.state, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask),
                                       masks)
-        tokens = jnp.full((B, N), pad_token_id, jnp.int32)
+        tokens = jnp.full((B, n_new), pad_token_id, jnp.int32)
         done = jnp.zeros((B,), bool)
         step = 0
         stop_ids = jnp.asarray(stops or [-1], jnp.int32)
         key = jax.random.PRNGKey(seed)
         next_position = jnp.asarray(positions[:, -1] + 1)
-        while step < N:
-            end = min(N, step + check_every) if stop_sequences else N
+        while step < n_new:
+            end = min(n_new, step + check_every) if stop_sequences else n_new
             step, tokens, logits, done, cache = self._decode(sampling, self.state, cache, logits, tokens, done, step,
                                                              end, P, next_position, masks, key, stop_ids,
                                                              pad_token_id)
@@ -215,15 +215,15 @@ def generate(model, input_ids, attention_mask=None, **kw) -> np.ndarray:
     return Generator(model)(input_ids, attention_mask, **kw)
 
 
-def _stop_at_sequences(tokens_BN, done_B, n_done: int, stop_sequences, decode, pad_id):
+def _stop_at_sequences(tokens_BS, done_B, n_done: int, stop_sequences, decode, pad_id):
     """Rows not yet done whose text contains a stop sequence: keep the shortest prefix of tokens
     whose text contains it, pad the rest, mark the row done."""
-    tokens_BN, done_B = tokens_BN.copy(), done_B.copy()
+    tokens_BS, done_B = tokens_BS.copy(), done_B.copy()
     for b in np.flatnonzero(~done_B):
-        row = tokens_BN[b, :n_done].tolist()
+        row = tokens_BS[b, :n_done].tolist()
         if not any(s in decode(row) for s in stop_sequences):
             continue
         n = next(n for n in range(1, len(row) + 1) if any(s in decode(row[:n]) for s in stop_sequences))
-        tokens_BN[b, n:] = pad_id
+        tokens_BS[b, n:] = pad_id
         done_B[b] = True
-    return tokens_BN, done_B
+    return tokens_BS, done_B

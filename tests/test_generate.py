@@ -109,7 +109,7 @@ def test_decode_steps_equal_the_full_forward(checkpoints):
         out = decode_step(state, jnp.asarray(cont[:, i:i + 1]), jnp.asarray(positions[:, 9 + i:10 + i]), cache, 9 + i)
         cache = out.cache
         assert np.abs(np.asarray(out.logits_BSV)[:, 0] - want[:, 9 + i]).max() < 1e-4, i
-    assert cache.layers[0].latent_BTR.shape == (4, T, hf.config.kv_lora_rank)  # the latent, not per-head k/v
+    assert cache.layers[0].latent_BCR.shape == (4, T, hf.config.kv_lora_rank)  # the latent, not per-head k/v
 
 
 def test_expert_masks_generate_as_transformers_with_unreachable_experts(checkpoints):

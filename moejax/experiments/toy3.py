@@ -182,39 +182,39 @@ def _stage_one(cfg: Toy3Config):
     from moejax.moe.balancing import balance_bias
 
     @jax.jit
-    def run(router_S, w1_S, w2_S, x_cal_SOTD, x_held_SOTD):
+    def run(router_Z, w1_Z, w2_Z, x_cal_ZOTD, x_held_ZOTD):
         def weights(s):
-            return {"router": router_S[s], "w1": w1_S[s], "w2": w2_S[s]}
+            return {"router": router_Z[s], "w1": w1_Z[s], "w2": w2_Z[s]}
 
-        logits_cal_SOTE = jax.vmap(jax.vmap(toy_layer.router_logits, in_axes=(None, 0)))(router_S, x_cal_SOTD)
-        balanced_SOE = balance_bias(logits_cal_SOTE, toy_layer.router_config(cfg.top_k),
+        logits_cal_ZOTE = jax.vmap(jax.vmap(toy_layer.router_logits, in_axes=(None, 0)))(router_Z, x_cal_ZOTD)
+        balanced_ZOE = balance_bias(logits_cal_ZOTE, toy_layer.router_config(cfg.top_k),
                                     cfg.balance_steps, cfg.balance_rate)
-        bias_SOLE = jnp.stack([balanced_SOE if ld == "balanced" else jnp.zeros_like(balanced_SOE)
+        bias_ZOWE = jnp.stack([balanced_ZOE if ld == "balanced" else jnp.zeros_like(balanced_ZOE)
                                for ld in cfg.loads], axis=2)
 
         n_offsets, n_loads = len(cfg.offsets), len(cfg.loads)
 
         def calibrate(i):  # routing and each routed pair's ||f_j(x)|| of one (seed, offset, load)
             s, o, ld = i // (n_offsets * n_loads), i // n_loads % n_offsets, i % n_loads
-            routing, f_TKD, _ = toy_layer.routed_pass(weights(s), x_cal_SOTD[s, o], cfg.top_k,
-                                                      bias_SOLE[s, o, ld], backend=cfg.backend)
+            routing, f_TKD, _ = toy_layer.routed_pass(weights(s), x_cal_ZOTD[s, o], cfg.top_k,
+                                                      bias_ZOWE[s, o, ld], backend=cfg.backend)
             return routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f_TKD, axis=-1)
 
         # loops over conditions, not vmap: XLA:CPU runs the grouped matmuls of one condition at a
         # time about 1.5x faster than batched over all of them (likewise the table below)
-        cal = [a.reshape(*bias_SOLE.shape[:3], *a.shape[1:])
-               for a in jax.lax.map(calibrate, jnp.arange(bias_SOLE.shape[0] * n_offsets * n_loads))]
-        logits_held = jax.vmap(jax.vmap(toy_layer.router_logits, in_axes=(None, 0)))(router_S, x_held_SOTD)
+        cal = [a.reshape(*bias_ZOWE.shape[:3], *a.shape[1:])
+               for a in jax.lax.map(calibrate, jnp.arange(bias_ZOWE.shape[0] * n_offsets * n_loads))]
+        logits_held = jax.vmap(jax.vmap(toy_layer.router_logits, in_axes=(None, 0)))(router_Z, x_held_ZOTD)
 
         def held_table(i):  # f_j(x) of every held-out token and expert of one (seed, offset)
             s, o = i // n_offsets, i % n_offsets
-            return toy_layer.expert_output_table(weights(s), x_held_SOTD[s, o])
+            return toy_layer.expert_output_table(weights(s), x_held_ZOTD[s, o])
 
-        n_held = x_held_SOTD.shape[0] * x_held_SOTD.shape[1]
-        f_held_SOETD = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
-            *x_held_SOTD.shape[:2], cfg.n_experts, *x_held_SOTD.shape[2:])
-        return dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_SOTD.mean(axis=2),
-                    bias=bias_SOLE, f_held=f_held_SOETD, logits_held=logits_held)
+        n_held = x_held_ZOTD.shape[0] * x_held_ZOTD.shape[1]
+        f_held_ZOETD = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
+            *x_held_ZOTD.shape[:2], cfg.n_experts, *x_held_ZOTD.shape[2:])
+        return dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_ZOTD.mean(axis=2),
+                    bias=bias_ZOWE, f_held=f_held_ZOETD, logits_held=logits_held)
 
     return run
 
@@ -222,8 +222,8 @@ def _stage_one(cfg: Toy3Config):
 @functools.lru_cache(maxsize=8)
 def _stage_two(cfg: Toy3Config):
     """Route the held-out tokens under every kept set and measure the error of each variant.
-    Returns a function (f_held, logits_held, bias, masks) -> (all-token relative error [..., V],
-    per-token relative errors [..., V, T]); the median is taken on the host (numpy's partition-based
+    Returns a function (f_held, logits_held, bias, masks) -> (all-token relative error [..., A],
+    per-token relative errors [..., A, T]); the median is taken on the host (numpy's partition-based
     median is far cheaper than a sort per variant on the device).
 
     Routing is `route`'s choice computed without `lax.top_k` (moejax/moe/topk.py, tested equal):
@@ -243,36 +243,36 @@ def _stage_two(cfg: Toy3Config):
 
     router_cfg = toy_layer.router_config(cfg.top_k)
 
-    def with_unpruned(masks_VE):  # variant 0 keeps every expert
-        return jnp.concatenate([jnp.ones_like(masks_VE[..., :1, :]), masks_VE], axis=-2)
+    def with_unpruned(masks_AE):  # variant 0 keeps every expert
+        return jnp.concatenate([jnp.ones_like(masks_AE[..., :1, :]), masks_AE], axis=-2)
 
-    # [S, O, T, E] logits, [S, O, L, E] biases, [S, O, L, V, E] masks: map over seeds and offsets
+    # [Z, O, T, E] logits, [Z, O, W, E] biases, [Z, O, W, A, E] masks: map over seeds and offsets
     per_load = functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))
 
     @jax.jit
     def kth_values(logits, bias, masks):
-        sel_SOLET = jnp.swapaxes(jax.nn.sigmoid(logits)[:, :, None] + bias[:, :, :, None], -1, -2)
+        sel_ZOWET = jnp.swapaxes(jax.nn.sigmoid(logits)[:, :, None] + bias[:, :, :, None], -1, -2)
         # the masks go into the network (one expert at a time), not onto a copy of the scores per variant
-        return kth_largest(sel_SOLET[:, :, :, None], cfg.top_k, keep_E=with_unpruned(masks))
+        return kth_largest(sel_ZOWET[:, :, :, None], cfg.top_k, keep_E=with_unpruned(masks))
 
     @jax.jit
     def errors(f, logits, bias, masks, kth):
         @per_load
-        def condition(f_ETD, logits_TE, bias_E, masks_VE, kth_VT):
+        def condition(f_ETD, logits_TE, bias_E, masks_AE, kth_AT):
             sel_ET = (jax.nn.sigmoid(logits_TE) + bias_E).T
-            idx_VTK = topk_indices_at_threshold(sel_ET, kth_VT, cfg.top_k, keep_E=with_unpruned(masks_VE))
-            gate_VTK = gates(jax.nn.sigmoid(logits_TE), idx_VTK, router_cfg)
+            idx_ATK = topk_indices_at_threshold(sel_ET, kth_AT, cfg.top_k, keep_E=with_unpruned(masks_AE))
+            gate_ATK = gates(jax.nn.sigmoid(logits_TE), idx_ATK, router_cfg)
             # the unpruned output in its own call: sliced off the variants' outputs, XLA
             # recomputed it for every variant (4x slower)
-            y_TD = combine_from_table(gate_VTK[0], idx_VTK[0], f_ETD)
-            err_sq_VT = jnp.sum((combine_from_table(gate_VTK[1:], idx_VTK[1:], f_ETD) - y_TD) ** 2, axis=-1)
+            y_TD = combine_from_table(gate_ATK[0], idx_ATK[0], f_ETD)
+            err_sq_AT = jnp.sum((combine_from_table(gate_ATK[1:], idx_ATK[1:], f_ETD) - y_TD) ** 2, axis=-1)
             y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
-            return err_sq_VT.sum(axis=-1) / y_sq_T.sum(), err_sq_VT / y_sq_T
+            return err_sq_AT.sum(axis=-1) / y_sq_T.sum(), err_sq_AT / y_sq_T
 
         def seed_offset(args):
             return condition(*args)
 
-        lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [L, V, T, D] outputs
+        lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
         flat = [a.reshape(-1, *a.shape[2:]) for a in (f, logits, bias, masks, kth)]
         rel, per_token = jax.lax.map(seed_offset, flat)
         return rel.reshape(*lead, *rel.shape[1:]), per_token.reshape(*lead, *per_token.shape[1:])

@@ -393,10 +393,10 @@ def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int):
             shares.append(load.max() / load.sum())
         return nnx.state((model, optimizer)), {"loss": ce, "max_load_share": jnp.mean(jnp.stack(shares))}
 
-    def evaluate(state, ids_NS):
+    def evaluate(state, ids_BS):
         model, _ = nnx.merge(graphdef, state)
-        logits, routing, _ = model(ids_NS, return_routing=True)
-        nll = next_token_nll(logits, ids_NS).sum()
+        logits, routing, _ = model(ids_BS, return_routing=True)
+        nll = next_token_nll(logits, ids_BS).sum()
         return nll, {l: routing_counts(r.expert_idx_TK, E) for l, r in routing.items()}
 
     return jax.jit(step, donate_argnums=0), jax.jit(evaluate)
@@ -431,17 +431,17 @@ class Trainer:
 
         return nnx.merge(self.graphdef, self.state)[0]
 
-    def heldout(self, ids_NS: np.ndarray) -> tuple[float, dict]:
+    def heldout(self, ids_BS: np.ndarray) -> tuple[float, dict]:
         """(mean next-token loss over every held-out prediction, {layer: expert loads})."""
         bs = self.cfg.train.eval_batch_size
         total, loads = 0.0, {}
-        for i in range(0, len(ids_NS), bs):
-            chunk = ids_NS[i:i + bs]
+        for i in range(0, len(ids_BS), bs):
+            chunk = ids_BS[i:i + bs]
             nll, counts = self._evaluate(self.state, chunk)
             total += float(nll)
             for l, c in counts.items():
                 loads[l] = loads.get(l, 0) + np.asarray(c, np.int64)
-        return total / (ids_NS.shape[0] * (ids_NS.shape[1] - 1)), loads
+        return total / (ids_BS.shape[0] * (ids_BS.shape[1] - 1)), loads
 
     # --- orbax -----------------------------------------------------------------------------------
     def pure_state(self):

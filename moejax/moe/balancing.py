@@ -42,18 +42,18 @@ def loads_at_threshold(sel_BET: jax.Array, kth_BT: jax.Array, top_k: int) -> jax
     XLA would recompute it for every expert.
     """
     *batch, n_experts, n_tokens = sel_BET.shape
-    sel_NET = sel_BET.reshape(-1, n_experts, n_tokens)
-    kth_NT = kth_BT.reshape(-1, n_tokens)
+    sel_BET = sel_BET.reshape(-1, n_experts, n_tokens)
+    kth_BT = kth_BT.reshape(-1, n_tokens)
     # summed in float32 (exact below 2**24 tokens): XLA:CPU reduces float32 about 2x faster than int32
-    fast_NE = jnp.sum((sel_NET >= kth_NT[:, None, :]).astype(jnp.float32), axis=-1).astype(jnp.int32)
+    fast_BE = jnp.sum((sel_BET >= kth_BT[:, None, :]).astype(jnp.float32), axis=-1).astype(jnp.int32)
 
     def with_ties():
-        idx_NTK = topk_indices_at_threshold(sel_NET, kth_NT, top_k)
-        rows_N11 = jnp.arange(idx_NTK.shape[0])[:, None, None]
-        return jnp.zeros_like(fast_NE).at[rows_N11, idx_NTK].add(1)
+        idx_BTK = topk_indices_at_threshold(sel_BET, kth_BT, top_k)
+        rows_B11 = jnp.arange(idx_BTK.shape[0])[:, None, None]
+        return jnp.zeros_like(fast_BE).at[rows_B11, idx_BTK].add(1)
 
-    no_ties = jnp.all(fast_NE.sum(axis=-1) == n_tokens * top_k)
-    return jax.lax.cond(no_ties, lambda: fast_NE, with_ties).reshape(*batch, n_experts)
+    no_ties = jnp.all(fast_BE.sum(axis=-1) == n_tokens * top_k)
+    return jax.lax.cond(no_ties, lambda: fast_BE, with_ties).reshape(*batch, n_experts)
 
 
 def balance_bias(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: float,
@@ -68,27 +68,27 @@ def balance_bias(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: flo
     their 300 steps; the loop stops when every run has. max_period=0 always runs every step.
     """
     *batch, n_tokens, n_experts = logits_BTE.shape
-    logits_NTE = logits_BTE.reshape(-1, n_tokens, n_experts).astype(jnp.float32)
-    b0 = jnp.zeros(logits_NTE.shape[::2], jnp.float32)
+    logits_BTE = logits_BTE.reshape(-1, n_tokens, n_experts).astype(jnp.float32)
+    b0 = jnp.zeros(logits_BTE.shape[::2], jnp.float32)
 
-    def update(b_NE, load_NE):
-        return bias_step(b_NE, load_NE, rate)
+    def update(b_BE, load_BE):
+        return bias_step(b_BE, load_BE, rate)
 
     if cfg.scoring_func == "sigmoid" and cfg.n_group == 1:
-        scores_NET = jnp.swapaxes(jax.nn.sigmoid(logits_NTE), -1, -2)  # expert-major: tokens elementwise
+        scores_BET = jnp.swapaxes(jax.nn.sigmoid(logits_BTE), -1, -2)  # expert-major: tokens elementwise
 
         def advance(carry):
             # The carry holds each token's K-th value under the current bias, computed at the
             # end of the previous step, so it is materialised between the loops (see
             # loads_at_threshold) rather than recomputed inside the counting pass.
-            b_NE, kth_NT = carry
-            b_NE = update(b_NE, loads_at_threshold(scores_NET + b_NE[..., None], kth_NT, cfg.top_k))
-            return b_NE, kth_largest(scores_NET + b_NE[..., None], cfg.top_k)
+            b_BE, kth_BT = carry
+            b_BE = update(b_BE, loads_at_threshold(scores_BET + b_BE[..., None], kth_BT, cfg.top_k))
+            return b_BE, kth_largest(scores_BET + b_BE[..., None], cfg.top_k)
 
-        init = (b0, kth_largest(scores_NET, cfg.top_k, unrolled=False))  # once: cheap to compile
+        init = (b0, kth_largest(scores_BET, cfg.top_k, unrolled=False))  # once: cheap to compile
     else:  # softmax or group-limited routing: plain top-k through the routing function
         def advance(carry):
-            idx = jax.vmap(lambda lg, b: route(lg, cfg, b).expert_idx_TK)(logits_NTE, carry[0])
+            idx = jax.vmap(lambda lg, b: route(lg, cfg, b).expert_idx_TK)(logits_BTE, carry[0])
             return (update(carry[0], jax.vmap(lambda i: routing_counts(i, n_experts))(idx)),)
 
         init = (b0,)
@@ -96,36 +96,36 @@ def balance_bias(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: flo
 
 
 def _bias_after(advance, init: tuple, steps: int, max_period: int) -> jax.Array:
-    """Apply `advance` (carry -> carry, carry[0] the bias [N, E]) `steps` times, stopping early
+    """Apply `advance` (carry -> carry, carry[0] the bias [B, E]) `steps` times, stopping early
     once every row's bias has repeated (bitwise) with a period of at most `max_period`."""
-    b0_NE = init[0]
-    n_rows = b0_NE.shape[0]
-    rows_N = jnp.arange(n_rows)
-    periods_P = jnp.arange(1, max_period + 1)
+    b0_BE = init[0]
+    n_rows = b0_BE.shape[0]
+    rows_B = jnp.arange(n_rows)
+    periods = jnp.arange(1, max_period + 1)  # the candidate periods 1..max_period
     # recent[i] = the bias i steps ago, as int32 bits (bitwise equality: no -0.0 == 0.0)
-    recent0 = jnp.zeros((max_period + 1,) + b0_NE.shape, jnp.int32).at[0].set(
-        jax.lax.bitcast_convert_type(b0_NE, jnp.int32))
+    recent0 = jnp.zeros((max_period + 1,) + b0_BE.shape, jnp.int32).at[0].set(
+        jax.lax.bitcast_convert_type(b0_BE, jnp.int32))
 
     def unfinished(state):
-        n, _, _, done_N, _ = state
-        return (n < steps) & ~jnp.all(done_N)
+        n, _, _, done_B, _ = state
+        return (n < steps) & ~jnp.all(done_B)
 
     def step(state):
-        n, carry, recent, done_N, answer_NE = state
+        n, carry, recent, done_B, answer_BE = state
         carry, n = advance(carry), n + 1
         recent = jnp.concatenate([jax.lax.bitcast_convert_type(carry[0], jnp.int32)[None], recent[:-1]])
         # period p: the bias now equals the bias p steps ago (which must exist: p <= n)
-        same_PN = jnp.all(recent[1:] == recent[:1], axis=-1) & (periods_P <= n)[:, None]
-        found_N = same_PN.any(axis=0)
-        p_N = jnp.argmax(same_PN, axis=0) + 1  # the smallest period
+        same_at_period = jnp.all(recent[1:] == recent[:1], axis=-1) & (periods <= n)[:, None]  # [periods, B]
+        found_B = same_at_period.any(axis=0)
+        p_B = jnp.argmax(same_at_period, axis=0) + 1  # the smallest period
         # bias(steps) = bias(n - p + (steps - n) mod p), i.e. p - (steps - n) mod p steps ago
-        ago_N = p_N - (steps - n) % p_N
-        target_NE = jax.lax.bitcast_convert_type(recent[ago_N, rows_N], jnp.float32)
-        answer_NE = jnp.where((found_N & ~done_N)[:, None], target_NE, answer_NE)
-        return n, carry, recent, done_N | found_N, answer_NE
+        ago_B = p_B - (steps - n) % p_B
+        target_BE = jax.lax.bitcast_convert_type(recent[ago_B, rows_B], jnp.float32)
+        answer_BE = jnp.where((found_B & ~done_B)[:, None], target_BE, answer_BE)
+        return n, carry, recent, done_B | found_B, answer_BE
 
     if max_period < 1:
         return jax.lax.fori_loop(0, steps, lambda _, carry: advance(carry), init)[0]
-    state = (jnp.int32(0), init, recent0, jnp.zeros(n_rows, bool), b0_NE)
-    _, carry, _, done_N, answer_NE = jax.lax.while_loop(unfinished, step, state)
-    return jnp.where(done_N[:, None], answer_NE, carry[0])
+    state = (jnp.int32(0), init, recent0, jnp.zeros(n_rows, bool), b0_BE)
+    _, carry, _, done_B, answer_BE = jax.lax.while_loop(unfinished, step, state)
+    return jnp.where(done_B[:, None], answer_BE, carry[0])

@@ -42,7 +42,7 @@ BACKENDS = ("dense", "sorted", "ragged", "ep")
 
 
 def relu_mlp(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
-    """The toy expert of SPEC section 4: W2 . relu(W1 . x); w1 [D, H], w2 [H, D]."""
+    """The toy expert of SPEC section 4: W2 . relu(W1 . x); w1 [D, F], w2 [F, D]."""
     return linear(jax.nn.relu(linear(x, w["w1"])), w["w2"])
 
 

@@ -94,11 +94,11 @@ def _local_index(expert_idx, experts_per_shard):
 
 
 def _collective(x_TD, idx_TK, weights, *, expert_fn, forward_only, experts_per_shard, n_shards):
-    x_GD = jax.lax.all_gather(x_TD, EXPERT_AXIS, tiled=True)  # the expert group's tokens
-    idx_GK = jax.lax.all_gather(idx_TK, EXPERT_AXIS, tiled=True)
-    f_GKD = sorted_pair_outputs(x_GD, _local_index(idx_GK, experts_per_shard), weights, expert_fn,
+    x_group_TD = jax.lax.all_gather(x_TD, EXPERT_AXIS, tiled=True)  # the expert group's tokens
+    idx_group_TK = jax.lax.all_gather(idx_TK, EXPERT_AXIS, tiled=True)
+    f_group_TKD = sorted_pair_outputs(x_group_TD, _local_index(idx_group_TK, experts_per_shard), weights, expert_fn,
                                 forward_only=forward_only, absent=True)
-    return jax.lax.psum_scatter(f_GKD, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    return jax.lax.psum_scatter(f_group_TKD, EXPERT_AXIS, scatter_dimension=0, tiled=True)
 
 
 def _all_to_all(x_TD, idx_TK, weights, *, expert_fn, forward_only, experts_per_shard, n_shards):
@@ -108,18 +108,18 @@ def _all_to_all(x_TD, idx_TK, weights, *, expert_fn, forward_only, experts_per_s
     dest_M = flat_M // experts_per_shard  # n_shards for absent pairs
     # each pair's row in the buffer for its destination: its rank among the pairs going there
     order_M = jnp.argsort(dest_M, stable=True)
-    count_S = jnp.zeros((n_shards + 1,), jnp.int32).at[dest_M].add(1)
-    start_S = jnp.cumsum(count_S) - count_S
+    count_X = jnp.zeros((n_shards + 1,), jnp.int32).at[dest_M].add(1)
+    start_X = jnp.cumsum(count_X) - count_X
     rank_M = jnp.zeros((n_pairs,), jnp.int32).at[order_M].set(
-        jnp.arange(n_pairs, dtype=jnp.int32) - start_S[dest_M[order_M]])
+        jnp.arange(n_pairs, dtype=jnp.int32) - start_X[dest_M[order_M]])
     x_MD = x_TD[jnp.arange(n_pairs) // top_k]
-    send_SMD = jnp.zeros((n_shards + 1, n_pairs, x_TD.shape[-1]), x_TD.dtype).at[dest_M, rank_M].set(x_MD)[:n_shards]
-    send_SM = jnp.full((n_shards + 1, n_pairs), experts_per_shard, jnp.int32).at[dest_M, rank_M].set(
+    send_XMD = jnp.zeros((n_shards + 1, n_pairs, x_TD.shape[-1]), x_TD.dtype).at[dest_M, rank_M].set(x_MD)[:n_shards]
+    send_XM = jnp.full((n_shards + 1, n_pairs), experts_per_shard, jnp.int32).at[dest_M, rank_M].set(
         flat_M % experts_per_shard)[:n_shards]
-    recv_SMD = jax.lax.all_to_all(send_SMD, EXPERT_AXIS, 0, 0, tiled=True)  # block s: pairs from device s
-    recv_SM = jax.lax.all_to_all(send_SM, EXPERT_AXIS, 0, 0, tiled=True)
-    f_R1D = sorted_pair_outputs(recv_SMD.reshape(n_shards * n_pairs, -1), recv_SM.reshape(-1, 1), weights,
+    recv_XMD = jax.lax.all_to_all(send_XMD, EXPERT_AXIS, 0, 0, tiled=True)  # block s: pairs from device s
+    recv_XM = jax.lax.all_to_all(send_XM, EXPERT_AXIS, 0, 0, tiled=True)
+    f_M1D = sorted_pair_outputs(recv_XMD.reshape(n_shards * n_pairs, -1), recv_XM.reshape(-1, 1), weights,
                                 expert_fn, forward_only=forward_only, absent=True)
-    back_SMD = jax.lax.all_to_all(f_R1D.reshape(n_shards, n_pairs, -1), EXPERT_AXIS, 0, 0, tiled=True)
-    f_MD = back_SMD[jnp.minimum(dest_M, n_shards - 1), rank_M]
+    back_XMD = jax.lax.all_to_all(f_M1D.reshape(n_shards, n_pairs, -1), EXPERT_AXIS, 0, 0, tiled=True)
+    f_MD = back_XMD[jnp.minimum(dest_M, n_shards - 1), rank_M]
     return jnp.where((dest_M < n_shards)[:, None], f_MD, 0).reshape(n_tokens, top_k, -1)

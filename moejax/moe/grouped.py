@@ -55,7 +55,7 @@ class BlockLayout:
     """Where each routed pair sits in the expert-sorted, block-padded buffer.
 
     pair_slot_M: buffer row of pair m (m = t * K + k)
-    block_expert_N: the expert that owns block n (trailing unused blocks point at E-1; their rows are
+    block_expert_Y: the expert that owns block n (trailing unused blocks point at E-1; their rows are
       zero and nobody reads them back)
     """
 
@@ -71,9 +71,9 @@ class BlockLayout:
         rank_in_group_M = jnp.arange(n_pairs, dtype=jnp.int32) - group_start_E[sorted_expert_M]
         slot_sorted_M = padded_end_E[sorted_expert_M] - padded_E[sorted_expert_M] + rank_in_group_M
         self.pair_slot_M = jnp.zeros((n_pairs,), jnp.int32).at[order_M].set(slot_sorted_M)
-        block_start_N = jnp.arange(self.n_blocks, dtype=jnp.int32) * block_rows
-        self.block_expert_N = jnp.minimum(
-            jnp.searchsorted(padded_end_E, block_start_N, side="right"), n_experts - 1).astype(jnp.int32)
+        block_start_Y = jnp.arange(self.n_blocks, dtype=jnp.int32) * block_rows
+        self.block_expert_Y = jnp.minimum(
+            jnp.searchsorted(padded_end_E, block_start_Y, side="right"), n_experts - 1).astype(jnp.int32)
         self.group_sizes_E = group_sizes_E
         self._padded_end_E = padded_end_E
 
@@ -124,32 +124,32 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
     if forward_only and large_experts:
         return _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn)
     layout = BlockLayout(expert_idx_TK, n_experts + 1 if absent else n_experts, block_rows)
-    block_expert_N = jnp.minimum(layout.block_expert_N, n_experts - 1)
+    block_expert_Y = jnp.minimum(layout.block_expert_Y, n_experts - 1)
     token_M = jnp.arange(n_tokens * top_k, dtype=jnp.int32) // top_k
     rows = layout.n_blocks * block_rows
     x_buf = jnp.zeros((rows, x_TD.shape[-1]), x_TD.dtype).at[layout.pair_slot_M].set(x_TD[token_M])
-    x_NBD = x_buf.reshape(layout.n_blocks, block_rows, -1)
+    x_YMD = x_buf.reshape(layout.n_blocks, block_rows, -1)
 
     if small_experts:
         # Small experts: gathering each block's weights costs no more than its activations, and
         # one batched matmul over all blocks beats a loop.
-        def block_linear(h_NBF, w_EFG):
-            return jnp.einsum("nbf,nfg->nbg", h_NBF, w_EFG[block_expert_N], precision=jax.lax.Precision.HIGHEST)
+        def block_linear(h_YMI, w_EIJ):
+            return jnp.einsum("ymi,yij->ymj", h_YMI, w_EIJ[block_expert_Y], precision=jax.lax.Precision.HIGHEST)
 
-        y_NBD = expert_fn(block_linear, weights, x_NBD)
+        y_YMD = expert_fn(block_linear, weights, x_YMD)
     else:
-        y_NBD = _loop_over_blocks(x_NBD, block_expert_N, layout.blocks_before_group(n_experts), weights,
+        y_YMD = _loop_over_blocks(x_YMD, block_expert_Y, layout.blocks_before_group(n_experts), weights,
                                   expert_fn)
-    y_TKD = y_NBD.reshape(rows, -1)[layout.pair_slot_M].reshape(n_tokens, top_k, -1)
+    y_TKD = y_YMD.reshape(rows, -1)[layout.pair_slot_M].reshape(n_tokens, top_k, -1)
     return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0) if absent else y_TKD
 
 
-def _f32_matmul(h_BF, w_FG):
+def _f32_matmul(h_MI, w_IJ):
     # Compute in float32 from the sliced expert. (XLA's loop-invariant code motion still hoists
     # the conversion of a bfloat16 stack out of the loop, a float32 copy of all experts;
     # `moejax score` turns that pass off for its memory budget, see moejax.cli.)
-    return jnp.matmul(h_BF.astype(jnp.float32), w_FG.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST).astype(h_BF.dtype)
+    return jnp.matmul(h_MI.astype(jnp.float32), w_IJ.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST).astype(h_MI.dtype)
 
 
 def _expert_weights(weights, e):
@@ -157,19 +157,19 @@ def _expert_weights(weights, e):
     return jax.tree.map(lambda w_E: jax.lax.dynamic_index_in_dim(w_E, e, keepdims=False), weights)
 
 
-def _loop_over_blocks(x_NBD, block_expert_N, n_used, weights, expert_fn):
+def _loop_over_blocks(x_YMD, block_expert_Y, n_used, weights, expert_fn):
     """Large experts, differentiable: a loop over blocks that reads each block's expert weights in
     place (instead of materialising n_blocks copies of them) and runs the whole expert on the
     block in one iteration, so its hidden activations stay in cache. Blocks from `n_used` on
     (absent pairs, trailing padding) are skipped by a conditional, which keeps the loop
     differentiable (a dynamic trip count would not be)."""
-    def one(x_BD, e):
-        return expert_fn(_f32_matmul, _expert_weights(weights, e), x_BD)
+    def one(x_MD, e):
+        return expert_fn(_f32_matmul, _expert_weights(weights, e), x_MD)
 
-    out = jax.eval_shape(one, x_NBD[0], block_expert_N[0])
+    out = jax.eval_shape(one, x_YMD[0], block_expert_Y[0])
     skip = jnp.zeros(out.shape, out.dtype)
     return jax.lax.map(lambda xei: jax.lax.cond(xei[2] < n_used, lambda: one(xei[0], xei[1]), lambda: skip),
-                       (x_NBD, block_expert_N, jnp.arange(x_NBD.shape[0])))
+                       (x_YMD, block_expert_Y, jnp.arange(x_YMD.shape[0])))
 
 
 def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int = 512, granule: int = 32):
@@ -232,8 +232,8 @@ def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
     _, order_M, group_sizes_E = _sort_by_expert(expert_idx_TK, n_experts)
     xs_MD = x_TD[order_M // top_k]
 
-    def ragged_linear(h_MF, w_EFG):
-        return jax.lax.ragged_dot(h_MF, w_EFG, group_sizes_E, precision=jax.lax.Precision.HIGHEST)
+    def ragged_linear(h_MI, w_EIJ):
+        return jax.lax.ragged_dot(h_MI, w_EIJ, group_sizes_E, precision=jax.lax.Precision.HIGHEST)
 
     ys_MD = expert_fn(ragged_linear, weights, xs_MD)
     y_MD = jnp.zeros_like(ys_MD).at[order_M].set(ys_MD)

@@ -108,12 +108,12 @@ def _mask_to_best_groups(sel_TE: jax.Array, n_group: int, topk_group: int) -> ja
     """Group-limited choice: a group's score is the sum of its two best `sel`; experts outside
     the `topk_group` best groups get -inf. (A group with fewer than two kept experts scores -inf.)"""
     *lead, n_experts = sel_TE.shape
-    sel_TGX = sel_TE.reshape(*lead, n_group, n_experts // n_group)
-    top2 = jax.lax.top_k(sel_TGX, min(2, sel_TGX.shape[-1]))[0]
+    sel_by_group = sel_TE.reshape(*lead, n_group, n_experts // n_group)  # [T, G, E // G]
+    top2 = jax.lax.top_k(sel_by_group, min(2, sel_by_group.shape[-1]))[0]
     group_score_TG = jnp.sum(top2, axis=-1)
     _, best_groups = jax.lax.top_k(group_score_TG, topk_group)
     chosen_TG = jnp.any(jax.nn.one_hot(best_groups, n_group, dtype=bool), axis=-2)
-    return jnp.where(chosen_TG[..., None], sel_TGX, -jnp.inf).reshape(sel_TE.shape)
+    return jnp.where(chosen_TG[..., None], sel_by_group, -jnp.inf).reshape(sel_TE.shape)
 
 
 def routing_counts(expert_idx_TK: jax.Array, n_experts: int, token_mask_T: jax.Array | None = None) -> jax.Array:

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 # (pattern on the dotted parameter path, partition spec); the first match wins.
 SHARDING_RULES = (
-    (r"\.mlp\.experts_(gate|up|down)$", P("expert")),  # [E, ...]: E/P routed experts per device
+    (r"\.mlp\.experts_(gate|up|down)$", P("expert")),  # [E, ...]: E/X routed experts per device
     (r"^experts_(gate|up|down)$", P("expert")),         # a bare MoE layer (streaming, scoring)
     (r"^(w1|w2)$", P("expert")),                        # the toy layer's experts [E, ...]
     (r".*", P()),                                       # everything else replicated

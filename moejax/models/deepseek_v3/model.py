@@ -138,14 +138,14 @@ class MLA(nnx.Module):
         """`__call__` on a prompt that also writes its latents into cache columns 0..S-1:
         (output, cache)."""
         q_pass, q_rot, latent, k_rot = self._project(x_BSH, cos, sin)
-        cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BTR, latent.astype(cache.latent_BTR.dtype),
+        cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BCR, latent.astype(cache.latent_BCR.dtype),
                                                          (0, 0, 0)),
-                            jax.lax.dynamic_update_slice(cache.rope_BTD, k_rot.astype(cache.rope_BTD.dtype), (0, 0, 0)))
+                            jax.lax.dynamic_update_slice(cache.rope_BCQ, k_rot.astype(cache.rope_BCQ.dtype), (0, 0, 0)))
         return self._expanded_attention(q_pass, q_rot, latent, k_rot, allowed_BSS), cache
 
-    def decode(self, x_B1H, cos, sin, cache: "LatentCache", column, allowed_B1T):
-        """One new token per row, written into cache column `column`, attending to the cache's T
-        columns where allowed_B1T. "Absorbed" MLA, as DeepSeek's own inference decodes: the
+    def decode(self, x_B1H, cos, sin, cache: "LatentCache", column, allowed_B1C):
+        """One new token per row, written into cache column `column`, attending to the cache's C
+        columns where allowed_B1C. "Absorbed" MLA, as DeepSeek's own inference decodes: the
         per-head key projection is folded into the query (q_nope W_uk: scores against the latent
         itself) and the value projection is applied after the weighted sum of latents, so only
         kv_lora_rank + qk_rope_head_dim numbers per token are cached and nothing is expanded.
@@ -154,27 +154,27 @@ class MLA(nnx.Module):
         B, S, _ = x_B1H.shape
         nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         q_pass, q_rot, latent, k_rot = self._project(x_B1H, cos, sin)
-        cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BTR, latent.astype(cache.latent_BTR.dtype),
+        cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BCR, latent.astype(cache.latent_BCR.dtype),
                                                          (0, column, 0)),
-                            jax.lax.dynamic_update_slice(cache.rope_BTD, k_rot.astype(cache.rope_BTD.dtype),
+                            jax.lax.dynamic_update_slice(cache.rope_BCQ, k_rot.astype(cache.rope_BCQ.dtype),
                                                          (0, column, 0)))
-        w_RNX = self.kv_b_proj[...].reshape(cfg.kv_lora_rank, nh, dn + dv)
-        q_latent = jnp.einsum("bsnd,rnd->bnsr", q_pass, w_RNX[..., :dn], precision=HIGHEST)
-        scores = (jnp.einsum("bnsr,btr->bnst", q_latent, cache.latent_BTR, precision=HIGHEST)
-                  + jnp.einsum("bsnd,btd->bnst", q_rot, cache.rope_BTD, precision=HIGHEST)) * cfg.softmax_scale()
-        scores = jnp.where(allowed_B1T[:, None], scores, jnp.finfo(scores.dtype).min)
+        w_kv_b = self.kv_b_proj[...].reshape(cfg.kv_lora_rank, nh, dn + dv)  # [R, N, dn + dv]
+        q_latent = jnp.einsum("bsnq,rnq->bnsr", q_pass, w_kv_b[..., :dn], precision=HIGHEST)
+        scores = (jnp.einsum("bnsr,bcr->bnsc", q_latent, cache.latent_BCR, precision=HIGHEST)
+                  + jnp.einsum("bsnq,bcq->bnsc", q_rot, cache.rope_BCQ, precision=HIGHEST)) * cfg.softmax_scale()
+        scores = jnp.where(allowed_B1C[:, None], scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x_B1H.dtype)
-        o_latent = jnp.einsum("bnst,btr->bsnr", weights, cache.latent_BTR, precision=HIGHEST)
-        o = jnp.einsum("bsnr,rnc->bsnc", o_latent, w_RNX[..., dn:], precision=HIGHEST).reshape(B, S, nh * dv)
+        o_latent = jnp.einsum("bnsc,bcr->bsnr", weights, cache.latent_BCR, precision=HIGHEST)
+        o = jnp.einsum("bsnr,rnu->bsnu", o_latent, w_kv_b[..., dn:], precision=HIGHEST).reshape(B, S, nh * dv)
         return linear(o, self.o_proj[...], self._bias("o_proj")), cache
 
 
 class LatentCache(NamedTuple):
-    """One MLA layer's KV cache: the normalised KV latent [B, T, R] (R = kv_lora_rank) and the
-    rotated shared rope key [B, T, dr] of every cached token (T columns, preallocated)."""
+    """One MLA layer's KV cache: the normalised KV latent [B, C, R] (R = kv_lora_rank) and the
+    rotated shared rope key [B, C, dr] of every cached token (C columns, preallocated)."""
 
-    latent_BTR: jax.Array
-    rope_BTD: jax.Array
+    latent_BCR: jax.Array
+    rope_BCQ: jax.Array
 
 
 class KVCache(NamedTuple):
@@ -182,7 +182,7 @@ class KVCache(NamedTuple):
     (False: not written yet, or left padding)."""
 
     layers: tuple
-    valid_BT: jax.Array
+    valid_BC: jax.Array
 
 
 class CausalLMOutput(NamedTuple):
@@ -207,8 +207,8 @@ def causal_allowed(attention_mask_BS, B: int, S: int):
     return jnp.broadcast_to(allowed, (B, S, S))
 
 
-def causal_attention(q_BSND, k_BSND, v_BSNC, allowed_BSS, scale: float, block_rows: int = 256):
-    """softmax(q k^T * scale, masked) v per head (N heads, D query/key and C value channels), in
+def causal_attention(q_BSNQ, k_BSNQ, v_BSNU, allowed_BSS, scale: float, block_rows: int = 256):
+    """softmax(q k^T * scale, masked) v per head (N heads, Q query/key and U value channels), in
     transformers' order of operations (scores scaled after the matmul, softmax in float32, weights
     cast back before multiplying v).
 
@@ -220,8 +220,8 @@ def causal_attention(q_BSND, k_BSND, v_BSNC, allowed_BSS, scale: float, block_ro
     layout at 2,048 tokens, Moonlight's 16 heads). A query that may attend to no key (left padding)
     gets uniform weights over its block's keys instead of over all keys: padding output either way.
     """
-    B, S = q_BSND.shape[:2]
-    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BSND, k_BSND, v_BSNC))  # [B, heads, S, d]
+    B, S = q_BSNQ.shape[:2]
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BSNQ, k_BSNQ, v_BSNU))  # [B, heads, S, d]
     block_rows = max(block_rows, -(-S // 16))  # at most 16 blocks: each is compiled separately
     bounds = list(range(0, S, block_rows)) + [S]
     outs = []
@@ -286,9 +286,9 @@ class DecoderLayer(nnx.Module):
         a, cache = self.self_attn.prefill(self.input_layernorm(x), cos, sin, allowed_BSS, cache)
         return self._mlp_block(x + a, expert_mask_E, True)[0], cache
 
-    def decode(self, x, cos, sin, cache: LatentCache, column, allowed_B1T, expert_mask_E=None):
+    def decode(self, x, cos, sin, cache: LatentCache, column, allowed_B1C, expert_mask_E=None):
         """The layer on one new token per row against its latent cache: (output, cache)."""
-        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1T)
+        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1C)
         return self._mlp_block(x + a, expert_mask_E, True)[0], cache
 
     def _mlp_block(self, h, expert_mask_E, forward_only):
@@ -373,19 +373,19 @@ class DeepseekV3ForCausalLM(nnx.Module):
             x, layer_cache = layer.prefill(x, cos, sin, allowed_BPP, cache.layers[l], self._layer_mask(expert_masks_LE, l))
             layers.append(layer_cache)
         logits = self._logits(x[:, -1:] if last_only else x).astype(jnp.float32)
-        return CachedOutput(logits, KVCache(tuple(layers), jax.lax.dynamic_update_slice(cache.valid_BT, mask, (0, 0))))
+        return CachedOutput(logits, KVCache(tuple(layers), jax.lax.dynamic_update_slice(cache.valid_BC, mask, (0, 0))))
 
     def decode_step(self, input_ids_B1, positions_B1, cache: KVCache, column, expert_masks_LE=None) -> CachedOutput:
         """One new token per row, written into cache column `column` (after the prompt and the
         tokens before it), attending to every valid column up to its own. Logits [B, 1, V]."""
-        T = cache.valid_BT.shape[1]
-        valid = jax.lax.dynamic_update_slice(cache.valid_BT, jnp.ones((input_ids_B1.shape[0], 1), bool), (0, column))
-        allowed_B1T = (valid & (jnp.arange(T) <= column)[None])[:, None, :]
+        C = cache.valid_BC.shape[1]
+        valid = jax.lax.dynamic_update_slice(cache.valid_BC, jnp.ones((input_ids_B1.shape[0], 1), bool), (0, column))
+        allowed_B1C = (valid & (jnp.arange(C) <= column)[None])[:, None, :]
         x = self.model.embed_tokens[...][input_ids_B1]
         cos, sin = rope_lib.cos_sin(self.config, positions_B1, x.dtype)
         layers = []
         for l, layer in enumerate(self.model.layers):
-            x, layer_cache = layer.decode(x, cos, sin, cache.layers[l], column, allowed_B1T,
+            x, layer_cache = layer.decode(x, cos, sin, cache.layers[l], column, allowed_B1C,
                                           self._layer_mask(expert_masks_LE, l))
             layers.append(layer_cache)
         return CachedOutput(self._logits(x).astype(jnp.float32), KVCache(tuple(layers), valid))

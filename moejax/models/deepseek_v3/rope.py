@@ -50,17 +50,16 @@ def cos_sin(cfg: DeepseekV3Config, positions, dtype):
     return (jnp.cos(emb) * factor).astype(dtype), (jnp.sin(emb) * factor).astype(dtype)
 
 
-def apply_rope(x_BSND, cos, sin, interleave: bool):
-    """Rotate the rope part of queries/keys x [B, S, N heads, D]; cos/sin [S, D] or [B, S, D].
+def apply_rope(x_BSNQ, cos, sin, interleave: bool):
+    """Rotate the rope part of queries/keys x [B, S, N, Q]; cos/sin [S, Q] or [B, S, Q].
     Interleaved: pairs (2i, 2i+1) rotate together and the output is laid out half-split (evens
     then odds), exactly as transformers does; q and k are permuted alike, so q.k is unchanged."""
-    x_BSHD = x_BSND
     cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
     if interleave:
-        half = x_BSHD.shape[-1] // 2
-        x1, x2 = x_BSHD[..., 0::2], x_BSHD[..., 1::2]
+        half = x_BSNQ.shape[-1] // 2
+        x1, x2 = x_BSNQ[..., 0::2], x_BSNQ[..., 1::2]
         c, s = cos[..., :half], sin[..., :half]
         return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    half = x_BSHD.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BSHD[..., half:], x_BSHD[..., :half]], axis=-1)
-    return x_BSHD * cos + rotated * sin
+    half = x_BSNQ.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BSNQ[..., half:], x_BSNQ[..., :half]], axis=-1)
+    return x_BSNQ * cos + rotated * sin
