@@ -80,11 +80,11 @@ def _mlp(graphdef, state, h_BSH, z_BSH, mask_E):
 @functools.partial(jax.jit, static_argnums=0)
 def _routed_errors(graphdef, state, z_BSH, masks_AE):
     """Per-token squared norms of the unpruned routed output and of its error under each mask:
-    (||y_t||^2 [B, S], ||y'_t - y_t||^2 [V, B, S]); shared experts excluded (SPEC section 3)."""
+    (||y_t||^2 [B, S], ||y'_t - y_t||^2 [A, B, S]); shared experts excluded (SPEC section 3)."""
     moe = nnx.merge(graphdef, state).mlp
     B, S, H = z_BSH.shape
     z = z_BSH.reshape(B * S, H)
-    experts = {"gate": moe.experts_gate[...], "up": moe.experts_up[...], "down": moe.experts_down[...]}
+    experts = moe.expert_weights()
 
     def routed(mask_E):
         r = moe.route(z, mask_E)

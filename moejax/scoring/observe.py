@@ -34,9 +34,9 @@ def reap_code_routing(logits_TE: jax.Array, top_k: int):
 
 def moe_layer_pairs(moe, x_TH: jax.Array) -> dict:
     """Per-pair quantities of one MoE layer on router inputs x (both routings)."""
-    logits = jnp.matmul(x_TH.astype(jnp.float32), moe.router[...].T, precision=jax.lax.Precision.HIGHEST)
+    logits = moe.router_logits(x_TH)
     r = route(logits, moe.router_cfg, moe.bias[...])
-    experts = {"gate": moe.experts_gate[...], "up": moe.experts_up[...], "down": moe.experts_down[...]}
+    experts = moe.expert_weights()
 
     def norms(f_TKD):
         return jnp.linalg.norm(f_TKD.astype(jnp.float32), axis=-1)

@@ -249,9 +249,16 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(H, Im * cfg.n_shared_experts, dtype, rngs) if cfg.n_shared_experts else None
         self.backend = backend
 
+    def router_logits(self, x_TH):
+        """[T, E] in float32 (the router stays float32 whatever the model dtype)."""
+        return jnp.matmul(x_TH.astype(jnp.float32), self.router[...].T, precision=HIGHEST)
+
     def route(self, x_TH, expert_mask_E=None):
-        logits = jnp.matmul(x_TH.astype(jnp.float32), self.router[...].T, precision=HIGHEST)
-        return route(logits, self.router_cfg, self.bias[...], expert_mask_E)
+        return route(self.router_logits(x_TH), self.router_cfg, self.bias[...], expert_mask_E)
+
+    def expert_weights(self) -> dict:
+        """The routed experts' stacked weights as `moejax.moe.dispatch.swiglu` reads them."""
+        return {"gate": self.experts_gate[...], "up": self.experts_up[...], "down": self.experts_down[...]}
 
     def __call__(self, x_BSH, expert_mask_E=None, forward_only: bool = False):
         """(output [B, S, H], the routing of the B*S tokens). forward_only: no gradients will be
@@ -259,7 +266,7 @@ class MoE(nnx.Module):
         B, S, H = x_BSH.shape
         x_TH = x_BSH.reshape(B * S, H)
         r = self.route(x_TH, expert_mask_E)
-        experts = {"gate": self.experts_gate[...], "up": self.experts_up[...], "down": self.experts_down[...]}
+        experts = self.expert_weights()
         y = dispatch_lib.dispatch(x_TH, r.expert_idx_TK, r.gate_TK, experts, dispatch_lib.swiglu, self.backend,
                                   forward_only=forward_only)
         y = y.reshape(B, S, H)
