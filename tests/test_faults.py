@@ -430,8 +430,12 @@ model.save_pretrained(sys.argv[3])
 
 def _start(script, ready, *args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # SIGINT back to its default in the child: a test run started in the background of a
+    # non-interactive shell (as CI may be) inherits SIGINT ignored, and moejax leaves an ignored
+    # signal ignored
     proc = subprocess.Popen([sys.executable, "-c", script, str(ready), *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while not ready.exists():
         if proc.poll() is not None:
             pytest.fail(f"exited early: {proc.stderr.read()}")
