@@ -97,8 +97,6 @@ def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> lis
             problems.append(f"{where}: dtype {info.dtype}, expected one of {sorted(allowed)}")
         return problems
     packed = f"{s.hf_name[:-len('weight')]}weight_packed in {reader.shard_of(on_disk[0]).name}"
-    if info.dtype != PACKED_DTYPES[fmt]:  # else 4-bit values would be unpacked from the wrong element size
-        return [f"{packed}: dtype {info.dtype}, expected {PACKED_DTYPES[fmt]} for {fmt} (quantization_config)"]
     if len(info.shape) != 2 or info.shape[0] != s.hf_shape[0]:  # packed: rows are output features
         return [f"{packed}: shape {list(info.shape)}, expected {s.hf_shape[0]} rows from config.json"]
     return []
@@ -122,10 +120,21 @@ def _check_mtp_blocks(cfg: DeepseekV3Config, reader, fmt: str | None, missing: l
     return problems
 
 
-def check_tensors(cfg: DeepseekV3Config, reader, specs: list[TensorSpec], fmt: str | None) -> tuple[list[str], dict]:
-    """Every mismatch between the checkpoint's headers and the config, as messages (empty = fine),
-    and the on-disk tensors of each expected tensor."""
-    problems, stored, missing = [], {}, []
+def _check_packed_dtypes(reader, fmt: str | None) -> list[str]:
+    """Every packed 4-bit tensor (MTP-only ones included) must have its format's element type, or
+    its 4-bit values would be unpacked from the wrong element size."""
+    if fmt not in PACKED_DTYPES:
+        return []
+    return [f"{name} in {reader.shard_of(name).name}: dtype {reader.info(name).dtype}, expected "
+            f"{PACKED_DTYPES[fmt]} for {fmt} (quantization_config)"
+            for name in reader.keys() if name.endswith(".weight_packed") and reader.info(name).dtype != PACKED_DTYPES[fmt]]
+
+
+def check_tensors(cfg: DeepseekV3Config, reader, specs: list[TensorSpec],
+                  fmt: str | None) -> tuple[list[str], dict, list[str]]:
+    """Every mismatch between the checkpoint's headers and the config, as messages (empty = fine);
+    the on-disk tensors of each expected tensor; the tensors carried without a parameter."""
+    problems, stored, missing = _check_packed_dtypes(reader, fmt), {}, []
     for s in specs:
         on_disk = stored_as(reader, s.hf_name, fmt)
         if on_disk is None:
@@ -137,7 +146,7 @@ def check_tensors(cfg: DeepseekV3Config, reader, specs: list[TensorSpec], fmt: s
     if missing:
         hint = f" (quantised as {fmt})" if fmt else ""
         problems.append(f"{len(missing)} tensor(s) missing{hint}, e.g. {missing[:5]}")
-    _, unexpected = split_extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
+    carried, unexpected = split_extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
     if unexpected:
         layers = sorted({int(m.group(1)) for n in unexpected if (m := _LAYER.match(n))})
         beyond = [l for l in layers if l >= cfg.num_hidden_layers]
@@ -147,7 +156,7 @@ def check_tensors(cfg: DeepseekV3Config, reader, specs: list[TensorSpec], fmt: s
                 f"{cfg.num_hidden_layers} and num_nextn_predict_layers={cfg.num_nextn_predict_layers} allow layers "
                 f"0..{cfg.num_hidden_layers + cfg.num_nextn_predict_layers - 1}")
         problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {sorted(unexpected)[:5]}")
-    return problems, stored
+    return problems, stored, carried
 
 
 def check_checkpoint(path, *, uniform_experts: bool = True) -> CheckedCheckpoint:
@@ -175,7 +184,6 @@ def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]
     reader = FusedExpertsReader(raw)
     fmt = quant.detect_format(cfg.quantization_config)
     specs = tensor_specs(cfg)
-    problems, stored = check_tensors(cfg, reader, specs, fmt)
-    carried, _ = split_extra_tensors(cfg, reader.keys(), {n for names in stored.values() for n in names})
+    problems, stored, carried = check_tensors(cfg, reader, specs, fmt)
     layout = checkpoint_layout(raw) if not problems else None
     return problems, CheckedCheckpoint(path.resolve(), cfg, reader, fmt, specs, stored, carried, layout)

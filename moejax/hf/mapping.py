@@ -127,15 +127,15 @@ def tensor_specs(cfg: DeepseekV3Config) -> list[TensorSpec]:
     layer, `cfg.experts_in_layer`) gives that layer's router, bias and expert tensors."""
     specs = []
 
-    def add(rule: Rule, layer: None, expert: None):
+    def add(rule: Rule):  # a global tensor: no layer, no expert
         specs.append(TensorSpec(rule.hf, rule.param, rule.transpose, None, tuple(rule.shape(cfg))))
 
     for rule in GLOBAL_RULES[:2]:
-        add(rule, None, None)
+        add(rule)
     for layer in range(cfg.num_hidden_layers):
         specs += layer_specs(cfg, layer)
     if GLOBAL_RULES[2].when(cfg, 0):
-        add(GLOBAL_RULES[2], None, None)
+        add(GLOBAL_RULES[2])
     return specs
 
 

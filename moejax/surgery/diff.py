@@ -22,6 +22,7 @@ from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, laye
 from moejax.hf.safetensors_io import CheckpointReader, TensorInfo
 from moejax.scoring.scores import DATA_FREE_SCORES, compute_scores, rank_correlation
 from moejax.scoring.select import select_kept
+from moejax.surgery.prune import router_stats
 
 # The data-free scores a selection is audited against (random explains nothing).
 DATA_FREE = tuple(n for n in DATA_FREE_SCORES if n != "random")
@@ -56,8 +57,6 @@ def match_rows(source_rows: list[bytes], pruned_rows: list[bytes]) -> list[int |
 def data_free_scores(reader: CheckpointReader, ml: MoeLayer) -> dict[str, np.ndarray]:
     """SPEC section 2's weights-only scores of one source layer (the registry's functions on the
     router and bias, in float64); `bias` only where the layer has one."""
-    from moejax.surgery.prune import router_stats
-
     names = [n for n in DATA_FREE if n != "bias" or ml.bias]
     return compute_scores(router_stats(reader, ml), names)
 
