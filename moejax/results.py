@@ -57,6 +57,23 @@ def _atomic_write(path: Path, write) -> None:
             Path(tmp).unlink(missing_ok=True)
 
 
+def check_output_file(path) -> Path:
+    """Make sure a result file can be written before the work that produces it: its folder is
+    created and a probe file written and removed there. Raises a one-line MoejaxError naming
+    the path and the OS error (read-only, missing permission, disk full, a file in the way)."""
+    path = Path(path)
+    if path.is_dir():
+        raise MoejaxError(f"{path}: is a folder; expected a file path for the output")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name}.probe-{secrets.token_hex(4)}"
+        probe.write_bytes(b"0" * 4096)
+        probe.unlink()
+    except OSError as error:
+        raise MoejaxError(f"{path}: cannot write the output here: {error}") from error
+    return path
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
     _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=1, default=str)))
 

@@ -590,23 +590,6 @@ def check_destination(out_dir: Path, overwrite: bool, protect: str | os.PathLike
         raise CheckpointError(f"{out_dir}: cannot be created: {parent} is not a writable folder")
 
 
-def check_output_file(path: str | os.PathLike) -> Path:
-    """Make sure a result file can be written before the work that produces it: its folder is
-    created and a probe file written and removed there. Raises a one-line CheckpointError naming
-    the path and the OS error (read-only, missing permission, disk full, a file in the way)."""
-    path = Path(path)
-    if path.is_dir():
-        raise CheckpointError(f"{path}: is a folder; expected a file path for the output")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".{path.name}.probe-{secrets.token_hex(4)}"
-        probe.write_bytes(b"0" * 4096)
-        probe.unlink()
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot write the output here: {error}") from error
-    return path
-
-
 def _check_extra_file_names(extra_files: dict[str, bytes], writes_config: bool) -> None:
     """Extra files must stay inside the folder and not collide with what the writer produces."""
     for relative_name in extra_files:

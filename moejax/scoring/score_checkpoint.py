@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.safetensors_io import check_output_file
+from moejax.results import check_output_file
 from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.scoring.scores import ALL_SCORES, check_score_names, compute_scores
 
