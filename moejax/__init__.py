@@ -3,6 +3,8 @@
 Importing the package is cheap and never imports JAX, so `moejax.results.load` works in a plain
 pandas notebook. The JAX-backed pieces live in the sub-packages:
 
+- `moejax.AutoModelForCausalLM`    any registered family's model from a checkpoint folder
+- `moejax.models.registry`        the model families (one folder each under moejax/models/)
 - `moejax.moe.routing.route`      the one routing function (SPEC section 1)
 - `moejax.moe.dispatch`           dense oracle and the sorted grouped-matmul backend
 - `moejax.models.toy`             the toy MoE layer of SPEC section 4 (math: `models.toy_layer`)
@@ -21,7 +23,7 @@ hidden], `rows_B11` adds two unit axes); each letter has one meaning everywhere:
     E  experts                                     R  MLA latent rank (kv_lora_rank)
     F  an expert's intermediate width              S  sequence positions
     G  expert groups (group-limited routing)       T  tokens, flattened (B*S, or the toy's tokens)
-    H  hidden width (DeepSeek-V3)                  U  per-head value width
+    H  hidden width of a decoder model             U  per-head value width
     I  a generic linear's input features           V  vocabulary
     J  a generic linear's output features          W  toy3 loads (skewed, balanced)
     K  top-k slots per token                       X  expert-parallel shards (devices)
@@ -33,9 +35,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # Lazy, so `import moejax` (and moejax.results) never imports JAX.
-    if name == "DeepseekV3ForCausalLM":
-        from moejax.models.deepseek_v3 import DeepseekV3ForCausalLM
+    # Lazy, so `import moejax` (and moejax.results) never imports JAX. Every family's model class
+    # (`moejax.Qwen3MoeForCausalLM`, ...) is reachable here by its transformers name.
+    if name == "AutoModelForCausalLM":
+        from moejax.models.auto import AutoModelForCausalLM
 
-        return DeepseekV3ForCausalLM
+        return AutoModelForCausalLM
+    from moejax.models.registry import FAMILIES
+
+    for family in FAMILIES.values():
+        if family.model.split(":")[1] == name:
+            return family.causal_lm()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,9 +36,8 @@ def _score(args) -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {LOW_MEMORY_XLA_FLAGS}".strip()
         request_cpu_devices(mesh.n_devices)
     from moejax.scoring.score_checkpoint import score_checkpoint
-    from moejax.scoring.scores import ALL_SCORES
 
-    scores = args.scores.split(",") if args.scores else list(ALL_SCORES)
+    scores = args.scores.split(",") if args.scores else None
     df = score_checkpoint(args.checkpoint, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
                           max_tokens=args.max_tokens, scores=scores, batch_size=args.batch_size, out=args.out,
                           dtype=args.dtype, mesh=mesh)
@@ -115,7 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--scores", default=None, help="comma-separated; default: all nine")
+    p.add_argument("--scores", default=None, help="comma-separated; default: every score the model supports (all nine; "
+                   "without `bias` for routers with no balance bias)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype (bfloat16 halves a layer's memory)")

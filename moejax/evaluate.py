@@ -29,13 +29,12 @@ from tqdm import tqdm
 from flax import nnx
 
 from moejax.hf.model_io import OpenCheckpoint
-from moejax.models.deepseek_v3.model import DecoderLayer, linear, rms_norm
-from moejax.moe import dispatch as dispatch_lib
+from moejax.models.layers import linear, rms_norm
 from moejax.nll import next_token_nll
 from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
-from moejax.stream import batch_geometry
+from moejax.stream import batch_geometry, embed
 
 METRICS = {
     "rel_error": "all-token relative error of the layer's routed output, sum ||y'-y||^2 / sum ||y||^2",
@@ -84,12 +83,9 @@ def _routed_errors(graphdef, state, z_BSH, masks_AE):
     moe = nnx.merge(graphdef, state).mlp
     B, S, H = z_BSH.shape
     z = z_BSH.reshape(B * S, H)
-    experts = moe.expert_weights()
 
     def routed(mask_E):
-        r = moe.route(z, mask_E)
-        return dispatch_lib.dispatch(z, r.expert_idx_TK, r.gate_TK, experts, dispatch_lib.swiglu,
-                                     moe.backend, forward_only=True).astype(jnp.float32)
+        return moe.routed(z, moe.route(z, mask_E), forward_only=True).astype(jnp.float32)
 
     y = routed(None)
     err = jax.lax.map(lambda m: jnp.sum((routed(m) - y) ** 2, axis=-1), masks_AE)
@@ -139,14 +135,8 @@ def _nll(x_BSH, norm_H, head_HV, ids_BS, eps):
 # --- the pass ------------------------------------------------------------------------------------
 
 
-def _geometry(cfg, batches, dtype):
-    return [batch_geometry(cfg, ids, None, dtype) for ids in batches]
-
-
-def _embed(ckpt: OpenCheckpoint, batches, dtype):
-    (spec,) = [s for s in ckpt.specs if s.param == "model.embed_tokens"]
-    table = ckpt.read_param_tensor(spec, jnp.dtype(dtype))
-    return [jnp.asarray(table[np.asarray(ids)]) for ids in batches]
+def _geometry(ckpt: OpenCheckpoint, batches, dtype):
+    return [batch_geometry(ckpt, ids, None, dtype) for ids in batches]
 
 
 def _head(ckpt: OpenCheckpoint, dtype):
@@ -218,7 +208,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     ids [n_seq, seq_len]. Each decoder layer's weights are read once. info["kept"][layer] maps
     "score@keep" (one-shot) and "sequential:score@keep" to that variant's kept experts."""
     cfg = ckpt.config
-    E = cfg.n_routed_experts
+    E = cfg.n_experts
     keeps = sorted({resolve_keep(k, E, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
     one_shot = [Variant(s, k) for s in scores for k in keeps]
     seq_variants = [Variant(s, k, "sequential") for s in scores for k in keeps] if sequential else []
@@ -229,10 +219,10 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
 
     cal_batches = batched(calib)
     held_batches = {text: batched(ids) for text, ids in heldout.items()}
-    cal_geo = _geometry(cfg, cal_batches, dtype)
-    held_geo = {text: _geometry(cfg, b, dtype) for text, b in held_batches.items()}
-    cal_embed = _embed(ckpt, cal_batches, dtype)
-    held_embed = {text: _embed(ckpt, b, dtype) for text, b in held_batches.items()}
+    cal_geo = _geometry(ckpt, cal_batches, dtype)
+    held_geo = {text: _geometry(ckpt, b, dtype) for text, b in held_batches.items()}
+    cal_embed = embed(ckpt, cal_batches, dtype)
+    held_embed = {text: embed(ckpt, b, dtype) for text, b in held_batches.items()}
     # streams: calibration (unpruned; per sequential variant), held-out (unpruned; per variant)
     cal = {None: cal_embed, **{v: list(cal_embed) for v in seq_variants}}
     # held-out: every stream of a batch stacked, [A, B, S, H]: 0 = unpruned, then one-shot, then sequential
@@ -242,9 +232,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     t0 = time.perf_counter()
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams)} held-out streams)",
                           unit="layer", disable=not show):
-        prefix = f"model.layers.{layer_idx}."
-        abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0)))
-        layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix)
+        layer = ckpt.decoder_layer(layer_idx, dtype)
         graphdef, state = nnx.split(layer)
         is_moe = layer.is_moe
         masks: dict = {v: None for v in [None, *one_shot, *seq_variants]}
@@ -269,7 +257,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
 
         cal_hz = {key: attention_all(stream, cal_geo) for key, stream in cal.items()}
         if is_moe:
-            router, bias = np.asarray(layer.mlp.router[...]), np.asarray(layer.mlp.bias[...])
+            router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
 
             def layer_scores(hz):
                 if id(hz[0][1]) in scores_cache:

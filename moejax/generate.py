@@ -171,7 +171,7 @@ class Generator:
         if pad_token_id is None:
             pad_token_id = cfg.raw.get("pad_token_id")
             pad_token_id = pad_token_id if isinstance(pad_token_id, int) else (stops[0] if stops else 0)
-        masks = check_expert_masks(expert_masks, cfg.num_hidden_layers, cfg.n_routed_experts)
+        masks = check_expert_masks(expert_masks, cfg.num_hidden_layers, cfg.n_experts)
 
         B, P = ids.shape
         n_new = int(max_new_tokens)

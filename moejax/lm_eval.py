@@ -38,7 +38,8 @@ from flax import nnx
 from moejax.errors import ConfigError
 from moejax.generate import Generator, check_expert_masks
 from moejax.nll import target_logprobs
-from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moejax.hf.model_io import load_pretrained
+from moejax.models.registry import read_config
 
 try:
     import lm_eval.models  # noqa: F401  (before registering: see lm-eval-notes.md)
@@ -138,18 +139,18 @@ class MoejaxLM(TemplateLM):
         if device not in (None, "cpu", "cuda", "gpu", "tpu") and not str(device).startswith("cuda"):
             raise ConfigError(f"moejax lm-eval model: device={device!r}; JAX places the model on its default "
                               "backend (set JAX_PLATFORMS to choose)")
-        config = DeepseekV3Config.from_json_file(path / "config.json")
+        config = read_config(path / "config.json")
         # the variant, checked before the model is loaded
         if expert_masks is None:
             expert_masks = self._variant_masks(config, pruning, scores, score, keep)
-        self.expert_masks = check_expert_masks(expert_masks, config.num_hidden_layers, config.n_routed_experts)
+        self.expert_masks = check_expert_masks(expert_masks, config.num_hidden_layers, config.n_experts)
         self.tokenizer = Tokenizer(path, config.raw)
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true")
         self._max_length = int(max_length) if max_length else config.max_position_embeddings
         self._max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
         self.path = path
-        self.model = model or DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.dtype(dtype))
+        self.model = model or load_pretrained(path, dtype=jnp.dtype(dtype))
         self._score_fn = _compiled_scorer(self.model)
         self._generator = Generator(self.model)
 
@@ -163,7 +164,7 @@ class MoejaxLM(TemplateLM):
 
         cfg = self.model.config
         other = copy.copy(self)
-        other.expert_masks = check_expert_masks(expert_masks, cfg.num_hidden_layers, cfg.n_routed_experts)
+        other.expert_masks = check_expert_masks(expert_masks, cfg.num_hidden_layers, cfg.n_experts)
         other.cache_hook = CacheHook(None)
         return other
 

@@ -20,8 +20,7 @@ from flax import nnx
 
 from moejax.errors import CheckpointError
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
-from moejax.models.deepseek_v3 import rope as rope_lib
-from moejax.models.deepseek_v3.model import DecoderLayer, causal_allowed
+from moejax.models.layers import causal_allowed
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -30,22 +29,25 @@ def _layer_forward(graphdef, state, x_BSH, cos, sin, allowed_BSS):
     return out, z
 
 
-def batch_geometry(cfg, ids_BS, mask_BS, dtype):
-    """(cos, sin, allowed [B, S, S]) of one batch: rope tables and the causal (and padding) mask."""
+def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype):
+    """(cos, sin, allowed [B, S, S]) of one batch: the family's rope tables and the causal (and
+    padding) mask."""
     B, S = np.asarray(ids_BS).shape
-    cos, sin = rope_lib.cos_sin(cfg, jnp.arange(S), jnp.dtype(dtype))
+    cos, sin = ckpt.family.causal_lm().rope_tables(ckpt.config, jnp.arange(S), jnp.dtype(dtype))
     return cos, sin, causal_allowed(mask_BS, B, S)
 
 
-def _embed(ckpt: OpenCheckpoint, batches, dtype) -> list:
+def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:
+    """The embedding rows of each batch of token ids, [B, S, H] in `dtype`, reading the table once
+    (then dropping it); a NaN or infinity in a row the data uses is refused naming the token ids."""
     (spec,) = [s for s in ckpt.specs if s.param == "model.embed_tokens"]
     table = ckpt.reader.read(spec.hf_name)  # [V, H], one tensor; dropped after the lookup
-    used = np.unique(np.concatenate([np.asarray(ids).ravel() for ids, _ in batches]))
+    used = np.unique(np.concatenate([np.asarray(ids).ravel() for ids in batches_of_ids]))
     bad = used[~np.isfinite(table[used].astype(np.float32)).all(axis=1)]
     if bad.size:
         raise CheckpointError(f"{spec.hf_name} in {ckpt.reader.shard_of(spec.hf_name).name}: non-finite values "
                               f"(NaN or inf) in the rows of token id(s) {bad[:16].tolist()}, which the data uses")
-    return [jnp.asarray(table[np.asarray(ids)].astype(jnp.dtype(dtype))) for ids, _ in batches]
+    return [jnp.asarray(table[np.asarray(ids)].astype(jnp.dtype(dtype))) for ids in batches_of_ids]
 
 
 def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progress: bool | None = None,
@@ -61,14 +63,12 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     cfg = ckpt.config
     show = sys.stderr.isatty() if progress is None else progress
     n_tokens = sum(int(np.asarray(ids).size) for ids, _ in batches)
-    hidden = _embed(ckpt, batches, dtype)
-    geometry = [batch_geometry(cfg, ids, mask, dtype) for ids, mask in batches]
+    hidden = embed(ckpt, [ids for ids, _ in batches], dtype)
+    geometry = [batch_geometry(ckpt, ids, mask, dtype) for ids, mask in batches]
     backend = "ep" if mesh is not None else "sorted"
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({n_tokens} tokens)", unit="layer",
                           disable=not show):
-        prefix = f"model.layers.{layer_idx}."
-        abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_idx, dtype, nnx.Rngs(0), backend))
-        layer = ckpt.fill(abstract, ckpt.specs_under(prefix), dtype, prefix=prefix, mesh=mesh)
+        layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
         graphdef, state = nnx.split(layer)
         router_inputs = []
         for b, (cos, sin, allowed) in enumerate(geometry):

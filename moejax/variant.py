@@ -22,8 +22,8 @@ from moejax.scoring.select import resolve_keep, select_kept
 
 def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:
     """bool [L, E] from {MoE layer: kept expert indices}; every MoE layer must be named.
-    config: the model's typed config (e.g. DeepseekV3Config)."""
-    n_layers, E, top_k = config.num_hidden_layers, config.n_routed_experts, config.num_experts_per_tok
+    config: the model's typed config (any family)."""
+    n_layers, E, top_k = config.num_hidden_layers, config.n_experts, config.num_experts_per_tok
     moe = config.moe_layers
     kept = {int(l): v for l, v in kept.items()}
     missing, extra = sorted(set(moe) - set(kept)), sorted(set(kept) - set(moe))
@@ -58,10 +58,10 @@ def masks_from_pruning_record(path, config) -> np.ndarray:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{path}: not a pruning record (expected {{'layers': {{layer: {{'kept': [...]}}}}}}): "
                           f"{type(e).__name__}: {e}") from None
-    wrong = {l: n for l, n in sizes.items() if n is not None and n != config.n_routed_experts}
+    wrong = {l: n for l, n in sizes.items() if n is not None and n != config.n_experts}
     if wrong:
         raise ConfigError(f"{path}: made from a checkpoint with {wrong} experts per layer, but this one has "
-                          f"n_routed_experts={config.n_routed_experts}")
+                          f"{config.experts_key}={config.n_experts}")
     return masks_from_kept(kept, config, str(path))
 
 
@@ -70,7 +70,7 @@ def masks_from_scores(path, score: str, keep, config) -> np.ndarray:
     scores file of `moejax score` (float64 ranking, ties to the lower index)."""
     import pandas as pd
 
-    E, top_k = config.n_routed_experts, config.num_experts_per_tok
+    E, top_k = config.n_experts, config.num_experts_per_tok
     count = resolve_keep(keep, E, top_k)
     path = Path(path)
     try:

@@ -162,7 +162,7 @@ def compare_parts(hf, model, n_tokens, repeat):
     from flax import nnx
 
     from moejax.models.deepseek_v3 import rope as rope_lib
-    from moejax.models.deepseek_v3.model import linear
+    from moejax.models.layers import linear
 
     x_np = np.random.default_rng(1).standard_normal((1, n_tokens, model.config.hidden_size)).astype(np.float32)
     x_t, x_j = torch.from_numpy(x_np.copy()), jnp.asarray(x_np)

@@ -44,7 +44,7 @@ def compute(tokens: int) -> None:
     from flax import nnx
 
     from moejax.models.deepseek_v3 import DeepseekV3Config
-    from moejax.models.deepseek_v3.model import MoE
+    from moejax.models.moe_block import MoE
     from moejax.moe import dispatch, grouped
     from moejax.scoring.observe import _pairs
 

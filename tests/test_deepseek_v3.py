@@ -140,7 +140,7 @@ def test_fused_expert_names_of_transformers_5_load_too(checkpoints, tmp_path):
 def test_causal_attention_in_blocks_equals_full_softmax_attention(block_rows):
     """The query-block attention (each block sees keys up to its last query) against numpy's
     softmax over the whole masked [S, S] scores, with right and left padding and uneven blocks."""
-    from moejax.models.deepseek_v3.model import causal_attention
+    from moejax.models.layers import causal_attention
 
     B, S, N, D, C = 3, 37, 2, 5, 4
     rng = np.random.default_rng(0)

@@ -76,7 +76,7 @@ class EvalTasksConfig:
     def validate(self) -> None:
         """Everything checkable before a model is loaded: the checkpoint and its tokenizer, the
         scores and keeps (prune_real's checks, keeps resolved against E and top-k), the task names."""
-        from moejax.models.deepseek_v3 import DeepseekV3Config
+        from moejax.models.registry import read_config
         from moejax.scoring.select import resolve_keep
 
         self.prune_real().validate()
@@ -91,9 +91,9 @@ class EvalTasksConfig:
         if not (Path(self.path) / "tokenizer.json").is_file():
             raise ConfigError(f"eval_tasks: {self.path} has no tokenizer.json (lm-eval tasks are text; for a "
                               f"byte-level train_tiny model: python -m moejax.data write-tokenizer {self.path})")
-        cfg = DeepseekV3Config.from_json_file(Path(self.path) / "config.json")
+        cfg = read_config(Path(self.path) / "config.json")
         for k in self.keep:
-            resolve_keep(k, cfg.n_routed_experts, cfg.num_experts_per_tok)
+            resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok)
         if self.task_dir and not Path(self.task_dir).is_dir():
             raise ConfigError(f"eval_tasks: task_dir={self.task_dir}: no such folder")
         if not self.task_dir and not set(self.tasks) <= set(DEFAULT_TASKS) and not self.include_defaults:
@@ -170,7 +170,7 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
 
     from moejax.experiments import prune_real
     from moejax.lm_eval import MoejaxLM
-    from moejax.models.deepseek_v3 import DeepseekV3Config
+    from moejax.models.registry import read_config
     from moejax.variant import masks_from_kept
 
     job_dir = Path(job_dir or ".")
@@ -191,7 +191,7 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
 
     ppl_df, info, timings = prune_real.evaluate(cfg.prune_real(), progress)
     info_kept = info["kept"]
-    model_cfg = DeepseekV3Config.from_json_file(Path(cfg.path) / "config.json")
+    model_cfg = read_config(Path(cfg.path) / "config.json")
     keeps = sorted({int(k) for k in ppl_df.keep.dropna()}, reverse=True)
     modes = ["one_shot"] + (["sequential"] if cfg.sequential else [])
     variants = [dict(mode="none", score=None, keep=None)] + [

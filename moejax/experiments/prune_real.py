@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
-from moejax.scoring.scores import ALL_SCORES
+from moejax.scoring.scores import check_score_names, scores_for
 
 DEFAULT_HELDOUT = ("difflib.py", "textwrap.py", "fractions.py")  # when the model lists none of its own
 TINY_RECORD = "moejax_tiny.json"
@@ -31,7 +31,7 @@ TINY_RECORD = "moejax_tiny.json"
 class PruneRealConfig:
     path: str = ""
     keep: tuple = (0.5, 0.25)
-    scores: tuple = ALL_SCORES
+    scores: tuple | None = None    # None: every score the model supports (moejax.scoring.scores.scores_for)
     calib: tuple = ()              # files/folders/globs; empty = standard-library sources
     heldout: tuple = ()            # empty = the model's held-out files, else DEFAULT_HELDOUT (+ LICENSE.txt)
     seq_len: int = 256
@@ -53,14 +53,17 @@ class PruneRealConfig:
         return cfg
 
     def validate(self) -> None:
-        from moejax.scoring.scores import check_score_names
+        from moejax.models.registry import read_config
 
         if not self.path:
             raise ConfigError("prune_real: set model=tiny or model.path=CHECKPOINT_FOLDER")
         if not (Path(self.path) / "config.json").is_file():
             hint = " (train it first: python -m moejax.run experiment=train_tiny)" if "models/tiny" in self.path else ""
             raise ConfigError(f"prune_real: {self.path} has no config.json{hint}")
-        check_score_names(self.scores)
+        if self.scores is not None:
+            check_score_names(self.scores)
+            scores_for(self.scores, read_config(Path(self.path) / "config.json").HAS_BALANCE_BIAS,
+                       f"prune_real: {self.path}")
         if not self.keep:
             raise ConfigError("prune_real: keep is empty; give counts or ratios of E, e.g. keep=[0.5,0.25]")
         for name in ("seq_len", "calib_tokens", "heldout_tokens", "batch_size"):
@@ -144,7 +147,8 @@ def evaluate(cfg: PruneRealConfig, progress=None):
 
     calib = tokens(calib_files, cfg.calib_tokens)
     heldout = {f.name: tokens([f], cfg.heldout_tokens) for f in heldout_files}
-    rows, info = evaluate_pruning(ckpt, calib, heldout, list(cfg.scores), list(cfg.keep), sequential=cfg.sequential,
+    scores = scores_for(cfg.scores, ckpt.config.HAS_BALANCE_BIAS, f"prune_real: {cfg.path}")
+    rows, info = evaluate_pruning(ckpt, calib, heldout, scores, list(cfg.keep), sequential=cfg.sequential,
                                   batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
                                   progress=progress is not None or None)
     df = pd.DataFrame(rows, columns=["mode", "score", "keep", "layer", "text", "metric", "value"])

@@ -9,7 +9,6 @@ import time
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig
-from moejax.scoring.scores import ALL_SCORES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +19,7 @@ class ScoreConfig:
     seq_len: int = 512
     max_tokens: int | None = None
     batch_size: int = 8
-    scores: tuple = ALL_SCORES
+    scores: tuple | None = None  # None: every score the model supports
     mesh_data: int = 1
     mesh_expert: int = 1
 
@@ -40,7 +39,7 @@ Config = ScoreConfig
 def settings_from(cfg: dict) -> dict:
     model, data = cfg.get("model") or {}, cfg.get("data") or {}
     mesh = MeshConfig.from_dict(cfg.get("mesh"))
-    return {"path": model.get("path") or "", **data, "scores": cfg.get("scores") or ALL_SCORES,
+    return {"path": model.get("path") or "", **data, "scores": cfg.get("scores"),
             "mesh_data": mesh.data, "mesh_expert": mesh.expert}
 
 
@@ -49,7 +48,8 @@ def run(cfg: ScoreConfig, progress=None, job_dir=None):
 
     t0 = time.perf_counter()
     df = score_checkpoint(cfg.path, text=list(cfg.text) or None, tokens=cfg.tokens, seq_len=cfg.seq_len,
-                          max_tokens=cfg.max_tokens, scores=list(cfg.scores), batch_size=cfg.batch_size,
+                          max_tokens=cfg.max_tokens, scores=None if cfg.scores is None else list(cfg.scores),
+                          batch_size=cfg.batch_size,
                           mesh=MeshConfig(cfg.mesh_data, cfg.mesh_expert))
     return df, {"scoring_s": time.perf_counter() - t0}
 

@@ -6,7 +6,8 @@
 * files: the index's shard paths are relative and stay inside the folder (a Hugging Face cache
   snapshot's symlinks into its `blobs/` are fine), every shard is a regular file, every tensor of
   a shard is listed in the index (`CheckpointReader`);
-* the config: types and ranges of every key (`DeepseekV3Config.from_dict`);
+* the config: its family (`moejax.models.registry`), types and ranges of every key (the family's
+  config class);
 * the tensors: every tensor the config implies is present with the shape the config gives and a
   dtype moejax reads as what it claims to be (a router stored as I32 is refused, not ranked by
   its bit patterns); a quantised weight has its companions; every other tensor is accounted for:
@@ -28,7 +29,8 @@ from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
 from moejax.hf.safetensors_io import CONFIG_NAME, CheckpointReader
-from moejax.models.deepseek_v3.config import DeepseekV3Config
+from moejax.models.family import Family
+from moejax.models.registry import family_of, read_config
 
 DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
 PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8"}  # the element type of a packed 4-bit `weight_packed`
@@ -41,7 +43,8 @@ class CheckedCheckpoint:
     """A checkpoint folder whose headers agree with its config.json."""
 
     path: Path                 # resolved
-    config: DeepseekV3Config
+    config: object             # the family's config class
+    family: Family
     reader: FusedExpertsReader  # answers per-expert names for transformers-5 fused expert tensors too
     fmt: str | None             # quantisation format, or None
     specs: list[TensorSpec]     # every HF tensor the config implies, in file order
@@ -60,12 +63,12 @@ def stored_as(reader, name: str, fmt: str | None) -> tuple[str, ...] | None:
     return (name,) if name in reader else None
 
 
-def mtp_layers(cfg: DeepseekV3Config) -> range:
+def mtp_layers(cfg) -> range:
     """Decoder-layer indices of the multi-token-prediction layers the config allows for."""
     return range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
-def split_extra_tensors(cfg: DeepseekV3Config, names, expected: set) -> tuple[list, list]:
+def split_extra_tensors(cfg, names, expected: set) -> tuple[list, list]:
     """The checkpoint's names the model has no parameter for, split into (carried, unexpected):
     carried are MTP-layer tensors (layers the config's num_nextn_predict_layers allows) and stray
     rotary buffers; anything else is unexpected."""
@@ -102,7 +105,7 @@ def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> lis
     return []
 
 
-def _check_mtp_blocks(cfg: DeepseekV3Config, reader, fmt: str | None, missing: list) -> list[str]:
+def _check_mtp_blocks(cfg, reader, fmt: str | None, missing: list) -> list[str]:
     """An MTP layer on disk holds a whole decoder block (which prune prunes, and whose router a
     data-free score ranks): checked like a main-model layer. Its MTP-only tensors (enorm, hnorm,
     eh_proj, shared_head) are carried unread. A checkpoint may leave MTP layers out entirely."""
@@ -130,7 +133,7 @@ def _check_packed_dtypes(reader, fmt: str | None) -> list[str]:
             for name in reader.keys() if name.endswith(".weight_packed") and reader.info(name).dtype != PACKED_DTYPES[fmt]]
 
 
-def check_tensors(cfg: DeepseekV3Config, reader, specs: list[TensorSpec],
+def check_tensors(cfg, reader, specs: list[TensorSpec],
                   fmt: str | None) -> tuple[list[str], dict, list[str]]:
     """Every mismatch between the checkpoint's headers and the config, as messages (empty = fine);
     the on-disk tensors of each expected tensor; the tensors carried without a parameter."""
@@ -180,10 +183,11 @@ def checkpoint_problems(path, *, uniform_experts: bool = False) -> list[str]:
 def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]:
     path = Path(path)
     raw = CheckpointReader(path)
-    cfg = DeepseekV3Config.from_json_file(path / CONFIG_NAME, uniform_experts=uniform_experts)
+    cfg = read_config(path / CONFIG_NAME, uniform_experts=uniform_experts)
+    family = family_of(cfg)
     reader = FusedExpertsReader(raw)
     fmt = quant.detect_format(cfg.quantization_config)
     specs = tensor_specs(cfg)
     problems, stored, carried = check_tensors(cfg, reader, specs, fmt)
-    layout = checkpoint_layout(raw) if not problems else None
-    return problems, CheckedCheckpoint(path.resolve(), cfg, reader, fmt, specs, stored, carried, layout)
+    layout = checkpoint_layout(raw, family.moe_block) if not problems else None
+    return problems, CheckedCheckpoint(path.resolve(), cfg, family, reader, fmt, specs, stored, carried, layout)

@@ -27,7 +27,6 @@ from moejax.hf.check import PACKED_DTYPES, check_checkpoint
 from moejax.hf.layout import CheckpointLayout
 from moejax.hf.quant import FP8_BLOCK, MXFP4_GROUP_SIZE, QUANT_FORMATS
 from moejax.hf.safetensors_io import DTYPE_BITS, TensorInfo
-from moejax.models.deepseek_v3.config import DeepseekV3Config
 
 GB = 10**9  # decimal, as accelerator vendors quote memory
 
@@ -112,7 +111,7 @@ class _Checkpoint:
     """A checkpoint as headers, config and layout: everything inspect and plan look at."""
 
     path: Path
-    config: DeepseekV3Config  # types and ranges checked (moejax.hf.check)
+    config: object  # the family's config, types and ranges checked (moejax.hf.check)
     fmt: str | None
     layout: CheckpointLayout
     tensors: dict[str, TensorFacts]
@@ -395,10 +394,10 @@ def plan_checkpoint(path, extra_gpus: dict[str, float] | None = None, headroom: 
 
 def device_constraints(checkpoint: _Checkpoint) -> dict:
     """What a device count must divide: each MoE layer's routed expert count (config
-    n_routed_experts when the checkpoint has no routed experts) and num_attention_heads."""
+    expert count when the checkpoint has no routed experts) and num_attention_heads."""
     experts = sorted({layer.n_experts for layer in checkpoint.layout.moe_layers.values()})
     if not experts:
-        experts = [checkpoint.config.n_routed_experts]
+        experts = [checkpoint.config.n_experts]
     return {"routed_experts": experts, "num_attention_heads": checkpoint.config.num_attention_heads}
 
 

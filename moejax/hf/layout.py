@@ -1,10 +1,11 @@
 """The MoE structure of a checkpoint, from its tensor names and headers alone.
 
-Checkpoint tools (prune, inspect, diff) work on any DeepSeek-V3-family checkpoint without building
+Checkpoint tools (prune, inspect, diff) work on any registered family's checkpoint without building
 a model, so they need to know, per decoder layer: which tensor is the router
-(`...mlp.gate.weight`, one row per routed expert), which is the balance bias
-(`...mlp.gate.e_score_correction_bias`), and which tensors belong to routed expert `e`
-(`...mlp.experts.{e}.*`, quantisation companions included). Everything else (attention, norms,
+(`...{block}.gate.weight`, one row per routed expert), which is the balance bias
+(`...{block}.gate.e_score_correction_bias`, in the families that have one), and which tensors
+belong to routed expert `e` (`...{block}.experts.{e}.*`, quantisation companions included), where
+`{block}` is the family's MoE block (`mlp`; Mixtral: `block_sparse_moe`). Everything else (attention, norms,
 shared experts, dense MLPs, embeddings) is "other". MTP layers (index >= num_hidden_layers) are MoE
 layers like any other here; callers decide what to do with them.
 """
@@ -17,9 +18,6 @@ import re
 from moejax.errors import CheckpointError
 from moejax.hf.safetensors_io import CheckpointReader
 
-_EXPERT = re.compile(r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.)experts\.(?P<expert>\d+)\.(?P<rest>.+)$")
-_ROUTER = re.compile(r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.)gate\.weight$")
-_BIAS = re.compile(r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.)gate\.e_score_correction_bias$")
 _DECODER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.")
 
 
@@ -29,7 +27,7 @@ class MoeLayer:
 
     layer: int
     stem: str                                  # "model.layers.3.mlp."
-    router: str                                # stem + "gate.weight", rows = experts
+    router: str                                # stem + "gate.weight", rows = experts (stem: "...layers.{l}.{block}.")
     bias: str | None                           # stem + "gate.e_score_correction_bias"
     experts: dict[int, list[str]]              # expert index -> its tensors (sorted names)
 
@@ -65,23 +63,30 @@ def layer_of(name: str) -> int | None:
     return int(m["layer"]) if m else None
 
 
-def checkpoint_layout(reader: CheckpointReader) -> CheckpointLayout:
+def _patterns(block: str):
+    stem = r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\." + re.escape(block) + r"\.)"
+    return (re.compile(stem + r"experts\.(?P<expert>\d+)\.(?P<rest>.+)$"), re.compile(stem + r"gate\.weight$"),
+            re.compile(stem + r"gate\.e_score_correction_bias$"))
+
+
+def checkpoint_layout(reader: CheckpointReader, moe_block: str = "mlp") -> CheckpointLayout:
     """Group a checkpoint's tensors into MoE layers; every inconsistency (experts numbered with
     gaps, experts with different tensor sets, a router whose row count is not the expert count, a
     bias of the wrong length) is collected and raised together. Reads headers only."""
+    expert_re, router_re, bias_re = _patterns(moe_block)
     routers, biases, experts, other, decoder = {}, {}, {}, [], set()
     stems: dict[int, str] = {}
     for name in reader.keys():
         if m := _DECODER.match(name):
             decoder.add(int(m["layer"]))
-        if m := _EXPERT.match(name):
+        if m := expert_re.match(name):
             layer = int(m["layer"])
             experts.setdefault(layer, {}).setdefault(int(m["expert"]), []).append(name)
             stems[layer] = m["stem"]
-        elif m := _ROUTER.match(name):
+        elif m := router_re.match(name):
             routers[int(m["layer"])] = name
             stems[int(m["layer"])] = m["stem"]
-        elif m := _BIAS.match(name):
+        elif m := bias_re.match(name):
             biases[int(m["layer"])] = name
         else:
             other.append(name)

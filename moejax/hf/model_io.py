@@ -1,4 +1,4 @@
-"""DeepseekV3ForCausalLM from and to Hugging Face checkpoint folders.
+"""Any registered family's model from and to Hugging Face checkpoint folders.
 
 Loading reads one tensor at a time through `CheckpointReader`, checks every name, shape and dtype
 against what the config implies (all mismatches reported together, before any tensor data is
@@ -25,14 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.errors import CheckpointError
+from moejax.errors import CheckpointError, ConfigError
 from moejax.hf import quant
 from moejax.hf.check import check_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
 from moejax.hf.safetensors_io import CheckpointReader, RawTensor, numpy_dtype, write_checkpoint
-from moejax.models.deepseek_v3.config import DeepseekV3Config
-from moejax.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moejax.models.family import Family
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +87,8 @@ class OpenCheckpoint:
     one at a time: the whole model (`load_pretrained`) or one decoder layer (the streamed executor)."""
 
     path: Path
-    config: DeepseekV3Config
+    config: object        # the family's config
+    family: Family
     reader: FusedExpertsReader
     fmt: str | None
     specs: list           # every HF tensor the config implies, in file order
@@ -106,6 +106,14 @@ class OpenCheckpoint:
         value = (value.T if s.transpose else value).astype(dtype)
         check_finite(value, f"{s.hf_name} in {self.reader.shard_of(self.stored[s.hf_name][0]).name}")
         return value
+
+    def decoder_layer(self, layer: int, dtype, backend: str = "sorted", mesh=None):
+        """Decoder layer `layer` of this checkpoint's family, filled from its tensors (the streamed
+        executors hold one at a time). mesh: routed experts split over its expert axis."""
+        cls = self.family.causal_lm()
+        prefix = f"model.layers.{layer}."
+        abstract = nnx.eval_shape(lambda: cls.decoder_layer(self.config, layer, dtype, nnx.Rngs(0), backend))
+        return self.fill(abstract, self.specs_under(prefix), dtype, prefix=prefix, mesh=mesh)
 
     def fill(self, abstract, specs: list[TensorSpec], dtype, prefix: str = "", mesh=None):
         """Materialise `abstract` (an nnx.eval_shape'd module) with the tensors of `specs`, whose
@@ -179,12 +187,14 @@ def open_checkpoint(path) -> OpenCheckpoint:
     if checked.carried:
         log.info("%s: %d tensor(s) not used by the forward (MTP layer, rotary_emb.inv_freq), kept for saving: %s",
                  path, len(checked.carried), checked.carried[:3])
-    return OpenCheckpoint(checked.path, checked.config, checked.reader, checked.fmt, checked.specs, checked.stored,
-                          checked.carried)
+    return OpenCheckpoint(checked.path, checked.config, checked.family, checked.reader, checked.fmt, checked.specs,
+                          checked.stored, checked.carried)
 
 
-def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=None) -> DeepseekV3ForCausalLM:
-    """Build the model from a checkpoint folder (config.json + safetensors).
+
+def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=None, model_class=None):
+    """Build the model of a checkpoint folder (config.json + safetensors), of the family its
+    config.json names (`moejax.models.registry`); model_class: refuse any other family's checkpoint.
 
     mesh: a `moejax.parallel.make_mesh` mesh; routed experts are loaded split over its expert axis
     (each device's experts read for it alone) and the MoE layers use the "ep" dispatch backend
@@ -194,7 +204,11 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=No
     quantized = {n: on_disk for n, on_disk in ckpt.stored.items() if on_disk != (n,)}
     source = HFSource(path=ckpt.path, dtypes={n: ckpt.reader.info(on_disk[0]).dtype for n, on_disk in ckpt.stored.items()},
                       carried=tuple(ckpt.carried), quantized=quantized)
-    abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(ckpt.config, dtype, backend=backend, hf_source=source))
+    cls = ckpt.family.causal_lm()
+    if model_class is not None and not issubclass(cls, model_class):
+        raise ConfigError(f"{ckpt.path}: a {ckpt.family.title} checkpoint ({cls.__name__}); "
+                          f"{model_class.__name__}.from_pretrained cannot load it (use moejax.AutoModelForCausalLM)")
+    abstract = nnx.eval_shape(lambda: cls(ckpt.config, dtype, backend=backend, hf_source=source))
     return ckpt.fill(abstract, ckpt.specs, dtype, mesh=mesh)
 
 
@@ -213,7 +227,7 @@ class _HostParams:
         return np.ascontiguousarray(value.astype(numpy_dtype(dtype_str, spec.hf_name)))
 
 
-def save_pretrained(model: DeepseekV3ForCausalLM, out_dir, *, max_shard_bytes: int = 5 * 2**30,
+def save_pretrained(model, out_dir, *, max_shard_bytes: int = 5 * 2**30,
                     overwrite: bool = False) -> Path:
     """Write the model as a Hugging Face checkpoint folder (atomically: temporary folder, then rename).
 

@@ -1,4 +1,4 @@
-"""One calibration pass over a DeepSeek-V3-family model: per-MoE-layer statistics for every score
+"""One calibration pass over a model of any registered family: per-MoE-layer statistics for every score
 of SPEC section 2 (moejax.scoring.scores), accumulated over batches in float64.
 
 For each MoE layer and batch, on the router input x (the post-attention RMSNorm output):
@@ -35,14 +35,14 @@ def reap_code_routing(logits_TE: jax.Array, top_k: int):
 def moe_layer_pairs(moe, x_TH: jax.Array) -> dict:
     """Per-pair quantities of one MoE layer on router inputs x (both routings)."""
     logits = moe.router_logits(x_TH)
-    r = route(logits, moe.router_cfg, moe.bias[...])
+    r = route(logits, moe.router_cfg, moe.balance_bias())
     experts = moe.expert_weights()
 
     def norms(f_TKD):
         return jnp.linalg.norm(f_TKD.astype(jnp.float32), axis=-1)
 
     def pairs(idx_TK):  # statistics need no gradients: only the blocks in use are computed
-        return dispatch_lib.pair_outputs(x_TH, idx_TK, experts, dispatch_lib.swiglu, moe.backend, forward_only=True)
+        return dispatch_lib.pair_outputs(x_TH, idx_TK, experts, moe.expert_fn, moe.backend, forward_only=True)
 
     real = pairs(r.expert_idx_TK)
     real_norm = norms(real)
@@ -76,9 +76,9 @@ def calibrate(model, batches) -> dict[int, LayerStats]:
     stats = {}
     for l, router_inputs in per_layer.items():
         moe = model.model.layers[l].mlp
-        acc = StatsAccumulator(cfg.n_routed_experts, cfg.hidden_size)
+        acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
         accumulate_layer(moe, router_inputs, masks, acc)
-        stats[l] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.bias[...]), layer=l)
+        stats[l] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), layer=l)
     return stats
 
 
@@ -107,6 +107,6 @@ def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, me
     for layer, moe, router_inputs in stream_layers(checkpoint, batches, dtype, progress, mesh=mesh):
         acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
         accumulate_layer(moe, router_inputs, masks, acc)
-        stats[layer] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.bias[...]), layer=layer)
+        stats[layer] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), layer=layer)
         del moe, router_inputs  # before the next layer's weights are read: one layer in memory at a time
     return stats

@@ -14,20 +14,21 @@ import numpy as np
 from moejax.errors import CheckpointError, ConfigError
 from moejax.results import check_output_file
 from moejax.parallel.mesh import MeshConfig, make_mesh
-from moejax.scoring.scores import ALL_SCORES, check_score_names, compute_scores
+from moejax.scoring.scores import check_score_names, compute_scores, scores_for
 
 DEFAULT_SEQ_LEN = 512  # or the model's max_position_embeddings when that is shorter
 
 
 def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None = None, max_tokens: int | None = None,
-                     scores=ALL_SCORES, batch_size: int = 8, out=None, progress=None, dtype="float32",
+                     scores=None, batch_size: int = 8, out=None, progress=None, dtype="float32",
                      mesh: MeshConfig | None = None):
     """Scores as a pandas DataFrame (layer, expert, score, value); written to `out` (parquet, plus
     `out` with suffix .json) when given. Everything is checked before the pass starts (the output
     paths are created and written to, so a read-only or full disk fails now, not after the pass).
     seq_len: tokens per packed text sequence; default 512, or max_position_embeddings if shorter.
     dtype: compute dtype of the pass ("float32", or "bfloat16" to halve the memory of a layer;
-    routers and statistics stay float32/float64 either way). mesh: run the pass expert-parallel
+    routers and statistics stay float32/float64 either way). scores: names, or None for every score
+    the model supports (`bias` only where routers have a balance bias). mesh: run the pass expert-parallel
     (routed experts split over mesh.expert devices); the scores are the same."""
     import jax
     import pandas as pd
@@ -38,7 +39,8 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.observe import calibrate_streamed
 
-    scores = check_score_names(scores)
+    if scores is not None:
+        check_score_names(scores)
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
     if (text is None) == (tokens is None):
@@ -48,6 +50,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     if max_tokens is not None and max_tokens < 1:
         raise ConfigError(f"max_tokens={max_tokens} (--max-tokens): expected a positive number of tokens")
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
+    scores = scores_for(scores, ckpt.config.HAS_BALANCE_BIAS, f"{checkpoint}")
     if out is not None:  # before the pass, not after hours of it
         check_output_file(out)
         check_output_file(Path(out).with_suffix(".json"))
@@ -56,7 +59,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     if text is not None and seq_len > max_positions:
         raise ConfigError(f"seq_len={seq_len} (--seq-len) exceeds the model's max_position_embeddings="
                           f"{max_positions} (config.json)")
-    (mesh or MeshConfig()).check_experts(ckpt.config.n_routed_experts, str(checkpoint))
+    (mesh or MeshConfig()).check_experts(ckpt.config.n_experts, str(checkpoint))
     if tokens is not None:
         ids, tokenizer = npy_tokens(tokens, vocab, max_tokens), f"pre-tokenised ({tokens})"
         if ids.shape[1] > max_positions:

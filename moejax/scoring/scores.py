@@ -28,7 +28,7 @@ class LayerStats:
     norm_sum_E:       sum_{x in X_j} ||f_j(x)||_2
     mean_input_D:     mu, the mean router input over calibration tokens
     router_ED:        W_router (float64 copy)
-    bias_E:           e_score_correction_bias
+    bias_E:           e_score_correction_bias (None: the family's router has no balance bias)
     seed, layer:      what `random` is seeded by
     code_counts_E, code_gate_norm_sum_E: the same two sums under the public REAP code's routing
                       (top-K of raw logits, softmax gates renormalised over the K); None when the
@@ -40,7 +40,7 @@ class LayerStats:
     norm_sum_E: np.ndarray
     mean_input_D: np.ndarray
     router_ED: np.ndarray
-    bias_E: np.ndarray
+    bias_E: np.ndarray | None
     seed: int = 0
     layer: int = 0
     code_counts_E: np.ndarray | None = None
@@ -96,7 +96,7 @@ class StatsAccumulator:
         return LayerStats(
             counts_E=self.counts.copy(), gate_norm_sum_E=self.gate_norm.copy(), norm_sum_E=self.norm.copy(),
             mean_input_D=self.input_sum / max(self.n_tokens, 1), router_ED=np.asarray(router_ED, np.float64),
-            bias_E=np.asarray(bias_E, np.float64), seed=int(seed), layer=int(layer),
+            bias_E=None if bias_E is None else np.asarray(bias_E, np.float64), seed=int(seed), layer=int(layer),
             code_counts_E=self.code_counts.copy() if self.has_code else None,
             code_gate_norm_sum_E=self.code_gate_norm.copy() if self.has_code else None)
 
@@ -164,6 +164,9 @@ def w_mean(st: LayerStats) -> np.ndarray:
 @register("bias", data_free=True)
 def bias(st: LayerStats) -> np.ndarray:
     """-e_score_correction_bias[j]   (lowest bias = busiest in training = keep)"""
+    if st.bias_E is None:
+        raise ConfigError(f"layer {st.layer}: score 'bias' needs a balance bias (e_score_correction_bias), and this "
+                          "model's router has none (softmax routers: use signed, l1, w_mean or a calibration score)")
     return -st.bias_E
 
 
@@ -207,6 +210,23 @@ def check_score_names(names) -> list[str]:
         raise ConfigError(f"unknown score(s) {unknown}; valid scores: {', '.join(sorted(SCORES))}")
     if not names:
         raise ConfigError(f"no scores requested; valid scores: {', '.join(sorted(SCORES))}")
+    return names
+
+
+NEEDS_BALANCE_BIAS = ("bias",)  # scores that read e_score_correction_bias
+
+
+def scores_for(names, has_balance_bias: bool, where: str = "scores") -> list[str]:
+    """The scores to compute for a model whose routers have (or lack) a balance bias: names=None
+    means every registered score the model supports; a named score it cannot compute is refused
+    (before any pass), naming why."""
+    if names is None:
+        return [n for n in ALL_SCORES if has_balance_bias or n not in NEEDS_BALANCE_BIAS]
+    names = check_score_names(names)
+    missing = [n for n in names if n in NEEDS_BALANCE_BIAS and not has_balance_bias]
+    if missing:
+        raise ConfigError(f"{where}: score(s) {missing} need a balance bias (e_score_correction_bias), and this "
+                          "model's routers have none (softmax routers); leave them out")
     return names
 
 

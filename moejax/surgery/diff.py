@@ -126,7 +126,7 @@ def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
     src_reader, src_layout = checked.reader.reader, checked.layout
     pruned_problems = checkpoint_problems(pruned)          # the pruned one is audited: its problems are reported
     pruned_reader = CheckpointReader(pruned)
-    pruned_layout = checkpoint_layout(pruned_reader)
+    pruned_layout = checkpoint_layout(pruned_reader, checked.family.moe_block)  # read as the source's family
     layers, kept_by_layer = {}, {}
     for layer, pml in pruned_layout.moe_layers.items():
         sml = src_layout.moe_layers.get(layer)

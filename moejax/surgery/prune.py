@@ -152,18 +152,20 @@ def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
     return counts
 
 
-def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, config: dict, *, score: str, keep=None,
+def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
                  collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0) -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
     writing when the request is not well defined (SPEC section 2)."""
-    # Types and ranges were checked with the checkpoint (DeepseekV3Config.from_dict).
-    E_cfg, top_k, n_layers = config["n_routed_experts"], config["num_experts_per_tok"], config["num_hidden_layers"]
+    # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
+    # config.json is the source's dictionary with the family's expert-count key updated.
+    config, experts_key = cfg.to_dict(), cfg.experts_key
+    E_cfg, top_k, n_layers = cfg.n_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers
     if not layout.moe_layers:
-        raise CheckpointError(f"{reader.directory}: no MoE layers (no `layers.N.mlp.experts.E.*` tensors)")
+        raise CheckpointError(f"{reader.directory}: no MoE layers (no routed-expert tensors `layers.N.*.experts.E.*`)")
     wrong_E = {l: ml.n_experts for l, ml in layout.moe_layers.items() if ml.n_experts != E_cfg}
     if wrong_E:
-        raise CheckpointError(f"{reader.directory}: config.json says n_routed_experts={E_cfg}, but layers have "
+        raise CheckpointError(f"{reader.directory}: config.json says {experts_key}={E_cfg}, but layers have "
                               f"{wrong_E} experts (already pruned per layer? per-layer counts are not re-pruned)")
     dropped = tuple(l for l in layout.moe_layers if l >= n_layers) if drop_mtp else ()
     layers = {l: ml for l, ml in layout.moe_layers.items() if l not in dropped}
@@ -172,8 +174,8 @@ def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, config: dic
                           f"MTP layers (num_hidden_layers={n_layers}); prune without --drop-mtp")
     counts = _keep_counts(layers, keep, layers_keep, top_k)
     scores = _layer_scores(reader, layers, score, scores_file, seed)
-    n_group = int(config.get("n_group") or 1)
-    topk_group = int(config.get("topk_group") or 1)
+    routing = cfg.router_settings()
+    n_group, topk_group = routing.get("n_group", 1), routing.get("topk_group", 1)
     notes, new_config = [], dict(config)
     if group_aware and n_group > 1:
         kept = {}
@@ -207,13 +209,13 @@ def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, config: dic
                 f"Pass --group-aware to keep an equal number per group, or --collapse-groups to route "
                 f"over all kept experts without groups ({len(unusable)} layer(s) affected)")
     kept_counts = {l: int(m.sum()) for l, m in kept.items()}
-    new_config["n_routed_experts"] = max(kept_counts.values())
+    new_config[experts_key] = max(kept_counts.values())
     if len(set(kept_counts.values())) > 1:
         new_config["moe_sparsity_config"] = {
             "method": "prune", "num_experts": [kept_counts.get(l) for l in range(n_layers)]}
-        notes.append("expert counts differ between layers: n_routed_experts is the largest and "
+        notes.append(f"expert counts differ between layers: {experts_key} is the largest and "
                      "moe_sparsity_config.num_experts lists each layer's count (stock transformers and "
-                     "vLLM DeepSeek-V3 build every layer with n_routed_experts and will not load it)")
+                     f"vLLM build every layer with {experts_key} experts and will not load it)")
     if dropped:
         new_config["num_nextn_predict_layers"] = 0
         notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
@@ -334,9 +336,8 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     check_destination(dst, overwrite, protect=src)
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
     reader, layout = checked.reader.reader, checked.layout
-    config = reader.config()
     copied, file_notes = other_files(reader)
-    plan = plan_pruning(reader, layout, config, score=score, keep=keep, scores_file=scores_file,
+    plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
                         layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
                         drop_mtp=drop_mtp, seed=seed)
     plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))

@@ -4,8 +4,14 @@ The model is imported lazily, so the config (read by JAX-free checkpoint tools s
 inspect`) does not pull in JAX."""
 
 from moejax.models.deepseek_v3.config import DeepseekV3Config
+from moejax.models.deepseek_v3.names import RULES
+from moejax.models.deepseek_v3.presets import PRESETS
+from moejax.models.family import Family
 
-__all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM"]
+FAMILY = Family("deepseek_v3", "DeepSeek-V3", DeepseekV3Config, RULES,
+                "moejax.models.deepseek_v3.model:DeepseekV3ForCausalLM", presets=PRESETS)
+
+__all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM", "FAMILY"]
 
 
 def __getattr__(name):

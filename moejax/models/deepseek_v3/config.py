@@ -12,12 +12,14 @@ JSON integer, not `"8"`, `8.0` or `true`); every problem found is reported toget
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import operator
-from pathlib import Path
 
 from moejax.errors import ConfigError
+from moejax.models.config_base import (BOOL as _BOOL, NONNEG_INT as _NONNEG_INT, NONNEG_NUMBER_OR_NULL as
+                                       _NONNEG_NUMBER_OR_NULL, POS_INT as _POS_INT, POS_INT_OR_NULL as _POS_INT_OR_NULL,
+                                       POS_NUMBER as _POS_NUMBER, POS_NUMBER_OR_NULL as _POS_NUMBER_OR_NULL,
+                                       STRING as _STRING, MoeConfig, check as _check, check_family, layer_num_experts,
+                                       message as _message, show as _show)
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -38,7 +40,10 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config:
+class DeepseekV3Config(MoeConfig):
+    MODEL_TYPES = MODEL_TYPES
+    ARCHITECTURE = ARCHITECTURE
+    HAS_BALANCE_BIAS = True
     vocab_size: int = 129280
     hidden_size: int = 7168
     intermediate_size: int = 18432
@@ -79,33 +84,14 @@ class DeepseekV3Config:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
-    @property
-    def moe_layers(self) -> list[int]:
-        return [l for l in range(self.num_hidden_layers) if self.is_moe_layer(l)]
-
-    def experts_in_layer(self, layer: int) -> int:
-        """The routed experts decoder layer `layer` holds: its entry of moe_sparsity_config.num_experts
-        when the config lists per-layer counts (a checkpoint pruned per layer, read with
-        uniform_experts=False), n_routed_experts otherwise; 0 for a dense layer. MTP layers
-        (num_hidden_layers .. num_hidden_layers + num_nextn_predict_layers - 1) count too."""
-        n_layers = self.num_hidden_layers + self.num_nextn_predict_layers
-        try:
-            index = operator.index(layer)
-        except TypeError:
-            index = None
-        if index is None or isinstance(layer, bool) or not 0 <= index < n_layers:
-            raise ConfigError(f"experts_in_layer: layer={layer!r}; expected an integer in [0, {n_layers}) "
-                              f"(num_hidden_layers={self.num_hidden_layers} + num_nextn_predict_layers="
-                              f"{self.num_nextn_predict_layers})")
-        if not self.is_moe_layer(index):
-            return 0
-        if self.layer_num_experts is not None and index < len(self.layer_num_experts):
-            return self.layer_num_experts[index]
-        return self.n_routed_experts
+    def router_settings(self) -> dict:
+        return dict(top_k=self.num_experts_per_tok, scoring_func="sigmoid", n_group=self.n_group,
+                    topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                    routed_scaling_factor=self.routed_scaling_factor)
 
     @property
-    def quantization_config(self) -> dict | None:
-        return self.raw.get("quantization_config")
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
 
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for YaRN (transformers)."""
@@ -123,19 +109,8 @@ class DeepseekV3Config:
         uniform_experts: refuse (the default) a moe_sparsity_config.num_experts that gives layers
         different expert counts, as the model builds every MoE layer with n_routed_experts. Tools that
         only read a per-layer-pruned checkpoint pass False and ask `experts_in_layer`."""
-        if not isinstance(d, dict):
-            raise ConfigError(f"{source}: expected a JSON object (a DeepSeek-V3 config), got {_show(d)}")
+        check_family(d, source, MODEL_TYPES, ARCHITECTURE, "DeepSeek-V3")
         d = dict(d)
-        if "text_config" in d and "hidden_size" not in d:
-            raise ConfigError(f"{source}: multimodal config (text_config) is not supported; "
-                              "pass the text model's config")
-        model_type = d.get("model_type")
-        archs = d.get("architectures") or [ARCHITECTURE]
-        if not isinstance(archs, list):
-            raise ConfigError(f"{source}: architectures={_show(archs)}, expected a list of class names")
-        if model_type not in MODEL_TYPES or ARCHITECTURE not in archs:
-            raise ConfigError(f"{source}: model_type={model_type!r}, architectures={archs}; expected model_type "
-                              f"in {list(MODEL_TYPES)} with architecture {ARCHITECTURE}")
         problems: list[str] = []        # wrong types, ranges and inconsistencies
         unimplemented: list[str] = []   # valid settings moejax does not implement
         given = {k: d[k] for k in _FIELD_RULES if k in d}
@@ -175,27 +150,6 @@ class DeepseekV3Config:
             raise ConfigError(_message(source, problems, unimplemented))
         return cls(**given, rope=rope, layer_num_experts=layer_counts, raw=d)
 
-    @classmethod
-    def from_json_file(cls, path, *, uniform_experts: bool = True) -> "DeepseekV3Config":
-        path = Path(path)
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config.json not found") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e}); config.json must be a UTF-8 JSON file") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
-        repeated: list[str] = []
-        try:
-            d = json.loads(text, object_pairs_hook=lambda pairs: _object_noting_repeats(pairs, repeated))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if repeated:
-            raise ConfigError(f"{path}: key(s) {sorted(set(repeated))} given more than once in one object "
-                              "(JSON readers keep the last silently); remove the repeats")
-        return cls.from_dict(d, source=str(path), uniform_experts=uniform_experts)
-
     def validate(self, source: str = "config") -> None:
         """Check this config's fields (types, ranges, group routing): one ConfigError naming them all."""
         problems: list[str] = []
@@ -205,10 +159,8 @@ class DeepseekV3Config:
         if problems:
             raise ConfigError(_message(source, problems, []))
 
-    def to_dict(self) -> dict:
-        """The config as written to config.json: the source dictionary when there is one."""
-        if self.raw:
-            return dict(self.raw)
+    def default_dict(self) -> dict:
+        """config.json written from the fields (a config built in code, without a source file)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("rope", "raw", "layer_num_experts")}
         d.update(model_type="deepseek_v3", architectures=[ARCHITECTURE], num_key_value_heads=self.num_attention_heads,
@@ -224,37 +176,6 @@ class DeepseekV3Config:
 
 
 # --- checking ------------------------------------------------------------------------------
-
-def _object_noting_repeats(pairs: list, repeated: list) -> dict:
-    """A JSON object as a dict; keys given more than once go to `repeated` (json keeps the last)."""
-    out = dict(pairs)
-    if len(out) < len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                repeated.append(key)
-            seen.add(key)
-    return out
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-# rule: (accepts(value), what was expected)
-_POS_INT = (lambda v: _is_int(v) and v > 0, "a positive integer")
-_NONNEG_INT = (lambda v: _is_int(v) and v >= 0, "a non-negative integer")
-_POS_INT_OR_NULL = (lambda v: v is None or (_is_int(v) and v > 0), "a positive integer or null")
-_POS_NUMBER = (lambda v: _is_number(v) and v > 0, "a positive finite number")
-_POS_NUMBER_OR_NULL = (lambda v: v is None or (_is_number(v) and v > 0), "a positive finite number or null")
-_NONNEG_NUMBER_OR_NULL = (lambda v: v is None or (_is_number(v) and v >= 0),
-                          "a non-negative finite number or null")
-_BOOL = (lambda v: isinstance(v, bool), "true or false")
-_STRING = (lambda v: isinstance(v, str), "a string")
 
 _FIELD_RULES = {
     "vocab_size": _POS_INT, "hidden_size": _POS_INT, "intermediate_size": _POS_INT,
@@ -276,25 +197,6 @@ _ROPE_RULES = {
     "beta_slow": _POS_NUMBER_OR_NULL, "mscale": _NONNEG_NUMBER_OR_NULL, "mscale_all_dim": _NONNEG_NUMBER_OR_NULL,
     "attention_factor": _POS_NUMBER_OR_NULL, "truncate": _BOOL,
 }
-
-
-def _show(value) -> str:
-    """The value as the file spells it, and its Python type: `"8" (str)`, `true (bool)`."""
-    try:
-        text = json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError):
-        text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def _check(key: str, value, rule, problems: list) -> bool:
-    ok, expected = rule
-    if ok(value):
-        return True
-    problems.append(f"{key}={_show(value)}, expected {expected}")
-    return False
 
 
 def _check_fields(given: dict, problems: list) -> dict:
@@ -324,63 +226,11 @@ def _relations(v: dict) -> list[str]:
     return out
 
 
-def _message(source: str, problems: list, unimplemented: list) -> str:
-    parts = list(problems)
-    if unimplemented:
-        parts.append("not implemented: " + "; ".join(unimplemented))
-    return f"{source}: " + "; ".join(parts)
-
-
-def _layer_num_experts(d: dict, v: dict, problems: list, unimplemented: list,
-                       uniform: bool) -> tuple | None:
-    """moe_sparsity_config.num_experts, checked: one entry per decoder layer (MTP layers optional),
-    null for a dense layer, a positive integer <= n_routed_experts for a MoE layer."""
-    sparsity = d.get("moe_sparsity_config")
-    if sparsity is None:
-        return None
-    if not isinstance(sparsity, dict):
-        problems.append(f"moe_sparsity_config={_show(sparsity)}, expected an object")
-        return None
-    counts = sparsity.get("num_experts")
-    if counts is None:
-        return None
-    key = "moe_sparsity_config.num_experts"
-    if not isinstance(counts, list):
-        problems.append(f"{key}={_show(counts)}, expected a list with one entry per layer")
-        return None
-    L, mtp, k0, E = (v.get(n) for n in ("num_hidden_layers", "num_nextn_predict_layers",
-                                        "first_k_dense_replace", "n_routed_experts"))
-    if L is not None and mtp is not None and len(counts) not in (L, L + mtp):
-        lengths = f"{L}" + (f" or {L + mtp}" if mtp else "")
-        problems.append(f"{key} has {len(counts)} entries, expected {lengths} (num_hidden_layers="
-                        f"{L}, num_nextn_predict_layers={mtp})")
-    ok = True
-    for layer, n in enumerate(counts):
-        dense = k0 is not None and layer < k0
-        if n is None:
-            if k0 is not None and not dense:
-                problems.append(f"{key}[{layer}]=null, but layer {layer} is a MoE layer (first_k_dense_replace="
-                                f"{k0}); expected a positive integer")
-                ok = False
-        elif not _check(f"{key}[{layer}]", n, (_POS_INT[0], "a positive integer (null for a dense layer)"),
-                        problems):
-            ok = False
-        elif dense:
-            problems.append(f"{key}[{layer}]={n}, but layer {layer} is dense (first_k_dense_replace={k0}); "
-                            "expected null")
-            ok = False
-        elif E is not None and n > E:
-            problems.append(f"{key}[{layer}]={n} exceeds n_routed_experts={E}")
-            ok = False
-    distinct = sorted({n for n in counts if _is_int(n)})
-    if uniform and len(distinct) > 1:
-        unimplemented.append(f"{key} gives layers different expert counts {distinct} (per-layer expert counts "
-                             "are not implemented; prune with one keep for every layer)")
-        ok = False
-    elif uniform and ok and E is not None and distinct and distinct != [E]:
-        problems.append(f"{key} gives every MoE layer {distinct[0]} experts but n_routed_experts={E}")
-        ok = False
-    return tuple(counts) if ok else None
+def _layer_num_experts(d: dict, v: dict, problems: list, unimplemented: list, uniform: bool) -> tuple | None:
+    k0 = v.get("first_k_dense_replace")
+    return layer_num_experts(d, v.get("num_hidden_layers"), v.get("num_nextn_predict_layers"),
+                             v.get("n_routed_experts"), "n_routed_experts",
+                             lambda layer: None if k0 is None else layer < k0, problems, unimplemented, uniform)
 
 
 def _rope_from_dict(d: dict, v: dict, problems: list, unimplemented: list) -> RopeConfig:

@@ -1,0 +1,227 @@
+"""The decoder stack every family shares: embedding, decoder layers (attention + dense MLP or the
+MoE block), final norm and head; the forward, cached generation and checkpoint I/O.
+
+A family supplies its attention module and rope tables by subclassing `CausalLM`:
+
+    class Qwen3MoeForCausalLM(CausalLM):
+        config_class = Qwen3MoeConfig
+        attention_class = GQAttention            # __call__, prefill, decode, empty_cache
+        rope_tables = staticmethod(gqa_rope)     # (cfg, positions, dtype) -> (cos, sin)
+
+    logits_BSV = model(input_ids_BS, attention_mask_BS, expert_masks_LE).logits_BSV
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax import generate as generate_lib
+from moejax.models.layers import MLP, RMSNorm, causal_allowed, linear, param
+from moejax.models.moe_block import MoE
+
+
+class CausalLMOutput(NamedTuple):
+    """What the forward returns, whatever is asked for: always the logits; the routing and the
+    router inputs of every MoE layer when requested (None otherwise)."""
+
+    logits_BSV: jax.Array
+    routing: dict | None = None     # {layer: Routing}, tokens flattened batch-major (return_routing)
+    moe_inputs: dict | None = None  # {layer: router input [B*S, H]} (return_moe_inputs)
+
+
+class KVCache(NamedTuple):
+    """The model's cache: one attention cache per decoder layer (the family's own kind), and which
+    columns hold a real token (False: not written yet, or left padding)."""
+
+    layers: tuple
+    valid_BC: jax.Array
+
+
+class CachedOutput(NamedTuple):
+    logits_BSV: jax.Array  # float32 logits of the requested positions
+    cache: KVCache
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual layer: x + attn(norm(x)), then + mlp(norm(.)) with the MoE block in MoE layers."""
+
+    def __init__(self, cfg, layer: int, dtype, rngs: nnx.Rngs, backend: str, attention_class):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = attention_class(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.mlp = MoE(cfg, dtype, rngs, backend) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size,
+                                                                          dtype, rngs)
+
+    def __call__(self, x, cos, sin, allowed, expert_mask_E=None, forward_only: bool = False):
+        """(output, routing or None for a dense layer, the MLP's input)."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
+        return self._mlp_block(h, expert_mask_E, forward_only)
+
+    def prefill(self, x, cos, sin, allowed_BSS, cache, expert_mask_E=None):
+        """The layer on a prompt, its keys (or latents) written into the cache: (output, cache)."""
+        a, cache = self.self_attn.prefill(self.input_layernorm(x), cos, sin, allowed_BSS, cache)
+        return self._mlp_block(x + a, expert_mask_E, True)[0], cache
+
+    def decode(self, x, cos, sin, cache, column, allowed_B1C, expert_mask_E=None):
+        """The layer on one new token per row against its cache: (output, cache)."""
+        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1C)
+        return self._mlp_block(x + a, expert_mask_E, True)[0], cache
+
+    def _mlp_block(self, h, expert_mask_E, forward_only):
+        z = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return h + self.mlp(z), None, z
+        y, routing = self.mlp(z, expert_mask_E, forward_only)
+        return h + y, routing, z
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs, backend: str, layer_factory):
+        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.List([layer_factory(cfg, l, dtype, rngs, backend) for l in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class CausalLM(nnx.Module):
+    """`logits = model(input_ids).logits_BSV`; from_pretrained / save_pretrained live in `moejax.hf.model_io`."""
+
+    config_class: ClassVar[type]
+    attention_class: ClassVar[type]
+
+    @staticmethod
+    def rope_tables(cfg, positions, dtype):
+        """(cos, sin) for positions of any shape ([S] or [B, S])."""
+        raise NotImplementedError
+
+    @classmethod
+    def decoder_layer(cls, cfg, layer: int, dtype, rngs: nnx.Rngs, backend: str = "sorted") -> DecoderLayer:
+        """One decoder layer alone (the streamed executors build and fill one at a time)."""
+        return DecoderLayer(cfg, layer, dtype, rngs, backend, cls.attention_class)
+
+    def __init__(self, cfg, dtype=jnp.float32, *, rngs: nnx.Rngs | None = None, backend: str = "sorted",
+                 hf_source=None):
+        """backend: the MoE layers' dispatch backend (`moejax.moe.dispatch`; "ep" on a mesh).
+        hf_source: where the weights came from (`moejax.hf.model_io.HFSource`, set by
+        from_pretrained), so save_pretrained gives back the source's dtypes and carried tensors."""
+        if not isinstance(cfg, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(cfg).__name__}")
+        rngs = rngs or nnx.Rngs(0)
+        self.config = cfg
+        self.dtype = dtype
+        self.hf_source = hf_source
+        self.model = Decoder(cfg, dtype, rngs, backend, self.decoder_layer)
+        self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def __call__(self, input_ids_BS, attention_mask_BS=None, expert_masks_LE=None, return_routing: bool = False,
+                 return_moe_inputs: bool = False, forward_only: bool = False, positions_BS=None):
+        """`CausalLMOutput`: logits [B, S, V] (and what is asked for). attention_mask: 1 = token, 0 =
+        padding (keys that are padding are not attended to; positions stay 0..S-1 as in
+        transformers). expert_masks: bool [num_hidden_layers, E], True = expert kept (rows of dense
+        layers are ignored). return_routing: also return {layer: Routing} of every MoE layer
+        (tokens flattened batch-major); return_moe_inputs: also return {layer: router input
+        [B*S, H]} (what calibration statistics are taken on); forward_only: no gradients will be
+        taken (the routed experts then skip block padding; `jitted()` sets it); positions_BS: rope
+        positions per token (default 0..S-1 in every row; generation uses the count of real tokens
+        before each one, as transformers' `generate`)."""
+        B, S = input_ids_BS.shape
+        x = self.model.embed_tokens[...][input_ids_BS]
+        cos, sin = self.rope_tables(self.config, jnp.arange(S) if positions_BS is None else positions_BS, x.dtype)
+        allowed = causal_allowed(attention_mask_BS, B, S)
+        routings, moe_inputs = {}, {}
+        for l, layer in enumerate(self.model.layers):
+            x, routing, z = layer(x, cos, sin, allowed, self._layer_mask(expert_masks_LE, l), forward_only)
+            if routing is not None:
+                routings[l], moe_inputs[l] = routing, z.reshape(B * S, -1)
+        return CausalLMOutput(self._logits(x), routings if return_routing else None,
+                              moe_inputs if return_moe_inputs else None)
+
+    def _logits(self, x_BSH):
+        head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return linear(self.model.norm(x_BSH), head)
+
+    # --- generation (moejax.generate drives these three) ---
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty cache of `length` columns in the model's dtype (what each column holds is the
+        attention's choice: keys and values, or MLA's latents)."""
+        layers = tuple(self.attention_class.empty_cache(self.config, batch, length, self.dtype)
+                       for _ in self.model.layers)
+        return KVCache(layers, jnp.zeros((batch, length), bool))
+
+    def prefill(self, input_ids_BP, positions_BP, attention_mask_BP, cache: KVCache, expert_masks_LE=None,
+                last_only: bool = True) -> CachedOutput:
+        """The forward on a (left-padded) prompt that also fills cache columns 0..P-1. Logits of
+        the last position only unless last_only=False."""
+        B, P = input_ids_BP.shape
+        mask = attention_mask_BP.astype(bool)
+        allowed_BPP = causal_allowed(mask, B, P)
+        x = self.model.embed_tokens[...][input_ids_BP]
+        cos, sin = self.rope_tables(self.config, positions_BP, x.dtype)
+        layers = []
+        for l, layer in enumerate(self.model.layers):
+            x, layer_cache = layer.prefill(x, cos, sin, allowed_BPP, cache.layers[l], self._layer_mask(expert_masks_LE, l))
+            layers.append(layer_cache)
+        logits = self._logits(x[:, -1:] if last_only else x).astype(jnp.float32)
+        return CachedOutput(logits, KVCache(tuple(layers), jax.lax.dynamic_update_slice(cache.valid_BC, mask, (0, 0))))
+
+    def decode_step(self, input_ids_B1, positions_B1, cache: KVCache, column, expert_masks_LE=None) -> CachedOutput:
+        """One new token per row, written into cache column `column` (after the prompt and the
+        tokens before it), attending to every valid column up to its own. Logits [B, 1, V]."""
+        C = cache.valid_BC.shape[1]
+        valid = jax.lax.dynamic_update_slice(cache.valid_BC, jnp.ones((input_ids_B1.shape[0], 1), bool), (0, column))
+        allowed_B1C = (valid & (jnp.arange(C) <= column)[None])[:, None, :]
+        x = self.model.embed_tokens[...][input_ids_B1]
+        cos, sin = self.rope_tables(self.config, positions_B1, x.dtype)
+        layers = []
+        for l, layer in enumerate(self.model.layers):
+            x, layer_cache = layer.decode(x, cos, sin, cache.layers[l], column, allowed_B1C,
+                                          self._layer_mask(expert_masks_LE, l))
+            layers.append(layer_cache)
+        return CachedOutput(self._logits(x).astype(jnp.float32), KVCache(tuple(layers), valid))
+
+    def _layer_mask(self, expert_masks_LE, layer: int):
+        return None if expert_masks_LE is None or not self.model.layers[layer].is_moe else expert_masks_LE[layer]
+
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, expert_masks=None,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 stop_token_ids=None, **kw):
+        """Prompt then continuation, int32 [B, prompt + max_new_tokens], as transformers' `generate`
+        lays it out (see moejax.generate.generate)."""
+        return generate_lib.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                     expert_masks=expert_masks, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     seed=seed, stop_token_ids=stop_token_ids, **kw)
+
+    def jitted(self):
+        """A jitted inference forward (no gradients through it) with the same arguments as calling
+        the model. The weights are passed as arguments (not captured as constants, not
+        re-synchronised after every call as `nnx.jit` does, which costs seconds per call for a
+        model of several GB). It captures the weights as they are now: call it again after
+        changing them."""
+        graphdef, state = nnx.split(self)
+
+        @functools.partial(jax.jit, static_argnames=("return_routing", "return_moe_inputs"))
+        def forward(state, input_ids, attention_mask=None, expert_masks=None, return_routing=False,
+                    return_moe_inputs=False, positions=None):
+            return nnx.merge(graphdef, state)(input_ids, attention_mask, expert_masks, return_routing,
+                                              return_moe_inputs, forward_only=True, positions_BS=positions)
+
+        return functools.partial(forward, state)
+
+    # thin forwards to the checkpoint code, so the API is where researchers expect it
+    @classmethod
+    def from_pretrained(cls, path, dtype=jnp.float32, **kw):
+        """The model of the checkpoint folder `path` (refused when it holds another family)."""
+        from moejax.hf.model_io import load_pretrained
+
+        return load_pretrained(path, dtype=dtype, model_class=cls, **kw)
+
+    def save_pretrained(self, out_dir, **kw):
+        from moejax.hf.model_io import save_pretrained
+
+        return save_pretrained(self, out_dir, **kw)

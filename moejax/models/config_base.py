@@ -1,0 +1,255 @@
+"""What every family's config shares: reading config.json strictly, checking each key's type and
+range, and the questions the rest of moejax asks a config without knowing its family.
+
+A family config is a frozen dataclass that inherits `MoeConfig` and sets `EXPERTS_FIELD` (its
+field for the routed-expert count). Every key moejax reads is checked before use (an integer size
+must be a JSON integer, not `"8"`, `8.0` or `true`); every problem is reported together in one
+`ConfigError` naming the file, the key, the value given and what was expected. `raw` keeps the
+file's dictionary, so a checkpoint written back carries the same config, spelling included.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from pathlib import Path
+from typing import ClassVar
+
+from moejax.errors import ConfigError
+
+
+class MoeConfig:
+    """Mixin for family configs (frozen dataclasses with at least the fields used below)."""
+
+    EXPERTS_FIELD: ClassVar[str] = "n_routed_experts"   # the field holding the routed-expert count
+    EXPERTS_KEYS: ClassVar[tuple] = ("n_routed_experts",)  # config.json spellings of it, preferred first
+    HAS_BALANCE_BIAS: ClassVar[bool] = False            # e_score_correction_bias beside the router
+    num_nextn_predict_layers: int = 0                   # MTP layers on disk after the decoder layers
+    layer_num_experts: tuple | None = None              # moe_sparsity_config.num_experts (per-layer prune)
+
+    # --- the routed experts -------------------------------------------------------------------
+    @property
+    def n_experts(self) -> int:
+        """Routed experts per MoE layer (the family's key: n_routed_experts, num_experts, ...)."""
+        return getattr(self, self.EXPERTS_FIELD)
+
+    @property
+    def experts_key(self) -> str:
+        """The config.json key that holds the expert count, as the source spells it (a pruned
+        checkpoint updates that key, so it keeps the source's spelling)."""
+        raw = getattr(self, "raw", None) or {}
+        return next((k for k in self.EXPERTS_KEYS if k in raw), self.EXPERTS_KEYS[0])
+
+    def is_moe_layer(self, layer: int) -> bool:
+        raise NotImplementedError
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [l for l in range(self.num_hidden_layers) if self.is_moe_layer(l)]
+
+    def experts_in_layer(self, layer: int) -> int:
+        """The routed experts decoder layer `layer` holds: its entry of moe_sparsity_config.num_experts
+        when the config lists per-layer counts (a checkpoint pruned per layer, read with
+        uniform_experts=False), n_experts otherwise; 0 for a dense layer. MTP layers
+        (num_hidden_layers .. num_hidden_layers + num_nextn_predict_layers - 1) count too."""
+        n_layers = self.num_hidden_layers + self.num_nextn_predict_layers
+        try:
+            index = operator.index(layer)
+        except TypeError:
+            index = None
+        if index is None or isinstance(layer, bool) or not 0 <= index < n_layers:
+            raise ConfigError(f"experts_in_layer: layer={layer!r}; expected an integer in [0, {n_layers}) "
+                              f"(num_hidden_layers={self.num_hidden_layers} + num_nextn_predict_layers="
+                              f"{self.num_nextn_predict_layers})")
+        if not self.is_moe_layer(index):
+            return 0
+        if self.layer_num_experts is not None and index < len(self.layer_num_experts):
+            return self.layer_num_experts[index]
+        return self.n_experts
+
+    # --- the router and the MoE block ---------------------------------------------------------
+    def router_settings(self) -> dict:
+        """Keyword arguments of `moejax.moe.routing.RouterConfig` (kept a dict so configs stay JAX-free)."""
+        raise NotImplementedError
+
+    @property
+    def n_group(self) -> int:
+        """Routing groups (1 = none): what group-aware pruning must respect."""
+        return self.router_settings().get("n_group", 1)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Inner width of the shared expert MLP of each MoE layer (0 = none)."""
+        return 0
+
+    @property
+    def quantization_config(self) -> dict | None:
+        return (getattr(self, "raw", None) or {}).get("quantization_config")
+
+    # --- reading ------------------------------------------------------------------------------
+    @classmethod
+    def from_json_file(cls, path, *, uniform_experts: bool = True):
+        return cls.from_dict(read_json_object(path), source=str(path), uniform_experts=uniform_experts)
+
+    def to_dict(self) -> dict:
+        """The config as written to config.json: the source dictionary when there is one."""
+        if getattr(self, "raw", None):
+            return dict(self.raw)
+        return self.default_dict()
+
+    def default_dict(self) -> dict:
+        raise NotImplementedError
+
+
+def read_json_object(path) -> dict:
+    """config.json as a dict: UTF-8, valid JSON, no key given twice in one object (JSON readers keep
+    the last silently). Raises ConfigError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config.json not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e}); config.json must be a UTF-8 JSON file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
+    repeated: list[str] = []
+    try:
+        d = json.loads(text, object_pairs_hook=lambda pairs: _object_noting_repeats(pairs, repeated))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if repeated:
+        raise ConfigError(f"{path}: key(s) {sorted(set(repeated))} given more than once in one object "
+                          "(JSON readers keep the last silently); remove the repeats")
+    return d
+
+
+def _object_noting_repeats(pairs: list, repeated: list) -> dict:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                repeated.append(key)
+            seen.add(key)
+    return out
+
+
+# --- checking values ----------------------------------------------------------------------------
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# rule: (accepts(value), what was expected)
+POS_INT = (lambda v: is_int(v) and v > 0, "a positive integer")
+NONNEG_INT = (lambda v: is_int(v) and v >= 0, "a non-negative integer")
+POS_INT_OR_NULL = (lambda v: v is None or (is_int(v) and v > 0), "a positive integer or null")
+POS_NUMBER = (lambda v: is_number(v) and v > 0, "a positive finite number")
+POS_NUMBER_OR_NULL = (lambda v: v is None or (is_number(v) and v > 0), "a positive finite number or null")
+NONNEG_NUMBER_OR_NULL = (lambda v: v is None or (is_number(v) and v >= 0), "a non-negative finite number or null")
+BOOL = (lambda v: isinstance(v, bool), "true or false")
+STRING = (lambda v: isinstance(v, str), "a string")
+INT_LIST = (lambda v: isinstance(v, list) and all(is_int(x) and x >= 0 for x in v),
+            "a list of non-negative integers")
+FRACTION = (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+
+
+def show(value) -> str:
+    """The value as the file spells it, and its Python type: `"8" (str)`, `true (bool)`."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def check(key: str, value, rule, problems: list) -> bool:
+    ok, expected = rule
+    if ok(value):
+        return True
+    problems.append(f"{key}={show(value)}, expected {expected}")
+    return False
+
+
+def check_fields(given: dict, rules: dict, problems: list) -> dict:
+    """The fields of `given` that pass their rule; a problem for each that does not."""
+    return {k: v for k, v in given.items() if check(k, v, rules[k], problems)}
+
+
+def message(source: str, problems: list, unimplemented: list) -> str:
+    parts = list(problems)
+    if unimplemented:
+        parts.append("not implemented: " + "; ".join(unimplemented))
+    return f"{source}: " + "; ".join(parts)
+
+
+def check_family(d, source: str, model_types: tuple, architecture: str, family: str) -> list:
+    """Refuse a non-object, a multimodal wrapper, and another family's model_type/architectures;
+    returns the architectures list."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a JSON object (a {family} config), got {show(d)}")
+    if "text_config" in d and "hidden_size" not in d:
+        raise ConfigError(f"{source}: multimodal config (text_config) is not supported; pass the text model's config")
+    archs = d.get("architectures") or [architecture]
+    if not isinstance(archs, list):
+        raise ConfigError(f"{source}: architectures={show(archs)}, expected a list of class names")
+    if d.get("model_type") not in model_types or architecture not in archs:
+        raise ConfigError(f"{source}: model_type={d.get('model_type')!r}, architectures={archs}; expected model_type "
+                          f"in {list(model_types)} with architecture {architecture}")
+    return archs
+
+
+def layer_num_experts(d: dict, n_layers, n_mtp, n_experts, experts_key: str, is_dense, problems: list,
+                      unimplemented: list, uniform: bool) -> tuple | None:
+    """moe_sparsity_config.num_experts, checked: one entry per decoder layer (MTP layers optional),
+    null for a dense layer, a positive integer <= the expert count for a MoE layer. is_dense(layer):
+    None when the config's own fields were wrong (already reported)."""
+    sparsity = d.get("moe_sparsity_config")
+    if sparsity is None:
+        return None
+    if not isinstance(sparsity, dict):
+        problems.append(f"moe_sparsity_config={show(sparsity)}, expected an object")
+        return None
+    counts = sparsity.get("num_experts")
+    if counts is None:
+        return None
+    key = "moe_sparsity_config.num_experts"
+    if not isinstance(counts, list):
+        problems.append(f"{key}={show(counts)}, expected a list with one entry per layer")
+        return None
+    if n_layers is not None and n_mtp is not None and len(counts) not in (n_layers, n_layers + n_mtp):
+        lengths = f"{n_layers}" + (f" or {n_layers + n_mtp}" if n_mtp else "")
+        problems.append(f"{key} has {len(counts)} entries, expected {lengths} (num_hidden_layers="
+                        f"{n_layers}, num_nextn_predict_layers={n_mtp})")
+    ok = True
+    for layer, n in enumerate(counts):
+        dense = is_dense(layer)
+        if n is None:
+            if dense is False:
+                problems.append(f"{key}[{layer}]=null, but layer {layer} is a MoE layer; expected a positive integer")
+                ok = False
+        elif not check(f"{key}[{layer}]", n, (POS_INT[0], "a positive integer (null for a dense layer)"), problems):
+            ok = False
+        elif dense:
+            problems.append(f"{key}[{layer}]={n}, but layer {layer} is dense; expected null")
+            ok = False
+        elif n_experts is not None and n > n_experts:
+            problems.append(f"{key}[{layer}]={n} exceeds {experts_key}={n_experts}")
+            ok = False
+    distinct = sorted({n for n in counts if is_int(n)})
+    if uniform and len(distinct) > 1:
+        unimplemented.append(f"{key} gives layers different expert counts {distinct} (per-layer expert counts "
+                             "are not implemented; prune with one keep for every layer)")
+        ok = False
+    elif uniform and ok and n_experts is not None and distinct and distinct != [n_experts]:
+        problems.append(f"{key} gives every MoE layer {distinct[0]} experts but {experts_key}={n_experts}")
+        ok = False
+    return tuple(counts) if ok else None

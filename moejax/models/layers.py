@@ -1,0 +1,103 @@
+"""Building blocks every family shares, written once: matmul, RMSNorm, the SwiGLU MLP, the causal
+mask and causal attention (transformers' order of operations), parameter initialisers.
+
+Weights are stored [in, out] (x @ W)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.moe import dispatch as dispatch_lib
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def param(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
+
+
+def ones(shape, dtype):
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+def zeros(shape, dtype):
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def linear(x, w, b=None):
+    y = jnp.matmul(x, w, precision=HIGHEST)
+    return y if b is None else y + b
+
+
+def rms_norm(x, w, eps):
+    """transformers' RMSNorm: normalise in float32, cast back, then scale (order matters in bf16)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = ones((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP: the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, inner: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = param(rngs, (hidden, inner), dtype)
+        self.up_proj = param(rngs, (hidden, inner), dtype)
+        self.down_proj = param(rngs, (inner, hidden), dtype)
+
+    def __call__(self, x):
+        w = {"gate": self.gate_proj[...], "up": self.up_proj[...], "down": self.down_proj[...]}
+        return dispatch_lib.swiglu(linear, w, x)
+
+
+def causal_allowed(attention_mask_BS, B: int, S: int):
+    """bool [B, S, S]: query s may attend to key s' <= s that is not padding (mask 0)."""
+    allowed = jnp.tril(jnp.ones((S, S), bool))[None]
+    if attention_mask_BS is not None:
+        allowed = allowed & jnp.asarray(attention_mask_BS).astype(bool)[:, None, :]
+    return jnp.broadcast_to(allowed, (B, S, S))
+
+
+def causal_attention(q_BSNQ, k_BSNQ, v_BSNU, allowed_BSS, scale: float, block_rows: int = 256):
+    """softmax(q k^T * scale, masked) v per head (N heads, Q query/key and U value channels), in
+    transformers' order of operations (scores scaled after the matmul, softmax in float32, weights
+    cast back before multiplying v).
+
+    allowed_BSS: True where query s may attend to key s'. It must be causal (False above the
+    diagonal, padding may remove more): queries run in blocks of `block_rows`, and each block
+    computes scores only for the keys up to its last query, so the masked upper triangle is neither
+    multiplied nor exponentiated (about half the work). The arrays are head-major inside, where
+    XLA:CPU runs both matmuls fastest (0.19 s against 0.41 s for the whole [S, S] in sequence-major
+    layout at 2,048 tokens, Moonlight's 16 heads). A query that may attend to no key (left padding)
+    gets uniform weights over its block's keys instead of over all keys: padding output either way.
+    """
+    B, S = q_BSNQ.shape[:2]
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BSNQ, k_BSNQ, v_BSNU))  # [B, heads, S, d]
+    block_rows = max(block_rows, -(-S // 16))  # at most 16 blocks: each is compiled separately
+    bounds = list(range(0, S, block_rows)) + [S]
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        scores = jnp.einsum("bnqd,bnkd->bnqk", q[:, :, lo:hi], k[:, :, :hi], precision=HIGHEST) * scale
+        scores = jnp.where(allowed_BSS[:, None, lo:hi, :hi], scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        outs.append(jnp.einsum("bnqk,bnkc->bnqc", weights, v[:, :, :hi], precision=HIGHEST))
+    return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
+
+
+def cached_attention(q_BSNQ, k_BCNQ, v_BCNU, allowed_BSC, scale: float):
+    """Attention of S new queries over C cache columns (decoding): softmax in float32, masked
+    columns (not written yet, padding, or after the query) excluded."""
+    scores = jnp.einsum("bsnq,bcnq->bnsc", q_BSNQ, k_BCNQ, precision=HIGHEST) * scale
+    scores = jnp.where(allowed_BSC[:, None], scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q_BSNQ.dtype)
+    return jnp.einsum("bnsc,bcnu->bsnu", weights, v_BCNU, precision=HIGHEST)

@@ -1,0 +1,11 @@
+"""Mixtral in Flax NNX: the shared decoder stack with grouped-query attention."""
+
+from moejax.models.causal_lm import CausalLM
+from moejax.models.gqa_attention import GQAttention, rope_tables
+from moejax.models.mixtral.config import MixtralConfig
+
+
+class MixtralForCausalLM(CausalLM):
+    config_class = MixtralConfig
+    attention_class = GQAttention
+    rope_tables = staticmethod(rope_tables)

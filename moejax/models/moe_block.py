@@ -1,0 +1,85 @@
+"""The one MoE block every family uses, and the interface executors and scorers read:
+
+    moe.router_logits(x_TH)   float32 [T, E]: x @ W_router.T (the router stays float32)
+    moe.route(x_TH, mask_E)   `moejax.moe.routing.route` with the family's RouterConfig
+                              (sigmoid/softmax, balance bias, groups, norm_topk_prob, scaling)
+    moe.expert_weights()      the routed experts' stacked weights, as `moe.expert_fn` reads them
+    moe.expert_fn             `moejax.moe.dispatch.swiglu`
+    moe.balance_bias()        e_score_correction_bias [E], or None for a family without one
+    moe.shared_experts        the shared-expert MLP or None; `shared_gate` [H, 1] when the shared
+                              output is gated by sigmoid(x @ shared_gate) (Qwen2-MoE's form)
+    moe(x_BSH, mask_E)        (output [B, S, H], Routing)
+
+A family config supplies what the block is built from: `n_experts`, `hidden_size`,
+`moe_intermediate_size`, `router_settings()`, `HAS_BALANCE_BIAS`, `shared_intermediate_size`
+(and `shared_expert_gate`, default False).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.models.layers import HIGHEST, MLP, linear, param
+from moejax.models.toy import BalanceBias
+from moejax.moe import dispatch as dispatch_lib
+from moejax.moe.routing import RouterConfig, route
+
+
+class MoE(nnx.Module):
+    """Router (float32, optional balance bias, optional groups) + routed experts (fast dispatch) +
+    optional shared experts."""
+
+    expert_fn = staticmethod(dispatch_lib.swiglu)
+
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs, backend: str = "sorted"):
+        H, Im, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_experts
+        self.router_cfg = RouterConfig(**cfg.router_settings())
+        self.router = param(rngs, (E, H), jnp.float32)                 # HF gate.weight layout, float32
+        self.bias = BalanceBias(jnp.zeros((E,), jnp.float32)) if cfg.HAS_BALANCE_BIAS else None
+        self.experts_gate = param(rngs, (E, H, Im), dtype)
+        self.experts_up = param(rngs, (E, H, Im), dtype)
+        self.experts_down = param(rngs, (E, Im, H), dtype)
+        shared = cfg.shared_intermediate_size
+        self.shared_experts = MLP(H, shared, dtype, rngs) if shared else None
+        self.shared_gate = param(rngs, (H, 1), dtype) if shared and getattr(cfg, "shared_expert_gate", False) else None
+        self.backend = backend
+
+    def router_logits(self, x_TH):
+        """[T, E] in float32 (the router stays float32 whatever the model dtype)."""
+        return jnp.matmul(x_TH.astype(jnp.float32), self.router[...].T, precision=HIGHEST)
+
+    def balance_bias(self):
+        return None if self.bias is None else self.bias[...]
+
+    def route(self, x_TH, expert_mask_E=None):
+        return route(self.router_logits(x_TH), self.router_cfg, self.balance_bias(), expert_mask_E)
+
+    def expert_weights(self) -> dict:
+        """The routed experts' stacked weights as `expert_fn` reads them."""
+        return {"gate": self.experts_gate[...], "up": self.experts_up[...], "down": self.experts_down[...]}
+
+    def routed(self, x_TH, routing, forward_only: bool = False):
+        """The gate-weighted sum of the routed experts' outputs [T, H] under `routing`."""
+        return dispatch_lib.dispatch(x_TH, routing.expert_idx_TK, routing.gate_TK, self.expert_weights(),
+                                     self.expert_fn, self.backend, forward_only=forward_only)
+
+    def shared(self, x_BSH):
+        """The shared experts' output (zero-free: None when the family has none)."""
+        if self.shared_experts is None:
+            return None
+        y = self.shared_experts(x_BSH)
+        if self.shared_gate is not None:
+            y = jax.nn.sigmoid(linear(x_BSH, self.shared_gate[...])) * y
+        return y
+
+    def __call__(self, x_BSH, expert_mask_E=None, forward_only: bool = False):
+        """(output [B, S, H], the routing of the B*S tokens). forward_only: no gradients will be
+        taken, so the routed experts may take the faster exact path (moejax.moe.dispatch)."""
+        B, S, H = x_BSH.shape
+        x_TH = x_BSH.reshape(B * S, H)
+        r = self.route(x_TH, expert_mask_E)
+        y = self.routed(x_TH, r, forward_only).reshape(B, S, H)
+        shared = self.shared(x_BSH)
+        return (y if shared is None else y + shared), r

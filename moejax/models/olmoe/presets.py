@@ -1,0 +1,10 @@
+"""Full-size OLMoE config (allenai/OLMoE-1B-7B-0924's config.json), for shape work."""
+
+PRESETS = {
+    "olmoe-1b-7b": {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_act": "silu",
+                    "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+                    "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+                    "num_experts_per_tok": 8, "norm_topk_prob": False, "rms_norm_eps": 1e-5,
+                    "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                    "attention_bias": False, "clip_qkv": None},
+}

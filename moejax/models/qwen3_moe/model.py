@@ -1,0 +1,11 @@
+"""Qwen3-MoE in Flax NNX: the shared decoder stack with grouped-query attention."""
+
+from moejax.models.causal_lm import CausalLM
+from moejax.models.gqa_attention import GQAttention, rope_tables
+from moejax.models.qwen3_moe.config import Qwen3MoeConfig
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+    config_class = Qwen3MoeConfig
+    attention_class = GQAttention
+    rope_tables = staticmethod(rope_tables)

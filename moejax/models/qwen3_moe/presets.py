@@ -1,0 +1,15 @@
+"""Full-size Qwen3-MoE configs (values from the published config.json files), for shape work."""
+
+_COMMON = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+           "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False, "head_dim": 128,
+           "vocab_size": 151936, "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960}
+
+PRESETS = {
+    "qwen3-30b-a3b": {**_COMMON, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                      "num_experts": 128, "num_experts_per_tok": 8},
+    "qwen3-235b-a22b": {**_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+                        "num_experts": 128, "num_experts_per_tok": 8},
+}

@@ -1,0 +1,54 @@
+"""The registry of model families: one line per family. Everything outside `moejax/models/` finds
+a checkpoint's family here (by config.json's model_type, then architectures) and never names one.
+
+Adding a family: a folder `moejax/models/<name>/` (config, names, model, presets; follow
+`qwen3_moe/`), its `FAMILY`, one line below, and tests (`tests/test_families.py`)."""
+
+from __future__ import annotations
+
+from moejax.errors import ConfigError
+from moejax.models import deepseek_v3, glm4_moe, mixtral, olmoe, qwen3_moe
+from moejax.models.config_base import read_json_object
+from moejax.models.family import Family
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    deepseek_v3.FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
+    olmoe.FAMILY,
+    glm4_moe.FAMILY,
+)}
+
+
+def family_for(d, source: str = "config") -> Family:
+    """The family of a config.json dictionary: by model_type, else by architectures."""
+    if isinstance(d, dict):
+        model_type, archs = d.get("model_type"), d.get("architectures")
+        for family in FAMILIES.values():
+            if model_type in family.model_types:
+                return family
+        if isinstance(archs, list):
+            for family in FAMILIES.values():
+                if family.architecture in archs:
+                    return family
+        supported = ", ".join(f"{f.title} ({'/'.join(f.model_types)}, {f.architecture})" for f in FAMILIES.values())
+        raise ConfigError(f"{source}: model_type={model_type!r}, architectures={archs!r} is not a supported family; "
+                          f"supported: {supported}")
+    raise ConfigError(f"{source}: expected a JSON object (a model config), got {type(d).__name__}")
+
+
+def family_of(cfg) -> Family:
+    """The family of a typed config."""
+    for family in FAMILIES.values():
+        if isinstance(cfg, family.config_class):
+            return family
+    raise ConfigError(f"{type(cfg).__name__} is not the config of a registered family")
+
+
+def config_from_dict(d, source: str = "config", *, uniform_experts: bool = True):
+    return family_for(d, source).config_class.from_dict(d, source=source, uniform_experts=uniform_experts)
+
+
+def read_config(path, *, uniform_experts: bool = True):
+    """config.json of any registered family, strictly checked (one ConfigError naming every problem)."""
+    return config_from_dict(read_json_object(path), str(path), uniform_experts=uniform_experts)

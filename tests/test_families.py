@@ -1,0 +1,412 @@
+"""Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 against transformers 5 (torch), on tiny random
+checkpoints transformers itself writes (tests/family_fixtures.py): chosen experts and logits on a
+padded batch, expert masks against transformers running the pruned checkpoint, load-then-save
+bytes, every score against numpy from transformers' hooks, `moejax prune` (and compressed-tensors'
+pruner for `l1`), every command, generation, full-size shapes, hub spellings and refusals."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from family_fixtures import FAMILIES, hf_classes, make_family_checkpoint, moe_blocks  # noqa: E402
+from hf_fixtures import batch  # noqa: E402
+
+from moejax import AutoModelForCausalLM  # noqa: E402
+from moejax.errors import ConfigError  # noqa: E402
+from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
+from moejax.models.registry import FAMILIES as REGISTRY  # noqa: E402
+
+NAMES = list(FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for i, name in enumerate(NAMES):
+        path = root / name
+        hf = make_family_checkpoint(name, path, seed=20 + i)
+        out[name] = (path, hf, AutoModelForCausalLM.from_pretrained(path, dtype=jnp.float32))
+    return out
+
+
+def hf_forward(hf, ids, mask):
+    """transformers' logits [B, S, V] and each MoE layer's (router input, logits, gates, chosen experts)."""
+    seen, hooks = {}, []
+    for l, block in moe_blocks(hf).items():
+        hooks.append(block.gate.register_forward_hook(
+            lambda mod, inp, out, l=l: seen.__setitem__(l, (inp[0].reshape(-1, inp[0].shape[-1]), *out))))
+    with torch.no_grad():
+        out = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))
+    for h in hooks:
+        h.remove()
+    return out.logits.float().numpy(), seen
+
+
+def run(model, ids, mask, masks=None):
+    out = model.jitted()(jnp.asarray(ids), jnp.asarray(mask), expert_masks=masks, return_routing=True)
+    return np.asarray(out.logits_BSV), {l: np.asarray(r.expert_idx_TK) for l, r in out.routing.items()}
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_routing_and_logits_match_transformers(family_checkpoints, family):
+    path, hf, model = family_checkpoints[family]
+    assert type(model).__name__ == hf_classes(family)[1].__name__  # the registry chose the family
+    ids, mask = batch(96, seed=1)
+    want, seen = hf_forward(hf, ids, mask)
+    logits, chosen = run(model, ids, mask)
+    valid = mask.reshape(-1).astype(bool)
+    assert sorted(chosen) == sorted(seen) and chosen
+    for layer, (_, _, _, idx) in seen.items():  # routing first: a flipped expert explains everything else
+        np.testing.assert_array_equal(np.sort(chosen[layer][valid], 1), np.sort(idx.numpy()[valid], 1),
+                                      err_msg=f"layer {layer}")
+    m = mask.astype(bool)
+    assert np.abs(logits[m] - want[m]).max() < 1e-4
+    assert np.abs(want).max() > 0.5
+
+
+def _prune(family, src, dst, keep):
+    from moejax.surgery.prune import prune_checkpoint
+
+    grouped = REGISTRY[family].config_class.from_json_file(src / "config.json").n_group > 1
+    return prune_checkpoint(src, dst, score="l1", keep=keep, group_aware=grouped)
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_pruned_checkpoint_in_transformers_equals_the_masked_source(family_checkpoints, family, tmp_path):
+    """`moejax prune` writes a checkpoint transformers loads (expert-count key updated, in the
+    source's spelling); transformers running it equals moejax's expert masks on the source, and
+    moejax loading it equals both."""
+    path, hf, model = family_checkpoints[family]
+    dst = tmp_path / "pruned"
+    record = _prune(family, path, dst, keep=6)
+    src_cfg, cfg = (json.loads((p / "config.json").read_text()) for p in (path, dst))
+    key = REGISTRY[family].config_class.from_json_file(path / "config.json").experts_key
+    assert src_cfg[key] == 8 and cfg[key] == 6 and {k for k in cfg if cfg[k] != src_cfg[k]} == {key}
+    hf_pruned = hf_classes(family)[1].from_pretrained(dst, attn_implementation="eager",
+                                                      experts_implementation="eager").eval()
+    ids, mask = batch(96, seed=2)
+    want, _ = hf_forward(hf_pruned, ids, mask)
+    E, L = 8, model.config.num_hidden_layers
+    masks = np.ones((L, E), bool)
+    for layer, entry in record["layers"].items():
+        masks[int(layer)] = np.isin(np.arange(E), entry["kept"])
+    got, chosen = run(model, ids, mask, jnp.asarray(masks))
+    m = mask.astype(bool)
+    assert np.abs(got[m] - want[m]).max() < 1e-4 * max(1.0, np.abs(want).max())
+    for layer, idx in chosen.items():
+        assert masks[layer][idx[m.reshape(-1)]].all()  # only kept experts are chosen
+    unmasked, _ = run(model, ids, mask)
+    assert np.abs(unmasked[m] - want[m]).max() > 1e-2  # pruning changed the logits: the test can fail
+    reloaded, _ = run(AutoModelForCausalLM.from_pretrained(dst), ids, mask)
+    assert np.abs(reloaded[m] - want[m]).max() < 1e-4 * max(1.0, np.abs(want).max())
+
+
+def test_expert_masks_equal_unreachable_experts_under_a_sigmoid_router(family_checkpoints):
+    """GLM-4.5's router has a balance bias: experts with bias -1e4 never win in transformers."""
+    path, hf, model = family_checkpoints["glm4_moe"]
+    pruned = [1, 6]
+    saved = {l: b.gate.e_score_correction_bias.clone() for l, b in moe_blocks(hf).items()}
+    ids, mask = batch(96, seed=3)
+    with torch.no_grad():
+        for b in moe_blocks(hf).values():
+            b.gate.e_score_correction_bias[pruned] = -1e4
+        want, _ = hf_forward(hf, ids, mask)
+        for l, b in moe_blocks(hf).items():
+            b.gate.e_score_correction_bias.copy_(saved[l])
+    keep = np.ones((3, 8), bool)
+    keep[:, pruned] = False
+    got, _ = run(model, ids, mask, jnp.asarray(keep))
+    m = mask.astype(bool)
+    assert np.abs(got[m] - want[m]).max() < 1e-4
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_load_then_save_gives_back_every_tensor(family_checkpoints, family, tmp_path):
+    path, _, model = family_checkpoints[family]
+    out = model.save_pretrained(tmp_path / "out")
+    a, b = CheckpointReader(path), CheckpointReader(out)
+    assert a.keys() == b.keys()
+    for name in a.keys():
+        assert (a.info(name).dtype, tuple(a.info(name).shape)) == (b.info(name).dtype, tuple(b.info(name).shape))
+        assert a.read_bytes(name) == b.read_bytes(name), name
+    assert json.loads((path / "config.json").read_text()) == json.loads((out / "config.json").read_text())
+    hf_classes(family)[1].from_pretrained(out)  # transformers loads what moejax wrote
+
+
+SCORES = ["frequency", "reap", "reap_code", "ean", "w_mean", "signed", "l1"]
+
+
+def reference_scores(hf, seen, mask) -> dict:
+    """Every score from its definition (SPEC section 2), float64 numpy, on what transformers'
+    model routed and computed: its router input, logits, real gates (softmax or sigmoid, as the
+    family routes) and chosen experts; expert outputs from its own weights."""
+    valid = mask.reshape(-1).astype(bool)
+    out = {}
+    for l, (x, logits, gates, idx) in seen.items():
+        block = moe_blocks(hf)[l]
+        x, logits = x.double().numpy()[valid], logits.double().numpy()[valid]
+        gates, idx = gates.double().numpy()[valid], idx.numpy()[valid]
+        gate_up = block.experts.gate_up_proj.detach().double().numpy()  # [E, 2 Im, H], gate rows first
+        down = block.experts.down_proj.detach().double().numpy()        # [E, H, Im]
+        E, Im = gate_up.shape[0], gate_up.shape[1] // 2
+
+        def f(j, xs):
+            g, u = xs @ gate_up[j, :Im].T, xs @ gate_up[j, Im:].T
+            return (g / (1 + np.exp(-g)) * u) @ down[j].T
+
+        def reap(idx_TK, gate_TK):
+            freq, gate_norm, norm = np.zeros(E), np.zeros(E), np.zeros(E)
+            for j in range(E):
+                t, k = np.nonzero(idx_TK == j)
+                n = np.linalg.norm(f(j, x[t]), axis=1)
+                freq[j], gate_norm[j], norm[j] = len(t), (gate_TK[t, k] * n).sum(), n.sum()
+            return freq, np.where(freq > 0, gate_norm / np.maximum(freq, 1), 0.0), norm
+
+        freq, reap_real, ean = reap(idx, gates)
+        code_idx = np.argsort(-logits, axis=1, kind="stable")[:, :idx.shape[1]]
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        code_gate = np.take_along_axis(p, code_idx, 1)
+        code_gate /= code_gate.sum(1, keepdims=True)
+        _, reap_code, _ = reap(code_idx, code_gate)
+        W = block.gate.weight.detach().double().numpy()
+        out[l] = {"frequency": freq, "reap": reap_real, "reap_code": reap_code, "ean": ean, "w_mean": W @ x.mean(0),
+                  "signed": W.sum(1), "l1": np.abs(W).sum(1)}
+        if hasattr(block.gate, "e_score_correction_bias"):
+            out[l]["bias"] = -block.gate.e_score_correction_bias.detach().double().numpy()
+    return out
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_scores_match_definitions_on_transformers_model(family_checkpoints, family):
+    from moejax.scoring.observe import calibrate
+    from moejax.scoring.scores import compute_scores
+
+    path, hf, model = family_checkpoints[family]
+    ids, mask = batch(96, seed=4, B=3, S=16)
+    _, seen = hf_forward(hf, ids, mask)
+    want = reference_scores(hf, seen, mask)
+    stats = calibrate(model, [(ids[:2], mask[:2]), (ids[2:], mask[2:])])  # accumulated over two batches
+    assert sorted(stats) == sorted(want)
+    for layer, ref in want.items():
+        got = compute_scores(stats[layer], list(ref))
+        for name in ref:
+            # float32 pass against float64: w_mean is a signed sum (cancellation), so the absolute
+            # tolerance scales with the score's largest magnitude
+            np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6 * np.abs(ref[name]).max(),
+                                       err_msg=f"{name} layer {layer}")
+            assert np.array_equal(np.argsort(-got[name], kind="stable"), np.argsort(-ref[name], kind="stable")), \
+                f"{name} ranking, layer {layer}"
+    if not REGISTRY[family].config_class.HAS_BALANCE_BIAS:  # softmax routers: no bias to rank by
+        with pytest.raises(ConfigError, match="score 'bias' needs a balance bias"):
+            compute_scores(stats[max(stats)], ["bias"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_l1_equals_compressed_tensors_magnitude_pruner(family_checkpoints, family, tmp_path):
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.magnitude_expert_pruner import MagnitudeExpertPruner
+
+    path = family_checkpoints[family][0]
+    block = REGISTRY[family].moe_block
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    _prune(family, path, ours, keep=5)
+    pruner = MagnitudeExpertPruner.from_pretrained(path, router_pattern=rf"{block}\.gate\.weight$",
+                                                   expert_pattern=rf"{block}\.experts\.\d+\.", sparsity=0.375)
+    convert_checkpoint(path, theirs, converter=pruner, max_workers=1, device="cpu")
+    a, b = CheckpointReader(ours), CheckpointReader(theirs)
+    assert a.keys() == b.keys() and all(a.read_bytes(n) == b.read_bytes(n) for n in a.keys())
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_every_command_runs(family_checkpoints, family, tmp_path, capsys):
+    """score (calibration, CLI) -> prune with its scores file -> diff passes its checks; inspect
+    and plan read the checkpoint; the streamed scoring pass equals the in-memory one."""
+    import pandas as pd
+
+    from moejax.cli import main
+    from moejax.scoring.observe import calibrate, calibrate_streamed
+    from moejax.scoring.scores import compute_scores
+
+    path, _, model = family_checkpoints[family]
+    ids = np.random.default_rng(5).integers(0, 96, size=(4, 12))
+    np.save(tmp_path / "ids.npy", ids)
+    scores = tmp_path / "scores.parquet"
+    assert main(["score", str(path), "--tokens", str(tmp_path / "ids.npy"), "--batch-size", "2",
+                 "--out", str(scores)]) == 0
+    df = pd.read_parquet(scores)
+    has_bias = REGISTRY[family].config_class.HAS_BALANCE_BIAS
+    assert ("bias" in set(df.score)) == has_bias
+    pruned = tmp_path / "pruned"
+    grouped = ["--group-aware"] if family == "glm4_moe" else []
+    assert main(["prune", str(path), str(pruned), "--score", "reap", "--scores-file", str(scores), "--keep", "4",
+                 *grouped]) == 0
+    assert main(["diff", str(path), str(pruned)]) == 0
+    assert main(["inspect", str(path)]) == 0 and main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "routed" in out
+    batches = [(ids[:2], None), (ids[2:], None)]
+    streamed, in_memory = calibrate_streamed(path, batches, progress=False), calibrate(model, batches)
+    for layer in in_memory:
+        for name in ("reap", "frequency"):
+            np.testing.assert_allclose(compute_scores(streamed[layer], [name])[name],
+                                       compute_scores(in_memory[layer], [name])[name], rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_greedy_generation_equals_transformers(family_checkpoints, family):
+    path, hf, model = family_checkpoints[family]
+    rng = np.random.default_rng(6)
+    ids = rng.integers(2, 96, size=(2, 7))
+    mask = np.ones_like(ids)
+    mask[1, :2] = 0  # left padding, as generation batches are laid out
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), max_new_tokens=6,
+                           do_sample=False, eos_token_id=None, pad_token_id=0).numpy()
+    got = np.asarray(model.generate(ids, mask, max_new_tokens=6))
+    np.testing.assert_array_equal(got, want)
+
+
+def _preset_cases():
+    """Every full-size preset at its published widths; the default run keeps the first dense and
+    MoE layers (every layer of a family has the same shapes), `-m slow` every layer."""
+    for family in REGISTRY:
+        for name in REGISTRY[family].presets:
+            yield pytest.param(family, name, True, id=f"{name}-4-layers")
+            yield pytest.param(family, name, False, id=f"{name}-all-layers", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("family,preset,few_layers", list(_preset_cases()))
+def test_full_size_presets_match_the_name_table(family, preset, few_layers):
+    """jax.eval_shape of every full-size preset: each parameter's shape is the HF tensors' the
+    config implies (transposed where HF stores [out, in], stacked over experts), and the parameter
+    count equals the sum over HF tensors."""
+    from moejax.hf.mapping import param_shapes, tensor_specs
+    from flax import nnx
+
+    fam = REGISTRY[family]
+    for name, d in [(preset, fam.presets[preset])]:
+        if few_layers:
+            d = {**d, "num_hidden_layers": 4}
+        cfg = fam.config_class.from_dict(d, source=name)
+        model = nnx.eval_shape(lambda: fam.causal_lm()(cfg, jnp.bfloat16))
+        shapes = param_shapes(model)
+        specs = tensor_specs(cfg)
+        by_param = {}
+        for s in specs:
+            hf = tuple(reversed(s.hf_shape)) if s.transpose else s.hf_shape
+            by_param.setdefault(s.param, []).append((s.expert, hf))
+        assert set(by_param) == set(shapes), name
+        for param, entries in by_param.items():
+            if entries[0][0] is None:
+                assert shapes[param] == entries[0][1], (name, param)
+            else:
+                assert shapes[param] == (len(entries),) + entries[0][1], (name, param)
+        assert sum(int(np.prod(s)) for s in shapes.values()) == sum(int(np.prod(s.hf_shape)) for s in specs)
+
+
+def test_hub_and_transformers_5_spellings_read_alike(tmp_path):
+    """Qwen3-MoE's expert count (`num_experts` on the hub, `num_local_experts` from transformers 5)
+    and GLM-4.5's partial_rotary_factor (top level on the hub, in rope_parameters in transformers 5)
+    read as the same config; two spellings that disagree are refused by name."""
+    qwen = REGISTRY["qwen3_moe"].config_class
+    base = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2}
+    hub, tf5 = qwen.from_dict({**base, "num_experts": 16}), qwen.from_dict({**base, "num_local_experts": 16})
+    assert hub.n_experts == tf5.n_experts == 16 and (hub.experts_key, tf5.experts_key) == ("num_experts",
+                                                                                          "num_local_experts")
+    with pytest.raises(ConfigError, match="num_local_experts=8 .* disagrees with num_experts=16"):
+        qwen.from_dict({**base, "num_experts": 16, "num_local_experts": 8})
+    glm = REGISTRY["glm4_moe"].config_class
+    gbase = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 64,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    a = glm.from_dict({**gbase, "partial_rotary_factor": 0.5, "rope_theta": 1e6})
+    b = glm.from_dict({**gbase, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                    "partial_rotary_factor": 0.5}})
+    assert (a.rotary_dim, a.rope_theta) == (b.rotary_dim, b.rope_theta) == (8, 1e6)
+
+
+@pytest.mark.parametrize("family,update,expected", [
+    ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=true (bool) (sliding-window attention"),
+    ("qwen3_moe", {"num_experts": "8"}, 'num_experts="8" (str), expected a positive integer'),
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "rope_parameters.rope_type='yarn'"),
+    ("mixtral", {"sliding_window": 4096}, "sliding_window=4096 (int) (sliding-window attention"),
+    ("mixtral", {"num_local_experts": 1, "num_experts_per_tok": 2}, "num_experts_per_tok=2 exceeds num_local_experts=1"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0 (float) (clipping q/k/v is not implemented"),
+    ("olmoe", {"hidden_act": "gelu"}, "hidden_act=\"gelu\" (str) (only 'silu'"),
+    ("glm4_moe", {"n_group": 3}, "n_routed_experts=8 is not divisible by n_group=3"),
+    ("glm4_moe", {"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+])
+def test_settings_not_implemented_or_wrong_are_refused_by_name(family_checkpoints, family, update, expected):
+    path = family_checkpoints[family][0]
+    d = {**json.loads((path / "config.json").read_text()), **update}
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        REGISTRY[family].config_class.from_dict(d)
+
+
+def test_a_family_class_refuses_another_familys_checkpoint(family_checkpoints):
+    from moejax import MixtralForCausalLM
+
+    with pytest.raises(ConfigError, match="a Qwen3-MoE checkpoint .* MixtralForCausalLM.from_pretrained cannot"):
+        MixtralForCausalLM.from_pretrained(family_checkpoints["qwen3_moe"][0])
+
+
+def test_expert_parallel_softmax_family_identical_across_meshes(family_checkpoints):
+    """Qwen3-MoE (softmax router) on the 8 simulated devices: experts split over the mesh's expert
+    axis, logits equal to one device's."""
+    from moejax.parallel import MeshConfig, make_mesh
+
+    path, _, model = family_checkpoints["qwen3_moe"]
+    ids, mask = (jnp.asarray(a) for a in batch(96, seed=7))
+    want = np.asarray(model.jitted()(ids, mask).logits_BSV)
+    for shape in [(1, 8), (2, 4)]:
+        mesh = make_mesh(MeshConfig(*shape))
+        sharded = AutoModelForCausalLM.from_pretrained(path, mesh=mesh)
+        gate = sharded.model.layers[1].mlp.experts_gate[...]
+        assert gate.sharding.spec == jax.sharding.PartitionSpec("expert")
+        with jax.set_mesh(mesh):
+            got = np.asarray(sharded.jitted()(ids, mask).logits_BSV)
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), shape
+
+
+def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoints, tmp_path):
+    """The carried pass (prune_real) on Qwen3-MoE: the unpruned perplexity is transformers'; keep=E
+    reproduces it exactly; `l1` at keep 4 gives the perplexity transformers computes on the
+    checkpoint `moejax prune --score l1 --keep 4` writes."""
+    from moejax.evaluate import evaluate_pruning
+    from moejax.hf.model_io import open_checkpoint
+    import pandas as pd
+
+    path, hf, _ = family_checkpoints["qwen3_moe"]
+    rng = np.random.default_rng(8)
+    calib = rng.integers(0, 96, size=(4, 16)).astype(np.int32)
+    held = rng.integers(0, 96, size=(3, 16)).astype(np.int32)
+    rows, info = evaluate_pruning(open_checkpoint(path), calib, {"t": held}, ["frequency", "reap", "l1"], [8, 4],
+                                  batch_size=2)
+    df = pd.DataFrame(rows)
+    ppl = df[(df.metric == "perplexity") & (df.text == "t")]
+
+    def hf_ppl(model):
+        with torch.no_grad():
+            logits = model(torch.as_tensor(held, dtype=torch.long)).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 96), torch.as_tensor(held[:, 1:]).reshape(-1).long())
+        return float(torch.exp(nll))
+
+    unpruned = ppl[ppl["mode"] == "none"].value.item()
+    assert unpruned == pytest.approx(hf_ppl(hf), rel=1e-4)
+    assert (ppl[ppl.keep == 8].value == unpruned).all()
+    dst = tmp_path / "l1"
+    record = _prune("qwen3_moe", path, dst, keep=4)
+    assert {int(l): e["kept"] for l, e in record["layers"].items()} == {l: k["l1@4"] for l, k in info["kept"].items()}
+    pruned = hf_classes("qwen3_moe")[1].from_pretrained(dst, attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+    got = ppl[(ppl.score == "l1") & (ppl.keep == 4)].value.item()
+    assert got == pytest.approx(hf_ppl(pruned), rel=1e-4) and got != pytest.approx(unpruned, rel=1e-3)
