@@ -147,9 +147,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_diff)
 
-    from moejax.hf.inspection import register_cli
+    from moejax.hf import inspection, planning
 
-    register_cli(sub)
+    inspection.register_cli(sub)
+    planning.register_cli(sub)
     p = sub.add_parser("clean", help="remove staging folders left in FOLDER by a killed prune or save")
     p.add_argument("folder", nargs="+", help="folders that held the destination of the killed command")
     p.set_defaults(func=_clean)
@@ -187,7 +188,7 @@ def run_command(prog: str, command) -> int:
 def _clean(args) -> None:
     from pathlib import Path
 
-    from moejax.hf.safetensors_io import remove_stale_staging
+    from moejax.hf.staging import remove_stale_staging
 
     for folder in args.folder:
         if not Path(folder).is_dir():

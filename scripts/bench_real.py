@@ -58,7 +58,7 @@ def moonlight_checkpoint(path: Path) -> None:
     import ml_dtypes
 
     from moejax.hf.mapping import tensor_specs
-    from moejax.hf.safetensors_io import write_checkpoint
+    from moejax.hf.checkpoint_writer import write_checkpoint
     from moejax.models.deepseek_v3 import DeepseekV3Config
     from moejax.models.deepseek_v3.presets import PRESETS
 

@@ -94,7 +94,7 @@ def memory(tokens: int, layers: int) -> None:
     import ml_dtypes
 
     from moejax.hf.mapping import tensor_specs
-    from moejax.hf.safetensors_io import write_checkpoint
+    from moejax.hf.checkpoint_writer import write_checkpoint
     from moejax.models.deepseek_v3 import DeepseekV3Config
 
     raw = moonlight(layers)

@@ -12,8 +12,9 @@ import re
 
 import numpy as np
 
-from moejax.hf import quant
-from moejax.hf.safetensors_io import CheckpointReader, write_checkpoint
+from moejax.hf import quant_encode
+from moejax.hf.checkpoint_reader import CheckpointReader
+from moejax.hf.checkpoint_writer import write_checkpoint
 
 BASE = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -128,12 +129,12 @@ def quantised_linear(name, w, fmt):
     """(name, array) pairs for one Linear whose dense weight is `name` = '...weight', in `fmt`."""
     stem = name[: -len("weight")]
     if fmt == "fp8_block":
-        q, scale_inv = quant.quantize_fp8_block(w)
+        q, scale_inv = quant_encode.quantize_fp8_block(w)
         return [(name, q), (stem + "weight_scale_inv", scale_inv)]
     if fmt == "int4_pack":
-        packed, scale, shape = quant.pack_int4(w, 32)
+        packed, scale, shape = quant_encode.pack_int4(w, 32)
         return [(stem + "weight_packed", packed), (stem + "weight_scale", scale), (stem + "weight_shape", shape)]
-    packed, scale = quant.quantize_mxfp4(w)
+    packed, scale = quant_encode.quantize_mxfp4(w)
     return [(stem + "weight_packed", packed), (stem + "weight_scale", scale)]
 
 

@@ -4,7 +4,6 @@ and every kind of bad input failing with the file and tensor named."""
 import json
 import shutil
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,7 +14,7 @@ from hf_fixtures import QUANT_CONFIGS, make_checkpoint, quantize, rewrite  # noq
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.errors import CheckpointError  # noqa: E402
 from moejax.hf import quant  # noqa: E402
-from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
+from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):

@@ -3,7 +3,6 @@ checkpoints transformers itself writes: chosen experts per layer, logits, expert
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ pytest.importorskip("transformers")
 from hf_fixtures import DEFAULT_ROPE, batch, make_checkpoint, reference, unreachable  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
-from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
+from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 
 CASES = {
     # q LoRA, group-limited routing (topk_group < n_group), YaRN, untied head, one dense layer

@@ -26,8 +26,10 @@ pytest.importorskip("transformers")
 from hf_fixtures import QUANT_CONFIGS, make_checkpoint, quantize, rewrite  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
-from moejax.hf.safetensors_io import (INDEX_NAME, STAGING_MARKER, CheckpointReader,  # noqa: E402
-                                      write_safetensors_file)
+from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.checkpoint_writer import write_safetensors_file  # noqa: E402
+from moejax.hf.safetensors_format import INDEX_NAME  # noqa: E402
+from moejax.hf.staging import STAGING_MARKER  # noqa: E402
 
 E = 8
 
@@ -415,15 +417,15 @@ sys.exit(main(sys.argv[2:]))
 
 SLOW_SAVE = """
 import pathlib, sys, time
-import moejax.hf.safetensors_io as io
+import moejax.hf.checkpoint_writer as writer
 from moejax import DeepseekV3ForCausalLM
 model = DeepseekV3ForCausalLM.from_pretrained(sys.argv[2])
-real = io._write_safetensors
+real = writer._write_safetensors
 def slow(*args, **kwargs):
     pathlib.Path(sys.argv[1]).write_text("writing")
     time.sleep(60)
     return real(*args, **kwargs)
-io._write_safetensors = slow
+writer._write_safetensors = slow
 model.save_pretrained(sys.argv[3])
 """
 
@@ -516,7 +518,8 @@ def test_nan_score_names_the_layer_wherever_experts_are_selected():
 def test_a_write_nested_in_a_staging_folder_keeps_it_marked(tmp_path):
     """train_tiny saves a checkpoint into its own staging folder (replacing it): the folder stays
     marked as moejax's until the outer write completes, and the result carries no marker."""
-    from moejax.hf.safetensors_io import staged_directory, write_checkpoint
+    from moejax.hf.checkpoint_writer import write_checkpoint
+    from moejax.hf.staging import staged_directory
 
     with staged_directory(tmp_path / "out", overwrite=False) as staging:
         write_checkpoint(staging, [("a", np.ones(2, np.float32))], {"x": 1}, overwrite=True)

@@ -1,7 +1,7 @@
-"""`moejax inspect` / `moejax plan` (moejax.hf.inspection): parameter counts checked against
-transformers and the safetensors package, packed 4-bit tensors counted in logical values, active
-parameters recomputed from the config, device plans hand-computed on sparse header-only
-checkpoints, and all of it without reading a byte of tensor data."""
+"""`moejax inspect` / `moejax plan` (moejax.hf.inspection, moejax.hf.planning): parameter counts
+checked against transformers and the safetensors package, packed 4-bit tensors counted in logical
+values, active parameters recomputed from the config, device plans hand-computed on sparse
+header-only checkpoints, and all of it without reading a byte of tensor data."""
 
 import argparse
 import json
@@ -19,20 +19,19 @@ import pytest
 from hf_fixtures import QUANT_CONFIGS, full_config, spec_shapes
 from hf_fixtures import quantised_linear as fixture_linear
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.inspection import (
+from moejax.hf import inspection, planning
+from moejax.hf.checkpoint_reader import CheckpointReader
+from moejax.hf.checkpoint_writer import write_checkpoint
+from moejax.hf.inspection import format_inspect, human_bytes, human_count, inspect_checkpoint
+from moejax.hf.planning import (
     ACCELERATORS_GB,
-    format_inspect,
     format_plan,
-    human_bytes,
-    human_count,
-    inspect_checkpoint,
     matrix_bytes,
     parse_gpu_specs,
     plan_checkpoint,
-    register_cli,
     smallest_device_count,
 )
-from moejax.hf.safetensors_io import CheckpointReader, SafetensorsFile, write_checkpoint
+from moejax.hf.safetensors_format import SafetensorsFile
 
 BF16 = ml_dtypes.bfloat16
 
@@ -463,7 +462,9 @@ def test_parse_gpu_specs():
 
 def run_cli(argv):
     parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers(dest="command", required=True))
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    inspection.register_cli(subparsers)
+    planning.register_cli(subparsers)
     args = parser.parse_args(argv)
     args.func(args)
 
@@ -503,6 +504,7 @@ def test_human_units():
 
 
 def test_module_imports_no_jax_or_torch():
-    code = "import sys, moejax.hf.inspection; print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))"
+    code = ("import sys, moejax.hf.inspection, moejax.hf.planning; "
+            "print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

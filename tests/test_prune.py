@@ -16,7 +16,7 @@ from hf_fixtures import QUANT_CONFIGS, batch, make_checkpoint, quantize, rewrite
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.cli import main  # noqa: E402
 from moejax.errors import CheckpointError, ConfigError, MoejaxError  # noqa: E402
-from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
+from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.surgery import prune as prune_module  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402
 

@@ -11,7 +11,7 @@ from hf_fixtures import make_checkpoint  # noqa: E402
 
 from moejax.evaluate import evaluate_pruning  # noqa: E402
 from moejax.hf.model_io import open_checkpoint  # noqa: E402
-from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
+from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 
 E, K, SEQ = 16, 4, 24
 

@@ -1,6 +1,6 @@
-"""moejax.hf.quant: hand-computed decodes of each quantised layout, encoder -> decoder round trips,
-shape checks, config detection, and (when compressed-tensors is installed) its own pack/unpack
-functions as an independent reference."""
+"""moejax.hf.quant (decoders) and moejax.hf.quant_encode (encoders): hand-computed decodes of each
+quantised layout, encoder -> decoder round trips, shape checks, config detection, and (when
+compressed-tensors is installed) its own pack/unpack functions as an independent reference."""
 
 import ml_dtypes
 import numpy as np
@@ -13,11 +13,9 @@ from moejax.hf.quant import (
     dequant_fp8_block,
     dequant_mxfp4,
     detect_format,
-    pack_int4,
-    quantize_fp8_block,
-    quantize_mxfp4,
     unpack_int4,
 )
+from moejax.hf.quant_encode import pack_int4, quantize_fp8_block, quantize_mxfp4
 
 E4M3 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16

@@ -25,10 +25,11 @@ from pathlib import Path
 
 from moejax.errors import CheckpointError
 from moejax.hf import quant
+from moejax.hf.checkpoint_reader import CheckpointReader
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
-from moejax.hf.safetensors_io import CONFIG_NAME, CheckpointReader
+from moejax.hf.safetensors_format import CONFIG_NAME
 from moejax.models.family import Family
 from moejax.models.registry import family_of, read_config
 

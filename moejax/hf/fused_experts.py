@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from moejax.hf.safetensors_io import CheckpointReader, TensorInfo
+from moejax.hf.checkpoint_reader import CheckpointReader
+from moejax.hf.safetensors_format import TensorInfo
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 

@@ -1,9 +1,10 @@
-"""`moejax inspect` and `moejax plan`: what a checkpoint holds, and how many accelerators its weights
-need, from the safetensors headers and config.json alone.
+"""`moejax inspect`: what a checkpoint holds, from the safetensors headers and config.json alone;
+also the per-tensor header facts and the text tables that `moejax plan` (`moejax.hf.planning`)
+builds on.
 
-No tensor data is read (only each shard's header), so both answer in seconds for a 700 GB
-checkpoint and work on a checkpoint whose shards are still being downloaded as sparse files. The
-module imports neither JAX nor torch, so the commands start fast.
+No tensor data is read (only each shard's header), so inspect and plan answer in seconds for a
+700 GB checkpoint and work on a checkpoint whose shards are still being downloaded as sparse files.
+The module imports neither JAX nor torch, so the commands start fast.
 
 Parameter counting follows Hugging Face (SPEC section 6): every tensor in the checkpoint counts its
 number of elements, quantisation companions (``weight_scale_inv``, ``weight_scale``,
@@ -22,20 +23,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from moejax.errors import CheckpointError, ConfigError
+from moejax.errors import CheckpointError
 from moejax.hf.check import PACKED_DTYPES, check_checkpoint
 from moejax.hf.layout import CheckpointLayout
-from moejax.hf.quant import FP8_BLOCK, MXFP4_GROUP_SIZE, QUANT_FORMATS
-from moejax.hf.safetensors_io import DTYPE_BITS, TensorInfo
-
-GB = 10**9  # decimal, as accelerator vendors quote memory
-
-# Memory per device in GB (1e9 bytes) as the vendors quote it.
-ACCELERATORS_GB: dict[str, float] = {
-    "H100": 80.0, "H200": 141.0, "B200": 180.0, "B300": 288.0, "TPU v5p": 95.0,
-}
-DEFAULT_HEADROOM = 0.9
-MAX_DEVICES = 1024
+from moejax.hf.quant import QUANT_FORMATS
+from moejax.hf.safetensors_format import DTYPE_BITS, TensorInfo
 
 PACKED_SUFFIX = "weight_packed"
 
@@ -107,7 +99,7 @@ def _suffix(name: str) -> str:
 
 
 @dataclass
-class _Checkpoint:
+class CheckpointFacts:
     """A checkpoint as headers, config and layout: everything inspect and plan look at."""
 
     path: Path
@@ -117,12 +109,12 @@ class _Checkpoint:
     tensors: dict[str, TensorFacts]
 
 
-def _load(path) -> _Checkpoint:
+def checkpoint_facts(path) -> CheckpointFacts:
     checked = check_checkpoint(path, uniform_experts=False)  # the check every command runs first
     reader, layout, fmt = checked.reader.reader, checked.layout, checked.fmt
     routed = layout.routed_names()
     tensors = {name: tensor_facts(reader.info(name), fmt, name in routed) for name in reader.keys()}
-    return _Checkpoint(Path(path), checked.config, fmt, layout, tensors)
+    return CheckpointFacts(Path(path), checked.config, fmt, layout, tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,7 +138,7 @@ def inspect_checkpoint(path) -> dict:
       are left out; ``parameters.mtp`` reports them.
     * ``bytes``: stored bytes, split the same way and by safetensors dtype code.
     """
-    checkpoint = _load(path)
+    checkpoint = checkpoint_facts(path)
     num_layers = checkpoint.config.num_hidden_layers
     tensors = checkpoint.tensors.values()
     decoder = [l for l in checkpoint.layout.decoder_layers if l < num_layers]
@@ -185,7 +177,7 @@ def inspect_checkpoint(path) -> dict:
     }
 
 
-def expert_parameters(checkpoint: _Checkpoint, layer: int) -> int:
+def expert_parameters(checkpoint: CheckpointFacts, layer: int) -> int:
     """Parameters of one routed expert of `layer`; every expert must have the same count, else
     "K experts' parameters" has no single value."""
     moe_layer = checkpoint.layout.moe_layers[layer]
@@ -197,7 +189,7 @@ def expert_parameters(checkpoint: _Checkpoint, layer: int) -> int:
     return next(iter(counts.values()))
 
 
-def active_parameters(checkpoint: _Checkpoint, num_layers: int, experts_per_token: int | None) -> int:
+def active_parameters(checkpoint: CheckpointFacts, num_layers: int, experts_per_token: int | None) -> int:
     """Parameters one token of the main model touches (see inspect_checkpoint)."""
     main = [f for f in checkpoint.tensors.values() if f.layer is None or f.layer < num_layers]
     tied = not any(_LM_HEAD.match(f.name) for f in main)
@@ -232,196 +224,19 @@ def format_inspect(report: dict) -> str:
         ("MoE layers", moe_line),
     ]
     lines = _align(header)
-    lines += [""] + _table(
+    lines += [""] + text_table(
         ["", "parameters", "bytes"],
         [["routed experts", human_count(p["routed_experts"]), human_bytes(b["routed_experts"])],
          ["everything else", human_count(p["other"]), human_bytes(b["other"])],
          ["total", human_count(p["total"]), human_bytes(b["total"])],
          ["active per token", human_count(p["active_per_token"]), ""],
          ["MTP layers (in total)", human_count(p["mtp"]), ""]])
-    lines += [""] + _table(["dtype", "bytes", "share"],
+    lines += [""] + text_table(["dtype", "bytes", "share"],
                            [[dtype, human_bytes(n), f"{100 * n / max(b['total'], 1):.1f}%"]
                             for dtype, n in b["by_dtype"].items()])
     lines += ["", "parameters as Hugging Face counts them (packed 4-bit in logical values, scales "
                   "included); GB = 1e9 bytes"]
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# plan
-# --------------------------------------------------------------------------------------------
-
-# Storage formats a pricing can re-price a group of tensors in (see matrix_bytes).
-_FORMAT_LABELS = {"bf16": "BF16", "fp8": "FP8", "mxfp4": "MXFP4"}
-
-
-@dataclass(frozen=True)
-class Pricing:
-    """How expert weights and everything else are stored: a format name from _FORMAT_LABELS, or
-    None for the bytes as stored."""
-
-    experts: str | None
-    rest: str | None
-
-    @property
-    def name(self) -> str:
-        if self.experts is None and self.rest is None:
-            return "as stored"
-        return f"experts {_FORMAT_LABELS[self.experts]} / rest {_FORMAT_LABELS[self.rest]}"
-
-
-PRICINGS = (
-    Pricing(None, None),
-    Pricing("bf16", "bf16"),
-    Pricing("fp8", "bf16"),
-    Pricing("fp8", "fp8"),
-    Pricing("mxfp4", "bf16"),
-    Pricing("mxfp4", "fp8"),
-)
-
-
-def matrix_bytes(logical_shape: tuple[int, ...], fmt: str) -> int:
-    """Bytes of a [..., M, N] weight in `fmt`, scales included: BF16 2 per value; FP8 1 per value
-    plus a float32 scale per 128x128 block (DeepSeek-V3); MXFP4 half a byte per value plus one E8M0
-    byte per 32 values of a row. Leading dimensions (fused expert stacks) are separate matrices."""
-    *batch, rows, cols = logical_shape
-    matrices = math.prod(batch)
-    if fmt == "bf16":
-        return matrices * rows * cols * 2
-    if fmt == "fp8":
-        blocks = _ceil_div(rows, FP8_BLOCK[0]) * _ceil_div(cols, FP8_BLOCK[1])
-        return matrices * (rows * cols + 4 * blocks)
-    if fmt == "mxfp4":
-        return matrices * rows * (_ceil_div(cols, 2) + _ceil_div(cols, MXFP4_GROUP_SIZE))
-    raise ConfigError(f"unknown storage format {fmt!r}; expected one of {sorted(_FORMAT_LABELS)}")
-
-
-def priced_bytes(facts: TensorFacts, fmt: str | None) -> int:
-    """A tensor's bytes when its group is re-priced in `fmt` (None: as stored). Matrices, packed
-    ones in their logical shape, take the format's bytes; the old scales and shapes are dropped
-    (the new format's scales are in matrix_bytes); vectors (norms, biases) keep their bytes."""
-    if fmt is None or facts.kind == "vector":
-        return facts.nbytes
-    if facts.kind == "companion":
-        return 0
-    return matrix_bytes(facts.logical_shape, fmt)
-
-
-def smallest_device_count(total_bytes: int, device_gb: float, headroom: float,
-                          must_divide: list[int], max_devices: int = MAX_DEVICES) -> int | None:
-    """The smallest power of two n <= max_devices with total_bytes / n <= headroom * device memory
-    and n dividing each of `must_divide` (routed experts and attention heads, which expert and
-    tensor parallelism split evenly); None when there is none."""
-    n = 1
-    while n <= max_devices:
-        if any(count % n for count in must_divide):
-            return None  # a larger power of two cannot divide what this one does not
-        if total_bytes <= headroom * device_gb * GB * n:
-            return n
-        n *= 2
-    return None
-
-
-def parse_gpu_specs(specs: list[str] | None) -> dict[str, float]:
-    """``["MI300X=192", ...]`` (``--gpu NAME=GB``, GB = 1e9 bytes) -> ``{"MI300X": 192.0}``."""
-    result: dict[str, float] = {}
-    for spec in specs or []:
-        name, sep, gb_text = str(spec).partition("=")
-        name = name.strip()
-        if not sep or not name or not gb_text.strip():
-            raise ConfigError(f"--gpu {spec!r}: expected NAME=GB, e.g. --gpu MI300X=192")
-        try:
-            gb = float(gb_text)
-        except ValueError:
-            raise ConfigError(
-                f"--gpu {spec!r}: memory {gb_text.strip()!r} is not a number of GB, e.g. --gpu MI300X=192") from None
-        _check_capacity(name, gb, f"--gpu {spec!r}")
-        if name in result:
-            raise ConfigError(f"--gpu {spec!r}: {name!r} is given twice")
-        result[name] = gb
-    return result
-
-
-def _check_capacity(name: str, gb, where: str) -> None:
-    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0:
-        raise ConfigError(f"{where}: memory of {name!r} must be a positive number of GB (1e9 bytes), got {gb!r}")
-
-
-def plan_checkpoint(path, extra_gpus: dict[str, float] | None = None, headroom: float = DEFAULT_HEADROOM) -> dict:
-    """Weights-only memory plan: for each pricing (PRICINGS) the bytes of the weights, and per
-    accelerator the fewest devices (a power of two dividing the routed expert count and the attention
-    head count, at most MAX_DEVICES) whose memory times `headroom` holds an equal share; None when
-    none does. KV cache, activations and runtime overhead are not counted: that is what the
-    headroom leaves room for. Every tensor on disk is priced, MTP layers included.
-
-    Re-pricing is an estimate: every matrix of the group (embedding, lm_head and routers included)
-    takes the format, while real FP8 releases keep a few of those in BF16.
-
-    `extra_gpus` ({"NAME": GB}) adds or overrides accelerators; GB = 1e9 bytes."""
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
-        raise ConfigError(f"headroom must be in (0, 1], got {headroom!r}")
-    for name, gb in (extra_gpus or {}).items():
-        _check_capacity(name, gb, "extra_gpus")
-    accelerators = {**ACCELERATORS_GB, **{name: float(gb) for name, gb in (extra_gpus or {}).items()}}
-    checkpoint = _load(path)
-    constraints = device_constraints(checkpoint)
-    must_divide = constraints["routed_experts"] + ([constraints["num_attention_heads"]]
-                                                   if constraints["num_attention_heads"] else [])
-    pricings = []
-    for pricing in PRICINGS:
-        expert_bytes = sum(priced_bytes(f, pricing.experts) for f in checkpoint.tensors.values() if f.routed)
-        other_bytes = sum(priced_bytes(f, pricing.rest) for f in checkpoint.tensors.values() if not f.routed)
-        total = expert_bytes + other_bytes
-        pricings.append({
-            "name": pricing.name,
-            "experts": pricing.experts or "stored",
-            "rest": pricing.rest or "stored",
-            "bytes": {"routed_experts": expert_bytes, "other": other_bytes, "total": total},
-            "devices": {name: smallest_device_count(total, gb, headroom, must_divide)
-                        for name, gb in accelerators.items()},
-        })
-    return {
-        "checkpoint": str(checkpoint.path),
-        "quantization": checkpoint.fmt,
-        "headroom": headroom,
-        "units": "GB = 1e9 bytes",
-        "scope": "weights only: no KV cache, activations or runtime overhead",
-        "constraints": {**constraints, "max_devices": MAX_DEVICES},
-        "accelerators": accelerators,
-        "pricings": pricings,
-    }
-
-
-def device_constraints(checkpoint: _Checkpoint) -> dict:
-    """What a device count must divide: each MoE layer's routed expert count (config
-    expert count when the checkpoint has no routed experts) and num_attention_heads."""
-    experts = sorted({layer.n_experts for layer in checkpoint.layout.moe_layers.values()})
-    if not experts:
-        experts = [checkpoint.config.n_experts]
-    return {"routed_experts": experts, "num_attention_heads": checkpoint.config.num_attention_heads}
-
-
-def format_plan(report: dict) -> str:
-    """plan_checkpoint's report as an aligned table for people."""
-    constraints = report["constraints"]
-    rule = [f"n a power of two <= {constraints['max_devices']}"]
-    if constraints["routed_experts"]:
-        rule.append(f"dividing {'/'.join(map(str, constraints['routed_experts']))} routed experts")
-    if constraints["num_attention_heads"]:
-        rule.append(f"dividing {constraints['num_attention_heads']} attention heads")
-    columns = list(report["accelerators"])
-    rows = [[p["name"], human_bytes(p["bytes"]["total"])]
-            + [str(p["devices"][name]) if p["devices"][name] else "no fit" for name in columns]
-            for p in report["pricings"]]
-    headers = ["pricing", "weights"] + [f"{name} {gb:g} GB" for name, gb in report["accelerators"].items()]
-    return "\n".join([
-        f"plan for {report['checkpoint']} (quantization: {report['quantization'] or 'none'})",
-        f"{report['scope']}; {report['units']}",
-        f"devices needed: the smallest n with weights / n <= {report['headroom']:g} x device memory, "
-        + ", ".join(rule),
-        "",
-        *_table(headers, rows),
-    ])
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,7 +276,7 @@ def _align(pairs: list[tuple[str, str]]) -> list[str]:
     return [f"{key:<{width}}  {value}" for key, value in pairs]
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+def text_table(headers: list[str], rows: list[list[str]]) -> list[str]:
     """First column left-aligned, the rest right-aligned (numbers)."""
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
 
@@ -469,10 +284,6 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
         return "  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     return [line(headers), *map(line, rows)]
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,31 +296,16 @@ def _run_inspect(args) -> None:
     print(json.dumps(report, indent=2) if args.json else format_inspect(report))
 
 
-def _run_plan(args) -> None:
-    report = plan_checkpoint(args.checkpoint, extra_gpus=parse_gpu_specs(args.gpu), headroom=args.headroom)
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
-
-
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add `inspect CKPT [--json]` and `plan CKPT [--gpu NAME=GB ...] [--headroom F] [--json]` to an
-    argparse subparsers object; each sets `func(args)`, which prints the report."""
+    """Add `inspect CKPT [--json]` to an argparse subparsers object; it sets `func(args)`, which
+    prints the report. `moejax.hf.planning.register_cli` adds `plan`."""
     p = subparsers.add_parser("inspect", help="parameters, bytes and MoE structure of a checkpoint (headers only)")
     p.add_argument("checkpoint")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_run_inspect)
 
-    p = subparsers.add_parser("plan", help="accelerators needed for a checkpoint's weights, per storage format")
-    p.add_argument("checkpoint")
-    p.add_argument("--gpu", action="append", default=[], metavar="NAME=GB",
-                   help="an extra accelerator and its memory in GB (1e9 bytes); repeatable")
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
-                   help="fraction of device memory the weights may use (default 0.9)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=_run_plan)
-
 
 __all__ = [
-    "ACCELERATORS_GB", "PRICINGS", "Pricing", "TensorFacts", "format_inspect", "format_plan",
-    "inspect_checkpoint", "matrix_bytes", "parse_gpu_specs", "plan_checkpoint", "priced_bytes",
-    "register_cli", "smallest_device_count",
+    "CheckpointFacts", "TensorFacts", "checkpoint_facts", "format_inspect", "human_bytes", "human_count",
+    "inspect_checkpoint", "register_cli", "tensor_facts", "text_table",
 ]

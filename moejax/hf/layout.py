@@ -16,7 +16,7 @@ import dataclasses
 import re
 
 from moejax.errors import CheckpointError
-from moejax.hf.safetensors_io import CheckpointReader
+from moejax.hf.checkpoint_reader import CheckpointReader
 
 _DECODER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.")
 

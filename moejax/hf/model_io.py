@@ -28,9 +28,11 @@ from flax import nnx
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf import quant
 from moejax.hf.check import check_checkpoint
+from moejax.hf.checkpoint_reader import CheckpointReader
+from moejax.hf.checkpoint_writer import write_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
-from moejax.hf.safetensors_io import CheckpointReader, RawTensor, numpy_dtype, write_checkpoint
+from moejax.hf.safetensors_format import RawTensor, numpy_dtype
 from moejax.models.family import Family
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
-"""Quantised weight formats of DeepSeek-V3-family checkpoints: a decoder for each (to run the model,
-always float32 out) and an encoder for each (to build quantised test fixtures).
+"""Quantised weight formats of DeepSeek-V3-family checkpoints: their layouts, a decoder for each (to
+run the model, always float32 out), and their detection from config.json.
 
 * ``fp8_block``: DeepSeek-V3 / Kimi-K2 FP8 e4m3 weights with one float32 ``weight_scale_inv`` per
   128x128 block (``quant_method: "fp8"``).
@@ -11,7 +11,8 @@ always float32 out) and an encoder for each (to build quantised test fixtures).
 The layouts follow the compressed-tensors and DeepSeek sources (see
 shared/reference/deepseek-v3-hf.md §4.1, §4.4, §4.5). Only numpy and ml_dtypes; every function is
 pure. Arrays are 2-D ``[out_features, in_features]`` as torch Linear stores them; groups and packing
-run along the input (last) dimension.
+run along the input (last) dimension. The encoders, which build quantised checkpoints for the tests,
+are in `moejax.hf.quant_encode`.
 """
 
 from __future__ import annotations
@@ -23,20 +24,14 @@ import numpy as np
 
 from moejax.errors import CheckpointError
 
-FP8_E4M3_MAX = 448.0
 FP8_BLOCK = (128, 128)
 
 INT4_NIBBLES_PER_WORD = 8
 INT4_OFFSET = 8  # stored nibble = q + 8, q in [-8, 7]
-INT4_Q_MIN, INT4_Q_MAX = -8, 7
-INT4_SYMMETRIC_RANGE = 7.5  # compressed-tensors' symmetric scale is amax / (bit_range / 2) = amax / 7.5
 
 MXFP4_GROUP_SIZE = 32
 E8M0_BIAS = 127
 E8M0_NAN = 255
-FP4_E2M1_MAX = 6.0
-# floor(log2(FP4_E2M1_MAX)): the E8M0 exponent sits this far below the group's rounded amax.
-MXFP4_EXPONENT_OFFSET = 2
 
 # The value of each 4-bit e2m1 code: bit 3 is the sign, bits 0-2 index the magnitudes.
 E2M1_VALUES = np.array(
@@ -44,14 +39,14 @@ E2M1_VALUES = np.array(
     dtype=np.float32,
 )
 
-_FLOAT_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+FLOAT_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _require_2d(array: np.ndarray, name: str) -> None:
+def require_2d(array: np.ndarray, name: str) -> None:
     if array.ndim != 2:
         raise CheckpointError(f"{name}: expected a 2-D array, got shape {array.shape}")
 
@@ -63,7 +58,7 @@ def _require_dtype(array: np.ndarray, name: str, allowed: tuple) -> None:
         raise CheckpointError(f"{name}: expected dtype {names}, got {array.dtype}")
 
 
-def _require_positive_pair(block, name: str) -> tuple[int, int]:
+def require_positive_pair(block, name: str) -> tuple[int, int]:
     if len(block) != 2:
         raise CheckpointError(f"{name}: expected (rows, cols), got {tuple(block)}")
     rows, cols = (int(b) for b in block)
@@ -72,31 +67,11 @@ def _require_positive_pair(block, name: str) -> tuple[int, int]:
     return rows, cols
 
 
-def _expand_per_block(per_block: np.ndarray, block: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
+def expand_per_block(per_block: np.ndarray, block: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
     """Repeat a [ceil(M/bm), ceil(N/bn)] grid so every element of [M, N] sees its block's value;
     the slice drops what an edge block would cover beyond the matrix."""
     rows, cols = block
     return np.repeat(np.repeat(per_block, rows, axis=0), cols, axis=1)[: shape[0], : shape[1]]
-
-
-def _block_amax(w: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """max|w| over each block, edge blocks partial. Zero padding never changes a block's amax, which
-    is also how DeepSeek handles edges (pads to 128, then drops the padding)."""
-    rows, cols = block
-    m, n = w.shape
-    mb, nb = _ceil_div(m, rows), _ceil_div(n, cols)
-    padded = np.zeros((mb * rows, nb * cols), dtype=np.float32)
-    padded[:m, :n] = np.abs(w)
-    return padded.reshape(mb, rows, nb, cols).max(axis=(1, 3))
-
-
-def _as_float32_input(w, name: str) -> np.ndarray:
-    w = np.asarray(w)
-    _require_2d(w, name)
-    w = w.astype(np.float32)
-    if not np.all(np.isfinite(w)):
-        raise CheckpointError(f"{name}: cannot quantise non-finite values")
-    return w
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,41 +94,20 @@ def dequant_fp8_block(
     """
     weight = np.asarray(weight)
     scale_inv = np.asarray(scale_inv)
-    block = _require_positive_pair(block, f"{name} block")
-    _require_2d(weight, name)
+    block = require_positive_pair(block, f"{name} block")
+    require_2d(weight, name)
     _require_dtype(weight, name, (ml_dtypes.float8_e4m3fn,))
-    _require_2d(scale_inv, f"{name}_scale_inv")
-    _require_dtype(scale_inv, f"{name}_scale_inv", _FLOAT_SCALE_DTYPES)
+    require_2d(scale_inv, f"{name}_scale_inv")
+    _require_dtype(scale_inv, f"{name}_scale_inv", FLOAT_SCALE_DTYPES)
     m, n = weight.shape
-    expected = (_ceil_div(m, block[0]), _ceil_div(n, block[1]))
+    expected = (ceil_div(m, block[0]), ceil_div(n, block[1]))
     if scale_inv.shape != expected:
         raise CheckpointError(
             f"{name}_scale_inv: shape {scale_inv.shape} does not fit weight shape {weight.shape} "
             f"with {block[0]}x{block[1]} blocks; expected {expected}"
         )
-    scale = _expand_per_block(scale_inv.astype(np.float32), block, (m, n))
+    scale = expand_per_block(scale_inv.astype(np.float32), block, (m, n))
     return weight.astype(np.float32) * scale
-
-
-def quantize_fp8_block(
-    w: np.ndarray, block: tuple[int, int] = FP8_BLOCK
-) -> tuple[np.ndarray, np.ndarray]:
-    """Encode float [M, N] as (``float8_e4m3fn`` [M, N], float32 ``scale_inv`` [ceil(M/bm), ceil(N/bn)]).
-
-    Per block, as DeepSeek's quantiser: ``scale_inv = amax / 448`` (1 for an all-zero block, so it
-    decodes to zeros), ``q = clip(w / scale_inv, -448, 448)`` rounded to nearest-even e4m3. A value
-    equal to 448 * scale_inv of its block times an e4m3 number round-trips exactly when scale_inv
-    is a power of two.
-    """
-    w = _as_float32_input(w, "weight")
-    block = _require_positive_pair(block, "block")
-    amax = _block_amax(w, block)
-    scale_inv = np.where(amax > 0, amax / np.float32(FP8_E4M3_MAX), np.float32(1.0)).astype(np.float32)
-    scaled = w / _expand_per_block(scale_inv, block, w.shape)
-    # Clip before the cast: ml_dtypes turns anything past 448 into NaN (e4m3fn has no infinity),
-    # and amax / (amax / 448) can land a rounding step above 448.
-    scaled = np.clip(scaled, -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return scaled.astype(ml_dtypes.float8_e4m3fn), scale_inv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,26 +136,14 @@ def _unpack_nibbles(words: np.ndarray) -> np.ndarray:
     return nibbles.reshape(words.shape[0], -1).astype(np.uint8)
 
 
-def _pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
-    """uint [R, C] values 0..15 -> int32 [R, ceil(C/8)], the inverse of ``_unpack_nibbles``; a short
-    last word is filled with zero nibbles (as compressed-tensors pads)."""
-    rows, cols = nibbles.shape
-    words = _ceil_div(cols, INT4_NIBBLES_PER_WORD)
-    padded = np.zeros((rows, words * INT4_NIBBLES_PER_WORD), dtype=np.uint32)
-    padded[:, :cols] = nibbles
-    shifts = np.arange(INT4_NIBBLES_PER_WORD, dtype=np.uint32) * 4
-    packed = np.bitwise_or.reduce(padded.reshape(rows, words, INT4_NIBBLES_PER_WORD) << shifts, axis=2)
-    return packed.astype(np.uint32).view(np.int32)
-
-
 def _unpack_int4_zero_point(zero_point: np.ndarray, rows: int, groups: int, name: str) -> np.ndarray:
     """Asymmetric zero points: int32 [ceil(M/8), G] packed along dim 0 (the output dim), i.e.
     ``pack_to_int32(zp, 4, packed_dim=0)``; row ``8j + k`` of column g sits at bits ``4k..`` of
     ``zero_point[j, g]``, stored as zp + 8. Returns int32 [M, G] in [-8, 7]."""
     zero_point = np.asarray(zero_point)
-    _require_2d(zero_point, f"{name}_zero_point")
+    require_2d(zero_point, f"{name}_zero_point")
     _require_dtype(zero_point, f"{name}_zero_point", (np.int32,))
-    expected = (_ceil_div(rows, INT4_NIBBLES_PER_WORD), groups)
+    expected = (ceil_div(rows, INT4_NIBBLES_PER_WORD), groups)
     if zero_point.shape != expected:
         raise CheckpointError(
             f"{name}_zero_point: shape {zero_point.shape} does not fit {rows} rows x {groups} groups "
@@ -244,17 +186,17 @@ def unpack_int4(
     group_size = int(group_size)
     if group_size <= 0:
         raise CheckpointError(f"{name}: group_size must be positive, got {group_size}")
-    _require_2d(weight_packed, f"{name}_packed")
+    require_2d(weight_packed, f"{name}_packed")
     _require_dtype(weight_packed, f"{name}_packed", (np.int32,))
-    expected_packed = (rows, _ceil_div(cols, INT4_NIBBLES_PER_WORD))
+    expected_packed = (rows, ceil_div(cols, INT4_NIBBLES_PER_WORD))
     if weight_packed.shape != expected_packed:
         raise CheckpointError(
             f"{name}_packed: shape {weight_packed.shape} does not fit weight_shape {(rows, cols)} "
             f"packed 8 per int32; expected {expected_packed}"
         )
-    _require_2d(weight_scale, f"{name}_scale")
-    _require_dtype(weight_scale, f"{name}_scale", _FLOAT_SCALE_DTYPES)
-    groups = _ceil_div(cols, group_size)
+    require_2d(weight_scale, f"{name}_scale")
+    _require_dtype(weight_scale, f"{name}_scale", FLOAT_SCALE_DTYPES)
+    groups = ceil_div(cols, group_size)
     if weight_scale.shape != (rows, groups):
         raise CheckpointError(
             f"{name}_scale: shape {weight_scale.shape} does not fit weight_shape {(rows, cols)} "
@@ -263,39 +205,9 @@ def unpack_int4(
     q = _unpack_nibbles(weight_packed)[:, :cols].astype(np.int32) - INT4_OFFSET
     if weight_zero_point is not None:
         zero_point = _unpack_int4_zero_point(weight_zero_point, rows, groups, name)
-        q = q - _expand_per_block(zero_point, (1, group_size), (rows, cols))
-    scale = _expand_per_block(weight_scale.astype(np.float32), (1, group_size), (rows, cols))
+        q = q - expand_per_block(zero_point, (1, group_size), (rows, cols))
+    scale = expand_per_block(weight_scale.astype(np.float32), (1, group_size), (rows, cols))
     return q.astype(np.float32) * scale
-
-
-def pack_int4(
-    w: np.ndarray, group_size: int, *, scale_dtype=ml_dtypes.bfloat16
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Encode float [M, N] as compressed-tensors symmetric INT4 ``pack-quantized``:
-    (``weight_packed`` int32 [M, ceil(N/8)], ``weight_scale`` [M, ceil(N/group_size)] in
-    ``scale_dtype`` (bf16 as in Kimi checkpoints), ``weight_shape`` int64 [2]).
-
-    As compressed-tensors' minmax observer: ``scale = amax(group) / 7.5`` rounded to ``scale_dtype``
-    (a zero scale becomes that dtype's eps), ``q = clip(round_half_even(w / scale), -8, 7)``, then
-    packed as ``unpack_int4`` reads it. The division is float32 here (compressed-tensors divides in
-    the weight's dtype), which can differ on an exact rounding tie. Per element the error is at
-    most half a scale step, a little more for a group's largest value (7.5 rounds to 8, clipped to 7).
-    """
-    w = _as_float32_input(w, "weight")
-    group_size = int(group_size)
-    if group_size <= 0:
-        raise CheckpointError(f"weight: group_size must be positive, got {group_size}")
-    scale_dtype = np.dtype(scale_dtype)
-    if scale_dtype not in _FLOAT_SCALE_DTYPES:
-        raise CheckpointError(f"weight_scale: unsupported scale dtype {scale_dtype}")
-    rows, cols = w.shape
-    amax = _block_amax(w, (1, group_size))
-    scale = (amax / np.float32(INT4_SYMMETRIC_RANGE)).astype(scale_dtype)
-    scale = np.where(scale == 0, ml_dtypes.finfo(scale_dtype).eps, scale).astype(scale_dtype)
-    scaled = w / _expand_per_block(scale.astype(np.float32), (1, group_size), w.shape)
-    q = np.clip(np.rint(scaled), INT4_Q_MIN, INT4_Q_MAX).astype(np.int32)
-    packed = _pack_nibbles((q + INT4_OFFSET).astype(np.uint32))
-    return packed, scale, np.array([rows, cols], dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +223,7 @@ def _unpack_fp4_codes(packed: np.ndarray) -> np.ndarray:
     return np.stack([low, high], axis=-1).reshape(packed.shape[0], -1)
 
 
-def _e8m0_to_float32(exponents: np.ndarray) -> np.ndarray:
+def e8m0_to_float32(exponents: np.ndarray) -> np.ndarray:
     """E8M0 scale bytes -> 2**(e - 127) in float32 (exact, 2**-127 being a float32 subnormal);
     255 is NaN, as the OCP MX spec defines it."""
     finite = np.minimum(exponents.astype(np.int32), E8M0_NAN - 1)  # 2**128 would overflow float32
@@ -336,12 +248,12 @@ def dequant_mxfp4(weight_packed: np.ndarray, weight_scale: np.ndarray, *, name: 
     """
     weight_packed = np.asarray(weight_packed)
     weight_scale = np.asarray(weight_scale)
-    _require_2d(weight_packed, f"{name}_packed")
+    require_2d(weight_packed, f"{name}_packed")
     _require_dtype(weight_packed, f"{name}_packed", (np.uint8,))
-    _require_2d(weight_scale, f"{name}_scale")
+    require_2d(weight_scale, f"{name}_scale")
     _require_dtype(weight_scale, f"{name}_scale", (np.uint8,))
     rows, cols = weight_packed.shape[0], 2 * weight_packed.shape[1]
-    expected = (rows, _ceil_div(cols, MXFP4_GROUP_SIZE))
+    expected = (rows, ceil_div(cols, MXFP4_GROUP_SIZE))
     if weight_scale.shape != expected:
         raise CheckpointError(
             f"{name}_scale: shape {weight_scale.shape} does not fit {name}_packed shape "
@@ -349,43 +261,8 @@ def dequant_mxfp4(weight_packed: np.ndarray, weight_scale: np.ndarray, *, name: 
             f"expected {expected}"
         )
     values = E2M1_VALUES[_unpack_fp4_codes(weight_packed)]
-    scale = _expand_per_block(_e8m0_to_float32(weight_scale), (1, MXFP4_GROUP_SIZE), (rows, cols))
+    scale = expand_per_block(e8m0_to_float32(weight_scale), (1, MXFP4_GROUP_SIZE), (rows, cols))
     return values * scale
-
-
-def _mx_scale_exponent(amax: np.ndarray) -> np.ndarray:
-    """E8M0 exponent per group, as compressed-tensors ``generate_mx_scales(amax, num_bits=4)``:
-    round amax to a power of two (up when its significand is >= 1.75, else down: add a quarter to
-    the fraction bits and mask them off), then ``e = 127 + log2(that) - 2``, clipped to [0, 255].
-    With float32 bits that is the rounded value's exponent field minus 2."""
-    bits = np.ascontiguousarray(amax, dtype=np.float32).view(np.uint32).astype(np.int64)
-    rounded = bits + (1 << 21)  # a quarter of float32's 23 fraction bits
-    exponent_field = (rounded >> 23) & 0xFF
-    return np.clip(exponent_field - MXFP4_EXPONENT_OFFSET, 0, E8M0_NAN).astype(np.uint8)
-
-
-def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Encode float [M, N] (N even) as compressed-tensors MXFP4: (``weight_packed`` uint8 [M, N/2],
-    ``weight_scale`` uint8 E8M0 [M, ceil(N/32)]), the layout ``dequant_mxfp4`` reads.
-
-    Per group of 32: the exponent from ``_mx_scale_exponent``; values ``w / scale`` clipped to +-6
-    and rounded to the nearest e2m1 value, ties to even (compressed-tensors' thresholds 0.25, 0.75,
-    1.25, 1.75, 2.5, 3.5, 5). Groups whose values are e2m1 numbers times one power of two round-trip
-    exactly; otherwise the error is at most one scale step (half the widest e2m1 gap, 4 to 6).
-    """
-    w = _as_float32_input(w, "weight")
-    rows, cols = w.shape
-    if cols % 2:
-        raise CheckpointError(f"weight: MXFP4 packs two values per byte; in_features {cols} is odd")
-    exponents = _mx_scale_exponent(_block_amax(w, (1, MXFP4_GROUP_SIZE)))
-    scaled = w / _expand_per_block(_e8m0_to_float32(exponents), (1, MXFP4_GROUP_SIZE), w.shape)
-    # + 0.0 turns -0.0 into +0.0, so an exact zero gets code 0 as in compressed-tensors, while a
-    # small negative value still rounds to -0 (code 8), also as there.
-    scaled = np.clip(scaled, -FP4_E2M1_MAX, FP4_E2M1_MAX) + np.float32(0.0)
-    # ml_dtypes rounds to nearest-even on the e2m1 grid; its byte holds the 4-bit code.
-    codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-    return packed, exponents
 
 
 # ---------------------------------------------------------------------------------------------

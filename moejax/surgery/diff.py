@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from moejax.hf.check import check_checkpoint, checkpoint_problems
+from moejax.hf.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
-from moejax.hf.safetensors_io import CheckpointReader, TensorInfo
+from moejax.hf.safetensors_format import TensorInfo
 from moejax.scoring.scores import DATA_FREE_SCORES, compute_scores, rank_correlation
 from moejax.scoring.select import select_kept
 from moejax.surgery.prune import router_stats

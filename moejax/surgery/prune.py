@@ -29,10 +29,11 @@ from tqdm import tqdm
 
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
+from moejax.hf.checkpoint_reader import CheckpointReader, allowed_root, check_regular_file
+from moejax.hf.checkpoint_writer import write_safetensors_file
 from moejax.hf.layout import CheckpointLayout, MoeLayer, layer_of
-from moejax.hf.safetensors_io import (CONFIG_NAME, INDEX_NAME, CheckpointReader, RawTensor, allowed_root,
-                                      check_destination, check_regular_file, staged_directory,
-                                      write_safetensors_file)
+from moejax.hf.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
+from moejax.hf.staging import check_destination, staged_directory
 from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, LayerStats, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
 
