@@ -19,7 +19,7 @@ from hf_fixtures import batch  # noqa: E402
 
 from moejax import AutoModelForCausalLM  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
-from moejax.hf.safetensors_io import CheckpointReader  # noqa: E402
+from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.models.registry import FAMILIES as REGISTRY  # noqa: E402
 
 NAMES = list(FAMILIES)

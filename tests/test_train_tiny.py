@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 N, M = 20, 30   # first run, then resumed to
 
 SMALL_ARCH = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-                  num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                   v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                   max_position_embeddings=64)
 
@@ -63,13 +63,13 @@ def test_loss_falls_and_balance_biases_move(trained):
     from moejax import DeepseekV3ForCausalLM
 
     model = DeepseekV3ForCausalLM.from_pretrained(cfg.path)
-    for layer in model.model.layers[cfg.arch.first_k_dense_replace:]:
+    for layer in model.model.layers[cfg.model_config().first_k_dense_replace:]:
         bias = np.asarray(layer.mlp.bias[...])
         assert (bias != 0).any() and (bias < 0).any() and (bias > 0).any()
         assert np.allclose(bias / cfg.train.bias_update_rate, np.round(bias / cfg.train.bias_update_rate),
                            atol=1e-3)  # only sign steps moved it (no gradient reached it)
     shares = metric(df, "max_load_share")
-    assert len(shares) == cfg.arch.num_hidden_layers - cfg.arch.first_k_dense_replace
+    assert len(shares) == cfg.model_config().num_hidden_layers - cfg.model_config().first_k_dense_replace
 
 
 def test_heldout_files_are_disjoint_from_training_and_recorded(trained):
@@ -150,7 +150,7 @@ def test_interrupted_run_resumed_equals_uninterrupted(trained, tmp_path):
     df2, _ = tt.run(again)
     assert metric(df2, "start_step").value.tolist() == [10]
     np.testing.assert_allclose(metric(df2, "train_loss").value, metric(df, "train_loss").value, rtol=1e-5)
-    from moejax.hf.safetensors_io import CheckpointReader
+    from moejax.hf.checkpoint_reader import CheckpointReader
 
     a, b = CheckpointReader(cfg.path), CheckpointReader(tmp_path / "tiny")
     for name in a.keys():
@@ -202,15 +202,17 @@ def test_saved_checkpoint_has_a_byte_level_tokenizer(trained):
     tok = transformers.AutoTokenizer.from_pretrained(cfg.path)
     assert tok.encode("def f():\n    return 'é'\n") == list("def f():\n    return 'é'\n".encode("utf-8"))
     assert tok.eos_token_id == 0 and tok.bos_token_id is None
-    assert tok.model_max_length == cfg.arch.max_position_embeddings
+    assert tok.model_max_length == cfg.model_config().max_position_embeddings
     config = transformers.AutoConfig.from_pretrained(cfg.path)
     assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (0, 0, None)
 
 
 @pytest.mark.parametrize("change,match", [
     ({"train": {"stepz": 3}}, r"unknown setting\(s\) \['train\.stepz'\]"),
-    ({"arch": {"num_experts_per_tok": 9}}, r"num_experts_per_tok=9 \(top_k\) exceeds tiny\.n_routed_experts=8"),
-    ({"data": {"seq_len": 128}}, "data.seq_len=128 exceeds tiny.max_position_embeddings=64"),
+    ({"arch": {"num_experts_per_tok": 9}}, r"train_tiny: arch: num_experts_per_tok=9 exceeds n_routed_experts=8"),
+    ({"data": {"seq_len": 128}}, "data.seq_len=128 exceeds arch.max_position_embeddings=64"),
+    ({"arch": {"family": "gpt2"}}, r"arch\.family='gpt2'; registered families"),
+    ({"arch": {"hidden_size": "wide"}}, r'hidden_size="wide" \(str\), expected a positive integer'),
     ({"arch": {"n_group": 3}}, "n_routed_experts=8 is not divisible by n_group=3"),
     ({"train": {"steps": "many"}}, r"train\.steps='many'; expected int"),
     ({"bogus": 1}, r"unknown setting\(s\) \['bogus'\]"),
@@ -298,7 +300,7 @@ def test_balance_bias_step_follows_the_rule_in_numpy(trained):
     cfg = trained[0]
     trainer = tt.Trainer(cfg)            # the same settings: the compiled step of the fixture is reused
     rate = np.float32(cfg.train.bias_update_rate)
-    moe_layers = range(cfg.arch.first_k_dense_replace, cfg.arch.num_hidden_layers)
+    moe_layers = range(cfg.model_config().first_k_dense_replace, cfg.model_config().num_hidden_layers)
     rng = np.random.default_rng(7)
     moved = 0
     for _ in range(2):
@@ -313,7 +315,7 @@ def test_balance_bias_step_follows_the_rule_in_numpy(trained):
         trainer.state, _ = trainer.step(trainer.state, ids)
         after = trainer.model
         for l in moe_layers:
-            assert load[l].sum() == ids.size * cfg.arch.num_experts_per_tok
+            assert load[l].sum() == ids.size * cfg.model_config().num_experts_per_tok
             assert load[l].min() < load[l].mean() < load[l].max()        # the batch is unbalanced
             # busy experts (load above the mean) go down, idle ones up, at-mean ones stay
             want = before[l] + rate * np.sign(load[l].mean() - load[l]).astype(np.float32)
@@ -321,3 +323,33 @@ def test_balance_bias_step_follows_the_rule_in_numpy(trained):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-7, err_msg=f"layer {l}")
             moved += int((before[l] != 0).any())
     assert moved == len(moe_layers)                                       # the second step started off zero
+
+
+def test_a_softmax_family_trains_with_the_balance_loss_and_loads_in_transformers(tmp_path):
+    """arch.family=qwen3_moe on the same reduced budget: the family's model (no balance bias, so
+    the balance loss at 0.01 instead of bias steps), the loss falls, and transformers' Qwen3-MoE
+    loads the result with the held-out loss train_tiny recorded."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    arch = {"family": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 64}
+    s = settings(tmp_path / "qwen", steps=12)
+    s["arch"] = arch
+    s["train"] = {**s["train"], "eval_every": 0, "checkpoint_every": 12, "decay_steps": 12}
+    cfg = tt.Config.from_mapping(s)
+    assert cfg.balance_loss_alpha == 0.01 and cfg.model_config().mlp_only_layers == (0,)
+    df, _ = tt.run(cfg)
+    loss = metric(df, "train_loss")
+    assert loss.value.tail(3).mean() < loss.value.head(3).mean() - 0.5
+    assert "bias_min" not in set(df.metric) and len(metric(df, "max_load_share")) == 1
+    record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
+    assert record["family"] == "qwen3_moe" and record["config"]["train"]["aux_loss_alpha"] == 0.01
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, attn_implementation="eager",
+                                                          experts_implementation="eager").eval()
+    ids = tt.build_corpus(cfg).heldout_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.as_tensor(ids, dtype=torch.long)).logits.float()[:, :-1], -1)
+        hf_loss = -logp.gather(-1, torch.as_tensor(ids[:, 1:, None], dtype=torch.long)).mean().item()
+    assert hf_loss == pytest.approx(record["heldout_loss"], rel=1e-4)

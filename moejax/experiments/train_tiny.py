@@ -1,5 +1,5 @@
-"""`python -m moejax.run experiment=train_tiny`: train a small DeepSeek-V3-architecture model on the
-Python standard library's sources (byte-level, vocab 256) and save it as a Hugging Face checkpoint
+"""`python -m moejax.run experiment=train_tiny`: train a small model of any registered family
+(`arch.family=deepseek_v3` by default, `arch.family=qwen3_moe`, ...) on the Python standard library's sources (byte-level, vocab 256) and save it as a Hugging Face checkpoint
 at `model=tiny`'s path, for `python -m moejax.run experiment=prune_real model=tiny`.
 
 What it does
@@ -9,13 +9,17 @@ What it does
   files of `data.heldout_always` always are. The model never sees a held-out file. Training
   batches are random windows of `seq_len` bytes of the concatenated training files; batch `i` is a
   pure function of (seed, i), so a resumed run sees exactly the batches an uninterrupted one would.
-- Model: `moejax`'s DeepseekV3ForCausalLM (MLA, sigmoid router with e_score_correction_bias,
-  group-limited routing, shared expert, dense first layer), float32, "sorted" dispatch.
+- Model: the family's moejax model at its `tiny` preset (moejax/models/<family>/presets.py: TINY,
+  with `+arch.KEY=VALUE` overriding config.json keys; the default is the DeepSeek-V3 tiny model:
+  MLA, sigmoid router with e_score_correction_bias, group-limited routing, shared expert, dense
+  first layer), float32, "sorted" dispatch.
 - Training: AdamW (weight decay on matrices only), linear warmup then cosine decay, global-norm
-  clipping, next-token cross-entropy in float32. Routing balance as DeepSeek-V3 trains it
-  (auxiliary-loss-free): after each step, in each MoE layer, bias_e += rate * sign(mean_load -
-  load_e) with load_e the routing decisions expert e got in that step's batch. Optionally the
-  sequence-wise balance loss (alpha * sum_e f_e P_e, DeepSeek-V3 eq. 17-20), off by default.
+  clipping, next-token cross-entropy in float32. Routing balance as each family trains it: with a
+  balance bias (DeepSeek-V3, GLM-4.5) auxiliary-loss-free, after each step, in each MoE layer,
+  bias_e += rate * sign(mean_load - load_e) with load_e the routing decisions expert e got in that
+  step's batch; without one (softmax routers) the balance loss alpha * sum_e f_e P_e (DeepSeek-V3
+  eq. 17-20; P_e the router's probabilities, the Switch/OLMoE form), alpha 0.01 unless
+  `train.aux_loss_alpha` says otherwise (0 with a bias).
 - Resume: orbax checkpoints every `train.checkpoint_every` steps (and at the end) in
   `<model.path>.orbax/` (parameters, balance biases, optimizer state, step, seed, loss history, a
   fingerprint of the settings). Rerunning the same command resumes from the latest one and
@@ -27,7 +31,7 @@ What it does
 - Output: `model.save_pretrained` into a staged folder plus `moejax_tiny.json` (stdlib root,
   training and held-out files, config, steps, losses, seconds, versions) and a byte-level Hugging
   Face tokenizer (`moejax.data.write_byte_tokenizer`: id == UTF-8 byte, byte 0 is eos/pad, no
-  BOS), renamed into place as one folder (`moejax.hf.safetensors_io.staged_directory`).
+  BOS), renamed into place as one folder (`moejax.hf.staging.staged_directory`).
 
 Results: a tidy table with columns step, metric, layer, value; metrics train_loss (every step),
 lr, train_max_load_share (largest expert share of the step's routing decisions, mean over MoE
@@ -59,6 +63,9 @@ RECORD = "moejax_tiny.json"      # prune_real reads "heldout" (and "stdlib_root"
 ORBAX_SUFFIX = ".orbax"
 
 
+_NULLABLE = {"decay_steps": int, "aux_loss_alpha": float}  # settings whose default is null
+
+
 def _typed(cls, d, where: str):
     """Build dataclass `cls` from a mapping: unknown keys and wrong types are ConfigErrors."""
     if d is None:
@@ -72,7 +79,7 @@ def _typed(cls, d, where: str):
                           f"valid {where}.*: {sorted(fields)}")
     out = {}
     for k, v in d.items():
-        want = type(getattr(cls(), k)) if k not in ("q_lora_rank", "decay_steps") else int
+        want = _NULLABLE.get(k) or type(getattr(cls(), k))
         if want is tuple:
             v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
         elif want is float and isinstance(v, int) and not isinstance(v, bool):
@@ -83,46 +90,45 @@ def _typed(cls, d, where: str):
     return cls(**out)
 
 
+# byte-level: byte 0 (NUL, never in the text) is eos and pad, there is no BOS; these match the
+# tokenizer files written next to the checkpoint (moejax.data.write_byte_tokenizer)
+BYTE_LEVEL = {"vocab_size": 256, "eos_token_id": 0, "pad_token_id": 0, "bos_token_id": None, "dtype": "float32"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ArchConfig:
-    """The architecture (HF config.json names)."""
+    """The architecture: a registered family and config.json keys over its `tiny` preset
+    (moejax.models.<family>/presets.py: TINY). The model config is the family's own, so every
+    key is checked by the family's config class and nothing is declared twice."""
 
-    vocab_size: int = 256
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    moe_intermediate_size: int = 64
-    num_hidden_layers: int = 4
-    first_k_dense_replace: int = 1
-    num_attention_heads: int = 4
-    q_lora_rank: int | None = 64
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 16
-    v_head_dim: int = 32
-    n_routed_experts: int = 32
-    num_experts_per_tok: int = 4
-    n_group: int = 4
-    topk_group: int = 2
-    n_shared_experts: int = 1
-    routed_scaling_factor: float = 2.5
-    norm_topk_prob: bool = True
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 512
+    family: str = "deepseek_v3"
+    overrides: tuple = ()   # (key, value) pairs, sorted: config.json keys as the family spells them
+
+    @classmethod
+    def from_mapping(cls, d) -> "ArchConfig":
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ConfigError(f"train_tiny: arch must be a mapping, got {d!r}")
+        d = dict(d)
+        family = d.pop("family", "deepseek_v3")
+        return cls(family, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items())))
 
     def hf_dict(self) -> dict:
-        """A complete config.json for transformers' and moejax's DeepseekV3ForCausalLM."""
-        d = dataclasses.asdict(self)
-        theta = d.pop("rope_theta")
-        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **d,
-                "num_key_value_heads": self.num_attention_heads, "hidden_act": "silu", "scoring_func": "sigmoid",
-                "topk_method": "noaux_tc", "moe_layer_freq": 1, "tie_word_embeddings": False,
-                "attention_bias": False, "rope_interleave": True, "num_nextn_predict_layers": 0,
-                "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "initializer_range": 0.02,
-                "dtype": "float32",
-                # byte-level: byte 0 (NUL, never in the text) is eos and pad, there is no BOS; these
-                # match the tokenizer files written next to the checkpoint (moejax.data.write_byte_tokenizer)
-                "eos_token_id": 0, "pad_token_id": 0, "bos_token_id": None}
+        """A complete config.json for the family's transformers and moejax models."""
+        from moejax.models.registry import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise ConfigError(f"train_tiny: arch.family={self.family!r}; registered families: {sorted(FAMILIES)}")
+        family = FAMILIES[self.family]
+        if family.tiny is None:
+            raise ConfigError(f"train_tiny: the {family.title} family has no tiny preset (TINY in "
+                              f"moejax/models/{family.name}/presets.py)")
+        overrides = {k: list(v) if isinstance(v, tuple) else v for k, v in self.overrides}
+        return {**family.tiny, **BYTE_LEVEL, "initializer_range": 0.02, **overrides}
+
+    def as_dict(self) -> dict:
+        return {"family": self.family, **{k: list(v) if isinstance(v, tuple) else v for k, v in self.overrides}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +156,7 @@ class TrainConfig:
     b2: float = 0.95
     clip_norm: float = 1.0
     bias_update_rate: float = 1e-3
-    aux_loss_alpha: float = 0.0
+    aux_loss_alpha: float | None = None  # null: 0 with a balance bias, 0.01 without (balance_loss_alpha)
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     eval_every: int = 400
@@ -173,14 +179,15 @@ class TrainTinyConfig:
     def from_mapping(cls, d: dict) -> "TrainTinyConfig":
         d = dict(d)
         refuse_unknown_settings(cls, d, "train_tiny")
-        for key, sub in (("arch", ArchConfig), ("data", DataConfig), ("train", TrainConfig)):
-            d[key] = _typed(sub, d.get(key), "tiny" if key == "arch" else key)
+        d["arch"] = ArchConfig.from_mapping(d.get("arch"))
+        for key, sub in (("data", DataConfig), ("train", TrainConfig)):
+            d[key] = _typed(sub, d.get(key), key)
         cfg = cls(**d)
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        a, dc, t = self.arch, self.data, self.train
+        dc, t = self.data, self.train
         if not self.path:
             raise ConfigError("train_tiny: no output folder; set model=tiny or model.path=FOLDER")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -188,23 +195,15 @@ class TrainTinyConfig:
         if self.mesh_data * self.mesh_expert != 1:
             raise ConfigError(f"train_tiny: runs on one device; got mesh.data={self.mesh_data}, "
                               f"mesh.expert={self.mesh_expert} (use mesh=single)")
+        a = self.model_config()  # the family's config class checks every arch key
         if a.vocab_size < 256:
-            raise ConfigError(f"train_tiny: tiny.vocab_size={a.vocab_size}; byte-level tokens need at least 256")
-        if a.num_experts_per_tok > a.n_routed_experts:
-            raise ConfigError(f"train_tiny: tiny.num_experts_per_tok={a.num_experts_per_tok} (top_k) exceeds "
-                              f"tiny.n_routed_experts={a.n_routed_experts}")
-        if not 0 <= a.first_k_dense_replace < a.num_hidden_layers:
-            raise ConfigError(f"train_tiny: tiny.first_k_dense_replace={a.first_k_dense_replace} must lie in "
-                              f"[0, num_hidden_layers={a.num_hidden_layers}) so at least one layer is MoE")
-        for name in ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
-                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-                     "num_experts_per_tok", "max_position_embeddings"):
-            if getattr(a, name) < 1:
-                raise ConfigError(f"train_tiny: tiny.{name}={getattr(a, name)} must be >= 1")
+            raise ConfigError(f"train_tiny: arch.vocab_size={a.vocab_size}; byte-level tokens need at least 256")
+        if not a.moe_layers:
+            raise ConfigError(f"train_tiny: arch gives no MoE layer ({a.num_hidden_layers} layers, all dense)")
         if dc.seq_len < 2:
             raise ConfigError(f"train_tiny: data.seq_len={dc.seq_len} must be >= 2 (next-token prediction)")
         if dc.seq_len > a.max_position_embeddings:
-            raise ConfigError(f"train_tiny: data.seq_len={dc.seq_len} exceeds tiny.max_position_embeddings="
+            raise ConfigError(f"train_tiny: data.seq_len={dc.seq_len} exceeds arch.max_position_embeddings="
                               f"{a.max_position_embeddings}")
         if not 0.0 < dc.heldout_fraction < 1.0:
             raise ConfigError(f"train_tiny: data.heldout_fraction={dc.heldout_fraction} must lie in (0, 1)")
@@ -223,15 +222,26 @@ class TrainTinyConfig:
         if t.warmup_steps < 0 or t.eval_every < 0:
             raise ConfigError("train_tiny: train.warmup_steps and train.eval_every must be >= 0")
         if not (t.lr > 0 and 0 <= t.min_lr_ratio <= 1 and t.clip_norm > 0 and t.weight_decay >= 0
-                and 0 <= t.b1 < 1 and 0 <= t.b2 < 1 and t.bias_update_rate >= 0 and t.aux_loss_alpha >= 0):
+                and 0 <= t.b1 < 1 and 0 <= t.b2 < 1 and t.bias_update_rate >= 0
+                and (t.aux_loss_alpha is None or t.aux_loss_alpha >= 0)):
             raise ConfigError(f"train_tiny: need lr > 0, 0 <= min_lr_ratio <= 1, clip_norm > 0, weight_decay >= 0, "
                               f"b1, b2 in [0, 1), bias_update_rate >= 0, aux_loss_alpha >= 0; got {t}")
-        self.model_config()  # group/routing constraints (DeepseekV3Config.validate)
 
     def model_config(self):
-        from moejax.models.deepseek_v3.config import DeepseekV3Config
+        """The family's typed config of the architecture (every key checked by the family's class)."""
+        from moejax.models.registry import FAMILIES
 
-        return DeepseekV3Config.from_dict(self.arch.hf_dict(), source="train_tiny: tiny")
+        d = self.arch.hf_dict()  # refuses an unknown family by name
+        return FAMILIES[self.arch.family].config_class.from_dict(d, source="train_tiny: arch")
+
+    @property
+    def balance_loss_alpha(self) -> float:
+        """train.aux_loss_alpha, or when null the family's usual balancing: 0 for routers with a
+        balance bias (auxiliary-loss-free balancing moves the bias), 0.01 for routers without one
+        (the load-balancing loss softmax-routed models train with; OLMoE's coefficient)."""
+        if self.train.aux_loss_alpha is not None:
+            return self.train.aux_loss_alpha
+        return 0.0 if self.model_config().HAS_BALANCE_BIAS else 0.01
 
     @property
     def orbax_dir(self) -> Path:
@@ -247,7 +257,7 @@ class TrainTinyConfig:
             t.pop(k)
         dc = dataclasses.asdict(self.data)
         dc.pop("eval_tokens")
-        return json.loads(json.dumps({"seed": self.seed, "tiny": dataclasses.asdict(self.arch), "data": dc,
+        return json.loads(json.dumps({"seed": self.seed, "arch": self.arch.as_dict(), "data": dc,
                                       "train": t}))
 
 
@@ -259,7 +269,7 @@ def settings_from(cfg: dict) -> dict:
 
     mesh = MeshConfig.from_dict(cfg.get("mesh"))
     return {"path": (cfg.get("model") or {}).get("path") or "", "seed": cfg.get("seed", 0),
-            "arch": cfg.get("tiny"), "data": cfg.get("data"), "train": cfg.get("train"),
+            "arch": cfg.get("arch"), "data": cfg.get("data"), "train": cfg.get("train"),
             "mesh_data": mesh.data, "mesh_expert": mesh.expert}
 
 
@@ -360,7 +370,7 @@ def _optimizer(lr, min_lr_ratio, warmup_steps, decay_steps, weight_decay, b1, b2
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int):
+def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int, has_bias: bool):
     """The jitted training step and held-out evaluation for one graph definition (cached: a second
     run with the same settings in the same process compiles nothing)."""
     import jax
@@ -386,10 +396,11 @@ def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int):
         (_, (ce, loads)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
         optimizer.update(model, grads)
         shares = []
-        for l, load in loads.items():   # auxiliary-loss-free balancing (DeepSeek-V3 section 2.1.2)
+        for l, load in loads.items():
             load = load.astype(jnp.float32)
-            bias = model.model.layers[l].mlp.bias
-            bias[...] = bias_step(bias[...], load, rate)
+            if has_bias:  # auxiliary-loss-free balancing (DeepSeek-V3 section 2.1.2)
+                bias = model.model.layers[l].mlp.bias
+                bias[...] = bias_step(bias[...], load, rate)
             shares.append(load.max() / load.sum())
         return nnx.state((model, optimizer)), {"loss": ce, "max_load_share": jnp.mean(jnp.stack(shares))}
 
@@ -410,20 +421,21 @@ class Trainer:
         import jax.numpy as jnp
         from flax import nnx
 
-        from moejax.models.deepseek_v3.model import DeepseekV3ForCausalLM
+        from moejax.models.auto import AutoModelForCausalLM
 
         self.cfg = cfg
         self.model_cfg = cfg.model_config()
         key = jax.random.key(cfg.seed, impl=cfg.train.rng_impl)
-        model = DeepseekV3ForCausalLM(self.model_cfg, jnp.float32, rngs=nnx.Rngs(key))
+        model = AutoModelForCausalLM.from_config(self.model_cfg, jnp.float32, rngs=nnx.Rngs(key))
         tx, self.schedule = make_optimizer(cfg)
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)   # BalanceBias is not a Param: untouched
         self.graphdef, state = nnx.split((model, optimizer))
         # committed to one device, as restored and stepped states are: one compiled step serves all
         self.state = jax.device_put(state, jax.devices()[0])
-        self.step, self._evaluate = _compiled(self.graphdef, self.model_cfg.n_routed_experts,
+        self.step, self._evaluate = _compiled(self.graphdef, self.model_cfg.n_experts,
                                               self.model_cfg.num_experts_per_tok, cfg.train.bias_update_rate,
-                                              cfg.train.aux_loss_alpha, cfg.train.batch_size)
+                                              cfg.balance_loss_alpha, cfg.train.batch_size,
+                                              self.model_cfg.HAS_BALANCE_BIAS)
 
     @property
     def model(self):
@@ -545,7 +557,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     import pandas as pd
 
     from moejax.data import write_byte_tokenizer
-    from moejax.hf.safetensors_io import staged_directory
+    from moejax.hf.staging import staged_directory
 
     timings = {}
     t0 = time.perf_counter()
@@ -628,13 +640,15 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     evals = [e for e in evals if e[0] != t.steps] + [(t.steps, heldout_loss)]
     timings["eval_s"] = eval_s + time.perf_counter() - te
     model = trainer.model
-    biases = {l: np.asarray(model.model.layers[l].mlp.bias[...]) for l in loads}
+    biases = {l: np.asarray(b) for l in loads if (b := model.model.layers[l].mlp.balance_bias()) is not None}
 
     final_loss = float(np.mean([h[1] for h in history[-20:]])) if history else float("nan")
     record = {
         "stdlib_root": str(corpus.root), "train": corpus.train, "heldout": corpus.heldout,
-        "config": {"tiny": dataclasses.asdict(cfg.arch), "data": dataclasses.asdict(cfg.data),
-                   "train": dataclasses.asdict(cfg.train), "seed": cfg.seed},
+        "config": {"arch": cfg.arch.as_dict(), "data": dataclasses.asdict(cfg.data),
+                   "train": {**dataclasses.asdict(cfg.train), "aux_loss_alpha": cfg.balance_loss_alpha},
+                   "seed": cfg.seed},
+        "family": cfg.arch.family,
         "steps": t.steps, "tokens_seen": t.steps * tokens_per_step,
         "train_loss": final_loss, "heldout_loss": heldout_loss, "heldout_ppl": math.exp(heldout_loss),
         "heldout_tokens": int(corpus.heldout_ids.size), "loss_unit": "nats per byte",
@@ -645,7 +659,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     out = Path(cfg.path).expanduser()
     with staged_directory(out, overwrite=True) as staging:   # checkpoint + record appear as one folder
         model.save_pretrained(staging, overwrite=True)
-        write_byte_tokenizer(staging, cfg.arch.max_position_embeddings)   # for transformers / lm-eval
+        write_byte_tokenizer(staging, trainer.model_cfg.max_position_embeddings)   # for transformers / lm-eval
         (staging / RECORD).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     timings["save_s"] = time.perf_counter() - ts
     log.info("train_tiny: saved %s (held-out loss %.4f, perplexity %.3f)", out, heldout_loss, math.exp(heldout_loss))
@@ -659,9 +673,10 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
         rows += [{"step": s, "metric": "heldout_loss", "layer": -1, "value": loss},
                  {"step": s, "metric": "heldout_ppl", "layer": -1, "value": math.exp(loss)}]
     for l, load in loads.items():
-        rows += [{"step": t.steps, "metric": "max_load_share", "layer": l, "value": float(load.max() / load.sum())},
-                 {"step": t.steps, "metric": "bias_min", "layer": l, "value": float(biases[l].min())},
-                 {"step": t.steps, "metric": "bias_max", "layer": l, "value": float(biases[l].max())}]
+        rows.append({"step": t.steps, "metric": "max_load_share", "layer": l, "value": float(load.max() / load.sum())})
+        if l in biases:
+            rows += [{"step": t.steps, "metric": "bias_min", "layer": l, "value": float(biases[l].min())},
+                     {"step": t.steps, "metric": "bias_max", "layer": l, "value": float(biases[l].max())}]
     df = pd.DataFrame(rows)
     df["path"] = str(out)
     return df, timings

@@ -6,6 +6,7 @@
     model          "module:Class" of its NNX causal LM, imported only when a model is built
     moe_block      the HF name of a decoder layer's MoE block ("mlp"; Mixtral: "block_sparse_moe")
     presets        full-size config.json dictionaries for shape work
+    tiny           the small config.json `experiment=train_tiny` trains (byte-level vocabulary added there)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Family:
     model: str
     moe_block: str = "mlp"
     presets: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    tiny: dict | None = dataclasses.field(default=None, hash=False, compare=False)
 
     @property
     def model_types(self) -> tuple:

@@ -6,6 +6,9 @@ cold run the Flax import (~0.6 s).
 
     weights = {"router": [E, d], "w1": [E, d, h], "w2": [E, h, d]}
     logits  = x @ router.T                 (float32)
+    s       = sigmoid(logits)              (router="sigmoid", DeepSeek-V3; the default)
+              softmax(logits) over the E   (router="softmax", Qwen3-MoE / Mixtral; no balance bias)
+    chosen  = top K of s + bias            (ties to the lower index), gates s renormalised over the K
     f_j(x)  = w2[j] . relu(w1[j] . x)
     y       = sum over the routed experts of gate * f_j(x)
 """
@@ -15,13 +18,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax.errors import ConfigError
 from moejax.moe import dispatch, grouped
 from moejax.moe.routing import RouterConfig, Routing, route
 
 
-def router_config(top_k: int) -> RouterConfig:
-    """Sigmoid scores, no groups, gates renormalised over the chosen experts, scale 1."""
-    return RouterConfig(top_k=top_k, scoring_func="sigmoid", norm_topk_prob=True)
+ROUTERS = ("sigmoid", "softmax")
+
+
+def router_config(top_k: int, router: str = "sigmoid") -> RouterConfig:
+    """`router` scores (sigmoid or softmax), no groups, gates renormalised over the chosen
+    experts (`norm_topk_prob`), scale 1."""
+    if router not in ROUTERS:
+        raise ConfigError(f"toy layer: router={router!r}; valid routers: {list(ROUTERS)}")
+    return RouterConfig(top_k=top_k, scoring_func=router, norm_topk_prob=True)
+
+
+def router_scores(logits_TE: jax.Array, router: str = "sigmoid") -> jax.Array:
+    """The unpruned layer's affinities s [..., E] as `route` computes them: sigmoid(logits), or
+    softmax(logits) over all E experts."""
+    if router == "sigmoid":
+        return jax.nn.sigmoid(logits_TE)
+    if router == "softmax":
+        return jax.nn.softmax(logits_TE, axis=-1)
+    raise ConfigError(f"toy layer: router={router!r}; valid routers: {list(ROUTERS)}")
 
 
 def router_logits(router_ED: jax.Array, x_TD: jax.Array) -> jax.Array:
@@ -31,15 +51,15 @@ def router_logits(router_ED: jax.Array, x_TD: jax.Array) -> jax.Array:
 
 
 def route_tokens(router_ED: jax.Array, x_TD: jax.Array, top_k: int, bias_E: jax.Array | None = None,
-                 expert_mask_E: jax.Array | None = None) -> Routing:
+                 expert_mask_E: jax.Array | None = None, router: str = "sigmoid") -> Routing:
     """The layer's routing of tokens x (SPEC section 1, through `route`)."""
-    return route(router_logits(router_ED, x_TD), router_config(top_k), bias_E, expert_mask_E)
+    return route(router_logits(router_ED, x_TD), router_config(top_k, router), bias_E, expert_mask_E)
 
 
 def routed_pass(weights: dict, x_TD: jax.Array, top_k: int, bias_E: jax.Array | None = None,
-                expert_mask_E: jax.Array | None = None, backend: str = "sorted"):
+                expert_mask_E: jax.Array | None = None, backend: str = "sorted", router: str = "sigmoid"):
     """Routing, each routed pair's expert output f_j(x) [T, K, D], and the layer output y [T, D]."""
-    routing = route_tokens(weights["router"], x_TD, top_k, bias_E, expert_mask_E)
+    routing = route_tokens(weights["router"], x_TD, top_k, bias_E, expert_mask_E, router)
     f_TKD = dispatch.pair_outputs(x_TD, routing.expert_idx_TK, expert_weights(weights), dispatch.relu_mlp, backend)
     return routing, f_TKD, dispatch.combine(routing.gate_TK, f_TKD)
 

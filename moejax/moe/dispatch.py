@@ -47,7 +47,7 @@ def relu_mlp(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
 
 
 def swiglu(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
-    """DeepSeek-V3 expert: down(silu(gate(x)) * up(x)); gate/up [D, F], down [F, D]."""
+    """The SwiGLU expert of every family: down(silu(gate(x)) * up(x)); gate/up [D, F], down [F, D]."""
     return linear(jax.nn.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
 
 

@@ -1,4 +1,5 @@
-"""The router of the DeepSeek-V3 family (SPEC section 1), as one pure, jit-able function.
+"""The router every family uses (SPEC section 1), as one pure, jit-able function: DeepSeek-V3 and
+GLM-4.5 route by sigmoid with a balance bias and groups; Qwen3-MoE, Mixtral and OLMoE by softmax.
 
     logits = x @ W_router.T                       # float32
     s      = sigmoid(logits)                      # or softmax

@@ -5,11 +5,11 @@ inspect`) does not pull in JAX."""
 
 from moejax.models.deepseek_v3.config import DeepseekV3Config
 from moejax.models.deepseek_v3.names import RULES
-from moejax.models.deepseek_v3.presets import PRESETS
+from moejax.models.deepseek_v3.presets import PRESETS, TINY
 from moejax.models.family import Family
 
 FAMILY = Family("deepseek_v3", "DeepSeek-V3", DeepseekV3Config, RULES,
-                "moejax.models.deepseek_v3.model:DeepseekV3ForCausalLM", presets=PRESETS)
+                "moejax.models.deepseek_v3.model:DeepseekV3ForCausalLM", presets=PRESETS, tiny=TINY)
 
 __all__ = ["DeepseekV3Config", "DeepseekV3ForCausalLM", "FAMILY"]
 

@@ -34,3 +34,15 @@ PRESETS = {
                           "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "max_position_embeddings": 8192,
                           "num_nextn_predict_layers": 0},
 }
+
+# What `experiment=train_tiny` trains by default (~10 minutes on 2 CPU cores): 4 layers, the first
+# dense, 32 experts top 4 in 4 groups, one shared expert.
+TINY = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 128,
+        "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 32,
+        "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+        "hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+        "tie_word_embeddings": False, "attention_bias": False, "rope_interleave": True,
+        "num_nextn_predict_layers": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}

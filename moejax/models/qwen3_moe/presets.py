@@ -13,3 +13,12 @@ PRESETS = {
                         "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
                         "num_experts": 128, "num_experts_per_tok": 8},
 }
+
+# What `experiment=train_tiny arch.family=qwen3_moe` trains: the DeepSeek-V3 tiny model's budget
+# (4 layers, the first dense, 32 experts top 4, width 128) with Qwen3-MoE's softmax router and GQA.
+TINY = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4,
+        "mlp_only_layers": [0], "decoder_sparse_step": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512, "tie_word_embeddings": False, "attention_bias": False,
+        "use_sliding_window": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
