@@ -1,10 +1,13 @@
-"""toy3 end to end on small sizes: against the independent numpy implementation, and the schema."""
+"""toy3 end to end on small sizes: against the independent numpy implementation (sigmoid router in
+scripts/bench_toy3.py, softmax router here), and the schema."""
+
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from bench_toy3 import numpy_toy3
+from bench_toy3 import np_keep_mask, np_route, np_routed_output, np_scores, numpy_toy3
 from moejax.errors import ConfigError
 from moejax.experiments import toy3
 
@@ -61,6 +64,10 @@ def test_seeds_are_independent_of_batching():
     (dict(scores=("frequency", "nope")), "valid scores"),
     (dict(offsets=("sideways",)), "valid values"),
     (dict(scores=("reap_code",)), "use reap"),
+    (dict(router="tanh"), "router='tanh'; valid routers"),
+    (dict(router="softmax"), r"loads=\['skewed', 'balanced'\] with router=softmax.*loads=\[skewed\]"),
+    (dict(router="softmax", loads=("balanced",)), "router=softmax"),
+    (dict(router="softmax", loads=("skewed",), scores=("signed", "bias")), r"router=softmax.*\['bias'\]"),
 ])
 def test_bad_settings_fail_before_compute(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -70,3 +77,74 @@ def test_bad_settings_fail_before_compute(kw, match):
 def test_unknown_setting_is_named():
     with pytest.raises(ConfigError, match="unknown setting.*n_experst"):
         toy3.Toy3Config.from_mapping({"n_experst": 8})
+
+
+def test_default_router_is_sigmoid():
+    """The default stays today's sigmoid layer (whose results test_matches_numpy_per_expert_loop pins)."""
+    import yaml
+
+    assert toy3.Toy3Config().router == "sigmoid"
+    conf = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf/experiment/toy3.yaml").read_text())
+    assert conf["toy"]["router"] == "sigmoid"
+    cfg = toy3.Toy3Config.from_mapping({"router": "softmax", "loads": ["skewed"]})
+    assert cfg.router == "softmax" and not cfg.has_balance_bias
+
+
+def np_softmax(logits_TE):
+    """exp(l_j - max l) / sum_i exp(l_i - max l) over the last axis; -inf logits (pruned) get 0."""
+    z = np.exp(logits_TE - logits_TE.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def np_softmax_route(logits_TE, kept_E, top_k):
+    """A (pruned) softmax router from the definitions: s = softmax over the kept experts' logits, the
+    top K of s (ties to the lower index), gates s renormalised over the K."""
+    s = np_softmax(np.where(kept_E, logits_TE, -np.inf))
+    return np_route(np.where(kept_E, s, -np.inf), s, top_k)
+
+
+def numpy_toy3_softmax(cfg, inputs, seeds):
+    """toy3's skewed load under a softmax router (no bias), in numpy; the same tidy rows as moejax."""
+    keeps, rows = cfg.keep_counts(), []
+    for seed, inp in zip(seeds, inputs):
+        router, w1, w2 = inp["router"], inp["w1"], inp["w2"]
+        every = np.ones(router.shape[0], bool)
+        for o, offset in enumerate(cfg.offsets):
+            x_cal, x_held = inp["x_cal"][o], inp["x_held"][o]
+            base = dict(offset=offset, load="skewed", seed=int(seed))
+            idx, gate = np_softmax_route(x_cal @ router.T, every, cfg.top_k)
+            _, norms = np_routed_output(x_cal, idx, gate, w1, w2)
+            counts = np.bincount(idx.ravel(), minlength=router.shape[0]).astype(np.float64)
+            gns = np.bincount(idx.ravel(), weights=(gate * norms).ravel().astype(np.float64), minlength=len(every))
+            ns = np.bincount(idx.ravel(), weights=norms.ravel().astype(np.float64), minlength=len(every))
+            usage = np.sort(counts)[::-1]
+            rows.append({**base, "score": None, "keep": None, "metric": "top16_share",
+                         "value": usage[:16].sum() / usage.sum()})
+            y, _ = np_routed_output(x_held, *np_softmax_route(x_held @ router.T, every, cfg.top_k), w1, w2)
+            for name in cfg.scores:
+                score = np_scores(name, counts, gns, ns, router, None, x_cal.mean(0, dtype=np.float64), seed)
+                for keep in keeps:
+                    kept = np_keep_mask(score, keep)
+                    y_p, _ = np_routed_output(x_held, *np_softmax_route(x_held @ router.T, kept, cfg.top_k), w1, w2)
+                    err, ref = ((y_p - y) ** 2).sum(1), (y ** 2).sum(1)
+                    row = {**base, "score": name, "keep": keep}
+                    rows.append({**row, "metric": "overlap_frequency",
+                                 "value": float((kept & np_keep_mask(counts, keep)).sum())})
+                    rows.append({**row, "metric": "rel_error", "value": err.sum() / ref.sum()})
+                    rows.append({**row, "metric": "rel_error_median", "value": float(np.median(err / ref))})
+    return pd.DataFrame(rows)
+
+
+def test_softmax_router_matches_numpy():
+    cfg = toy3.Toy3Config(seed=5, seeds=1, keep=(8, 0.5, 64), router="softmax", loads=("skewed",),
+                          scores=("frequency", "signed", "l1", "reap"), **SMALL)
+    df, _ = toy3.run(cfg)
+    ref = numpy_toy3_softmax(cfg, toy3.draw_inputs(cfg, [5]), [5]).astype({"keep": "Int64"})
+    key = ["offset", "load", "seed", "score", "keep", "metric"]
+    both = df.merge(ref, on=key, how="outer", suffixes=("", "_np"), indicator=True)
+    assert (both["_merge"] == "both").all() and len(both) == len(df) == len(ref)
+    exact = both.metric.isin(["overlap_frequency", "top16_share"])
+    np.testing.assert_array_equal(both.value[exact], both.value_np[exact])
+    np.testing.assert_allclose(both.value[~exact], both.value_np[~exact], rtol=1e-4, atol=1e-7)
+    full = df[(df.keep == 64) & df.metric.isin(["rel_error", "rel_error_median"])]
+    assert (full.value == 0).all()

@@ -1,14 +1,21 @@
 """The toy3 experiment (SPEC section 4): when does a data-free router score pick the experts
 that calibration would pick?
 
-One toy MoE layer (sigmoid, top 4 of 64, ReLU-MLP experts). For each seed, condition
+One toy MoE layer (top 4 of 64, ReLU-MLP experts). For each seed, condition
 (offset direction x load) and score, keep the top-`keep` experts and measure how wrong the pruned
 layer is on held-out tokens.
 
+    router  sigmoid:  s = sigmoid(logits), chosen = top 4 of s + bias (DeepSeek-V3; the default)
+            softmax:  s = softmax(logits) over the experts, chosen = top 4 of s, no bias
+                      (Qwen3-MoE, Mixtral); either way gates = s of the chosen, renormalised over the 4
     offset  ones:     x = mu + noise, mu along the all-ones vector, ||mu|| = 0.5 sqrt(d)
             random:   mu along a random unit direction (per seed)
     load    skewed:   bias 0
             balanced: 300 steps of bias -= 0.002 sign(load - mean(load)) on the calibration tokens
+                      (sigmoid only: a softmax router has no balance bias, and Qwen3-MoE / Mixtral
+                      balance by an auxiliary loss in training, which a router-only toy does not
+                      define; so router=softmax refuses loads containing `balanced`, and scores
+                      that read the bias)
 
 Seeds are vectorised inside one job. How the work is laid out:
   host (numpy)   draw every seed's layer and tokens;
@@ -34,13 +41,14 @@ import numpy as np
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig, mesh_context
-from moejax.scoring.scores import check_score_names
+from moejax.scoring.scores import scores_for
 from moejax.scoring.select import resolve_keep
 
 log = logging.getLogger(__name__)
 
 OFFSETS = ("ones", "random")
 LOADS = ("skewed", "balanced")
+ROUTERS = ("sigmoid", "softmax")  # toy_layer.ROUTERS, not imported: validating needs no JAX
 DEFAULT_SCORES = ("frequency", "signed", "l1", "random", "reap", "ean")
 
 
@@ -63,6 +71,7 @@ class Toy3Config:
     balance_steps: int = 300
     balance_rate: float = 0.002
     offset_scale: float = 0.5     # ||mu|| = offset_scale * sqrt(d)
+    router: str = "sigmoid"       # sigmoid (balance bias, DeepSeek-V3) or softmax (no bias, Qwen3-MoE)
     backend: str = "sorted"       # dispatch backend of the calibration pass ("ep" on a mesh)
     mesh_data: int = 1            # devices: data x expert (from the Hydra `mesh` group)
     mesh_expert: int = 1
@@ -99,7 +108,7 @@ class Toy3Config:
             bad = [v for v in value if v not in valid]
             if bad or not value:
                 raise ConfigError(f"toy3: {name}={list(value)}; valid values: {list(valid)}")
-        check_score_names(self.scores)
+        self.check_router()
         if "reap_code" in self.scores:
             raise ConfigError("toy3: the reap_code score needs expert outputs for pairs the layer did not "
                               "route, which the toy does not compute; use reap")
@@ -113,6 +122,23 @@ class Toy3Config:
             raise ConfigError(f"toy3: n_experts={self.n_experts} does not split over mesh.expert={mesh.expert}")
         if mesh.expert_parallel and self.backend != "ep":
             raise ConfigError(f"toy3: mesh.expert={mesh.expert} needs toy.backend=ep (got {self.backend!r})")
+
+    def check_router(self) -> None:
+        """A softmax router has no balance bias: the `balanced` load (bias trained by auxiliary-loss-free
+        steps) and scores that read the bias are not defined for it; refused here, naming the setting."""
+        if self.router not in ROUTERS:
+            raise ConfigError(f"toy3: router={self.router!r}; valid routers: {list(ROUTERS)}")
+        has_bias = self.has_balance_bias
+        if not has_bias and "balanced" in self.loads:
+            raise ConfigError(f"toy3: loads={list(self.loads)} with router={self.router}: the balanced load trains "
+                              "the sigmoid router's balance bias, and a softmax router has none; "
+                              "use loads=[skewed] (toy.loads=[skewed])")
+        scores_for(self.scores, has_bias, where=f"toy3 (router={self.router})")
+
+    @property
+    def has_balance_bias(self) -> bool:
+        """Whether the layer's router has a balance bias (e_score_correction_bias): sigmoid only."""
+        return self.router == "sigmoid"
 
     def keep_counts(self) -> list[int]:
         return [resolve_keep(k, self.n_experts, self.top_k) for k in self.keep]
@@ -134,7 +160,7 @@ def settings_from(cfg: dict) -> dict:
 
 
 def summary_title(cfg: Toy3Config) -> str:
-    return f"mean rel_error over {cfg.seeds} seed(s) (± std), by keep:"
+    return f"{cfg.router} router: mean rel_error over {cfg.seeds} seed(s) (± std), by keep:"
 
 
 def draw_inputs(cfg: Toy3Config, seeds) -> list[dict]:
@@ -187,17 +213,20 @@ def _stage_one(cfg: Toy3Config):
             return {"router": router_Z[s], "w1": w1_Z[s], "w2": w2_Z[s]}
 
         logits_cal_ZOTE = jax.vmap(jax.vmap(toy_layer.router_logits, in_axes=(None, 0)))(router_Z, x_cal_ZOTD)
-        balanced_ZOE = balance_bias(logits_cal_ZOTE, toy_layer.router_config(cfg.top_k),
-                                    cfg.balance_steps, cfg.balance_rate)
-        bias_ZOWE = jnp.stack([balanced_ZOE if ld == "balanced" else jnp.zeros_like(balanced_ZOE)
-                               for ld in cfg.loads], axis=2)
+        zeros_ZOE = jnp.zeros(logits_cal_ZOTE.shape[:2] + logits_cal_ZOTE.shape[3:], jnp.float32)
+        if "balanced" in cfg.loads:  # sigmoid only (Toy3Config.check_router)
+            balanced_ZOE = balance_bias(logits_cal_ZOTE, toy_layer.router_config(cfg.top_k, cfg.router),
+                                        cfg.balance_steps, cfg.balance_rate)
+        # a softmax router has no bias: its zeros choose nothing (s + 0 = s)
+        bias_ZOWE = jnp.stack([balanced_ZOE if ld == "balanced" else zeros_ZOE for ld in cfg.loads], axis=2)
 
         n_offsets, n_loads = len(cfg.offsets), len(cfg.loads)
 
         def calibrate(i):  # routing and each routed pair's ||f_j(x)|| of one (seed, offset, load)
             s, o, ld = i // (n_offsets * n_loads), i // n_loads % n_offsets, i % n_loads
             routing, f_TKD, _ = toy_layer.routed_pass(weights(s), x_cal_ZOTD[s, o], cfg.top_k,
-                                                      bias_ZOWE[s, o, ld], backend=cfg.backend)
+                                                      bias_ZOWE[s, o, ld], backend=cfg.backend,
+                                                      router=cfg.router)
             return routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f_TKD, axis=-1)
 
         # loops over conditions, not vmap: XLA:CPU runs the grouped matmuls of one condition at a
@@ -232,6 +261,13 @@ def _stage_two(cfg: Toy3Config):
     K-th values are materialised; fused into their consumer XLA recomputes them per expert.)
     The unpruned layer is routed the same way, as variant 0, so a variant that routes every token
     as the full layer does has an error of exactly zero.
+
+    Softmax router: a pruned layer's softmax runs over its kept experts only (what `route` computes
+    under a mask, and a physically pruned checkpoint computes). With `norm_topk_prob` neither the
+    choice (the top K kept logits, softmax being increasing) nor the gates
+    (exp(l_j) / sum over the K chosen of exp(l_i)) depends on that normaliser, so both are read off
+    the full layer's softmax over all E; equal to `route` under the mask up to float rounding
+    (tests/test_toy3.py checks against numpy's softmax over the kept experts).
     """
     import jax
     import jax.numpy as jnp
@@ -241,7 +277,10 @@ def _stage_two(cfg: Toy3Config):
     from moejax.moe.routing import gates
     from moejax.moe.topk import kth_largest, topk_indices_at_threshold
 
-    router_cfg = toy_layer.router_config(cfg.top_k)
+    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+
+    def scores(logits):  # s of the unpruned layer: sigmoid, or softmax over all E
+        return toy_layer.router_scores(logits, cfg.router)
 
     def with_unpruned(masks_AE):  # variant 0 keeps every expert
         return jnp.concatenate([jnp.ones_like(masks_AE[..., :1, :]), masks_AE], axis=-2)
@@ -251,7 +290,7 @@ def _stage_two(cfg: Toy3Config):
 
     @jax.jit
     def kth_values(logits, bias, masks):
-        sel_ZOWET = jnp.swapaxes(jax.nn.sigmoid(logits)[:, :, None] + bias[:, :, :, None], -1, -2)
+        sel_ZOWET = jnp.swapaxes(scores(logits)[:, :, None] + bias[:, :, :, None], -1, -2)
         # the masks go into the network (one expert at a time), not onto a copy of the scores per variant
         return kth_largest(sel_ZOWET[:, :, :, None], cfg.top_k, keep_E=with_unpruned(masks))
 
@@ -259,9 +298,9 @@ def _stage_two(cfg: Toy3Config):
     def errors(f, logits, bias, masks, kth):
         @per_load
         def condition(f_ETD, logits_TE, bias_E, masks_AE, kth_AT):
-            sel_ET = (jax.nn.sigmoid(logits_TE) + bias_E).T
-            idx_ATK = topk_indices_at_threshold(sel_ET, kth_AT, cfg.top_k, keep_E=with_unpruned(masks_AE))
-            gate_ATK = gates(jax.nn.sigmoid(logits_TE), idx_ATK, router_cfg)
+            s_TE = scores(logits_TE)
+            idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=with_unpruned(masks_AE))
+            gate_ATK = gates(s_TE, idx_ATK, router_cfg)
             # the unpruned output in its own call: sliced off the variants' outputs, XLA
             # recomputed it for every variant (4x slower)
             y_TD = combine_from_table(gate_ATK[0], idx_ATK[0], f_ETD)
@@ -316,7 +355,8 @@ def _run(cfg: Toy3Config, progress=None):
             base = dict(offset=offset, load=load, seed=int(seed))
             stats = stats_from_pairs(host["cal_idx"][s, o, l_], host["cal_gate"][s, o, l_],
                                      host["cal_norm"][s, o, l_], host["x_cal_mean"][s, o],
-                                     host["router"][s], host["bias"][s, o, l_], seed=int(seed), layer=0)
+                                     host["router"][s], host["bias"][s, o, l_] if cfg.has_balance_bias else None,
+                                     seed=int(seed), layer=0)
             scores = compute_scores(stats, cfg.scores)
             frequency_kept = {keep: select_kept(stats.counts_E, keep) for keep in keeps}
             usage = np.sort(stats.counts_E)[::-1]
