@@ -8,6 +8,8 @@ groups, shared experts, no renormalisation)."""
 
 from __future__ import annotations
 
+from hf_fixtures import harden
+
 FAMILIES = {
     # explicit head_dim (!= hidden / heads), layer 0 dense through mlp_only_layers, renormalised top-k
     "qwen3_moe": ("Qwen3Moe", dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -51,18 +53,7 @@ def make_family_checkpoint(family: str, path, seed=0, dtype="float32", **overrid
     torch.manual_seed(seed)
     kw = {**FAMILIES[family][1], "initializer_range": 0.15, **overrides}
     cfg = config_cls(**kw, attn_implementation="eager", experts_implementation="eager")
-    model = model_cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 1.0)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.1)
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_(0, 0.3)
+    model = harden(model_cls(cfg).eval())
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(path)

@@ -38,7 +38,18 @@ def make_checkpoint(path, seed=0, dtype="float32", max_shard_size=None, **overri
     torch.manual_seed(seed)
     kw = {**BASE, "rope_parameters": YARN, **overrides}
     cfg = DeepseekV3Config(**kw, attn_implementation="eager", experts_implementation="eager")
-    model = DeepseekV3ForCausalLM(cfg).eval()
+    model = harden(DeepseekV3ForCausalLM(cfg).eval())
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return model
+
+
+def harden(model):
+    """Make every parameter matter (in place; returns the model): norms random around 1, router rows
+    wide (decisive routing), attention biases random, balance biases random and partly negative."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -50,10 +61,66 @@ def make_checkpoint(path, seed=0, dtype="float32", max_shard_size=None, **overri
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.normal_(0, 0.3)
-    if dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
-    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
+
+
+def hook_router(hf, ids, mask):
+    """transformers' logits [B, S, V] (float32 numpy) and, per MoE layer (a block with a router
+    `gate`), what its router saw and chose: (input x [T, H], logits, gates, chosen experts) as torch."""
+    import torch
+
+    seen, hooks = {}, []
+    for l, layer in enumerate(hf.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda mod, inp, out, l=l: seen.__setitem__(l, (inp[0].reshape(-1, inp[0].shape[-1]), *out))))
+    with torch.no_grad():
+        out = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))
+    for h in hooks:
+        h.remove()
+    return out.logits.float().numpy(), seen
+
+
+def reference_scores(hf, seen, mask) -> dict:
+    """Every score from its definition (SPEC section 2), float64 numpy, on what transformers' model
+    routed and computed (`hook_router`): its router input, logits, real gates (sigmoid or softmax,
+    as the family routes) and chosen experts; expert outputs from its own weights (transformers 5's
+    fused `experts.gate_up_proj` [E, 2 Im, H], gate rows first, and `experts.down_proj` [E, H, Im])."""
+    valid = mask.reshape(-1).astype(bool)
+    out = {}
+    for l, (x, logits, gates, idx) in seen.items():
+        block = hf.model.layers[l].mlp
+        x, logits = x.double().numpy()[valid], logits.double().numpy()[valid]
+        gates, idx = gates.double().numpy()[valid], idx.numpy()[valid]
+        gate_up = block.experts.gate_up_proj.detach().double().numpy()
+        down = block.experts.down_proj.detach().double().numpy()
+        E, Im = gate_up.shape[0], gate_up.shape[1] // 2
+
+        def f(j, xs):  # expert j's output, before the gate
+            g, u = xs @ gate_up[j, :Im].T, xs @ gate_up[j, Im:].T
+            return (g / (1 + np.exp(-g)) * u) @ down[j].T
+
+        def reap(idx_TK, gate_TK):
+            freq, gate_norm, norm = np.zeros(E), np.zeros(E), np.zeros(E)
+            for j in range(E):
+                t, k = np.nonzero(idx_TK == j)
+                n = np.linalg.norm(f(j, x[t]), axis=1)
+                freq[j], gate_norm[j], norm[j] = len(t), (gate_TK[t, k] * n).sum(), n.sum()
+            return freq, np.where(freq > 0, gate_norm / np.maximum(freq, 1), 0.0), norm
+
+        freq, reap_real, ean = reap(idx, gates)
+        code_idx = np.argsort(-logits, axis=1, kind="stable")[:, :idx.shape[1]]
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        code_gate = np.take_along_axis(p, code_idx, 1)
+        code_gate /= code_gate.sum(1, keepdims=True)
+        _, reap_code, _ = reap(code_idx, code_gate)
+        W = block.gate.weight.detach().double().numpy()
+        out[l] = {"frequency": freq, "reap": reap_real, "reap_code": reap_code, "ean": ean, "w_mean": W @ x.mean(0),
+                  "signed": W.sum(1), "l1": np.abs(W).sum(1)}
+        if hasattr(block.gate, "e_score_correction_bias"):
+            out[l]["bias"] = -block.gate.e_score_correction_bias.detach().double().numpy()
+    return out
 
 
 def batch(vocab, seed=0, B=3, S=14):

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from family_fixtures import FAMILIES, hf_classes, make_family_checkpoint, moe_blocks  # noqa: E402
-from hf_fixtures import batch  # noqa: E402
+from hf_fixtures import batch, hook_router, reference_scores  # noqa: E402
 
 from moejax import AutoModelForCausalLM  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
@@ -36,17 +36,7 @@ def family_checkpoints(tmp_path_factory):
     return out
 
 
-def hf_forward(hf, ids, mask):
-    """transformers' logits [B, S, V] and each MoE layer's (router input, logits, gates, chosen experts)."""
-    seen, hooks = {}, []
-    for l, block in moe_blocks(hf).items():
-        hooks.append(block.gate.register_forward_hook(
-            lambda mod, inp, out, l=l: seen.__setitem__(l, (inp[0].reshape(-1, inp[0].shape[-1]), *out))))
-    with torch.no_grad():
-        out = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))
-    for h in hooks:
-        h.remove()
-    return out.logits.float().numpy(), seen
+hf_forward = hook_router
 
 
 def run(model, ids, mask, masks=None):
@@ -138,50 +128,6 @@ def test_load_then_save_gives_back_every_tensor(family_checkpoints, family, tmp_
         assert a.read_bytes(name) == b.read_bytes(name), name
     assert json.loads((path / "config.json").read_text()) == json.loads((out / "config.json").read_text())
     hf_classes(family)[1].from_pretrained(out)  # transformers loads what moejax wrote
-
-
-SCORES = ["frequency", "reap", "reap_code", "ean", "w_mean", "signed", "l1"]
-
-
-def reference_scores(hf, seen, mask) -> dict:
-    """Every score from its definition (SPEC section 2), float64 numpy, on what transformers'
-    model routed and computed: its router input, logits, real gates (softmax or sigmoid, as the
-    family routes) and chosen experts; expert outputs from its own weights."""
-    valid = mask.reshape(-1).astype(bool)
-    out = {}
-    for l, (x, logits, gates, idx) in seen.items():
-        block = moe_blocks(hf)[l]
-        x, logits = x.double().numpy()[valid], logits.double().numpy()[valid]
-        gates, idx = gates.double().numpy()[valid], idx.numpy()[valid]
-        gate_up = block.experts.gate_up_proj.detach().double().numpy()  # [E, 2 Im, H], gate rows first
-        down = block.experts.down_proj.detach().double().numpy()        # [E, H, Im]
-        E, Im = gate_up.shape[0], gate_up.shape[1] // 2
-
-        def f(j, xs):
-            g, u = xs @ gate_up[j, :Im].T, xs @ gate_up[j, Im:].T
-            return (g / (1 + np.exp(-g)) * u) @ down[j].T
-
-        def reap(idx_TK, gate_TK):
-            freq, gate_norm, norm = np.zeros(E), np.zeros(E), np.zeros(E)
-            for j in range(E):
-                t, k = np.nonzero(idx_TK == j)
-                n = np.linalg.norm(f(j, x[t]), axis=1)
-                freq[j], gate_norm[j], norm[j] = len(t), (gate_TK[t, k] * n).sum(), n.sum()
-            return freq, np.where(freq > 0, gate_norm / np.maximum(freq, 1), 0.0), norm
-
-        freq, reap_real, ean = reap(idx, gates)
-        code_idx = np.argsort(-logits, axis=1, kind="stable")[:, :idx.shape[1]]
-        p = np.exp(logits - logits.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
-        code_gate = np.take_along_axis(p, code_idx, 1)
-        code_gate /= code_gate.sum(1, keepdims=True)
-        _, reap_code, _ = reap(code_idx, code_gate)
-        W = block.gate.weight.detach().double().numpy()
-        out[l] = {"frequency": freq, "reap": reap_real, "reap_code": reap_code, "ean": ean, "w_mean": W @ x.mean(0),
-                  "signed": W.sum(1), "l1": np.abs(W).sum(1)}
-        if hasattr(block.gate, "e_score_correction_bias"):
-            out[l]["bias"] = -block.gate.e_score_correction_bias.detach().double().numpy()
-    return out
 
 
 @pytest.mark.parametrize("family", NAMES)

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_fixtures import batch, make_checkpoint  # noqa: E402
+from hf_fixtures import batch, hook_router, make_checkpoint, reference_scores  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.scoring.observe import calibrate  # noqa: E402
@@ -17,50 +17,8 @@ SCORES = ["frequency", "reap", "reap_code", "ean", "w_mean"]
 
 
 def hf_reference(hf, ids, mask):
-    """Per MoE layer, from hooks on transformers' router: its input x, logits and chosen experts
-    with their gates; then every score from the definitions in float64 numpy."""
-    seen, hooks = {}, []
-    for l, layer in enumerate(hf.model.layers):
-        if hasattr(layer.mlp, "gate"):
-            hooks.append(layer.mlp.gate.register_forward_hook(
-                lambda mod, inp, out, l=l: seen.__setitem__(l, (inp[0].reshape(-1, inp[0].shape[-1]), *out))))
-    with torch.no_grad():
-        hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))
-    for h in hooks:
-        h.remove()
-    valid = mask.reshape(-1).astype(bool)
-    out = {}
-    for l, (x, logits, gates, idx) in seen.items():
-        mlp = hf.model.layers[l].mlp
-        x, logits = x.double().numpy()[valid], logits.double().numpy()[valid]
-        gates, idx = gates.double().numpy()[valid], idx.numpy()[valid]
-        gate_up = mlp.experts.gate_up_proj.detach().double().numpy()   # [E, 2 Im, H], gate rows first
-        down = mlp.experts.down_proj.detach().double().numpy()         # [E, H, Im]
-        E, Im = gate_up.shape[0], gate_up.shape[1] // 2
-
-        def f(j, xs):  # expert j's output, before the gate
-            g, u = xs @ gate_up[j, :Im].T, xs @ gate_up[j, Im:].T
-            return (g / (1 + np.exp(-g)) * u) @ down[j].T
-
-        def reap(idx_TK, gate_TK):
-            freq, gate_norm, norm = np.zeros(E), np.zeros(E), np.zeros(E)
-            for j in range(E):
-                t, k = np.nonzero(idx_TK == j)
-                n = np.linalg.norm(f(j, x[t]), axis=1)
-                freq[j], gate_norm[j], norm[j] = len(t), (gate_TK[t, k] * n).sum(), n.sum()
-            return freq, np.where(freq > 0, gate_norm / np.maximum(freq, 1), 0.0), norm
-
-        freq, reap_real, ean = reap(idx, gates)
-        code_idx = np.argsort(-logits, axis=1, kind="stable")[:, :idx.shape[1]]
-        p = np.exp(logits - logits.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
-        code_gate = np.take_along_axis(p, code_idx, 1)
-        code_gate /= code_gate.sum(1, keepdims=True)
-        _, reap_code, _ = reap(code_idx, code_gate)
-        W = mlp.gate.weight.detach().double().numpy()
-        out[l] = {"frequency": freq, "reap": reap_real, "reap_code": reap_code, "ean": ean,
-                  "w_mean": W @ x.mean(0)}
-    return out
+    """Every score from the definitions in float64 numpy, on what transformers' model routed."""
+    return reference_scores(hf, hook_router(hf, ids, mask)[1], mask)
 
 
 @pytest.mark.parametrize("stored", ["float32", "bfloat16"])

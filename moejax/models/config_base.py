@@ -102,6 +102,26 @@ class MoeConfig:
         raise NotImplementedError
 
 
+class SigmoidGroupRouter:
+    """DeepSeek-V3's MoE settings, which GLM-4.5 shares: sigmoid scores with a balance bias,
+    group-limited top-k, `norm_topk_prob`, `routed_scaling_factor`, `n_shared_experts` shared
+    experts of `moe_intermediate_size` each, dense layers before `first_k_dense_replace`."""
+
+    HAS_BALANCE_BIAS: ClassVar[bool] = True
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def router_settings(self) -> dict:
+        return dict(top_k=self.num_experts_per_tok, scoring_func="sigmoid", n_group=self.n_group,
+                    topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                    routed_scaling_factor=self.routed_scaling_factor)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+
 def read_json_object(path) -> dict:
     """config.json as a dict: UTF-8, valid JSON, no key given twice in one object (JSON readers keep
     the last silently). Raises ConfigError naming the file."""

@@ -18,7 +18,7 @@ from moejax.errors import ConfigError
 from moejax.models.config_base import (BOOL as _BOOL, NONNEG_INT as _NONNEG_INT, NONNEG_NUMBER_OR_NULL as
                                        _NONNEG_NUMBER_OR_NULL, POS_INT as _POS_INT, POS_INT_OR_NULL as _POS_INT_OR_NULL,
                                        POS_NUMBER as _POS_NUMBER, POS_NUMBER_OR_NULL as _POS_NUMBER_OR_NULL,
-                                       STRING as _STRING, MoeConfig, check as _check, check_family, layer_num_experts,
+                                       STRING as _STRING, MoeConfig, SigmoidGroupRouter, check as _check, check_family, layer_num_experts,
                                        message as _message, show as _show)
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -40,10 +40,9 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config(MoeConfig):
+class DeepseekV3Config(SigmoidGroupRouter, MoeConfig):
     MODEL_TYPES = MODEL_TYPES
     ARCHITECTURE = ARCHITECTURE
-    HAS_BALANCE_BIAS = True
     vocab_size: int = 129280
     hidden_size: int = 7168
     intermediate_size: int = 18432
@@ -80,18 +79,6 @@ class DeepseekV3Config(MoeConfig):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
-
-    def router_settings(self) -> dict:
-        return dict(top_k=self.num_experts_per_tok, scoring_func="sigmoid", n_group=self.n_group,
-                    topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
-                    routed_scaling_factor=self.routed_scaling_factor)
-
-    @property
-    def shared_intermediate_size(self) -> int:
-        return self.moe_intermediate_size * self.n_shared_experts
 
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for YaRN (transformers)."""

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from moejax.models.config_base import BOOL, NONNEG_INT, POS_INT, POS_INT_OR_NULL, POS_NUMBER
+from moejax.models.config_base import BOOL, NONNEG_INT, POS_INT, POS_INT_OR_NULL, POS_NUMBER, SigmoidGroupRouter
 from moejax.models.gqa_config import SILU_ONLY, GqaMoeConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class Glm4MoeConfig(GqaMoeConfig):
+class Glm4MoeConfig(SigmoidGroupRouter, GqaMoeConfig):
     vocab_size: int = 151552
     hidden_size: int = 4096
     intermediate_size: int = 10944
@@ -47,7 +47,6 @@ class Glm4MoeConfig(GqaMoeConfig):
     ARCHITECTURE = "Glm4MoeForCausalLM"
     EXPERTS_FIELD = "n_routed_experts"
     EXPERTS_KEYS = ("n_routed_experts", "num_local_experts")
-    HAS_BALANCE_BIAS = True
     O_BIAS_FOLLOWS_ATTENTION_BIAS = False  # o_proj never has a bias
     KEYS = {k: k for k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -70,17 +69,6 @@ class Glm4MoeConfig(GqaMoeConfig):
     def qk_norm(self) -> str | None:
         return "head" if self.use_qk_norm else None
 
-    @property
-    def shared_intermediate_size(self) -> int:
-        return self.moe_intermediate_size * self.n_shared_experts
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
-
-    def router_settings(self) -> dict:
-        return dict(top_k=self.num_experts_per_tok, scoring_func="sigmoid", n_group=self.n_group,
-                    topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
-                    routed_scaling_factor=self.routed_scaling_factor)
 
     @classmethod
     def _relations(cls, v: dict, partial: float) -> list[str]:
