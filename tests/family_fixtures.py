@@ -35,6 +35,12 @@ FAMILIES = {
                                  norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
                                  partial_rotary_factor=0.5, rms_norm_eps=1e-5, max_position_embeddings=256,
                                  num_nextn_predict_layers=0)),
+    # a shared expert gated by sigmoid(x . w), q/k/v biases, no renormalisation, layer 1 dense
+    "qwen2_moe": ("Qwen2Moe", dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                   mlp_only_layers=[1], qkv_bias=True, rms_norm_eps=1e-6,
+                                   max_position_embeddings=256)),
 }
 
 

@@ -137,10 +137,12 @@ def swiglu_rules(prefix: str, hf: str, param: str, inner: Callable, when: Callab
 
 
 def moe_rules(block: str = "mlp", expert_names=("gate_proj", "up_proj", "down_proj"),
-              balance_bias: bool = False, shared: Callable | None = None) -> tuple:
+              balance_bias: bool = False, shared: Callable | None = None, shared_name: str = "shared_experts",
+              shared_gate: bool = False) -> tuple:
     """A MoE block's tensors: router (`{block}.gate.weight`, [E, H]), balance bias, routed experts
-    (`{block}.experts.{e}.*`), shared experts (`{block}.shared_experts.*`, inner size `shared(cfg)`,
-    in MoE layers where it is > 0). moejax's parameters are the same in every family."""
+    (`{block}.experts.{e}.*`), shared experts (`{block}.{shared_name}.*`, inner size `shared(cfg)`,
+    in MoE layers where it is > 0) and their sigmoid gate (`{block}.shared_expert_gate.weight`,
+    [1, H], Qwen2-MoE). moejax's parameters are the same in every family."""
     stem = L + block + "."
     rules = (
         Rule("router", stem + "gate.weight", L + "mlp.router", False, lambda cfg: (None, cfg.hidden_size),
@@ -152,8 +154,11 @@ def moe_rules(block: str = "mlp", expert_names=("gate_proj", "up_proj", "down_pr
     rules += swiglu_rules("expert_", stem + "experts.{e}.", L + "mlp.experts_", lambda cfg: cfg.moe_intermediate_size,
                           moe_layer, expert_names, per_expert=True)
     if shared is not None:
-        rules += swiglu_rules("shared_", stem + "shared_experts.", L + "mlp.shared_experts.", shared,
-                              lambda cfg, layer: moe_layer(cfg, layer) and shared(cfg) > 0)
+        has_shared = lambda cfg, layer: moe_layer(cfg, layer) and shared(cfg) > 0  # noqa: E731
+        rules += swiglu_rules("shared_", stem + shared_name + ".", L + "mlp.shared_experts.", shared, has_shared)
+        if shared_gate:
+            rules += (Rule("shared_expert_gate", stem + "shared_expert_gate.weight", L + "mlp.shared_gate", True,
+                           lambda cfg: (1, cfg.hidden_size), when=has_shared),)
     return rules
 
 

@@ -7,7 +7,7 @@ Adding a family: a folder `moejax/models/<name>/` (config, names, model, presets
 from __future__ import annotations
 
 from moejax.errors import ConfigError
-from moejax.models import deepseek_v3, glm4_moe, mixtral, olmoe, qwen3_moe
+from moejax.models import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 from moejax.models.config_base import read_json_object
 from moejax.models.family import Family
 
@@ -17,6 +17,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     mixtral.FAMILY,
     olmoe.FAMILY,
     glm4_moe.FAMILY,
+    qwen2_moe.FAMILY,
 )}
 
 
