@@ -98,14 +98,21 @@ def test_unknown_task_fails_before_the_calibration_pass(ckpt, tmp_path, monkeypa
                     lm_eval={"include_defaults": False, "task_dir": str(tasks)}), tmp_path / "a")
     with pytest.raises(ConfigError, match="need task_dir"):
         run_job(job(ckpt, tasks=["stdlib_nope"], lm_eval={"include_defaults": False}), tmp_path / "a2")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match=r"'arc_easy'.*allenai/ai2_arc.*need the network"):
-        run_job(job(ckpt, tasks=["arc_easy"]), tmp_path / "net")
     with pytest.raises(ConfigError, match="below top_k=4"):
         run_job(job(ckpt, keep=[2]), tmp_path / "b")
     with pytest.raises(ConfigError, match="unknown score"):
         run_job(job(ckpt, scores=["frequency", "nonsense"]), tmp_path / "c")
+
+
+@pytest.mark.slow  # indexes every task lm-eval ships (about 30 s)
+def test_a_hub_task_offline_names_the_dataset_it_needs(ckpt, tmp_path, monkeypatch):
+    from moejax.experiments import prune_real
+
+    monkeypatch.setattr(prune_real, "evaluate", lambda *a, **k: pytest.fail("calibrated"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"'arc_easy'.*allenai/ai2_arc.*need the network"):
+        run_job(job(ckpt, tasks=["arc_easy"]), tmp_path / "net")
 
 
 def test_notebook_code_runs_on_a_run(results, tmp_path):

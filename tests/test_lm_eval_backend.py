@@ -124,12 +124,11 @@ def test_variant_from_scores_changes_the_results_and_equals_explicit_masks(setup
 def test_invalid_variants_fail_before_the_model_is_loaded(setup, tmp_path, monkeypatch):
     import pandas as pd
 
+    import moejax.lm_eval
     from moejax.lm_eval import MoejaxLM
-    from moejax.models.deepseek_v3 import DeepseekV3ForCausalLM
 
     ckpt, _ = setup
-    monkeypatch.setattr(DeepseekV3ForCausalLM, "from_pretrained",
-                        classmethod(lambda *a, **k: pytest.fail("loaded the model")))
+    monkeypatch.setattr(moejax.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
     pd.DataFrame([{"layer": 1, "expert": e, "score": "l1", "value": 1.0} for e in range(16)]).to_parquet(
         tmp_path / "s.parquet")
     with pytest.raises(ConfigError, match="no score 'reap'.*holds \\['l1'\\]"):
@@ -157,3 +156,25 @@ def test_registered_and_built_from_model_args_strings(setup):
     assert get_model("hf")  # registering did not replace lm-eval's own models
     lm = cls.create_from_arg_string(f"pretrained={ckpt},dtype=float32", {"batch_size": "2", "device": None})
     assert lm.batch_size == 2 and lm.max_length == 512 and lm.eot_token_id == 0
+
+
+def test_a_softmax_family_equals_the_hf_backend(tmp_path):
+    """The backend is family-agnostic: a byte-level Qwen3-MoE (softmax router, GQA) gives lm-eval's
+    `hf` backend's log-likelihoods and greedy flags on the multiple-choice task."""
+    from family_fixtures import make_family_checkpoint
+    from lm_eval.models.huggingface import HFLM
+
+    from moejax.lm_eval import MoejaxLM
+
+    ckpt = tmp_path / "qwen"
+    make_family_checkpoint("qwen3_moe", ckpt, seed=22, vocab_size=256, max_position_embeddings=512,
+                           eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    write_byte_tokenizer(ckpt, 512)
+    tasks = write_stdlib_tasks(tmp_path / "tasks", files=[STDLIB / "textwrap.py"], n_nextline=1, n_mc=4, n_ppl=1)
+    hf = evaluate(HFLM(pretrained=str(ckpt), dtype="float32", batch_size=4, device="cpu"), tasks, ["stdlib_mc"])
+    mj = evaluate(MoejaxLM(pretrained=str(ckpt), dtype="float32", batch_size=4), tasks, ["stdlib_mc"])
+    want, got = responses(hf, "stdlib_mc"), responses(mj, "stdlib_mc")
+    assert len(want) == len(got) > 0
+    for w_doc, g_doc in zip(want, got):
+        for w, g in zip(w_doc, g_doc):
+            assert abs(w[0][0] - g[0][0]) <= 1e-4 + 1e-6 * abs(w[0][0]) and w[0][1] == g[0][1], (w, g)
