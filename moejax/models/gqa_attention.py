@@ -48,7 +48,7 @@ def apply_rope(x_BSNQ, cos, sin):
 
 class GQAttention(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
-        H, N, Nk, Q = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim_
+        H, N, Nk, Q = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv, self.head_dim = N, Nk, Q
         self.q_proj = param(rngs, (H, N * Q), dtype)
         self.k_proj = param(rngs, (H, Nk * Q), dtype)
@@ -68,7 +68,7 @@ class GQAttention(nnx.Module):
 
     @staticmethod
     def empty_cache(cfg, batch: int, length: int, dtype) -> KVLayerCache:
-        shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim_)
+        shape = (batch, length, cfg.num_key_value_heads, cfg.resolved_head_dim)
         return KVLayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     def _bias(self, name):

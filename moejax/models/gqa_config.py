@@ -34,7 +34,7 @@ class GqaMoeConfig(MoeConfig):
 
     # --- attention ----------------------------------------------------------------------------
     @property
-    def head_dim_(self) -> int:
+    def resolved_head_dim(self) -> int:
         """Per-head width: config.json's head_dim when given, else hidden_size / num_attention_heads."""
         hd = getattr(self, "head_dim", None)
         return hd if hd is not None else self.hidden_size // self.num_attention_heads
@@ -42,7 +42,7 @@ class GqaMoeConfig(MoeConfig):
     @property
     def rotary_dim(self) -> int:
         """Channels of each head that rotate (the first ones): head_dim * partial_rotary_factor."""
-        return int(self.head_dim_ * self.partial_rotary_factor)
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
 
     @property
     def qkv_bias(self) -> bool:

@@ -9,11 +9,11 @@ _A = L + "self_attn."
 
 
 def _q(cfg):
-    return cfg.num_attention_heads * cfg.head_dim_
+    return cfg.num_attention_heads * cfg.resolved_head_dim
 
 
 def _kv(cfg):
-    return cfg.num_key_value_heads * cfg.head_dim_
+    return cfg.num_key_value_heads * cfg.resolved_head_dim
 
 
 def _norm_width(full, per_head):
@@ -34,7 +34,7 @@ def gqa_rules() -> tuple:
         Rule("o_proj_bias", _A + "o_proj.bias", _A + "o_proj_bias", False, lambda cfg: (cfg.hidden_size,),
              when=lambda cfg, layer: cfg.o_bias),
         Rule("q_norm", _A + "q_norm.weight", _A + "q_norm.weight", False,
-             _norm_width(_q, lambda cfg: cfg.head_dim_), when=qk_norm),
+             _norm_width(_q, lambda cfg: cfg.resolved_head_dim), when=qk_norm),
         Rule("k_norm", _A + "k_norm.weight", _A + "k_norm.weight", False,
-             _norm_width(_kv, lambda cfg: cfg.head_dim_), when=qk_norm),
+             _norm_width(_kv, lambda cfg: cfg.resolved_head_dim), when=qk_norm),
     )
