@@ -65,11 +65,14 @@ def test_routing_and_logits_match_transformers(family_checkpoints, family):
     assert np.abs(want).max() > 0.5
 
 
-def _prune(family, src, dst, keep):
+def _prune(family, src, dst, keep, groups="aware"):
+    """`moejax prune --score l1`; a family with routing groups keeps them (group-aware) or, with
+    groups="collapse", routes over all kept experts (what a pruner that ignores groups gives)."""
     from moejax.surgery.prune import prune_checkpoint
 
     grouped = REGISTRY[family].config_class.from_json_file(src / "config.json").n_group > 1
-    return prune_checkpoint(src, dst, score="l1", keep=keep, group_aware=grouped)
+    return prune_checkpoint(src, dst, score="l1", keep=keep, group_aware=grouped and groups == "aware",
+                            collapse_groups=grouped and groups == "collapse")
 
 
 @pytest.mark.parametrize("family", NAMES)
@@ -159,7 +162,7 @@ def test_scores_match_definitions_on_transformers_model(family_checkpoints, fami
             compute_scores(stats[max(stats)], ["bias"])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", NAMES)
 def test_l1_equals_compressed_tensors_magnitude_pruner(family_checkpoints, family, tmp_path):
     from compressed_tensors.entrypoints.convert import convert_checkpoint
     from compressed_tensors.entrypoints.convert.converters.magnitude_expert_pruner import MagnitudeExpertPruner
@@ -167,7 +170,7 @@ def test_l1_equals_compressed_tensors_magnitude_pruner(family_checkpoints, famil
     path = family_checkpoints[family][0]
     block = REGISTRY[family].moe_block
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    _prune(family, path, ours, keep=5)
+    _prune(family, path, ours, keep=5, groups="collapse")  # compressed-tensors does not keep groups
     pruner = MagnitudeExpertPruner.from_pretrained(path, router_pattern=rf"{block}\.gate\.weight$",
                                                    expert_pattern=rf"{block}\.experts\.\d+\.", sparsity=0.375)
     convert_checkpoint(path, theirs, converter=pruner, max_workers=1, device="cpu")

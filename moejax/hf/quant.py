@@ -1,4 +1,4 @@
-"""Quantised weight formats of DeepSeek-V3-family checkpoints: their layouts, a decoder for each (to
+"""Quantised weight formats of MoE checkpoints (as DeepSeek-V3, Kimi-K2 and compressed-tensors ship them): their layouts, a decoder for each (to
 run the model, always float32 out), and their detection from config.json.
 
 * ``fp8_block``: DeepSeek-V3 / Kimi-K2 FP8 e4m3 weights with one float32 ``weight_scale_inv`` per
