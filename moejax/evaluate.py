@@ -208,108 +208,165 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     ids [n_seq, seq_len]. Each decoder layer's weights are read once. info["kept"][layer] maps
     "score@keep" (one-shot) and "sequential:score@keep" to that variant's kept experts."""
     cfg = ckpt.config
-    E = cfg.n_experts
-    keeps = sorted({resolve_keep(k, E, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
+    keeps = sorted({resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
     one_shot = [Variant(s, k) for s in scores for k in keeps]
     seq_variants = [Variant(s, k, "sequential") for s in scores for k in keeps] if sequential else []
     show = sys.stderr.isatty() if progress is None else progress
-
-    def batched(ids):
-        return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
-
-    cal_batches = batched(calib)
-    held_batches = {text: batched(ids) for text, ids in heldout.items()}
-    cal_geo = _geometry(ckpt, cal_batches, dtype)
-    held_geo = {text: _geometry(ckpt, b, dtype) for text, b in held_batches.items()}
-    cal_embed = embed(ckpt, cal_batches, dtype)
-    held_embed = {text: embed(ckpt, b, dtype) for text, b in held_batches.items()}
-    # streams: calibration (unpruned; per sequential variant), held-out (unpruned; per variant)
-    cal = {None: cal_embed, **{v: list(cal_embed) for v in seq_variants}}
-    # held-out: every stream of a batch stacked, [A, B, S, H]: 0 = unpruned, then one-shot, then sequential
-    streams = [None, *one_shot, *seq_variants]
-    held = {text: [jnp.broadcast_to(x[None], (len(streams),) + x.shape) for x in xs] for text, xs in held_embed.items()}
+    streams = _Streams.embedded(ckpt, calib, heldout, one_shot, seq_variants, batch_size, dtype)
     errors, rows, kept_by_layer = _ErrorSums(), [], {}
     t0 = time.perf_counter()
-    for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams)} held-out streams)",
+    for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams.order)} held-out streams)",
                           unit="layer", disable=not show):
-        layer = ckpt.decoder_layer(layer_idx, dtype)
-        graphdef, state = nnx.split(layer)
-        is_moe = layer.is_moe
-        masks: dict = {v: None for v in [None, *one_shot, *seq_variants]}
+        layer_rows, kept = _layer_pass(ckpt, layer_idx, streams, scores, keeps, one_shot, seq_variants, errors,
+                                       seed, dtype)
+        rows += layer_rows
+        if kept is not None:
+            kept_by_layer[layer_idx] = kept
+    rows += _perplexity_rows(ckpt, streams, dtype)
+    rows += errors.rows()
+    info = {"seconds": time.perf_counter() - t0, "variants": len(one_shot) + len(seq_variants), "keeps": keeps,
+            "kept": kept_by_layer, "calib_tokens": int(calib.size),
+            "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
+    return rows, info
 
-        # Variants' streams are the same arrays until their first pruned layer: compute each
-        # distinct (input, mask) once per layer.
-        attention_cache, mlp_cache, scores_cache = {}, {}, {}
 
-        def attention(x, g):
-            if id(x) not in attention_cache:
-                attention_cache[id(x)] = (x, _attention(graphdef, state, x, *g))
-            return attention_cache[id(x)][1]
+@dataclasses.dataclass
+class _Streams:
+    """The hidden states carried from layer to layer, each a list over batches.
 
-        def mlp(x, h, z, mask):
-            key = (id(x), None if mask is None else id(mask))
-            if key not in mlp_cache:
-                mlp_cache[key] = (x, mask, _mlp(graphdef, state, h, z, mask))
-            return mlp_cache[key][2]
+    Calibration streams, one per stream key (None: the unpruned model; with `sequential`, one per
+    sequential variant), are held once per *group*: the streams that are still the same arrays.
+    Every stream starts in the unpruned stream's group (key None); a stream leaves its group at the
+    first layer that prunes it (a variant at its first MoE layer, by its own mask) for a group of its
+    own, keyed by itself. So through the dense layers at the bottom every calibration stream is the
+    unpruned one, and each layer computes attention, statistics and the MLP once per group.
 
-        def attention_all(stream, geometry):
-            return [attention(x, g) for x, g in zip(stream, geometry)]
+    Held-out streams are stacked, [A, B, S, H] per batch, in the order of `order`."""
 
-        cal_hz = {key: attention_all(stream, cal_geo) for key, stream in cal.items()}
-        if is_moe:
-            router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
+    order: list        # the held-out streams: None (unpruned), then the one-shot, then the sequential variants
+    cal_geo: list      # per calibration batch: (cos, sin, allowed)
+    held_geo: dict     # text -> per batch: (cos, sin, allowed)
+    held_ids: dict     # text -> per batch: ids [B, S]
+    group: dict        # calibration stream key -> the key of its group
+    cal: dict          # group key -> per calibration batch: x [B, S, H]
+    held: dict         # text -> per batch: x [A, B, S, H]
 
-            def layer_scores(hz):
-                if id(hz[0][1]) in scores_cache:
-                    return scores_cache[id(hz[0][1])][1]
+    @classmethod
+    def embedded(cls, ckpt: OpenCheckpoint, calib, heldout, one_shot, seq_variants, batch_size, dtype) -> "_Streams":
+        """Every stream at the embeddings, before the first decoder layer (one group)."""
+        def batched(ids):
+            return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
+
+        cal_batches = batched(calib)
+        held_ids = {text: batched(ids) for text, ids in heldout.items()}
+        order = [None, *one_shot, *seq_variants]
+        held_embed = {text: embed(ckpt, b, dtype) for text, b in held_ids.items()}
+        return cls(order=order, cal_geo=_geometry(ckpt, cal_batches, dtype),
+                   held_geo={text: _geometry(ckpt, b, dtype) for text, b in held_ids.items()}, held_ids=held_ids,
+                   group={key: None for key in [None, *seq_variants]}, cal={None: embed(ckpt, cal_batches, dtype)},
+                   held={text: [jnp.broadcast_to(x[None], (len(order),) + x.shape) for x in xs]
+                         for text, xs in held_embed.items()})
+
+
+def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores, keeps, one_shot, seq_variants,
+                errors: _ErrorSums, seed: int, dtype) -> tuple[list[dict], dict | None]:
+    """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
+    layer's output. At a MoE layer: every variant's kept set (one-shot: from the unpruned calibration
+    statistics; sequential: from the variant's own calibration stream), its layer-local errors
+    (into `errors`) and the analyses. Returns (analysis rows, {variant name: kept experts}), the
+    latter None at a dense layer."""
+    cfg = ckpt.config
+    E = cfg.n_experts
+    layer = ckpt.decoder_layer(layer_idx, dtype)
+    graphdef, state = nnx.split(layer)
+    # per calibration group and batch: (h, z), the residual after attention and the MLP's (router's) input
+    cal_hz = {group: [_attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
+              for group, xs in streams.cal.items()}
+    masks = {}      # variant -> its kept experts [E] at this layer (none at a dense layer)
+    kept_names = None
+    if layer.is_moe:
+        router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
+        group_scores = {}   # calibration group -> (statistics, {score: [E]}), computed once per group
+
+        def scores_of(group):
+            if group not in group_scores:
                 acc = StatsAccumulator(E, cfg.hidden_size)
-                zs = [z.reshape(-1, z.shape[-1]) for _, z in hz]
+                zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
                 accumulate_layer(layer.mlp, zs, [None] * len(zs), acc)
-                st = acc.stats(router, bias, seed=seed, layer=layer_idx)
-                scores_cache[id(hz[0][1])] = (hz, (st, compute_scores(st, scores)))
-                return scores_cache[id(hz[0][1])][1]
+                stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
+                group_scores[group] = stats, compute_scores(stats, scores)
+            return group_scores[group]
 
-            stats, layer_sc = layer_scores(cal_hz[None])
-            kept = {(s, k): select_kept(layer_sc[s], k, f"layer {layer_idx}: score {s!r}") for s in scores for k in keeps}
-            kept_by_layer[layer_idx] = {f"{s}@{k}": np.flatnonzero(m).tolist() for (s, k), m in kept.items()}
-            for v in one_shot:
-                masks[v] = jnp.asarray(kept[v.score, v.keep])
-            for v in seq_variants:
-                _, own = layer_scores(cal_hz[v])
-                seq_kept = select_kept(own[v.score], v.keep, f"layer {layer_idx}: score {v.score!r} (sequential)")
-                kept_by_layer[layer_idx][f"sequential:{v.score}@{v.keep}"] = np.flatnonzero(seq_kept).tolist()
-                masks[v] = jnp.asarray(seq_kept)
-        # carry the calibration streams
-        cal = {key: [mlp(x, h, z, masks[key]) for x, (h, z) in zip(cal[key], cal_hz[key])] for key in cal}
-        energy0, energy = 0.0, 0.0
-        stacked_masks = None if not is_moe else jnp.stack(
-            [jnp.ones((E,), bool) if v is None else masks[v] for v in streams])
-        for text, xs in held.items():
-            new = []
-            for x_ABSH, (cos, sin, allowed) in zip(xs, held_geo[text]):
-                out, z = _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed[0], stacked_masks)
-                if is_moe:  # layer-local errors: one-shot variants on the unpruned inputs (stream 0)
-                    norm, err = _routed_errors(graphdef, state, z[0], stacked_masks[1:1 + len(one_shot)])
-                    for i, u in enumerate(one_shot):
-                        errors.add((u, layer_idx), norm, err[i], np.ones(norm.shape, bool))
-                    n = np.asarray(norm, np.float64)
-                    energy0, energy = energy0 + n[:, 0].sum(), energy + n.sum()
-                if is_moe and seq_variants:  # sequential variants on their own (pruned) inputs
-                    first = 1 + len(one_shot)
-                    norms, errs = _routed_errors_each(graphdef, state, z[first:], stacked_masks[first:])
-                    for i, u in enumerate(seq_variants):
-                        errors.add((u, layer_idx), norms[i], errs[i], np.ones(norms[i].shape, bool))
-                new.append(out)
-            held[text] = new
-        if is_moe:
-            rows += [dict(mode="one_shot", **r) for r in _analysis_rows(
-                layer_idx, stats, layer_sc, kept, keeps, float(energy0 / energy) if energy else float("nan"))]
-        del layer, state, cal_hz, attention_cache, mlp_cache, scores_cache
+        stats, layer_sc = scores_of(None)
+        kept = {(s, k): select_kept(layer_sc[s], k, f"layer {layer_idx}: score {s!r}") for s in scores for k in keeps}
+        kept_names = {f"{s}@{k}": np.flatnonzero(m).tolist() for (s, k), m in kept.items()}
+        for v in one_shot:
+            masks[v] = jnp.asarray(kept[v.score, v.keep])
+        for v in seq_variants:
+            _, own = scores_of(streams.group[v])
+            seq_kept = select_kept(own[v.score], v.keep, f"layer {layer_idx}: score {v.score!r} (sequential)")
+            kept_names[f"sequential:{v.score}@{v.keep}"] = np.flatnonzero(seq_kept).tolist()
+            masks[v] = jnp.asarray(seq_kept)
+    # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
+    # MoE layer, by its own mask) leaves its group for one of its own, keyed by itself; the streams
+    # it does not prune move on together. (A group keyed by a variant holds that variant alone, so
+    # the two kinds of key never meet.)
+    carried = {}
+    for key, group in streams.group.items():
+        mask = masks.get(key)
+        new_group = group if mask is None else key
+        if new_group not in carried:
+            carried[new_group] = [_mlp(graphdef, state, h, z, mask) for h, z in cal_hz[group]]
+        streams.group[key] = new_group
+    streams.cal = carried
+    masks_AE = None if not layer.is_moe else jnp.stack(
+        [jnp.ones((E,), bool) if v is None else masks[v] for v in streams.order])
+    energy_pos0 = _carry_heldout(graphdef, state, streams, masks_AE, len(one_shot), errors, layer_idx)
+    if not layer.is_moe:
+        return [], None
+    rows = [dict(mode="one_shot", **r) for r in _analysis_rows(layer_idx, stats, layer_sc, kept, keeps, energy_pos0)]
+    return rows, kept_names
+
+
+def _carry_heldout(graphdef, state, streams: _Streams, masks_AE, n_one_shot: int, errors: _ErrorSums,
+                   layer_idx: int) -> float:
+    """The layer on every held-out stream at once, stream n pruned by masks_AE[n] (None: a dense
+    layer), and at a MoE layer the layer-local errors: one-shot variants' on the unpruned router
+    inputs (stream 0), sequential variants' on their own. Returns the unpruned routed output's
+    share of energy at position 0 (NaN at a dense layer)."""
+    is_moe = masks_AE is not None
+    energy0, energy = 0.0, 0.0
+    first_seq = 1 + n_one_shot
+    seq_variants = streams.order[first_seq:]
+    for text, xs in streams.held.items():
+        new = []
+        for x_ABSH, (cos, sin, allowed) in zip(xs, streams.held_geo[text]):
+            out, z = _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed[0], masks_AE)
+            if is_moe:  # layer-local errors: one-shot variants on the unpruned inputs (stream 0)
+                norm, err = _routed_errors(graphdef, state, z[0], masks_AE[1:first_seq])
+                for i, variant in enumerate(streams.order[1:first_seq]):
+                    errors.add((variant, layer_idx), norm, err[i], np.ones(norm.shape, bool))
+                n = np.asarray(norm, np.float64)
+                energy0, energy = energy0 + n[:, 0].sum(), energy + n.sum()
+            if is_moe and seq_variants:  # sequential variants on their own (pruned) inputs
+                norms, errs = _routed_errors_each(graphdef, state, z[first_seq:], masks_AE[first_seq:])
+                for i, variant in enumerate(seq_variants):
+                    errors.add((variant, layer_idx), norms[i], errs[i], np.ones(norms[i].shape, bool))
+            new.append(out)
+        streams.held[text] = new
+    return float(energy0 / energy) if energy else float("nan")
+
+
+def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dict]:
+    """The final norm and head on every held-out stream: a perplexity row per stream and text, and
+    over all texts ("all")."""
+    cfg = ckpt.config
     norm_H, head_HV = _head(ckpt, dtype)
-    totals = {}
-    for text, xs in held.items():
-        sums = [_nll_stacked(x, norm_H, head_HV, jnp.asarray(ids), cfg.rms_norm_eps) for x, ids in zip(xs, held_batches[text])]
-        for i, v in enumerate(streams):
+    rows, totals = [], {}
+    for text, xs in streams.held.items():
+        sums = [_nll_stacked(x, norm_H, head_HV, jnp.asarray(ids), cfg.rms_norm_eps)
+                for x, ids in zip(xs, streams.held_ids[text])]
+        for i, v in enumerate(streams.order):
             nll, count = sum(float(a[i]) for a, _ in sums), sum(int(b[i]) for _, b in sums)
             totals.setdefault(v, [0.0, 0])
             totals[v][0] += nll
@@ -317,11 +374,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
             rows.append(_ppl_row(v, text, nll, count))
     for v, (s, n) in totals.items():
         rows.append(_ppl_row(v, "all", s, n))
-    rows += errors.rows()
-    info = {"seconds": time.perf_counter() - t0, "variants": len(one_shot) + len(seq_variants), "keeps": keeps,
-            "kept": kept_by_layer, "calib_tokens": int(calib.size),
-            "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
-    return rows, info
+    return rows
 
 
 def _ppl_row(v, text, nll_sum, count):

@@ -35,7 +35,7 @@ from _timing import best_alternating  # noqa: E402
 def hf_config(name: str):
     from transformers import DeepseekV3Config as HFConfig
 
-    from moejax.experiments.train_tiny import ArchConfig
+    from moejax.training.config import ArchConfig
     from moejax.models.deepseek_v3.presets import PRESETS
 
     if name == "tiny":

@@ -31,7 +31,7 @@ def random_tiny(path: Path) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from moejax.data import write_byte_tokenizer
-    from moejax.experiments.train_tiny import ArchConfig
+    from moejax.training.config import ArchConfig
 
     torch.manual_seed(0)
     d = {k: v for k, v in ArchConfig().hf_dict().items() if k not in ("architectures", "model_type", "dtype")}

@@ -97,7 +97,7 @@ def test_write_tokenizer_command(tmp_path, capsys):
 
 
 def test_train_tiny_config_has_byte_token_ids():
-    from moejax.experiments.train_tiny import ArchConfig
+    from moejax.training.config import ArchConfig
 
     d = ArchConfig().hf_dict()
     assert (d["eos_token_id"], d["pad_token_id"], d["bos_token_id"]) == (0, 0, None)

@@ -14,6 +14,10 @@ import pytest
 
 from moejax.errors import ConfigError
 from moejax.experiments import train_tiny as tt
+from moejax.training.config import ORBAX_SUFFIX, ArchConfig, DataConfig, TrainConfig
+from moejax.training.corpus import build_corpus
+from moejax.training.progress import Progress
+from moejax.training.trainer import Trainer, next_token_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 N, M = 20, 30   # first run, then resumed to
@@ -128,7 +132,7 @@ def test_split_heldout_against_its_definition():
 def test_resume_continues_from_the_latest_checkpoint(trained, tmp_path, caplog):
     cfg, df, _, notes = trained
     out = tmp_path / "tiny"
-    shutil.copytree(cfg.orbax_dir, tmp_path / ("tiny" + tt.ORBAX_SUFFIX))
+    shutil.copytree(cfg.orbax_dir, tmp_path / ("tiny" + ORBAX_SUFFIX))
     assert sorted(int(p.name) for p in (tmp_path / "tiny.orbax").iterdir() if p.name.isdigit()) == [10, N]
     more = tt.Config.from_mapping(settings(out, extra_text=[notes], steps=M))
     with caplog.at_level("INFO", logger="moejax.experiments.train_tiny"):
@@ -177,7 +181,7 @@ def test_transformers_loads_it_and_agrees_on_heldout_perplexity(trained):
 
     cfg, _, _, _ = trained
     record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
-    ids = tt.build_corpus(cfg).heldout_ids
+    ids = build_corpus(cfg).heldout_ids
     assert ids.size == record["heldout_tokens"]
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
                                                             attn_implementation="eager",
@@ -189,7 +193,7 @@ def test_transformers_loads_it_and_agrees_on_heldout_perplexity(trained):
         logp = torch.log_softmax(logits[:, :-1], -1)
         hf_loss = -logp.gather(-1, torch.as_tensor(ids[:, 1:, None], dtype=torch.long)).mean().item()
     model = DeepseekV3ForCausalLM.from_pretrained(cfg.path, dtype=jnp.float32)
-    ours = float(tt.next_token_loss(model.jitted()(jnp.asarray(ids)).logits_BSV, jnp.asarray(ids)))
+    ours = float(next_token_loss(model.jitted()(jnp.asarray(ids)).logits_BSV, jnp.asarray(ids)))
     assert math.exp(hf_loss) == pytest.approx(math.exp(ours), rel=1e-4)
     assert math.exp(hf_loss) == pytest.approx(record["heldout_ppl"], rel=1e-4)
     assert 1.5 < record["heldout_ppl"] < 256
@@ -243,7 +247,7 @@ def test_yaml_defaults_compose_into_the_dataclass_defaults(monkeypatch, tmp_path
     typed = experiment_config(OmegaConf.to_container(cfg, resolve=True))[1]
     assert typed.path == str(tmp_path / "models" / "tiny")               # model=tiny's path
     assert typed.orbax_dir == tmp_path / "models" / "tiny.orbax"
-    assert (typed.arch, typed.data, typed.train) == (tt.ArchConfig(), tt.DataConfig(), tt.TrainConfig())
+    assert (typed.arch, typed.data, typed.train) == (ArchConfig(), DataConfig(), TrainConfig())
     assert dataclasses.replace(typed, path="x").fingerprint() == tt.Config(path="x").fingerprint()
     other = experiment_config(OmegaConf.to_container(moved, resolve=True))[1]
     assert other.path == "/elsewhere" and other.train.steps == 7
@@ -258,7 +262,7 @@ def test_progress_line_only_on_a_terminal():
 
     quiet, tty = io.StringIO(), Tty()
     for stream in (quiet, tty):
-        bar = tt.Progress(total=10, start=0, stream=stream)
+        bar = Progress(total=10, start=0, stream=stream)
         bar.update(10, 1.2345, 5000.0)
         bar.close()
     assert quiet.getvalue() == ""
@@ -298,7 +302,7 @@ def test_balance_bias_step_follows_the_rule_in_numpy(trained):
     import jax.numpy as jnp
 
     cfg = trained[0]
-    trainer = tt.Trainer(cfg)            # the same settings: the compiled step of the fixture is reused
+    trainer = Trainer(cfg)            # the same settings: the compiled step of the fixture is reused
     rate = np.float32(cfg.train.bias_update_rate)
     moe_layers = range(cfg.model_config().first_k_dense_replace, cfg.model_config().num_hidden_layers)
     rng = np.random.default_rng(7)
@@ -348,7 +352,7 @@ def test_a_softmax_family_trains_with_the_balance_loss_and_loads_in_transformers
     assert record["family"] == "qwen3_moe" and record["config"]["train"]["aux_loss_alpha"] == 0.01
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, attn_implementation="eager",
                                                           experts_implementation="eager").eval()
-    ids = tt.build_corpus(cfg).heldout_ids
+    ids = build_corpus(cfg).heldout_ids
     with torch.no_grad():
         logp = torch.log_softmax(hf(torch.as_tensor(ids, dtype=torch.long)).logits.float()[:, :-1], -1)
         hf_loss = -logp.gather(-1, torch.as_tensor(ids[:, 1:, None], dtype=torch.long)).mean().item()
