@@ -1,7 +1,9 @@
 """Hydra entry point: python -m moejax.run experiment=toy3 seeds=8   (add -m for sweeps).
 
 Thin on purpose: compose the config, hand a plain dict to `moejax.experiments.runner`, which
-imports JAX only inside the job (the sweep controller, --cfg and --help never touch it).
+imports JAX only inside the job (the sweep controller, --cfg and --help never touch it). Importing
+the runner registers every experiment's dataclass defaults with Hydra's ConfigStore
+(`moejax.experiments.register_configs`), which conf/experiment/*.yaml compose from.
 
 How a job ends (the job folder's status.json says the same):
   completed          exit status 0.
@@ -42,6 +44,8 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+import moejax.experiments.runner  # noqa: F401  registers the experiments' defaults before Hydra composes
 
 # conf/ sits at the top of a source checkout and inside the wheel as the package moejax.conf.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"

@@ -1,6 +1,7 @@
 """The Hydra entry point: overrides compose, a two-job sweep runs, the loader reads it, the
 notebook runs on it, and conf/ is found from an installed wheel too."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,6 +40,39 @@ def typed(overrides):
 ])
 def test_overrides_compose_into_typed_config(overrides, check):
     assert check(typed(["experiment=toy3", *overrides]))
+
+
+def _leaves(d, prefix=""):
+    """Dotted keys of a nested mapping's values."""
+    return {k for key, v in d.items()
+            for k in (_leaves(v, f"{prefix}{key}.") if isinstance(v, dict) and v else {f"{prefix}{key}"})}
+
+
+@pytest.mark.parametrize("name", ["toy3", "score", "train_tiny", "prune_real", "eval_tasks"])
+def test_composed_defaults_are_the_dataclass_defaults(name):
+    """One source: every experiment's composed defaults are its dataclass's (registered in
+    Hydra's ConfigStore by moejax.experiments.register_configs), and conf/experiment/NAME.yaml
+    repeats none of them (toy.backend=auto is a Hydra-only value: settings_from resolves it)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from moejax.experiments import EXPERIMENTS, _plain, get, hydra_defaults
+
+    assert name in EXPERIMENTS
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={name}", "++model.path=/ckpt"])
+    module = get(name)
+    settings = module.settings_from(OmegaConf.to_container(cfg, resolve=True))
+    default = module.Config()
+    expected = {f.name: _plain(getattr(default, f.name)) for f in dataclasses.fields(default)}
+    assert set(settings) <= set(expected)
+    for key, value in expected.items():
+        if key != "path":  # model.path: the model group's (or ??? = required)
+            assert _plain(settings.get(key)) == value, key
+    own = yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text())
+    own = {k: v for k, v in own.items() if k not in ("defaults", "name", "model")}
+    repeated = _leaves(own) & _leaves(hydra_defaults(name))
+    assert repeated <= {"toy.backend"}, f"conf/experiment/{name}.yaml repeats dataclass defaults: {repeated}"
 
 
 def test_no_experiment_or_bad_keep_is_refused():

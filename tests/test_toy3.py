@@ -1,7 +1,6 @@
 """toy3 end to end on small sizes: against the independent numpy implementation (sigmoid router in
 scripts/bench_toy3.py, softmax router here), and the schema."""
 
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -80,12 +79,12 @@ def test_unknown_setting_is_named():
 
 
 def test_default_router_is_sigmoid():
-    """The default stays today's sigmoid layer (whose results test_matches_numpy_per_expert_loop pins)."""
-    import yaml
+    """The default stays today's sigmoid layer (whose results test_matches_numpy_per_expert_loop pins),
+    in the dataclass and so in the Hydra config composed from it (moejax.experiments.hydra_defaults)."""
+    from moejax.experiments import hydra_defaults
 
     assert toy3.Toy3Config().router == "sigmoid"
-    conf = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf/experiment/toy3.yaml").read_text())
-    assert conf["toy"]["router"] == "sigmoid"
+    assert hydra_defaults("toy3")["toy"]["router"] == "sigmoid"
     cfg = toy3.Toy3Config.from_mapping({"router": "softmax", "loads": ["skewed"]})
     assert cfg.router == "softmax" and not cfg.has_balance_bias
 

@@ -235,6 +235,8 @@ def test_bad_settings_are_refused_before_training(tmp_path, change, match):
 
 
 def test_yaml_defaults_compose_into_the_dataclass_defaults(monkeypatch, tmp_path):
+    """conf/experiment/train_tiny.yaml names only model=tiny's path and the registered dataclass
+    defaults (moejax.experiments.register_configs): composing it gives exactly the dataclasses'."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 

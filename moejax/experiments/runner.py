@@ -27,12 +27,17 @@ import traceback
 from pathlib import Path
 
 from moejax.errors import ConfigError
-from moejax.experiments import EXPERIMENTS, get
+from moejax.experiments import EXPERIMENTS, get, register_configs
 from moejax.parallel.mesh import MeshConfig, request_cpu_devices
 from moejax.results import write_json_atomic, write_parquet_atomic, write_text_atomic
 from moejax.signals import KillSwitch, Killed
 
 log = logging.getLogger(__name__)
+
+# The one place the experiments' dataclass defaults enter Hydra's ConfigStore: conf/experiment/*.yaml
+# name them (experiment_defaults/NAME), so anything that composes imports this module first
+# (moejax.run does at import; so does code calling hydra.compose, for experiment_config).
+register_configs()
 
 MISSING = "???"  # OmegaConf's mark of a mandatory value; OmegaConf.to_container keeps it as this string
 

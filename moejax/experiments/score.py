@@ -13,11 +13,11 @@ from moejax.parallel.mesh import MeshConfig
 
 @dataclasses.dataclass(frozen=True)
 class ScoreConfig:
-    path: str = ""
-    text: tuple = ()
-    tokens: str | None = None
+    path: str = ""                # model.path
+    text: tuple = ()              # calibration text: files/folders/globs
+    tokens: str | None = None     # or a .npy file of token ids (instead of text)
     seq_len: int = 512
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # None: no cap
     batch_size: int = 8
     scores: tuple | None = None  # None: every score the model supports
     mesh_data: int = 1

@@ -57,7 +57,7 @@ class Toy3Config:
     """Every setting of toy3; defaults are SPEC section 4."""
 
     seed: int = 0                 # first seed
-    seeds: int = 1                # seeds seed .. seed + seeds - 1, vectorised in one job
+    seeds: int = 8                # seeds seed .. seed + seeds - 1, vectorised in one job
     keep: tuple = (8, 16, 32, 48)  # counts, or ratios of E (floats in (0, 1])
     scores: tuple = DEFAULT_SCORES
     offsets: tuple = OFFSETS
@@ -72,7 +72,8 @@ class Toy3Config:
     balance_rate: float = 0.002
     offset_scale: float = 0.5     # ||mu|| = offset_scale * sqrt(d)
     router: str = "sigmoid"       # sigmoid (balance bias, DeepSeek-V3) or softmax (no bias, Qwen3-MoE)
-    backend: str = "sorted"       # dispatch backend of the calibration pass ("ep" on a mesh)
+    backend: str = "sorted"       # dispatch backend of the calibration pass ("ep" on a mesh); the Hydra
+    #                               config's toy.backend=auto picks it from the mesh (settings_from)
     mesh_data: int = 1            # devices: data x expert (from the Hydra `mesh` group)
     mesh_expert: int = 1
     seed_batch: int = 8           # seeds vectorised together (bounds memory)
