@@ -363,3 +363,24 @@ def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoi
                                                        experts_implementation="eager").eval()
     got = ppl[(ppl.score == "l1") & (ppl.keep == 4)].value.item()
     assert got == pytest.approx(hf_ppl(pruned), rel=1e-4) and got != pytest.approx(unpruned, rel=1e-3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_expert_names_of_transformers_5_load_too(family_checkpoints, family, tmp_path):
+    """`save_pretrained(save_original_format=False)` writes transformers' own module names (fused
+    `mlp.experts.gate_up_proj` / `down_proj`, and `mlp.gate.weight` even for Mixtral, whose hub
+    names are `block_sparse_moe.experts.E.w1/w3/w2`): moejax loads them as the family's names and
+    saves the family's names back."""
+    path, hf, model = family_checkpoints[family]
+    fused = tmp_path / "fused"
+    hf.save_pretrained(fused, save_original_format=False)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in CheckpointReader(fused).keys()
+    ids, mask = batch(96, seed=10)
+    want, _ = hf_forward(hf, ids, mask)
+    loaded = AutoModelForCausalLM.from_pretrained(fused)
+    got, _ = run(loaded, ids, mask)
+    m = mask.astype(bool)
+    assert np.abs(got[m] - want[m]).max() < 1e-4
+    out, canonical = CheckpointReader(loaded.save_pretrained(tmp_path / "out")), CheckpointReader(path)
+    assert out.keys() == canonical.keys()
+    assert all(out.read_bytes(n) == canonical.read_bytes(n) for n in canonical.keys())

@@ -186,7 +186,8 @@ def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]
     raw = CheckpointReader(path)
     cfg = read_config(path / CONFIG_NAME, uniform_experts=uniform_experts)
     family = family_of(cfg)
-    reader = FusedExpertsReader(raw)
+    reader = FusedExpertsReader(raw, tuple(family.rule(n).hf for n in ("expert_gate", "expert_up", "expert_down")),
+                                family.rule("router").hf)
     fmt = quant.detect_format(cfg.quantization_config)
     specs = tensor_specs(cfg)
     problems, stored, carried = check_tensors(cfg, reader, specs, fmt)

@@ -19,37 +19,50 @@ import re
 from moejax.hf.checkpoint_reader import CheckpointReader
 from moejax.hf.safetensors_format import TensorInfo
 
-_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# transformers 5 writes its own module names (`mlp.experts`) whatever the family's hub names are
+CANONICAL = ("model.layers.{l}.mlp.experts.{e}.gate_proj.weight", "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
+             "model.layers.{l}.mlp.experts.{e}.down_proj.weight")
+CANONICAL_ROUTER = "model.layers.{l}.mlp.gate.weight"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Slice:
     fused: str        # the fused tensor's name
-    expert: int
-    rows: slice       # rows of that expert's matrix (gate or up half of gate_up_proj)
+    expert: int | None  # None: the whole tensor under another name (a router beside fused experts)
+    rows: slice | None  # rows of that expert's matrix (gate or up half of gate_up_proj)
 
 
 class FusedExpertsReader:
     """A CheckpointReader whose fused expert tensors also appear under per-expert names."""
 
-    def __init__(self, reader: CheckpointReader):
+    def __init__(self, reader: CheckpointReader, expert_names: tuple = CANONICAL, router_name: str = CANONICAL_ROUTER):
+        """expert_names: the per-expert name templates of gate, up and down (`{l}` layer, `{e}`
+        expert) that the fused tensors are presented under, and router_name the router's: the
+        family's name table's (Mixtral: `...block_sparse_moe.experts.{e}.w1.weight`, w3, w2 and
+        `...block_sparse_moe.gate.weight`; transformers 5 writes `mlp.gate.weight` beside fused experts)."""
         self.reader = reader
+        self.expert_names = expert_names
         self._virtual: dict[str, _Slice] = {}
         self._cache: tuple[str, object] | None = None  # one fused tensor at a time
         for name in reader.keys():
             match = _FUSED.match(name)
             if match:
-                self._add(match.group(1), match.group(2), reader.info(name))
+                self._add(int(match.group(1)), match.group(2), reader.info(name))
+                router, canonical = router_name.format(l=match.group(1)), CANONICAL_ROUTER.format(l=match.group(1))
+                if router != canonical and canonical in reader and router not in reader:
+                    self._virtual[router] = _Slice(canonical, None, None)
 
-    def _add(self, prefix: str, kind: str, info: TensorInfo) -> None:
+    def _add(self, layer: int, kind: str, info: TensorInfo) -> None:
         n_experts, rows = info.shape[0], info.shape[1]
+        gate, up, down = self.expert_names
         for e in range(n_experts):
             if kind == "down_proj":
-                self._virtual[f"{prefix}.{e}.down_proj.weight"] = _Slice(info.name, e, slice(0, rows))
+                self._virtual[down.format(l=layer, e=e)] = _Slice(info.name, e, slice(0, rows))
             else:
                 half = rows // 2
-                self._virtual[f"{prefix}.{e}.gate_proj.weight"] = _Slice(info.name, e, slice(0, half))
-                self._virtual[f"{prefix}.{e}.up_proj.weight"] = _Slice(info.name, e, slice(half, rows))
+                self._virtual[gate.format(l=layer, e=e)] = _Slice(info.name, e, slice(0, half))
+                self._virtual[up.format(l=layer, e=e)] = _Slice(info.name, e, slice(half, rows))
 
     @property
     def fused_names(self) -> set[str]:
@@ -66,6 +79,8 @@ class FusedExpertsReader:
             return self.reader.info(name)
         part = self._virtual[name]
         fused = self.reader.info(part.fused)
+        if part.expert is None:
+            return dataclasses.replace(fused, name=name)
         shape = (part.rows.stop - part.rows.start, fused.shape[2])
         return dataclasses.replace(fused, name=name, shape=shape)
 
@@ -73,6 +88,8 @@ class FusedExpertsReader:
         if name not in self._virtual:
             return self.reader.read(name)
         part = self._virtual[name]
+        if part.expert is None:
+            return self.reader.read(part.fused)
         if self._cache is None or self._cache[0] != part.fused:
             self._cache = (part.fused, self.reader.read(part.fused))
         return self._cache[1][part.expert, part.rows]
