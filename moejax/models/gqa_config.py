@@ -1,9 +1,9 @@
 """Config reading shared by the grouped-query-attention MoE families (Qwen3-MoE, Mixtral, OLMoE,
 GLM-4.5): each family's config is a frozen dataclass inheriting `GqaMoeConfig` and declaring
 
-    KEYS           config.json key -> field (several spellings of one field allowed: Qwen3-MoE's
-                   expert count is `num_experts` on the hub, `num_local_experts` from transformers 5)
-    FIELD_RULES    field -> (accepts, expected) type/range rule
+    FIELD_RULES    field (= its config.json key) -> (accepts, expected) type/range rule
+    ALIASES        other config.json spellings -> field (Qwen3-MoE's expert count is `num_experts` on
+                   the hub, `num_local_experts` from transformers 5)
     UNIMPLEMENTED  config.json key -> (accepts, what is implemented): a valid setting moejax refuses
     attention      qk_norm ("head", "full" or None), bias on q/k/v and on o
 
@@ -26,7 +26,7 @@ class GqaMoeConfig(MoeConfig):
     TITLE: ClassVar[str]
     MODEL_TYPES: ClassVar[tuple]
     ARCHITECTURE: ClassVar[str]
-    KEYS: ClassVar[dict]
+    ALIASES: ClassVar[dict] = {}
     FIELD_RULES: ClassVar[dict]
     UNIMPLEMENTED: ClassVar[dict] = {}
     QK_NORM: ClassVar[str | None] = None     # "head": RMSNorm over each head; "full": over the whole projection
@@ -66,7 +66,7 @@ class GqaMoeConfig(MoeConfig):
         problems: list[str] = []
         unimplemented: list[str] = []
         given, spelled = {}, {}
-        for key, field in cls.KEYS.items():
+        for key, field in cls.config_keys().items():
             if key not in d:
                 continue
             if field in given and d[key] != given[field]:
@@ -118,7 +118,7 @@ class GqaMoeConfig(MoeConfig):
 
     def default_dict(self) -> dict:
         """config.json written from the fields (a config built in code, without a source file)."""
-        d = {key: getattr(self, field) for key, field in self.KEYS.items() if key == self._canonical_key(field)}
+        d = {field: getattr(self, field) for field in self.FIELD_RULES}
         d.update(model_type=self.MODEL_TYPES[0], architectures=[self.ARCHITECTURE], hidden_act="silu",
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
                                   **({"partial_rotary_factor": self.partial_rotary_factor}
@@ -127,8 +127,10 @@ class GqaMoeConfig(MoeConfig):
             d["moe_sparsity_config"] = {"method": "prune", "num_experts": list(self.layer_num_experts)}
         return d
 
-    def _canonical_key(self, field: str) -> str:
-        return next(k for k, f in self.KEYS.items() if f == field)
+    @classmethod
+    def config_keys(cls) -> dict:
+        """config.json key -> field: every field under its own name, and the aliases."""
+        return {**{f: f for f in cls.FIELD_RULES}, **cls.ALIASES}
 
 
 def _rope(d: dict, problems: list, unimplemented: list, default_partial: float) -> tuple[float, float]:

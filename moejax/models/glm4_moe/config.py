@@ -48,12 +48,7 @@ class Glm4MoeConfig(SigmoidGroupRouter, GqaMoeConfig):
     EXPERTS_FIELD = "n_routed_experts"
     EXPERTS_KEYS = ("n_routed_experts", "num_local_experts")
     O_BIAS_FOLLOWS_ATTENTION_BIAS = False  # o_proj never has a bias
-    KEYS = {k: k for k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                           "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                           "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
-                           "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "use_qk_norm",
-                           "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
-                           "num_nextn_predict_layers")} | {"num_local_experts": "n_routed_experts"}
+    ALIASES = {"num_local_experts": "n_routed_experts"}
     FIELD_RULES = {
         "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT,
         "moe_intermediate_size": POS_INT, "num_hidden_layers": POS_INT, "num_attention_heads": POS_INT,

@@ -36,10 +36,6 @@ class MixtralConfig(GqaMoeConfig):
     ARCHITECTURE = "MixtralForCausalLM"
     EXPERTS_FIELD = "num_local_experts"
     EXPERTS_KEYS = ("num_local_experts",)
-    KEYS = {k: k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
-                           "num_experts_per_tok", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-                           "router_jitter_noise")}
     FIELD_RULES = {
         "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT, "num_hidden_layers": POS_INT,
         "num_attention_heads": POS_INT, "num_key_value_heads": POS_INT, "head_dim": POS_INT_OR_NULL,

@@ -37,10 +37,6 @@ class OlmoeConfig(GqaMoeConfig):
     EXPERTS_FIELD = "num_experts"
     EXPERTS_KEYS = ("num_experts",)
     QK_NORM = "full"
-    KEYS = {k: k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "num_key_value_heads", "num_experts", "num_experts_per_tok",
-                           "norm_topk_prob", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-                           "attention_bias")}
     FIELD_RULES = {
         "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT, "num_hidden_layers": POS_INT,
         "num_attention_heads": POS_INT, "num_key_value_heads": POS_INT, "num_experts": POS_INT,

@@ -31,7 +31,7 @@ class Qwen2MoeConfig(GqaMoeConfig):
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
-    attention_bias: bool = True           # config.json's `qkv_bias`: biases on q, k, v (never on o)
+    qkv_bias: bool = True                 # biases on q, k, v (never on o)
     rope_theta: float = 1e6
     partial_rotary_factor: float = 1.0
     layer_num_experts: tuple | None = None
@@ -43,18 +43,13 @@ class Qwen2MoeConfig(GqaMoeConfig):
     EXPERTS_FIELD = "num_experts"
     EXPERTS_KEYS = ("num_experts",)
     O_BIAS_FOLLOWS_ATTENTION_BIAS = False
-    KEYS = {k: k for k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                           "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "norm_topk_prob",
-                           "decoder_sparse_step", "mlp_only_layers", "rms_norm_eps", "max_position_embeddings",
-                           "tie_word_embeddings")} | {"qkv_bias": "attention_bias"}
     FIELD_RULES = {
         "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT,
         "moe_intermediate_size": POS_INT, "shared_expert_intermediate_size": NONNEG_INT,
         "num_hidden_layers": POS_INT, "num_attention_heads": POS_INT, "num_key_value_heads": POS_INT,
         "head_dim": POS_INT_OR_NULL, "num_experts": POS_INT, "num_experts_per_tok": POS_INT, "norm_topk_prob": BOOL,
         "decoder_sparse_step": POS_INT, "mlp_only_layers": INT_LIST, "rms_norm_eps": POS_NUMBER,
-        "max_position_embeddings": POS_INT, "tie_word_embeddings": BOOL, "attention_bias": BOOL,
+        "max_position_embeddings": POS_INT, "tie_word_embeddings": BOOL, "qkv_bias": BOOL,
     }
     UNIMPLEMENTED = {
         "hidden_act": SILU_ONLY,

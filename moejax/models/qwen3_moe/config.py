@@ -41,11 +41,7 @@ class Qwen3MoeConfig(GqaMoeConfig):
     EXPERTS_FIELD = "num_experts"
     EXPERTS_KEYS = ("num_experts", "num_local_experts")
     QK_NORM = "head"
-    KEYS = {k: k for k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                           "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                           "num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step",
-                           "mlp_only_layers", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-                           "attention_bias")} | {"num_local_experts": "num_experts"}
+    ALIASES = {"num_local_experts": "num_experts"}
     FIELD_RULES = {
         "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT,
         "moe_intermediate_size": POS_INT, "num_hidden_layers": POS_INT, "num_attention_heads": POS_INT,
