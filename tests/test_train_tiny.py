@@ -331,31 +331,67 @@ def test_balance_bias_step_follows_the_rule_in_numpy(trained):
     assert moved == len(moe_layers)                                       # the second step started off zero
 
 
-def test_a_softmax_family_trains_with_the_balance_loss_and_loads_in_transformers(tmp_path):
-    """arch.family=qwen3_moe on the same reduced budget: the family's model (no balance bias, so
-    the balance loss at 0.01 instead of bias steps), the loss falls, and transformers' Qwen3-MoE
-    loads the result with the held-out loss train_tiny recorded."""
+# Each family's tiny preset reduced to a few seconds of training: (arch overrides, MoE layers, has a bias).
+REDUCED = {
+    "qwen3_moe": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                   "num_experts": 8, "moe_intermediate_size": 16}, 1, False),
+    "mixtral": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 8,
+                 "intermediate_size": 16}, 2, False),
+    "olmoe": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "num_experts": 8,
+               "intermediate_size": 16}, 2, False),
+    "glm4_moe": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                  "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 16}, 1, True),
+    "qwen2_moe": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts": 8,
+                   "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}, 1, False),
+}
+
+
+@pytest.mark.parametrize("family", [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in REDUCED])
+def test_each_family_trains_and_loads_in_transformers(tmp_path, family):
+    """arch.family=FAMILY on a reduced budget (Qwen3-MoE in the default run, every family with -m slow):
+    the family's model, balanced as it trains (bias steps with a balance bias, else the balance loss
+    at 0.01), the loss falls, and transformers' class for the family loads the result with the
+    held-out loss train_tiny recorded."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
-    arch = {"family": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-            "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 64}
-    s = settings(tmp_path / "qwen", steps=12)
-    s["arch"] = arch
+    overrides, n_moe, has_bias = REDUCED[family]
+    s = settings(tmp_path / family, steps=12)
+    s["arch"] = {"family": family, "hidden_size": 32, "intermediate_size": 64, "num_experts_per_tok": 2,
+                 "max_position_embeddings": 64, **overrides}
     s["train"] = {**s["train"], "eval_every": 0, "checkpoint_every": 12, "decay_steps": 12}
     cfg = tt.Config.from_mapping(s)
-    assert cfg.balance_loss_alpha == 0.01 and cfg.model_config().mlp_only_layers == (0,)
+    assert cfg.balance_loss_alpha == (0.0 if has_bias else 0.01) and len(cfg.model_config().moe_layers) == n_moe
     df, _ = tt.run(cfg)
     loss = metric(df, "train_loss")
     assert loss.value.tail(3).mean() < loss.value.head(3).mean() - 0.5
-    assert "bias_min" not in set(df.metric) and len(metric(df, "max_load_share")) == 1
+    assert ("bias_min" in set(df.metric)) == has_bias and len(metric(df, "max_load_share")) == n_moe
     record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
-    assert record["family"] == "qwen3_moe" and record["config"]["train"]["aux_loss_alpha"] == 0.01
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, attn_implementation="eager",
-                                                          experts_implementation="eager").eval()
+    assert record["family"] == family and record["config"]["train"]["aux_loss_alpha"] == cfg.balance_loss_alpha
+    hf_class = getattr(transformers, json.loads((Path(cfg.path) / "config.json").read_text())["architectures"][0])
+    hf = hf_class.from_pretrained(cfg.path, dtype=torch.float32, attn_implementation="eager",
+                                  experts_implementation="eager").eval()
     ids = build_corpus(cfg).heldout_ids
     with torch.no_grad():
         logp = torch.log_softmax(hf(torch.as_tensor(ids, dtype=torch.long)).logits.float()[:, :-1], -1)
         hf_loss = -logp.gather(-1, torch.as_tensor(ids[:, 1:, None], dtype=torch.long)).mean().item()
     assert hf_loss == pytest.approx(record["heldout_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", *REDUCED])
+def test_every_family_has_a_tiny_preset(family):
+    """train_tiny accepts every registered family: its TINY preset builds the family's config (every
+    key checked by the family's class) and model shapes, with the byte-level vocabulary."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from moejax.models.auto import AutoModelForCausalLM
+    from moejax.models.registry import FAMILIES
+
+    assert set(REDUCED) | {"deepseek_v3"} == set(FAMILIES)
+    cfg = tt.Config.from_mapping({"path": "unused", "arch": {"family": family}})
+    model_cfg = cfg.model_config()
+    assert type(model_cfg) is FAMILIES[family].config_class and model_cfg.vocab_size == 256
+    model = nnx.eval_shape(lambda: AutoModelForCausalLM.from_config(model_cfg, jnp.float32))
+    assert model.model.embed_tokens.shape == (256, model_cfg.hidden_size)

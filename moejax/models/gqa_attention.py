@@ -1,4 +1,4 @@
-"""Grouped-query attention as the Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 families compute it
+"""Grouped-query attention as the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4.5 families compute it
 (transformers' eager forward): q/k/v projections (optional biases), optional q/k RMSNorm (over each
 head, or over the whole projection as OLMoE does), the default rope on the first `rotary_dim`
 channels of each head (half-split; GLM-4.5 rotates half of each head), key/value heads shared by

@@ -1,5 +1,5 @@
-"""Config reading shared by the grouped-query-attention MoE families (Qwen3-MoE, Mixtral, OLMoE,
-GLM-4.5): each family's config is a frozen dataclass inheriting `GqaMoeConfig` and declaring
+"""Config reading shared by the grouped-query-attention MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral,
+OLMoE, GLM-4.5): each family's config is a frozen dataclass inheriting `GqaMoeConfig` and declaring
 
     FIELD_RULES    field (= its config.json key) -> (accepts, expected) type/range rule
     ALIASES        other config.json spellings -> field (Qwen3-MoE's expert count is `num_experts` on

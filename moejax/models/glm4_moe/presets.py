@@ -16,3 +16,14 @@ PRESETS = {
                 "n_routed_experts": 160, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
                 "use_qk_norm": True},
 }
+
+# What `experiment=train_tiny arch.family=glm4_moe` trains: the DeepSeek-V3 tiny model's budget (4
+# layers, the first dense, 32 experts top 4 in 4 groups, one shared expert, width 128) with GQA and
+# partial rope.
+TINY = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_act": "silu", "hidden_size": 128,
+        "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "n_routed_experts": 32,
+        "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0, "rope_theta": 10000.0}

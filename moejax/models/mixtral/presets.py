@@ -12,3 +12,10 @@ PRESETS = {
                       "num_hidden_layers": 56, "num_attention_heads": 48, "num_key_value_heads": 8,
                       "num_local_experts": 8, "rope_theta": 1e6, "max_position_embeddings": 65536},
 }
+
+# What `experiment=train_tiny arch.family=mixtral` trains: the DeepSeek-V3 tiny model's budget (4
+# layers, 32 experts top 4, width 128; every Mixtral layer is MoE, experts of width 64).
+TINY = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu", "hidden_size": 128,
+        "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+        "tie_word_embeddings": False, "sliding_window": None, "rope_theta": 10000.0}

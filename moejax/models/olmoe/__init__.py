@@ -3,6 +3,6 @@
 from moejax.models.family import Family
 from moejax.models.olmoe.config import OlmoeConfig
 from moejax.models.olmoe.names import RULES
-from moejax.models.olmoe.presets import PRESETS
+from moejax.models.olmoe.presets import PRESETS, TINY
 
-FAMILY = Family("olmoe", "OLMoE", OlmoeConfig, RULES, "moejax.models.olmoe.model:OlmoeForCausalLM", presets=PRESETS)
+FAMILY = Family("olmoe", "OLMoE", OlmoeConfig, RULES, "moejax.models.olmoe.model:OlmoeForCausalLM", presets=PRESETS, tiny=TINY)

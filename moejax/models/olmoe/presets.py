@@ -8,3 +8,11 @@ PRESETS = {
                     "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
                     "attention_bias": False, "clip_qkv": None},
 }
+
+# What `experiment=train_tiny arch.family=olmoe` trains: the DeepSeek-V3 tiny model's budget (4 layers,
+# 32 experts top 4, width 128; every OLMoE layer is MoE, experts of width 64).
+TINY = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_act": "silu", "hidden_size": 128,
+        "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": False, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512, "tie_word_embeddings": False, "attention_bias": False, "clip_qkv": None,
+        "rope_theta": 10000.0}

@@ -10,3 +10,12 @@ PRESETS = {
                           "rope_theta": 1000000.0, "tie_word_embeddings": False, "use_sliding_window": False,
                           "sliding_window": 32768},
 }
+
+# What `experiment=train_tiny arch.family=qwen2_moe` trains: the DeepSeek-V3 tiny model's budget (4
+# layers, the first dense, 32 experts top 4, one gated shared expert of width 64, width 128).
+TINY = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_act": "silu", "hidden_size": 128,
+        "intermediate_size": 256, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+        "num_hidden_layers": 4, "mlp_only_layers": [0], "decoder_sparse_step": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": False,
+        "qkv_bias": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "tie_word_embeddings": False,
+        "use_sliding_window": False, "rope_theta": 10000.0}
