@@ -1,0 +1,69 @@
+"""Which experts merge: HC-SMoE's hierarchical clustering and M-SMoE's dominant-expert grouping."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.errors import ConfigError
+from moejax.scoring.select import select_kept
+
+HC_SMOE_METHODS = ("average", "kmeans")
+
+
+def canonical_labels(labels_E) -> np.ndarray:
+    """Renumber clusters by their lowest member (0 for expert 0's cluster, ...): equal partitions,
+    equal labels."""
+    labels_E = np.asarray(labels_E)
+    first = {}
+    for e, c in enumerate(labels_E.tolist()):
+        first.setdefault(c, len(first))
+    return np.array([first[c] for c in labels_E.tolist()], np.int64)
+
+
+def _check_keep(keep: int, n_experts: int) -> None:
+    if not 1 <= keep <= n_experts:
+        raise ConfigError(f"keep={keep}: expected a number of clusters in [1, {n_experts}]")
+
+
+def hc_smoe_clusters(mean_output_ED, keep: int, method: str = "average", seed: int = 0) -> np.ndarray:
+    """HC-SMoE's clusters of one layer's E experts into `keep` groups.
+
+    mean_output_ED: each expert's mean output f_j(x) over *all* calibration tokens (not only those
+    routed to it), float64. method "average": agglomerative clustering, Euclidean distance, average
+    linkage (the paper's method): `scipy.cluster.hierarchy.linkage(method="average")` cut at `keep`
+    clusters (`cut_tree`). scipy merges the closest pair of clusters first; its order among exactly
+    equal distances is scipy's own (deterministic for a given input), not an index rule. method
+    "kmeans": `scipy.cluster.vq.kmeans2` (k-means++ seeding from `seed`), what the public HC-SMoE
+    scripts silently fall back to through a misspelled option; offered by name, never by default."""
+    from scipy.cluster import hierarchy, vq
+
+    x = np.asarray(mean_output_ED, np.float64)
+    E = x.shape[0]
+    _check_keep(keep, E)
+    if not np.isfinite(x).all():
+        raise ConfigError("hc_smoe: the experts' mean outputs hold NaN or infinity")
+    if method == "average":
+        if keep == E:
+            return np.arange(E)
+        tree = hierarchy.linkage(x, method="average", metric="euclidean")
+        return canonical_labels(hierarchy.cut_tree(tree, n_clusters=keep)[:, 0])
+    if method == "kmeans":
+        _, labels = vq.kmeans2(x, keep, minit="++", seed=np.random.default_rng(seed))
+        return canonical_labels(labels)
+    raise ConfigError(f"hc_smoe: method={method!r}; expected one of {HC_SMOE_METHODS}")
+
+
+def m_smoe_groups(router_logits_TE, counts_E, keep: int) -> np.ndarray:
+    """M-SMoE's groups of one layer's experts: the `keep` most frequently routed experts are
+    dominant (ties to the lower index); every other expert joins the dominant expert whose
+    router-logit column over the calibration tokens is most similar by cosine (ties to the lower
+    index). router_logits_TE: float [T, E]; counts_E: routing decisions per expert."""
+    logits = np.asarray(router_logits_TE, np.float64)
+    E = logits.shape[1]
+    _check_keep(keep, E)
+    dominant = np.flatnonzero(select_kept(np.asarray(counts_E, np.float64), keep))
+    cols = logits.T / np.maximum(np.linalg.norm(logits.T, axis=1, keepdims=True), 1e-300)
+    similarity = cols @ cols[dominant].T                          # [E, keep]
+    joins = dominant[np.argmax(similarity, axis=1)]               # argmax: the first (lowest) on ties
+    joins[dominant] = dominant
+    return canonical_labels(joins)
