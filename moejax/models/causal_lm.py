@@ -14,7 +14,7 @@ A family supplies its attention module and rope tables by subclassing `CausalLM`
 from __future__ import annotations
 
 import functools
-from typing import ClassVar, NamedTuple
+from typing import Callable, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,11 +93,7 @@ class CausalLM(nnx.Module):
 
     config_class: ClassVar[type]
     attention_class: ClassVar[type]
-
-    @staticmethod
-    def rope_tables(cfg, positions, dtype):
-        """(cos, sin) for positions of any shape ([S] or [B, S])."""
-        raise NotImplementedError
+    rope_tables: ClassVar[Callable]  # staticmethod (cfg, positions [S] or [B, S], dtype) -> (cos, sin)
 
     @classmethod
     def decoder_layer(cls, cfg, layer: int, dtype, rngs: nnx.Rngs, backend: str = "sorted") -> DecoderLayer:

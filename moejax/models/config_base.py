@@ -20,7 +20,10 @@ from moejax.errors import ConfigError
 
 
 class MoeConfig:
-    """Mixin for family configs (frozen dataclasses with at least the fields used below)."""
+    """Mixin for family configs (frozen dataclasses with at least the fields used below). A family
+    config also defines `is_moe_layer(layer)`, `router_settings()` (the keyword arguments of
+    `moejax.moe.routing.RouterConfig`, a dict so configs stay JAX-free), `default_dict()` (config.json
+    written from the fields), `from_dict(d, source, uniform_experts=)`, and `MODEL_TYPES`, `ARCHITECTURE`."""
 
     EXPERTS_FIELD: ClassVar[str] = "n_routed_experts"   # the field holding the routed-expert count
     EXPERTS_KEYS: ClassVar[tuple] = ("n_routed_experts",)  # config.json spellings of it, preferred first
@@ -40,9 +43,6 @@ class MoeConfig:
         checkpoint updates that key, so it keeps the source's spelling)."""
         raw = getattr(self, "raw", None) or {}
         return next((k for k in self.EXPERTS_KEYS if k in raw), self.EXPERTS_KEYS[0])
-
-    def is_moe_layer(self, layer: int) -> bool:
-        raise NotImplementedError
 
     @property
     def moe_layers(self) -> list[int]:
@@ -69,10 +69,6 @@ class MoeConfig:
         return self.n_experts
 
     # --- the router and the MoE block ---------------------------------------------------------
-    def router_settings(self) -> dict:
-        """Keyword arguments of `moejax.moe.routing.RouterConfig` (kept a dict so configs stay JAX-free)."""
-        raise NotImplementedError
-
     @property
     def n_group(self) -> int:
         """Routing groups (1 = none): what group-aware pruning must respect."""
@@ -97,9 +93,6 @@ class MoeConfig:
         if getattr(self, "raw", None):
             return dict(self.raw)
         return self.default_dict()
-
-    def default_dict(self) -> dict:
-        raise NotImplementedError
 
 
 class SigmoidGroupRouter:

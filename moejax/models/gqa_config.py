@@ -133,6 +133,29 @@ class GqaMoeConfig(MoeConfig):
         return {**{f: f for f in cls.FIELD_RULES}, **cls.ALIASES}
 
 
+class EveryLayerMoe:
+    """Every decoder layer is MoE and the experts' inner width is `intermediate_size` (Mixtral, OLMoE)."""
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return True
+
+
+class SparseStepLayers:
+    """Qwen-MoE's choice of MoE layers: not in `mlp_only_layers`, and (layer + 1) divisible by
+    `decoder_sparse_step` (transformers' rule); the others dense. No MTP layers."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.n_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
 def _rope(d: dict, problems: list, unimplemented: list, default_partial: float) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor), as transformers 5 resolves them: `rope_scaling` or
     `rope_parameters` (the first given), a theta inside it over the top-level one; the partial

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.models.config_base import BOOL, NONNEG_NUMBER_OR_NULL, POS_INT, POS_INT_OR_NULL, POS_NUMBER
-from moejax.models.gqa_config import NULL_ONLY, SILU_ONLY, GqaMoeConfig
+from moejax.models.gqa_config import NULL_ONLY, SILU_ONLY, EveryLayerMoe, GqaMoeConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class MixtralConfig(GqaMoeConfig):
+class MixtralConfig(EveryLayerMoe, GqaMoeConfig):
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 14336
@@ -44,13 +44,6 @@ class MixtralConfig(GqaMoeConfig):
     }
     UNIMPLEMENTED = {"hidden_act": SILU_ONLY,
                      "sliding_window": (NULL_ONLY[0], "sliding-window attention is not implemented: only null")}
-
-    @property
-    def moe_intermediate_size(self) -> int:
-        return self.intermediate_size
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return True
 
     def router_settings(self) -> dict:
         return dict(top_k=self.num_experts_per_tok, scoring_func="softmax", norm_topk_prob=True)

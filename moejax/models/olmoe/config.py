@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.models.config_base import BOOL, POS_INT, POS_NUMBER
-from moejax.models.gqa_config import NULL_ONLY, SILU_ONLY, GqaMoeConfig
+from moejax.models.gqa_config import NULL_ONLY, SILU_ONLY, EveryLayerMoe, GqaMoeConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class OlmoeConfig(GqaMoeConfig):
+class OlmoeConfig(EveryLayerMoe, GqaMoeConfig):
     vocab_size: int = 50304
     hidden_size: int = 2048
     intermediate_size: int = 1024
@@ -44,13 +44,6 @@ class OlmoeConfig(GqaMoeConfig):
         "max_position_embeddings": POS_INT, "tie_word_embeddings": BOOL, "attention_bias": BOOL,
     }
     UNIMPLEMENTED = {"hidden_act": SILU_ONLY, "clip_qkv": (NULL_ONLY[0], "clipping q/k/v is not implemented: only null")}
-
-    @property
-    def moe_intermediate_size(self) -> int:
-        return self.intermediate_size
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return True
 
     def router_settings(self) -> dict:
         return dict(top_k=self.num_experts_per_tok, scoring_func="softmax", norm_topk_prob=self.norm_topk_prob)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.models.config_base import BOOL, INT_LIST, NONNEG_INT, POS_INT, POS_INT_OR_NULL, POS_NUMBER
-from moejax.models.gqa_config import SILU_ONLY, GqaMoeConfig, bool_is
+from moejax.models.gqa_config import SILU_ONLY, GqaMoeConfig, SparseStepLayers, bool_is
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2MoeConfig(GqaMoeConfig):
+class Qwen2MoeConfig(SparseStepLayers, GqaMoeConfig):
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 5632
@@ -60,16 +60,9 @@ class Qwen2MoeConfig(GqaMoeConfig):
 
     shared_expert_gate = True  # the shared expert's output is gated: sigmoid(x . shared_gate) * shared(x)
 
-    def __post_init__(self):
-        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-
     @property
     def shared_intermediate_size(self) -> int:
         return self.shared_expert_intermediate_size
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return (layer not in self.mlp_only_layers and self.num_experts > 0
-                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def router_settings(self) -> dict:
         return dict(top_k=self.num_experts_per_tok, scoring_func="softmax", norm_topk_prob=self.norm_topk_prob)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.models.config_base import BOOL, INT_LIST, POS_INT, POS_INT_OR_NULL, POS_NUMBER
-from moejax.models.gqa_config import SILU_ONLY, GqaMoeConfig, bool_is
+from moejax.models.gqa_config import SILU_ONLY, GqaMoeConfig, SparseStepLayers, bool_is
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig(GqaMoeConfig):
+class Qwen3MoeConfig(SparseStepLayers, GqaMoeConfig):
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 6144
@@ -56,15 +56,6 @@ class Qwen3MoeConfig(GqaMoeConfig):
         "layer_types": (lambda v: v is None or all(t == "full_attention" for t in v),
                         "only full attention is implemented"),
     }
-
-    def __post_init__(self):
-        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """transformers: not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0. MTP
-        layers do not exist in this family."""
-        return (layer not in self.mlp_only_layers and self.num_experts > 0
-                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def router_settings(self) -> dict:
         return dict(top_k=self.num_experts_per_tok, scoring_func="softmax", norm_topk_prob=self.norm_topk_prob)
