@@ -5,6 +5,8 @@
                  [--mesh-expert 8] [--mesh-data 1] --out scores.parquet
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
                  [--layers-keep FILE.json] [--group-aware | --collapse-groups] [--drop-mtp] [--overwrite]
+    moejax merge SRC DST --method hc_smoe|m_smoe --keep K (--text PATH... | --tokens FILE.npy)
+                 [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--overwrite]
     moejax inspect CKPT [--json]
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
     moejax diff SRC PRUNED [--hash] [--json]       (exit 1 when a check fails)
@@ -89,6 +91,34 @@ def _prune(args) -> None:
         print(f"note: {note}")
 
 
+def _merge(args) -> None:
+    from moejax.surgery.merge import merge_checkpoint
+
+    record = merge_checkpoint(
+        args.src, args.dst, method=args.method, keep=parse_keep(args.keep), text=args.text, tokens=args.tokens,
+        seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size, allocation=args.allocation,
+        hc_method=args.hc_method, collapse_groups=args.collapse_groups, dtype=args.dtype, seed=args.seed,
+        overwrite=args.overwrite)
+    counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
+    print(f"{args.dst}: {len(record['layers'])} MoE layers merged by {args.method} into {counts} experts "
+          f"({args.allocation} allocation, router shrunk, groups: {record['groups']}); clusters in "
+          f"{args.dst}/pruning.json")
+    for note in record["notes"]:
+        print(f"note: {note}")
+
+
+def _calibration_arguments(p) -> None:
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--text", nargs="+", help="text files, folders or globs")
+    data.add_argument("--tokens", help="pre-tokenised ids, a .npy int array [n_seq, seq_len]")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype (bfloat16 halves a layer's memory)")
+
+
 def _diff(args) -> None:
     import json
 
@@ -108,17 +138,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("score", help="every expert score of every MoE layer from one calibration pass")
     p.add_argument("checkpoint")
-    data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--text", nargs="+", help="text files, folders or globs")
-    data.add_argument("--tokens", help="pre-tokenised ids, a .npy int array [n_seq, seq_len]")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
-    p.add_argument("--max-tokens", type=int, default=None)
+    _calibration_arguments(p)
     p.add_argument("--scores", default=None, help="comma-separated; default: every score the model supports (all nine; "
                    "without `bias` for routers with no balance bias)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="compute dtype (bfloat16 halves a layer's memory)")
     p.add_argument("--mesh-expert", type=int, default=1, help="devices the routed experts are split over")
     p.add_argument("--mesh-data", type=int, default=1, help="data-parallel devices (tokens split)")
     p.add_argument("--out", required=True, help="scores.parquet")
@@ -139,6 +161,22 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random score")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_prune)
+
+    p = sub.add_parser("merge", help="write a merged HF checkpoint (HC-SMoE or M-SMoE, one router row per cluster)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--method", required=True, choices=["hc_smoe", "m_smoe"])
+    p.add_argument("--keep", required=True, help="clusters per MoE layer: a count (32) or a ratio of E (0.5)")
+    _calibration_arguments(p)
+    p.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
+                   help="global: per-layer counts from one threshold on normalised frequency (same total)")
+    p.add_argument("--hc-method", default="average", choices=["average", "kmeans"],
+                   help="HC-SMoE clustering: average linkage (the paper) or k-means (its public scripts' fallback)")
+    p.add_argument("--collapse-groups", action="store_true",
+                   help="allow uneven routing groups by routing over all kept experts (n_group=1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of k-means")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.set_defaults(func=_merge)
 
     p = sub.add_parser("diff", help="recover and audit a pruned checkpoint's selection against its source")
     p.add_argument("src")

@@ -7,12 +7,21 @@
   error is measured (routed output only, shared experts excluded: SPEC section 3);
 - one held-out stream per variant (score, keep), pruned at every MoE layer, for its end-to-end
   perplexity;
+- with `merges` also, per merge method and keep, the layer merged (moejax.merging: clusters from the
+  unpruned calibration stream, merged experts) under both router forms, `tied` and `shrunk`, as
+  held-out streams of their own, measured like the pruned ones;
 - with `sequential=True` also, per variant, a calibration stream of the model already pruned up to
   the layer before, on which that variant's score for the next layer is computed (what
   llm-compressor does), and its own held-out stream.
 At the end the final norm and head turn each held-out stream into a perplexity per text.
 
-Results are tidy rows: mode, score, keep, layer, text, metric, value (see `METRICS`).
+Results are tidy rows: mode, score, keep, layer, text, metric, value (see `METRICS`). `mode` says how
+a variant was made: one_shot or sequential pruning by the score `score`, or merging by the method
+`score` with the router form tied or shrunk (mode "none": the unpruned model).
+
+Every variant of a layer is an `ExpertMap` (moejax.moe.expert_map): the held-out streams run as one
+batch, stream n routed over its remaining router slots and computing with its rows of one expert
+table (the layer's own experts, then each merge's merged experts).
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ from tqdm import tqdm
 from flax import nnx
 
 from moejax.hf.model_io import OpenCheckpoint
+from moejax.merging.calibration import merge_stats
+from moejax.merging.layer import ROUTER_FORMS, merge_layer
+from moejax.moe.expert_map import ExpertMap
 from moejax.models.layers import linear, rms_norm
 from moejax.nll import next_token_nll
 from moejax.scoring.observe import accumulate_layer
@@ -52,9 +64,17 @@ METRICS = {
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    score: str
+    score: str              # a score (pruning) or a merge method (merging)
     keep: int
-    mode: str = "one_shot"  # or "sequential"
+    mode: str = "one_shot"  # pruning: one_shot | sequential; merging: the router form, tied | shrunk
+
+    @property
+    def merged(self) -> bool:
+        return self.mode in ROUTER_FORMS
+
+    @property
+    def name(self) -> str:
+        return f"{self.score}@{self.keep}" if self.mode == "one_shot" else f"{self.mode}:{self.score}@{self.keep}"
 
 
 # --- jitted pieces of one decoder layer (graphdef static, weights and masks as arguments) ------
@@ -76,47 +96,56 @@ def _mlp(graphdef, state, h_BSH, z_BSH, mask_E):
     return h_BSH + layer.mlp(z_BSH, mask_E, forward_only=True)[0]
 
 
+def _streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
+    """Streams `sl` of an ExpertMap stacked over streams (mask and rows [A, E]; one table)."""
+    return ExpertMap(em_A.mask_E[sl], None if em_A.rows_E is None else em_A.rows_E[sl], em_A.weights)
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _routed_errors(graphdef, state, z_BSH, masks_AE):
-    """Per-token squared norms of the unpruned routed output and of its error under each mask:
-    (||y_t||^2 [B, S], ||y'_t - y_t||^2 [A, B, S]); shared experts excluded (SPEC section 3)."""
+def _routed_errors(graphdef, state, z_BSH, em_A: ExpertMap):
+    """Per-token squared norms of the unpruned routed output and of its error under each of the A
+    variants of em_A (mask and rows [A, E], one table): (||y_t||^2 [B, S], ||y'_t - y_t||^2 [A, B, S]);
+    shared experts excluded (SPEC section 3)."""
     moe = nnx.merge(graphdef, state).mlp
     B, S, H = z_BSH.shape
     z = z_BSH.reshape(B * S, H)
 
-    def routed(mask_E):
-        return moe.routed(z, moe.route(z, mask_E), forward_only=True).astype(jnp.float32)
+    def routed(em):
+        return moe.routed_variant(z, em, forward_only=True)[0].astype(jnp.float32)
 
     y = routed(None)
-    err = jax.lax.map(lambda m: jnp.sum((routed(m) - y) ** 2, axis=-1), masks_AE)
+    err = jax.lax.map(lambda mr: jnp.sum((routed(ExpertMap(mr[0], mr[1], em_A.weights)) - y) ** 2, axis=-1),
+                      (em_A.mask_E, em_A.rows_E))
     return jnp.sum(y ** 2, axis=-1).reshape(B, S), err.reshape(-1, B, S)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _routed_errors_each(graphdef, state, z_ABSH, masks_AE):
-    """`_routed_errors` of stream n's own inputs under its own mask n: ([A, B, S], [A, B, S])."""
-    def one(z_mask):
-        norm, err = _routed_errors(graphdef, state, z_mask[0], z_mask[1][None])
+def _routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap):
+    """`_routed_errors` of stream n's own inputs under its own variant n: ([A, B, S], [A, B, S])."""
+    def one(args):
+        z, mask, rows = args
+        norm, err = _routed_errors(graphdef, state, z, ExpertMap(mask[None], None if rows is None else rows[None],
+                                                                 em_A.weights))
         return norm, err[0]
-    return jax.lax.map(one, (z_ABSH, masks_AE))
+    return jax.lax.map(one, (z_ABSH, em_A.mask_E, em_A.rows_E))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed_BSS, masks_AE):
+def _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed_BSS, em_A: ExpertMap | None):
     """One decoder layer on A streams at once (stacked into the batch, so every weight is read
-    once per call for all of them), stream n's MoE pruned by masks_AE[n] (None: dense layer).
-    Returns (output [A, B, S, H], router input [A, B, S, H])."""
+    once per call for all of them), stream n's MoE under variant n of em_A (mask and rows [A, E],
+    one table; None: a dense layer). Returns (output [A, B, S, H], router input [A, B, S, H])."""
     A, B, S, H = x_ABSH.shape
     layer = nnx.merge(graphdef, state)
     x = x_ABSH.reshape(A * B, S, H)
     allowed = jnp.broadcast_to(allowed_BSS[None], (A, B, S, S)).reshape(A * B, S, S)
     h = x + layer.self_attn(layer.input_layernorm(x), cos, sin, allowed)
     z = layer.post_attention_layernorm(h)
-    if masks_AE is None:
+    if em_A is None:
         out = h + layer.mlp(z)
-    else:
-        token_masks = jnp.repeat(masks_AE, B * S, axis=0)  # stream n's mask on each of its tokens
-        out = h + layer.mlp(z, token_masks, forward_only=True)[0]
+    else:  # stream n's mask and rows on each of its tokens
+        per_token = jax.tree.map(lambda a: jnp.repeat(a, B * S, axis=0), (em_A.mask_E, em_A.rows_E))
+        out = h + layer.mlp(z, ExpertMap(*per_token, em_A.weights), forward_only=True)[0]
     return out.reshape(A, B, S, H), z.reshape(A, B, S, H)
 
 
@@ -202,30 +231,34 @@ class _ErrorSums:
 
 
 def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
-                     keeps: list, *, sequential: bool = False, batch_size: int = 8, dtype=jnp.float32, seed: int = 0,
-                     progress: bool | None = None) -> tuple[list[dict], dict]:
-    """(tidy rows, info) for every (score, keep) variant; calib and each held-out text are token
-    ids [n_seq, seq_len]. Each decoder layer's weights are read once. info["kept"][layer] maps
-    "score@keep" (one-shot) and "sequential:score@keep" to that variant's kept experts."""
+                     keeps: list, *, merges: tuple = (), sequential: bool = False, batch_size: int = 8,
+                     dtype=jnp.float32, seed: int = 0, progress: bool | None = None) -> tuple[list[dict], dict]:
+    """(tidy rows, info) for every (score, keep) variant and every (merge method, keep, router
+    form); calib and each held-out text are token ids [n_seq, seq_len]. Each decoder layer's
+    weights are read once. info["kept"][layer] maps "score@keep" (one-shot) and
+    "sequential:score@keep" to that variant's kept experts; info["clusters"][layer] maps
+    "method@keep" to its clusters (lists of experts, the leader first)."""
     cfg = ckpt.config
     keeps = sorted({resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
     one_shot = [Variant(s, k) for s in scores for k in keeps]
+    merged = [Variant(m, k, form) for m in merges for k in keeps for form in ROUTER_FORMS]
     seq_variants = [Variant(s, k, "sequential") for s in scores for k in keeps] if sequential else []
     show = sys.stderr.isatty() if progress is None else progress
-    streams = _Streams.embedded(ckpt, calib, heldout, one_shot, seq_variants, batch_size, dtype)
-    errors, rows, kept_by_layer = _ErrorSums(), [], {}
+    streams = _Streams.embedded(ckpt, calib, heldout, one_shot + merged, seq_variants, batch_size, dtype)
+    errors, rows, kept_by_layer, clusters_by_layer = _ErrorSums(), [], {}, {}
     t0 = time.perf_counter()
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams.order)} held-out streams)",
                           unit="layer", disable=not show):
-        layer_rows, kept = _layer_pass(ckpt, layer_idx, streams, scores, keeps, one_shot, seq_variants, errors,
-                                       seed, dtype)
+        layer_rows, kept, clusters = _layer_pass(ckpt, layer_idx, streams, scores, keeps, tuple(merges), errors,
+                                                 seed, dtype)
         rows += layer_rows
         if kept is not None:
             kept_by_layer[layer_idx] = kept
+            clusters_by_layer[layer_idx] = clusters
     rows += _perplexity_rows(ckpt, streams, dtype)
     rows += errors.rows()
-    info = {"seconds": time.perf_counter() - t0, "variants": len(one_shot) + len(seq_variants), "keeps": keeps,
-            "kept": kept_by_layer, "calib_tokens": int(calib.size),
+    info = {"seconds": time.perf_counter() - t0, "variants": len(streams.order) - 1, "keeps": keeps,
+            "kept": kept_by_layer, "clusters": clusters_by_layer, "calib_tokens": int(calib.size),
             "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
     return rows, info
 
@@ -243,7 +276,9 @@ class _Streams:
 
     Held-out streams are stacked, [A, B, S, H] per batch, in the order of `order`."""
 
-    order: list        # the held-out streams: None (unpruned), then the one-shot, then the sequential variants
+    order: list        # the held-out streams: None (unpruned), then the variants measured on the unpruned
+                       # model's inputs (one-shot and merged), then the sequential variants
+    n_unpruned_inputs: int  # how many variants after None are measured on the unpruned inputs
     cal_geo: list      # per calibration batch: (cos, sin, allowed)
     held_geo: dict     # text -> per batch: (cos, sin, allowed)
     held_ids: dict     # text -> per batch: ids [B, S]
@@ -253,6 +288,7 @@ class _Streams:
 
     @classmethod
     def embedded(cls, ckpt: OpenCheckpoint, calib, heldout, one_shot, seq_variants, batch_size, dtype) -> "_Streams":
+        """one_shot: the variants decided on the unpruned model (pruned one-shot, merged)."""
         """Every stream at the embeddings, before the first decoder layer (one group)."""
         def batched(ids):
             return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
@@ -261,20 +297,20 @@ class _Streams:
         held_ids = {text: batched(ids) for text, ids in heldout.items()}
         order = [None, *one_shot, *seq_variants]
         held_embed = {text: embed(ckpt, b, dtype) for text, b in held_ids.items()}
-        return cls(order=order, cal_geo=_geometry(ckpt, cal_batches, dtype),
+        return cls(order=order, n_unpruned_inputs=len(one_shot), cal_geo=_geometry(ckpt, cal_batches, dtype),
                    held_geo={text: _geometry(ckpt, b, dtype) for text, b in held_ids.items()}, held_ids=held_ids,
                    group={key: None for key in [None, *seq_variants]}, cal={None: embed(ckpt, cal_batches, dtype)},
                    held={text: [jnp.broadcast_to(x[None], (len(order),) + x.shape) for x in xs]
                          for text, xs in held_embed.items()})
 
 
-def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores, keeps, one_shot, seq_variants,
-                errors: _ErrorSums, seed: int, dtype) -> tuple[list[dict], dict | None]:
+def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores, keeps, merges: tuple,
+                errors: _ErrorSums, seed: int, dtype) -> tuple[list[dict], dict | None, dict | None]:
     """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
-    layer's output. At a MoE layer: every variant's kept set (one-shot: from the unpruned calibration
-    statistics; sequential: from the variant's own calibration stream), its layer-local errors
-    (into `errors`) and the analyses. Returns (analysis rows, {variant name: kept experts}), the
-    latter None at a dense layer."""
+    layer's output. At a MoE layer: every variant's expert map (one-shot pruning and merging: from
+    the unpruned calibration stream; sequential: from the variant's own calibration stream), its
+    layer-local errors (into `errors`) and the analyses. Returns (analysis rows, {variant name:
+    kept experts}, {merge name: clusters}), the latter two None at a dense layer."""
     cfg = ckpt.config
     E = cfg.n_experts
     layer = ckpt.decoder_layer(layer_idx, dtype)
@@ -282,8 +318,8 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
     # per calibration group and batch: (h, z), the residual after attention and the MLP's (router's) input
     cal_hz = {group: [_attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
               for group, xs in streams.cal.items()}
-    masks = {}      # variant -> its kept experts [E] at this layer (none at a dense layer)
-    kept_names = None
+    masks = {}      # pruning variant -> its kept experts [E] at this layer (none at a dense layer)
+    kept_names = clusters = layer_merges = None
     if layer.is_moe:
         router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
         group_scores = {}   # calibration group -> (statistics, {score: [E]}), computed once per group
@@ -300,13 +336,22 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
         stats, layer_sc = scores_of(None)
         kept = {(s, k): select_kept(layer_sc[s], k, f"layer {layer_idx}: score {s!r}") for s in scores for k in keeps}
         kept_names = {f"{s}@{k}": np.flatnonzero(m).tolist() for (s, k), m in kept.items()}
-        for v in one_shot:
-            masks[v] = jnp.asarray(kept[v.score, v.keep])
-        for v in seq_variants:
-            _, own = scores_of(streams.group[v])
-            seq_kept = select_kept(own[v.score], v.keep, f"layer {layer_idx}: score {v.score!r} (sequential)")
-            kept_names[f"sequential:{v.score}@{v.keep}"] = np.flatnonzero(seq_kept).tolist()
-            masks[v] = jnp.asarray(seq_kept)
+        for v in streams.order[1:]:
+            if v.mode == "one_shot":
+                masks[v] = jnp.asarray(kept[v.score, v.keep])
+            elif v.mode == "sequential":
+                _, own = scores_of(streams.group[v])
+                seq_kept = select_kept(own[v.score], v.keep, f"layer {layer_idx}: score {v.score!r} (sequential)")
+                kept_names[v.name] = np.flatnonzero(seq_kept).tolist()
+                masks[v] = jnp.asarray(seq_kept)
+        if merges:
+            zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[None]]
+            m_stats = merge_stats(layer.mlp, zs, [None] * len(zs))
+            layer_merges = {(m, k): merge_layer(m, k, m_stats, layer.mlp.expert_weights(), seed=seed)
+                            for m in merges for k in keeps}
+            clusters = {f"{m}@{k}": [[int(lm.leaders_C[c])] + [e for e in members if e != lm.leaders_C[c]]
+                                     for c, members in enumerate(lm.clusters())]
+                        for (m, k), lm in layer_merges.items()}
     # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
     # MoE layer, by its own mask) leaves its group for one of its own, keyed by itself; the streams
     # it does not prune move on together. (A group keyed by a variant holds that variant alone, so
@@ -319,37 +364,61 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
             carried[new_group] = [_mlp(graphdef, state, h, z, mask) for h, z in cal_hz[group]]
         streams.group[key] = new_group
     streams.cal = carried
-    masks_AE = None if not layer.is_moe else jnp.stack(
-        [jnp.ones((E,), bool) if v is None else masks[v] for v in streams.order])
-    energy_pos0 = _carry_heldout(graphdef, state, streams, masks_AE, len(one_shot), errors, layer_idx)
+    em_A = _stacked_expert_map(streams.order, masks, layer_merges, layer.mlp.expert_weights(), E) \
+        if layer.is_moe else None
+    energy_pos0 = _carry_heldout(graphdef, state, streams, em_A, errors, layer_idx)
     if not layer.is_moe:
-        return [], None
+        return [], None, None
     rows = [dict(mode="one_shot", **r) for r in _analysis_rows(layer_idx, stats, layer_sc, kept, keeps, energy_pos0)]
-    return rows, kept_names
+    return rows, kept_names, clusters
 
 
-def _carry_heldout(graphdef, state, streams: _Streams, masks_AE, n_one_shot: int, errors: _ErrorSums,
+def _stacked_expert_map(order, masks: dict, layer_merges: dict | None, own: dict, E: int) -> ExpertMap:
+    """Every held-out stream's variant of a MoE layer as one ExpertMap (mask and rows [A, E]): the
+    unpruned stream keeps every slot, a pruned stream its kept slots, both computing with the
+    layer's own experts; a merged stream its router form's slots, computing with its merge's
+    experts. Without merges the rows are the identity and are left out (None)."""
+    all_E = jnp.ones((E,), bool)
+    mask_AE = jnp.stack([all_E if v is None else masks[v] if not v.merged
+                         else jnp.asarray(layer_merges[v.score, v.keep].kept_E(v.mode)) for v in order])
+    if not layer_merges:
+        return ExpertMap(mask_AE)
+    offsets, parts, n_rows = {}, [own], E
+    for key, lm in layer_merges.items():
+        offsets[key] = n_rows
+        parts.append({k: jnp.asarray(v) for k, v in lm.weights.items()})
+        n_rows += lm.n_clusters
+    table = {k: jnp.concatenate([p[k] for p in parts]) for k in own}
+    identity = jnp.arange(E, dtype=jnp.int32)
+    rows_AE = jnp.stack([identity if v is None or not v.merged
+                         else jnp.asarray(layer_merges[v.score, v.keep].labels_E + offsets[v.score, v.keep], jnp.int32)
+                         for v in order])
+    return ExpertMap(mask_AE, rows_AE, table)
+
+
+def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, errors: _ErrorSums,
                    layer_idx: int) -> float:
-    """The layer on every held-out stream at once, stream n pruned by masks_AE[n] (None: a dense
-    layer), and at a MoE layer the layer-local errors: one-shot variants' on the unpruned router
-    inputs (stream 0), sequential variants' on their own. Returns the unpruned routed output's
-    share of energy at position 0 (NaN at a dense layer)."""
-    is_moe = masks_AE is not None
+    """The layer on every held-out stream at once, stream n under variant n of em_A (None: a dense
+    layer), and at a MoE layer the layer-local errors: one-shot and merged variants' on the
+    unpruned router inputs (stream 0), sequential variants' on their own. Returns the unpruned
+    routed output's share of energy at position 0 (NaN at a dense layer)."""
+    is_moe = em_A is not None
     energy0, energy = 0.0, 0.0
-    first_seq = 1 + n_one_shot
-    seq_variants = streams.order[first_seq:]
+    first_seq = 1 + streams.n_unpruned_inputs
+    on_unpruned, seq_variants = streams.order[1:first_seq], streams.order[first_seq:]
     for text, xs in streams.held.items():
         new = []
         for x_ABSH, (cos, sin, allowed) in zip(xs, streams.held_geo[text]):
-            out, z = _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed[0], masks_AE)
-            if is_moe:  # layer-local errors: one-shot variants on the unpruned inputs (stream 0)
-                norm, err = _routed_errors(graphdef, state, z[0], masks_AE[1:first_seq])
-                for i, variant in enumerate(streams.order[1:first_seq]):
+            out, z = _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed[0], em_A)
+            if is_moe:  # layer-local errors: one-shot and merged variants on the unpruned inputs (stream 0)
+                norm, err = _routed_errors(graphdef, state, z[0], _streams_slice(em_A, slice(1, first_seq)))
+                for i, variant in enumerate(on_unpruned):
                     errors.add((variant, layer_idx), norm, err[i], np.ones(norm.shape, bool))
                 n = np.asarray(norm, np.float64)
                 energy0, energy = energy0 + n[:, 0].sum(), energy + n.sum()
             if is_moe and seq_variants:  # sequential variants on their own (pruned) inputs
-                norms, errs = _routed_errors_each(graphdef, state, z[first_seq:], masks_AE[first_seq:])
+                norms, errs = _routed_errors_each(graphdef, state, z[first_seq:],
+                                                  _streams_slice(em_A, slice(first_seq, None)))
                 for i, variant in enumerate(seq_variants):
                     errors.add((variant, layer_idx), norms[i], errs[i], np.ones(norms[i].shape, bool))
             new.append(out)

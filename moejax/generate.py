@@ -3,8 +3,8 @@
 Any model family that offers three methods can generate (DeepSeek-V3's are in its model.py):
 
     model.init_cache(batch, length) -> cache                  # preallocated, `length` columns
-    model.prefill(ids_BP, positions_BP, mask_BP, cache, expert_masks) -> (logits [B, 1, V], cache)
-    model.decode_step(ids_B1, positions_B1, cache, column, expert_masks) -> (logits [B, 1, V], cache)
+    model.prefill(ids_BP, positions_BP, mask_BP, cache, variant) -> (logits [B, 1, V], cache)
+    model.decode_step(ids_B1, positions_B1, cache, column, variant) -> (logits [B, 1, V], cache)
 
 Layout and semantics are transformers' `generate` for a decoder-only model: prompts are
 left-padded (attention_mask 0 on the left), each real token's rope position is the number of real
@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import ConfigError
+from moejax.variant import check_variant
 
 
 class Sampling(NamedTuple):
@@ -119,14 +120,14 @@ class Generator:
         graphdef, self.state = nnx.split(model)
 
         @functools.partial(jax.jit, static_argnums=0)
-        def prefill(length: int, state, ids_BP, positions_BP, mask_BP, expert_masks):
+        def prefill(length: int, state, ids_BP, positions_BP, mask_BP, variant):
             m = nnx.merge(graphdef, state)
-            out = m.prefill(ids_BP, positions_BP, mask_BP, m.init_cache(ids_BP.shape[0], length), expert_masks)
+            out = m.prefill(ids_BP, positions_BP, mask_BP, m.init_cache(ids_BP.shape[0], length), variant)
             return out.logits_BSV[:, 0], out.cache
 
         @functools.partial(jax.jit, static_argnums=0)
         def decode(sampling: Sampling, state, cache, logits_BV, tokens_BS, done_B, step, end, prompt_len,
-                   next_position_B, expert_masks, key, stop_ids, pad_id):
+                   next_position_B, variant, key, stop_ids, pad_id):
             """Decode steps step..end-1 (fewer once every row is done): sample a token from the
             carried logits, write it, run it through the model for the next logits."""
             m = nnx.merge(graphdef, state)
@@ -141,20 +142,21 @@ class Generator:
                 tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
                 done = done | jnp.isin(token, stop_ids)
                 out = m.decode_step(token[:, None], (next_position_B + i)[:, None], cache, prompt_len + i,
-                                    expert_masks)
+                                    variant)
                 return i + 1, tokens, out.logits_BSV[:, 0], done, out.cache
 
             return jax.lax.while_loop(cond, body, (step, tokens_BS, logits_BV, done_B, cache))
 
         self._prefill, self._decode = prefill, decode
 
-    def __call__(self, input_ids, attention_mask=None, *, max_new_tokens: int, expert_masks=None,
+    def __call__(self, input_ids, attention_mask=None, *, max_new_tokens: int, variant=None,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  stop_token_ids=None, pad_token_id: int | None = None, stop_sequences=None,
                  decode: Callable[[list[int]], str] | None = None, check_every: int = 16) -> np.ndarray:
         """Prompt then continuation, int32 [B, P + max_new_tokens] (module docstring).
 
-        expert_masks: bool [num_hidden_layers, E], True = kept (pruned experts are never routed to).
+        variant: a pruning as bool [num_hidden_layers, E] (True = kept; pruned experts are never
+        routed to) or {MoE layer: ExpertMap} (pruned or merged experts; moejax.variant.check_variant).
         stop_token_ids: a row ends after it emits one of them (it is kept).
         pad_token_id: fills every position after a row stops (default: config pad_token_id, else
         the first stop token id, else 0). stop_sequences + decode (token ids -> text): a row also
@@ -171,7 +173,7 @@ class Generator:
         if pad_token_id is None:
             pad_token_id = cfg.raw.get("pad_token_id")
             pad_token_id = pad_token_id if isinstance(pad_token_id, int) else (stops[0] if stops else 0)
-        masks = check_expert_masks(expert_masks, cfg.num_hidden_layers, cfg.n_experts)
+        masks = check_variant(variant, cfg)
 
         B, P = ids.shape
         n_new = int(max_new_tokens)
@@ -197,17 +199,6 @@ class Generator:
             if bool(jnp.all(done)):
                 break
         return np.concatenate([ids, np.asarray(tokens, np.int32)], axis=1)
-
-
-def check_expert_masks(expert_masks, n_layers: int, n_experts: int):
-    """bool [layers, E] as a JAX array (None stays None), or a ConfigError naming the shape."""
-    if expert_masks is None:
-        return None
-    masks = np.asarray(expert_masks)
-    if masks.shape != (n_layers, n_experts) or masks.dtype != bool:
-        raise ConfigError(f"expert_masks: expected bool [{n_layers}, {n_experts}] (layers x routed experts, "
-                          f"True = kept), got {masks.dtype} {list(masks.shape)}")
-    return jnp.asarray(masks)
 
 
 def generate(model, input_ids, attention_mask=None, **kw) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""lm-evaluation-harness backend `moejax`: evaluate a checkpoint, or a pruned variant of it given as
-expert masks (no checkpoint written), on any lm-eval task.
+"""lm-evaluation-harness backend `moejax`: evaluate a checkpoint, or a pruned or merged variant of it
+given as expert masks or expert maps (no checkpoint written), on any lm-eval task.
 
     from moejax.lm_eval import MoejaxLM
     lm = MoejaxLM(pretrained=PATH, dtype="float32", batch_size=8)              # the whole model
@@ -36,7 +36,8 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import ConfigError
-from moejax.generate import Generator, check_expert_masks
+from moejax.generate import Generator
+from moejax.variant import check_variant
 from moejax.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
 from moejax.models.registry import read_config
@@ -118,7 +119,7 @@ class MoejaxLM(TemplateLM):
     def __init__(self, pretrained: str, dtype: str = "float32", batch_size: int | str = 8, max_length=None,
                  max_gen_toks: int = 256, pruning: str | None = None, scores: str | None = None,
                  score: str | None = None, keep=None, seed: int = 0, add_bos_token: bool | None = None,
-                 device: str | None = None, max_batch_size=None, expert_masks=None, model=None, **unused):
+                 device: str | None = None, max_batch_size=None, variant=None, model=None, **unused):
         super().__init__()
         if unused:
             raise ConfigError(f"moejax lm-eval model: unknown model_args {sorted(unused)}; valid: pretrained, "
@@ -141,9 +142,9 @@ class MoejaxLM(TemplateLM):
                               "backend (set JAX_PLATFORMS to choose)")
         config = read_config(path / "config.json")
         # the variant, checked before the model is loaded
-        if expert_masks is None:
-            expert_masks = self._variant_masks(config, pruning, scores, score, keep)
-        self.expert_masks = check_expert_masks(expert_masks, config.num_hidden_layers, config.n_experts)
+        if variant is None:
+            variant = self._variant_masks(config, pruning, scores, score, keep)
+        self.expert_variant = check_variant(variant, config)
         self.tokenizer = Tokenizer(path, config.raw)
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true")
         self._max_length = int(max_length) if max_length else config.max_position_embeddings
@@ -154,17 +155,18 @@ class MoejaxLM(TemplateLM):
         self._score_fn = _compiled_scorer(self.model)
         self._generator = Generator(self.model)
 
-    def variant(self, expert_masks) -> "MoejaxLM":
-        """The same model, tokenizer and compiled functions with other expert masks (bool
-        [num_hidden_layers, E], True = kept; None = every expert): how one job evaluates many
-        variants without reloading or recompiling."""
+    def variant(self, variant) -> "MoejaxLM":
+        """The same model, tokenizer and compiled functions under another variant: expert masks
+        (bool [num_hidden_layers, E], True = kept), {MoE layer: ExpertMap} (pruned or merged
+        experts), or None (every expert): how one job evaluates many variants without reloading
+        (a variant of a new kind or table size compiles once)."""
         import copy
 
         from lm_eval.api.model import CacheHook
 
         cfg = self.model.config
         other = copy.copy(self)
-        other.expert_masks = check_expert_masks(expert_masks, cfg.num_hidden_layers, cfg.n_experts)
+        other.expert_variant = check_variant(variant, cfg)
         other.cache_hook = CacheHook(None)
         return other
 
@@ -252,7 +254,7 @@ class MoejaxLM(TemplateLM):
         for b, (whole, _) in enumerate(rows):
             ids[b, :len(whole) - 1] = whole[:-1]
             targets[b, :len(whole) - 1] = whole[1:]
-        logp, greedy = self._score_fn(jnp.asarray(ids), jnp.asarray(targets), self.expert_masks)
+        logp, greedy = self._score_fn(jnp.asarray(ids), jnp.asarray(targets), self.expert_variant)
         logp, greedy = np.asarray(logp, np.float64), np.asarray(greedy)
         out = []
         for b, (whole, n_cont) in enumerate(rows):
@@ -306,7 +308,7 @@ class MoejaxLM(TemplateLM):
                 e = encoded[b] if b < len(encoded) else encoded[0]  # a full batch: one compiled shape
                 ids[b, P - len(e):], mask[b, P - len(e):] = e, 1
             sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0.0)) > 0
-            out = self._generator(ids, mask, max_new_tokens=max_new, expert_masks=self.expert_masks,
+            out = self._generator(ids, mask, max_new_tokens=max_new, variant=self.expert_variant,
                                   temperature=float(kwargs.get("temperature", 0.0)) if sample else 0.0,
                                   top_k=kwargs.get("top_k") if sample else None,
                                   top_p=kwargs.get("top_p") if sample else None,
@@ -330,11 +332,11 @@ def _compiled_scorer(model):
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def score(state, ids_BS, targets_BS, expert_masks):
-        logits = nnx.merge(graphdef, state)(ids_BS, None, expert_masks, forward_only=True).logits_BSV
+    def score(state, ids_BS, targets_BS, variant):
+        logits = nnx.merge(graphdef, state)(ids_BS, None, variant, forward_only=True).logits_BSV
         return target_logprobs(logits, targets_BS), jnp.argmax(logits, axis=-1) == targets_BS
 
-    return lambda ids, targets, masks: score(state, ids, targets, masks)
+    return lambda ids, targets, variant: score(state, ids, targets, variant)
 
 
 def cli() -> None:

@@ -1,5 +1,8 @@
-"""A pruned variant as expert masks (bool [num_hidden_layers, E], True = kept), built from what a
-researcher has on disk, checked against the checkpoint's config.json before any model is loaded:
+"""Variants a model runs under, checked against the checkpoint's config.json before any model is loaded.
+
+A variant is None (the unpruned model), a pruning as expert masks (bool [num_hidden_layers, E],
+True = kept), or {MoE layer: ExpertMap} (`moejax.moe.expert_map`: pruned or merged experts per
+layer); `check_variant` checks either kind. Masks are built from what a researcher has on disk:
 
 - a `pruning.json` written by `moejax prune` (its kept source experts per layer);
 - a scores file written by `moejax score` (parquet: layer, expert, score, value) + a score name
@@ -18,6 +21,53 @@ import numpy as np
 
 from moejax.errors import ConfigError
 from moejax.scoring.select import resolve_keep, select_kept
+
+
+def check_variant(variant, config):
+    """The variant as JAX arrays, or a ConfigError naming what is wrong: masks must be bool
+    [num_hidden_layers, E]; an expert map must name MoE layers only, with a bool mask [E] keeping
+    at least top_k slots, int rows [E] inside its table (or none), and a table of the layer's
+    expert shapes (gate/up [R, H, F], down [R, F, H]). None stays None."""
+    import jax.numpy as jnp
+
+    from moejax.moe.expert_map import ExpertMap
+
+    n_layers, E = config.num_hidden_layers, config.n_experts
+    if variant is None:
+        return None
+    if not isinstance(variant, dict):
+        masks = np.asarray(variant)
+        if masks.shape != (n_layers, E) or masks.dtype != bool:
+            raise ConfigError(f"expert masks: expected bool [{n_layers}, {E}] (layers x routed experts, "
+                              f"True = kept), got {masks.dtype} {list(masks.shape)}")
+        return jnp.asarray(masks)
+    H, F = config.hidden_size, config.moe_intermediate_size
+    out = {}
+    for layer, em in variant.items():
+        where = f"variant: layer {layer}"
+        if layer not in config.moe_layers:
+            raise ConfigError(f"{where} is not a MoE layer (MoE layers: {config.moe_layers})")
+        if not isinstance(em, ExpertMap):
+            raise ConfigError(f"{where}: expected an ExpertMap, got {type(em).__name__}")
+        mask = np.asarray(em.mask_E)
+        if mask.shape != (E,) or mask.dtype != bool or mask.sum() < config.num_experts_per_tok:
+            raise ConfigError(f"{where}: mask must be bool [{E}] keeping at least num_experts_per_tok="
+                              f"{config.num_experts_per_tok} slots, got {mask.dtype} {list(mask.shape)}")
+        table = em.weights
+        if table is not None:
+            R = np.shape(table.get("gate"))[0] if "gate" in table else -1
+            want = {"gate": (R, H, F), "up": (R, H, F), "down": (R, F, H)}
+            if set(table) != set(want) or any(tuple(np.shape(table[k])) != s for k, s in want.items()):
+                raise ConfigError(f"{where}: expert table must hold gate/up [R, {H}, {F}] and down [R, {F}, {H}], "
+                                  f"got {({k: list(np.shape(v)) for k, v in table.items()})}")
+        rows = None if em.rows_E is None else np.asarray(em.rows_E)
+        limit = E if table is None else R
+        if rows is not None and (rows.shape != (E,) or not np.issubdtype(rows.dtype, np.integer)
+                                 or rows.min() < 0 or rows.max() >= limit):
+            raise ConfigError(f"{where}: rows must be int [{E}] in [0, {limit}), got {rows.dtype} {list(rows.shape)}")
+        out[layer] = ExpertMap(jnp.asarray(mask), None if rows is None else jnp.asarray(rows, jnp.int32),
+                               None if table is None else {k: jnp.asarray(v) for k, v in table.items()})
+    return out
 
 
 def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:

@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory):
 
 def run(model, ids, mask, **kw):
     logits, routing, _ = model.jitted()(jnp.asarray(ids), jnp.asarray(mask), return_routing=True,
-                                     expert_masks=kw.get("expert_masks_LE"))
+                                     variant=kw.get("variant"))
     return np.asarray(logits), {l: np.asarray(r.expert_idx_TK) for l, r in routing.items()}
 
 
@@ -88,7 +88,7 @@ def test_expert_mask_equals_unreachable_experts_in_transformers(checkpoints):
     model = DeepseekV3ForCausalLM.from_pretrained(path)
     keep = np.ones((hf.config.num_hidden_layers, hf.config.n_routed_experts), bool)
     keep[:, pruned] = False
-    logits, chosen = run(model, ids, mask, expert_masks_LE=jnp.asarray(keep))
+    logits, chosen = run(model, ids, mask, variant=jnp.asarray(keep))
     with unreachable(hf, pruned):
         want, want_chosen = reference(hf, ids, mask)
     assert not np.isin(np.concatenate(list(chosen.values())), pruned).any()

@@ -44,7 +44,7 @@ _FORWARDS = {}  # one jitted forward per model (a fresh `jitted()` compiles agai
 
 def run(model, ids, mask, masks=None):
     forward = _FORWARDS.setdefault(id(model), (model, model.jitted()))[1]
-    out = forward(jnp.asarray(ids), jnp.asarray(mask), expert_masks=masks, return_routing=True)
+    out = forward(jnp.asarray(ids), jnp.asarray(mask), variant=masks, return_routing=True)
     return np.asarray(out.logits_BSV), {l: np.asarray(r.expert_idx_TK) for l, r in out.routing.items()}
 
 

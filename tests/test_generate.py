@@ -118,7 +118,7 @@ def test_expert_masks_generate_as_transformers_with_unreachable_experts(checkpoi
     keep = np.ones((hf.config.num_hidden_layers, hf.config.n_routed_experts), bool)
     keep[:, pruned] = False
     ids, mask = prompts(hf.config.vocab_size, seed=4)
-    got = gen(ids, mask, max_new_tokens=N, expert_masks=keep)
+    got = gen(ids, mask, max_new_tokens=N, variant=keep)
     with unreachable(hf, pruned):
         want = hf_generate(hf, ids, mask, N, eos_token_id=None)
     np.testing.assert_array_equal(got, want)

@@ -106,7 +106,7 @@ def test_variant_from_scores_changes_the_results_and_equals_explicit_masks(setup
             for e in range(E)]
     pd.DataFrame(rows).to_parquet(tmp_path / "scores.parquet")
     lm = MoejaxLM(pretrained=str(ckpt), batch_size=4, scores=str(tmp_path / "scores.parquet"), score="l1", keep=8)
-    masks = np.asarray(lm.expert_masks)
+    masks = np.asarray(lm.expert_variant)
     for l in moe_layers:
         want = np.zeros(E, bool)
         want[np.argsort(-np.array([(e * 7 + l) % E for e in range(E)]), kind="stable")[:8]] = True

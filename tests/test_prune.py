@@ -154,7 +154,7 @@ def test_transformers_loads_it_and_matches_the_masked_source(flat, tmp_path):
     masks = np.zeros((3, E), bool)
     for layer, k in kept.items():
         masks[layer, k] = True
-    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), expert_masks_LE=jnp.asarray(masks)).logits_BSV)
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), variant=jnp.asarray(masks)).logits_BSV)
     valid = mask.astype(bool)
     assert np.abs(got - want)[valid].max() < 2e-4 * max(1.0, np.abs(want).max())
     unmasked = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
@@ -181,7 +181,7 @@ def test_group_aware_keeps_groups_and_matches_the_masked_source(grouped, tmp_pat
     masks = np.zeros((3, 16), bool)
     for layer, k in kept.items():
         masks[layer, k] = True
-    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), expert_masks_LE=jnp.asarray(masks)).logits_BSV)
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), variant=jnp.asarray(masks)).logits_BSV)
     assert np.abs(got - want)[mask.astype(bool)].max() < 2e-4 * max(1.0, np.abs(want).max())
 
 
@@ -250,7 +250,7 @@ def test_quantised_experts_travel_with_their_companions(flat, tmp_path, fmt):
     masks = np.zeros((3, E), bool)
     for layer, k in kept.items():
         masks[layer, k] = True
-    want = np.asarray(source(jnp.asarray(ids), jnp.asarray(mask), expert_masks_LE=jnp.asarray(masks)).logits_BSV)
+    want = np.asarray(source(jnp.asarray(ids), jnp.asarray(mask), variant=jnp.asarray(masks)).logits_BSV)
     np.testing.assert_allclose(np.asarray(pruned(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV), want, atol=1e-4, rtol=1e-4)
 
 

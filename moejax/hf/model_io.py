@@ -185,10 +185,14 @@ class OpenCheckpoint:
 def open_checkpoint(path) -> OpenCheckpoint:
     """Read config.json and every safetensors header (`moejax.hf.check.check_checkpoint`, the
     check every command runs); raise every mismatch at once."""
-    checked = check_checkpoint(path)
+    return opened(check_checkpoint(path))
+
+
+def opened(checked) -> OpenCheckpoint:
+    """The OpenCheckpoint of a `check_checkpoint` result (for commands that also need its layout)."""
     if checked.carried:
         log.info("%s: %d tensor(s) not used by the forward (MTP layer, rotary_emb.inv_freq), kept for saving: %s",
-                 path, len(checked.carried), checked.carried[:3])
+                 checked.path, len(checked.carried), checked.carried[:3])
     return OpenCheckpoint(checked.path, checked.config, checked.family, checked.reader, checked.fmt, checked.specs,
                           checked.stored, checked.carried)
 

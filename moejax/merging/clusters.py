@@ -59,11 +59,18 @@ def m_smoe_groups(router_logits_TE, counts_E, keep: int) -> np.ndarray:
     router-logit column over the calibration tokens is most similar by cosine (ties to the lower
     index). router_logits_TE: float [T, E]; counts_E: routing decisions per expert."""
     logits = np.asarray(router_logits_TE, np.float64)
-    E = logits.shape[1]
+    return m_smoe_groups_from_gram(logits.T @ logits, counts_E, keep)
+
+
+def m_smoe_groups_from_gram(logit_gram_EE, counts_E, keep: int) -> np.ndarray:
+    """`m_smoe_groups` from the Gram matrix of the router-logit columns, G = L^T L summed over the
+    calibration tokens (what a streamed pass accumulates): cos(l_i, l_j) = G_ij / sqrt(G_ii G_jj)."""
+    gram = np.asarray(logit_gram_EE, np.float64)
+    E = gram.shape[0]
     _check_keep(keep, E)
     dominant = np.flatnonzero(select_kept(np.asarray(counts_E, np.float64), keep))
-    cols = logits.T / np.maximum(np.linalg.norm(logits.T, axis=1, keepdims=True), 1e-300)
-    similarity = cols @ cols[dominant].T                          # [E, keep]
+    norms = np.sqrt(np.maximum(np.diag(gram), 1e-300))
+    similarity = gram[:, dominant] / (norms[:, None] * norms[dominant][None])   # [E, keep]
     joins = dominant[np.argmax(similarity, axis=1)]               # argmax: the first (lowest) on ties
     joins[dominant] = dominant
     return canonical_labels(joins)

@@ -8,7 +8,7 @@ A family supplies its attention module and rope tables by subclassing `CausalLM`
         attention_class = GQAttention            # __call__, prefill, decode, empty_cache
         rope_tables = staticmethod(gqa_rope)     # (cfg, positions, dtype) -> (cos, sin)
 
-    logits_BSV = model(input_ids_BS, attention_mask_BS, expert_masks_LE).logits_BSV
+    logits_BSV = model(input_ids_BS, attention_mask_BS, variant).logits_BSV
 """
 
 from __future__ import annotations
@@ -58,26 +58,26 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, dtype, rngs, backend) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size,
                                                                           dtype, rngs)
 
-    def __call__(self, x, cos, sin, allowed, expert_mask_E=None, forward_only: bool = False):
+    def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False):
         """(output, routing or None for a dense layer, the MLP's input)."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
-        return self._mlp_block(h, expert_mask_E, forward_only)
+        return self._mlp_block(h, variant, forward_only)
 
-    def prefill(self, x, cos, sin, allowed_BSS, cache, expert_mask_E=None):
+    def prefill(self, x, cos, sin, allowed_BSS, cache, variant=None):
         """The layer on a prompt, its keys (or latents) written into the cache: (output, cache)."""
         a, cache = self.self_attn.prefill(self.input_layernorm(x), cos, sin, allowed_BSS, cache)
-        return self._mlp_block(x + a, expert_mask_E, True)[0], cache
+        return self._mlp_block(x + a, variant, True)[0], cache
 
-    def decode(self, x, cos, sin, cache, column, allowed_B1C, expert_mask_E=None):
+    def decode(self, x, cos, sin, cache, column, allowed_B1C, variant=None):
         """The layer on one new token per row against its cache: (output, cache)."""
         a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1C)
-        return self._mlp_block(x + a, expert_mask_E, True)[0], cache
+        return self._mlp_block(x + a, variant, True)[0], cache
 
-    def _mlp_block(self, h, expert_mask_E, forward_only):
+    def _mlp_block(self, h, variant, forward_only):
         z = self.post_attention_layernorm(h)
         if not self.is_moe:
             return h + self.mlp(z), None, z
-        y, routing = self.mlp(z, expert_mask_E, forward_only)
+        y, routing = self.mlp(z, variant, forward_only)
         return h + y, routing, z
 
 
@@ -114,12 +114,13 @@ class CausalLM(nnx.Module):
         self.model = Decoder(cfg, dtype, rngs, backend, self.decoder_layer)
         self.lm_head = None if cfg.tie_word_embeddings else param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
-    def __call__(self, input_ids_BS, attention_mask_BS=None, expert_masks_LE=None, return_routing: bool = False,
+    def __call__(self, input_ids_BS, attention_mask_BS=None, variant=None, return_routing: bool = False,
                  return_moe_inputs: bool = False, forward_only: bool = False, positions_BS=None):
         """`CausalLMOutput`: logits [B, S, V] (and what is asked for). attention_mask: 1 = token, 0 =
         padding (keys that are padding are not attended to; positions stay 0..S-1 as in
-        transformers). expert_masks: bool [num_hidden_layers, E], True = expert kept (rows of dense
-        layers are ignored). return_routing: also return {layer: Routing} of every MoE layer
+        transformers). variant: None (unpruned), a pruning as bool [num_hidden_layers, E] (True = expert
+        kept; rows of dense layers are ignored), or {MoE layer: ExpertMap} (`moejax.moe.expert_map`:
+        pruned or merged experts; layers not named are unchanged). return_routing: also return {layer: Routing} of every MoE layer
         (tokens flattened batch-major); return_moe_inputs: also return {layer: router input
         [B*S, H]} (what calibration statistics are taken on); forward_only: no gradients will be
         taken (the routed experts then skip block padding; `jitted()` sets it); positions_BS: rope
@@ -131,7 +132,7 @@ class CausalLM(nnx.Module):
         allowed = causal_allowed(attention_mask_BS, B, S)
         routings, moe_inputs = {}, {}
         for l, layer in enumerate(self.model.layers):
-            x, routing, z = layer(x, cos, sin, allowed, self._layer_mask(expert_masks_LE, l), forward_only)
+            x, routing, z = layer(x, cos, sin, allowed, self._layer_variant(variant, l), forward_only)
             if routing is not None:
                 routings[l], moe_inputs[l] = routing, z.reshape(B * S, -1)
         return CausalLMOutput(self._logits(x), routings if return_routing else None,
@@ -150,7 +151,7 @@ class CausalLM(nnx.Module):
                        for _ in self.model.layers)
         return KVCache(layers, jnp.zeros((batch, length), bool))
 
-    def prefill(self, input_ids_BP, positions_BP, attention_mask_BP, cache: KVCache, expert_masks_LE=None,
+    def prefill(self, input_ids_BP, positions_BP, attention_mask_BP, cache: KVCache, variant=None,
                 last_only: bool = True) -> CachedOutput:
         """The forward on a (left-padded) prompt that also fills cache columns 0..P-1. Logits of
         the last position only unless last_only=False."""
@@ -161,12 +162,12 @@ class CausalLM(nnx.Module):
         cos, sin = self.rope_tables(self.config, positions_BP, x.dtype)
         layers = []
         for l, layer in enumerate(self.model.layers):
-            x, layer_cache = layer.prefill(x, cos, sin, allowed_BPP, cache.layers[l], self._layer_mask(expert_masks_LE, l))
+            x, layer_cache = layer.prefill(x, cos, sin, allowed_BPP, cache.layers[l], self._layer_variant(variant, l))
             layers.append(layer_cache)
         logits = self._logits(x[:, -1:] if last_only else x).astype(jnp.float32)
         return CachedOutput(logits, KVCache(tuple(layers), jax.lax.dynamic_update_slice(cache.valid_BC, mask, (0, 0))))
 
-    def decode_step(self, input_ids_B1, positions_B1, cache: KVCache, column, expert_masks_LE=None) -> CachedOutput:
+    def decode_step(self, input_ids_B1, positions_B1, cache: KVCache, column, variant=None) -> CachedOutput:
         """One new token per row, written into cache column `column` (after the prompt and the
         tokens before it), attending to every valid column up to its own. Logits [B, 1, V]."""
         C = cache.valid_BC.shape[1]
@@ -177,20 +178,23 @@ class CausalLM(nnx.Module):
         layers = []
         for l, layer in enumerate(self.model.layers):
             x, layer_cache = layer.decode(x, cos, sin, cache.layers[l], column, allowed_B1C,
-                                          self._layer_mask(expert_masks_LE, l))
+                                          self._layer_variant(variant, l))
             layers.append(layer_cache)
         return CachedOutput(self._logits(x).astype(jnp.float32), KVCache(tuple(layers), valid))
 
-    def _layer_mask(self, expert_masks_LE, layer: int):
-        return None if expert_masks_LE is None or not self.model.layers[layer].is_moe else expert_masks_LE[layer]
+    def _layer_variant(self, variant, layer: int):
+        """Layer `layer`'s part of a variant: None, a mask row [E] or an ExpertMap."""
+        if variant is None or not self.model.layers[layer].is_moe:
+            return None
+        return variant.get(layer) if isinstance(variant, dict) else variant[layer]
 
-    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, expert_masks=None,
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, variant=None,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  stop_token_ids=None, **kw):
         """Prompt then continuation, int32 [B, prompt + max_new_tokens], as transformers' `generate`
         lays it out (see moejax.generate.generate)."""
         return generate_lib.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                     expert_masks=expert_masks, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     variant=variant, temperature=temperature, top_k=top_k, top_p=top_p,
                                      seed=seed, stop_token_ids=stop_token_ids, **kw)
 
     def jitted(self):
@@ -202,9 +206,9 @@ class CausalLM(nnx.Module):
         graphdef, state = nnx.split(self)
 
         @functools.partial(jax.jit, static_argnames=("return_routing", "return_moe_inputs"))
-        def forward(state, input_ids, attention_mask=None, expert_masks=None, return_routing=False,
+        def forward(state, input_ids, attention_mask=None, variant=None, return_routing=False,
                     return_moe_inputs=False, positions=None):
-            return nnx.merge(graphdef, state)(input_ids, attention_mask, expert_masks, return_routing,
+            return nnx.merge(graphdef, state)(input_ids, attention_mask, variant, return_routing,
                                               return_moe_inputs, forward_only=True, positions_BS=positions)
 
         return functools.partial(forward, state)

@@ -8,7 +8,8 @@
     moe.balance_bias()        e_score_correction_bias [E], or None for a family without one
     moe.shared_experts        the shared-expert MLP or None; `shared_gate` [H, 1] when the shared
                               output is gated by sigmoid(x @ shared_gate) (Qwen2-MoE's form)
-    moe(x_BSH, mask_E)        (output [B, S, H], Routing)
+    moe(x_BSH, variant)       (output [B, S, H], Routing of the router's slots); variant: None, a
+                              pruning mask [E] or an `ExpertMap` (pruned or merged experts)
 
 A family config supplies what the block is built from: `n_experts`, `hidden_size`,
 `moe_intermediate_size`, `router_settings()`, `HAS_BALANCE_BIAS`, `shared_intermediate_size`
@@ -24,6 +25,7 @@ from flax import nnx
 from moejax.models.layers import HIGHEST, MLP, linear, param
 from moejax.models.toy import BalanceBias
 from moejax.moe import dispatch as dispatch_lib
+from moejax.moe.expert_map import as_expert_map
 from moejax.moe.routing import RouterConfig, route
 
 
@@ -60,10 +62,23 @@ class MoE(nnx.Module):
         """The routed experts' stacked weights as `expert_fn` reads them."""
         return {"gate": self.experts_gate[...], "up": self.experts_up[...], "down": self.experts_down[...]}
 
-    def routed(self, x_TH, routing, forward_only: bool = False):
-        """The gate-weighted sum of the routed experts' outputs [T, H] under `routing`."""
-        return dispatch_lib.dispatch(x_TH, routing.expert_idx_TK, routing.gate_TK, self.expert_weights(),
+    def routed(self, x_TH, routing, forward_only: bool = False, weights: dict | None = None):
+        """The gate-weighted sum of the routed experts' outputs [T, H] under `routing`, whose expert
+        indices are rows of `weights` (default: the layer's own experts)."""
+        return dispatch_lib.dispatch(x_TH, routing.expert_idx_TK, routing.gate_TK,
+                                     self.expert_weights() if weights is None else weights,
                                      self.expert_fn, self.backend, forward_only=forward_only)
+
+    def routed_variant(self, x_TH, variant, forward_only: bool = False):
+        """(routed output [T, H], the router's Routing over its slots) under a variant (None, a
+        mask or an ExpertMap): the router chooses among the remaining slots, each chosen slot
+        computes with its weight row."""
+        em = as_expert_map(variant)
+        if em is None:
+            r = self.route(x_TH)
+            return self.routed(x_TH, r, forward_only), r
+        r = self.route(x_TH, em.mask_E)
+        return self.routed(x_TH, em.apply(r), forward_only, em.table(self.expert_weights())), r
 
     def shared(self, x_BSH):
         """The shared experts' output (zero-free: None when the family has none)."""
@@ -74,12 +89,13 @@ class MoE(nnx.Module):
             y = jax.nn.sigmoid(linear(x_BSH, self.shared_gate[...])) * y
         return y
 
-    def __call__(self, x_BSH, expert_mask_E=None, forward_only: bool = False):
-        """(output [B, S, H], the routing of the B*S tokens). forward_only: no gradients will be
-        taken, so the routed experts may take the faster exact path (moejax.moe.dispatch)."""
+    def __call__(self, x_BSH, variant=None, forward_only: bool = False):
+        """(output [B, S, H], the routing of the B*S tokens). variant: None, a pruning mask [E] (or
+        [B*S, E]) or an ExpertMap. forward_only: no gradients will be taken, so the routed experts
+        may take the faster exact path (moejax.moe.dispatch)."""
         B, S, H = x_BSH.shape
         x_TH = x_BSH.reshape(B * S, H)
-        r = self.route(x_TH, expert_mask_E)
-        y = self.routed(x_TH, r, forward_only).reshape(B, S, H)
+        y, r = self.routed_variant(x_TH, variant, forward_only)
+        y = y.reshape(B, S, H)
         shared = self.shared(x_BSH)
         return (y if shared is None else y + shared), r

@@ -34,7 +34,6 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     import pandas as pd
 
     from moejax import __version__
-    from moejax.data import Tokenizer, npy_tokens, text_tokens
     from moejax.hf.model_io import open_checkpoint
     from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.observe import calibrate_streamed
@@ -43,34 +42,16 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
         check_score_names(scores)
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
-    if (text is None) == (tokens is None):
-        raise ConfigError("give calibration data as text paths or as a tokens .npy file (exactly one)")
-    if (seq_len is not None and seq_len < 1) or batch_size < 1:
-        raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1 (--seq-len, --batch-size)")
-    if max_tokens is not None and max_tokens < 1:
-        raise ConfigError(f"max_tokens={max_tokens} (--max-tokens): expected a positive number of tokens")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be >= 1 (--batch-size)")
+    check_calibration_args(text, tokens, seq_len, max_tokens)
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
     scores = scores_for(scores, ckpt.config.HAS_BALANCE_BIAS, f"{checkpoint}")
     if out is not None:  # before the pass, not after hours of it
         check_output_file(out)
         check_output_file(Path(out).with_suffix(".json"))
-    vocab, max_positions = ckpt.config.vocab_size, ckpt.config.max_position_embeddings
-    seq_len = min(DEFAULT_SEQ_LEN, max_positions) if seq_len is None else seq_len
-    if text is not None and seq_len > max_positions:
-        raise ConfigError(f"seq_len={seq_len} (--seq-len) exceeds the model's max_position_embeddings="
-                          f"{max_positions} (config.json)")
     (mesh or MeshConfig()).check_experts(ckpt.config.n_experts, str(checkpoint))
-    if tokens is not None:
-        ids, tokenizer = npy_tokens(tokens, vocab, max_tokens), f"pre-tokenised ({tokens})"
-        if ids.shape[1] > max_positions:
-            raise ConfigError(f"tokens file {tokens}: sequences of {ids.shape[1]} tokens exceed the model's "
-                              f"max_position_embeddings={max_positions} (config.json)")
-    else:
-        tok = Tokenizer(checkpoint, vocab)
-        ids, tokenizer = text_tokens(text if isinstance(text, (list, tuple)) else [text], tok, seq_len, max_tokens), \
-            tok.name
-        if ids.max() >= vocab:
-            raise ConfigError(f"tokenizer produced id {ids.max()} >= vocab_size={vocab}")
+    ids, tokenizer = calibration_ids(checkpoint, ckpt.config, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     mesh = mesh or MeshConfig()
     device_mesh = make_mesh(mesh) if mesh.n_devices > 1 else None
@@ -102,3 +83,39 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
         write_json_atomic(out.with_suffix(".json"), sidecar)
         write_parquet_atomic(df, out)  # last: its presence means the run completed
     return df
+
+
+def check_calibration_args(text, tokens, seq_len, max_tokens) -> None:
+    """The calibration-data arguments every command takes, checked before anything is read."""
+    if (text is None) == (tokens is None):
+        raise ConfigError("give calibration data as text paths or as a tokens .npy file (exactly one)")
+    if seq_len is not None and seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len} must be >= 1 (--seq-len)")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError(f"max_tokens={max_tokens} (--max-tokens): expected a positive number of tokens")
+
+
+def calibration_ids(checkpoint, config, text=None, tokens=None, seq_len: int | None = None,
+                    max_tokens: int | None = None) -> tuple[np.ndarray, str]:
+    """(token ids [n_seq, seq_len], what tokenised them) for a calibration pass over `checkpoint`:
+    text files (folders, globs) packed into sequences of seq_len (default 512, or the model's
+    max_position_embeddings if shorter) by the checkpoint's tokenizer, or a pre-tokenised .npy."""
+    from moejax.data import Tokenizer, npy_tokens, text_tokens
+
+    check_calibration_args(text, tokens, seq_len, max_tokens)
+    vocab, max_positions = config.vocab_size, config.max_position_embeddings
+    seq_len = min(DEFAULT_SEQ_LEN, max_positions) if seq_len is None else seq_len
+    if text is not None and seq_len > max_positions:
+        raise ConfigError(f"seq_len={seq_len} (--seq-len) exceeds the model's max_position_embeddings="
+                          f"{max_positions} (config.json)")
+    if tokens is not None:
+        ids = npy_tokens(tokens, vocab, max_tokens)
+        if ids.shape[1] > max_positions:
+            raise ConfigError(f"tokens file {tokens}: sequences of {ids.shape[1]} tokens exceed the model's "
+                              f"max_position_embeddings={max_positions} (config.json)")
+        return ids, f"pre-tokenised ({tokens})"
+    tok = Tokenizer(checkpoint, vocab)
+    ids = text_tokens(text if isinstance(text, (list, tuple)) else [text], tok, seq_len, max_tokens)
+    if ids.max() >= vocab:
+        raise ConfigError(f"tokenizer produced id {ids.max()} >= vocab_size={vocab}")
+    return ids, tok.name

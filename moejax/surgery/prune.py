@@ -113,7 +113,12 @@ def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> di
     return out
 
 
-def _layer_scores(reader, layers, score, scores_file, seed) -> dict[int, np.ndarray]:
+def _layer_scores(reader, layers, score, scores_file, seed, layer_scores=None) -> dict[int, np.ndarray]:
+    if layer_scores is not None:  # given in memory (`moejax merge`: its cluster leaders)
+        missing = sorted(set(layers) - set(layer_scores))
+        if missing:
+            raise ConfigError(f"score {score!r}: no values for MoE layers {missing}")
+        return {l: np.asarray(layer_scores[l], np.float64) for l in layers}
     if scores_file is not None:
         return _scores_from_file(Path(scores_file), score, layers)
     if score not in SCORES:
@@ -155,9 +160,11 @@ def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
 
 def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
-                 collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0) -> PrunePlan:
+                 collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0,
+                 layer_scores: dict | None = None) -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
-    writing when the request is not well defined (SPEC section 2)."""
+    writing when the request is not well defined (SPEC section 2). layer_scores: {layer: [E]}
+    given in memory instead of a data-free score or a scores file."""
     # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
     # config.json is the source's dictionary with the family's expert-count key updated.
     config, experts_key = cfg.to_dict(), cfg.experts_key
@@ -174,7 +181,7 @@ def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, cfg, *, sco
         raise ConfigError(f"--drop-mtp would leave no MoE layer to prune: the only MoE layers {list(dropped)} are "
                           f"MTP layers (num_hidden_layers={n_layers}); prune without --drop-mtp")
     counts = _keep_counts(layers, keep, layers_keep, top_k)
-    scores = _layer_scores(reader, layers, score, scores_file, seed)
+    scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores)
     routing = cfg.router_settings()
     n_group, topk_group = routing.get("n_group", 1), routing.get("topk_group", 1)
     notes, new_config = [], dict(config)
@@ -258,8 +265,10 @@ def _row_slice(reader: CheckpointReader, name: str, kept: list[int]) -> RawTenso
 
 
 def write_pruned(reader: CheckpointReader, layout: CheckpointLayout, plan: PrunePlan, staging: Path,
-                 progress: bool = False) -> dict[str, str]:
-    """Write the pruned shards into `staging`; returns the new weight map (name -> shard file)."""
+                 progress: bool = False, replaced=None) -> dict[str, str]:
+    """Write the pruned shards into `staging`; returns the new weight map (name -> shard file).
+    replaced: None, or a function of a source tensor name giving the array to write in its place
+    (under its pruned name), or None to keep the source's bytes (`moejax merge`'s merged experts)."""
     renames = _renames(layout, plan)
     sliced = {}
     for l, ml in layout.moe_layers.items():
@@ -273,7 +282,10 @@ def write_pruned(reader: CheckpointReader, layout: CheckpointLayout, plan: Prune
             new_name = renames.get(name, name)
             if new_name is None:
                 continue
-            if name in sliced:
+            value = None if replaced is None else replaced(name)
+            if value is not None:
+                tensors.append((new_name, value))
+            elif name in sliced:
                 tensors.append((name, _row_slice(reader, name, plan.kept[sliced[name]])))
             else:
                 tensors.append((new_name, reader.info(name)))

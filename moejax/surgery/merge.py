@@ -1,0 +1,197 @@
+"""`moejax merge SRC DST --method hc_smoe|m_smoe --keep K --text ...`: a merged Hugging Face checkpoint
+in the `shrunk` router form (SPEC section 8), which transformers and vLLM load as a pruned one.
+
+Three steps:
+
+1. A streamed calibration pass (one decoder layer's weights at a time, `moejax.stream`) gathers
+   each MoE layer's merging statistics (`moejax.merging.calibration.MergeStats`).
+2. Planning, before anything is written: per-layer cluster counts (`--keep`, uniform or
+   `--allocation global`), clusters (`moejax.merging.layer.layer_clusters`) and each cluster's
+   leader (its most frequent member). The leaders are the kept experts of a pruning plan
+   (`moejax.surgery.prune.plan_pruning`: the new config, routing groups, per-layer counts), so the
+   router keeps one row (and bias entry) per cluster: the leader's, byte-identical to the source.
+3. Writing, streamed shard by shard like `moejax prune` (`write_pruned`): every tensor of a
+   singleton cluster's expert, every router row kept and every other tensor is the source's
+   bytes; a merged cluster's leader tensors are replaced by the merged expert (computed one layer
+   at a time from the source tensors, in float64, written in the source dtype).
+
+Quantised sources are refused: merging dequantised experts and writing them beside quantised
+ones would need a re-quantisation this command does not do. `pruning.json` records the method,
+the per-layer counts and every cluster (leader first, in the merged checkpoint's expert order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moejax.errors import CheckpointError, ConfigError
+from moejax.merging.layer import LayerMerge, check_merge_names, cluster_leaders, layer_clusters, merge_clusters
+from moejax.scoring.select import resolve_keep
+
+PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+    method: str
+    counts: dict[int, int]           # MoE layer -> number of clusters
+    labels: dict[int, np.ndarray]    # MoE layer -> int [E], each expert's cluster (numbered by lowest member)
+    leaders: dict[int, np.ndarray]   # MoE layer -> int [C], each cluster's most frequent member
+    freq: dict[int, np.ndarray]      # MoE layer -> routing decisions per expert on the calibration tokens
+
+    def record_layers(self) -> dict:
+        """Per layer: the kept (leader) experts ascending and each cluster with its leader first,
+        in that order (the merged checkpoint's expert order)."""
+        out = {}
+        for l, labels in self.labels.items():
+            order = np.argsort(self.leaders[l], kind="stable")
+            clusters = []
+            for c in order:
+                members = np.flatnonzero(labels == c).tolist()
+                lead = int(self.leaders[l][c])
+                clusters.append([lead] + [e for e in members if e != lead])
+            out[str(l)] = {"n_experts": int(len(labels)), "kept": sorted(int(e) for e in self.leaders[l]),
+                           "clusters": clusters, "counts": self.freq[l].tolist()}
+        return out
+
+
+def _refuse_quantised(checked) -> None:
+    if checked.fmt is not None:
+        raise CheckpointError(f"{checked.path}: quantised ({checked.fmt}); moejax merge averages expert weights and "
+                              "does not re-quantise them, so it takes float checkpoints only (F32, BF16, F16)")
+    for ml in checked.layout.moe_layers.values():
+        for name in ml.experts[0]:
+            dtype = checked.reader.reader.info(name).dtype
+            if dtype not in PLAIN_DTYPES:
+                raise CheckpointError(f"{checked.path}: {name} is {dtype}; moejax merge takes float expert "
+                                      f"tensors only ({', '.join(PLAIN_DTYPES)})")
+
+
+def cluster_counts(stats: dict, keep, top_k: int, allocation: str) -> dict[int, int]:
+    """Clusters per MoE layer: `keep` (a count or ratio of E) in every layer, or with
+    allocation="global" the same total spread by M-SMoE's rule on normalised frequency
+    (`moejax.merging.allocation`)."""
+    from moejax.merging.allocation import layer_counts
+
+    E = next(iter(stats.values())).counts_E.shape[0]
+    count = resolve_keep(keep, E, top_k)
+    return layer_counts({l: st.counts_E for l, st in stats.items()}, count, top_k, allocation)
+
+
+def plan_merge(stats: dict, method: str, keep, top_k: int, allocation: str = "uniform",
+               hc_method: str = "average", seed: int = 0) -> MergePlan:
+    """Clusters and leaders of every MoE layer from its MergeStats."""
+    counts = cluster_counts(stats, keep, top_k, allocation)
+    labels = {l: layer_clusters(method, counts[l], st, hc_method, seed) for l, st in stats.items()}
+    leaders = {l: cluster_leaders(labels[l], stats[l].counts_E) for l in stats}
+    return MergePlan(method, counts, labels, leaders, {l: st.counts_E.copy() for l, st in stats.items()})
+
+
+class MergedTensors:
+    """Source tensor name -> the merged expert's tensor (HF layout, source dtype) for the tensors
+    of every merged cluster's leader; None for every other tensor. One layer's merge is computed
+    at a time, from that layer's source experts, when its first tensor is asked for."""
+
+    def __init__(self, ckpt, plan: MergePlan):
+        self.ckpt, self.plan = ckpt, plan
+        self.targets = {}   # hf name -> (layer, cluster, weights key, transpose)
+        for l, labels in plan.labels.items():
+            merged = {int(plan.leaders[l][c]): c for c in range(len(plan.leaders[l])) if np.sum(labels == c) > 1}
+            for spec in ckpt.specs_under(f"model.layers.{l}.mlp."):
+                if spec.expert in merged and spec.param.rsplit(".", 1)[-1].startswith("experts_"):
+                    key = spec.param.rsplit(".", 1)[-1][len("experts_"):]
+                    self.targets[spec.hf_name] = (l, merged[spec.expert], key, spec.transpose)
+        self._layer, self._merge = None, None
+
+    def _layer_merge(self, layer: int) -> LayerMerge:
+        if self._layer != layer:
+            import jax.numpy as jnp
+
+            name = next(n for n, t in self.targets.items() if t[0] == layer)
+            dtype = jnp.dtype(PLAIN_DTYPES[self.ckpt.reader.info(name).dtype])
+            weights = self.ckpt.decoder_layer(layer, dtype).mlp.expert_weights()
+            self._merge = merge_clusters(self.plan.method, self.plan.labels[layer], self.plan.freq[layer], weights)
+            self._layer = layer
+        return self._merge
+
+    def __call__(self, name: str):
+        target = self.targets.get(name)
+        if target is None:
+            return None
+        layer, cluster, key, transpose = target
+        value = np.asarray(self._layer_merge(layer).weights[key][cluster])
+        return np.ascontiguousarray(value.T if transpose else value)
+
+
+def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq_len: int | None = None,
+                     max_tokens: int | None = None, batch_size: int = 8, allocation: str = "uniform",
+                     hc_method: str = "average", collapse_groups: bool = False, dtype: str = "float32", seed: int = 0,
+                     overwrite: bool = False, progress: bool | None = None) -> dict:
+    """Write the merged checkpoint of `src` to `dst` (shrunk router form) and return its record
+    (also dst/pruning.json). The destination, the checkpoint, the arguments and the calibration
+    data are checked before the pass; the plan (groups, counts) before the first byte is written."""
+    import jax.numpy as jnp
+
+    from moejax import __version__
+    from moejax.hf.check import check_checkpoint
+    from moejax.hf.model_io import opened
+    from moejax.hf.staging import check_destination, staged_directory
+    from moejax.merging.allocation import ALLOCATIONS
+    from moejax.merging.calibration import merge_stats
+    from moejax.merging.clusters import HC_SMOE_METHODS
+    from moejax.scoring.score_checkpoint import calibration_ids
+    from moejax.stream import stream_layers
+    from moejax.hf.safetensors_format import CONFIG_NAME
+    from moejax.surgery.prune import PRUNING_RECORD, other_files, plan_pruning, write_pruned
+
+    check_merge_names([method], "--method")
+    if allocation not in ALLOCATIONS:
+        raise ConfigError(f"--allocation {allocation!r}: expected one of {list(ALLOCATIONS)}")
+    if hc_method not in HC_SMOE_METHODS:
+        raise ConfigError(f"--hc-method {hc_method!r}: expected one of {list(HC_SMOE_METHODS)}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be >= 1 (--batch-size)")
+    src, dst = Path(src), Path(dst)
+    check_destination(dst, overwrite, protect=src)
+    checked = check_checkpoint(src)
+    _refuse_quantised(checked)
+    ckpt, cfg = opened(checked), checked.config
+    resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
+    reader, layout = checked.reader.reader, checked.layout
+    copied, file_notes = other_files(reader)
+    ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
+    batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
+    show = sys.stderr.isatty() if progress is None else progress
+    stats = {}
+    for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show):
+        stats[layer] = merge_stats(moe, router_inputs, [None] * len(router_inputs))
+    plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, hc_method, seed)
+    leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
+                     for l, lab in plan.labels.items()}
+    prune_plan = plan_pruning(reader, layout, cfg, score=f"{method} cluster leaders", layers_keep=plan.counts,
+                              collapse_groups=collapse_groups, layer_scores=leader_scores)
+    prune_plan = dataclasses.replace(prune_plan, notes=prune_plan.notes + tuple(file_notes))
+    record = {
+        "moejax_version": __version__, "source": str(src.resolve()), "method": method, "router": "shrunk",
+        "hc_method": hc_method if method == "hc_smoe" else None, "keep": keep, "allocation": allocation,
+        "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
+                        "tokenizer": tokenizer, "dtype": dtype},
+        "seed": seed, "groups": prune_plan.groups, "dropped_layers": [], "notes": list(prune_plan.notes),
+        "layers": plan.record_layers(),
+    }
+    with staged_directory(dst, overwrite) as staging:
+        write_pruned(reader, layout, prune_plan, staging, progress=show, replaced=MergedTensors(ckpt, plan))
+        for relative in copied:
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / relative, staging / relative)
+        (staging / CONFIG_NAME).write_text(json.dumps(prune_plan.config, indent=2) + "\n", encoding="utf-8")
+        (staging / PRUNING_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record

@@ -1,0 +1,208 @@
+"""Merged variants (issue 18) through the forward, the carried evaluation and `moejax merge`:
+
+- the `tied` form's logits equal a model whose experts are replaced in place by their cluster's
+  merged expert; the `shrunk` form equals that model pruned to the cluster leaders;
+- a merge with every cluster a singleton reproduces the unpruned model exactly;
+- `evaluate_pruning(merges=...)`: perplexities equal the whole model's forward under the same
+  variant; keep=E gives the unpruned numbers exactly;
+- a `moejax merge` checkpoint loads in transformers and equals moejax's evaluation of the same
+  variant on the source; everything not merged is the source's bytes.
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from family_fixtures import make_family_checkpoint  # noqa: E402
+from hf_fixtures import batch, make_checkpoint  # noqa: E402
+
+from flax import nnx  # noqa: E402
+
+from moejax.errors import ConfigError, MoejaxError  # noqa: E402
+from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.model_io import load_pretrained, open_checkpoint  # noqa: E402
+from moejax.merging.calibration import merge_stats  # noqa: E402
+from moejax.merging.layer import merge_clusters, merge_layer  # noqa: E402
+from moejax.nll import next_token_nll  # noqa: E402
+
+E = 8
+
+
+@pytest.fixture(scope="module")
+def dsv3(tmp_path_factory):
+    """DeepSeek-V3 (sigmoid router, balance bias, groups, shared experts), calibration ids."""
+    path = tmp_path_factory.mktemp("merge") / "dsv3"
+    make_checkpoint(path, seed=5, n_group=1, topk_group=1)
+    model = load_pretrained(path)
+    calib = np.random.default_rng(1).integers(0, 96, size=(4, 20)).astype(np.int32)
+    return path, model, calib
+
+
+def layer_merges(model, calib, method, keep):
+    """{MoE layer: LayerMerge} from the unpruned model's router inputs on `calib` (in memory)."""
+    out = model.jitted()(jnp.asarray(calib), None, return_moe_inputs=True)
+    merges = {}
+    for l, z in out.moe_inputs.items():
+        moe = model.model.layers[l].mlp
+        merges[l] = merge_layer(method, keep, merge_stats(moe, [z], [None]), moe.expert_weights())
+    return merges
+
+
+def replaced_in_place(model, merges):
+    """A copy of the model whose expert e holds its cluster's merged expert (every slot pointing at it)."""
+    other = nnx.clone(model)
+    for l, lm in merges.items():
+        moe = other.model.layers[l].mlp
+        for key, attr in (("gate", "experts_gate"), ("up", "experts_up"), ("down", "experts_down")):
+            getattr(moe, attr)[...] = jnp.asarray(lm.weights[key][lm.labels_E])
+    return other
+
+
+_JITTED = {}
+
+
+def logits(model, ids, mask, variant=None):
+    """The model's jitted forward (one per model, kept: each variant kind compiles once)."""
+    forward = _JITTED.setdefault(id(model), (model, model.jitted()))[1]
+    return np.asarray(forward(jnp.asarray(ids), jnp.asarray(mask), variant).logits_BSV)
+
+
+@pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
+def test_tied_equals_experts_replaced_in_place_and_shrunk_equals_pruning_to_leaders(dsv3, method):
+    _, model, calib = dsv3
+    merges = layer_merges(model, calib, method, 3)
+    ids, mask = batch(96, seed=2)
+    in_place = replaced_in_place(model, merges)
+    tied = logits(model, ids, mask, {l: lm.expert_map("tied") for l, lm in merges.items()})
+    np.testing.assert_allclose(tied, logits(in_place, ids, mask), atol=2e-5, rtol=1e-5)
+    unpruned = logits(model, ids, mask)
+    assert np.abs(tied - unpruned).max() > 1e-3  # merging 8 experts into 3 changes the model
+    masks = np.ones((model.config.num_hidden_layers, E), bool)
+    for l, lm in merges.items():
+        masks[l] = lm.kept_E("shrunk")
+        assert sorted(lm.leaders_C.tolist()) == np.flatnonzero(masks[l]).tolist()
+    shrunk = logits(model, ids, mask, {l: lm.expert_map("shrunk") for l, lm in merges.items()})
+    np.testing.assert_allclose(shrunk, logits(in_place, ids, mask, jnp.asarray(masks)), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
+def test_every_cluster_a_singleton_reproduces_the_unpruned_model_exactly(dsv3, method):
+    _, model, calib = dsv3
+    merges = layer_merges(model, calib, method, E)
+    ids, mask = batch(96, seed=3)
+    unpruned = logits(model, ids, mask)
+    for form in ("tied", "shrunk"):
+        got = logits(model, ids, mask, {l: lm.expert_map(form) for l, lm in merges.items()})
+        np.testing.assert_array_equal(got, unpruned)
+
+
+def test_evaluate_pruning_merges_equal_the_forward_under_the_same_variant(dsv3):
+    from moejax.evaluate import evaluate_pruning
+    import pandas as pd
+
+    path, model, calib = dsv3
+    heldout = {"a": np.random.default_rng(4).integers(0, 96, size=(3, 20)).astype(np.int32)}
+    rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["frequency"], [E, 4],
+                                  merges=("hc_smoe", "m_smoe"), batch_size=4)
+    df = pd.DataFrame(rows)
+    ppl = df[(df.metric == "perplexity") & (df.text == "a")]
+    unpruned = ppl[ppl["mode"] == "none"].value.item()
+    for form in ("tied", "shrunk"):
+        full = ppl[(ppl["mode"] == form) & (ppl.keep == E)]
+        assert len(full) == 2 and (full.value == unpruned).all()
+        err = df[(df["mode"] == form) & (df.keep == E) & (df.metric == "rel_error")]
+        assert len(err) == 2 * 2 and (err.value == 0).all()  # 2 methods x 2 MoE layers
+    ids = heldout["a"]
+    for method in ("hc_smoe", "m_smoe"):
+        merges = layer_merges(model, calib, method, 4)
+        for l, lm in merges.items():
+            want = [[int(lm.leaders_C[c])] + [e for e in members if e != lm.leaders_C[c]]
+                    for c, members in enumerate(lm.clusters())]
+            assert info["clusters"][l][f"{method}@4"] == want
+        for form in ("tied", "shrunk"):
+            lg = logits(model, ids, np.ones(ids.shape, np.int32), {l: lm.expert_map(form) for l, lm in merges.items()})
+            want = float(np.exp(np.mean(np.asarray(next_token_nll(lg, jnp.asarray(ids))))))
+            got = ppl[(ppl["mode"] == form) & (ppl.score == method) & (ppl.keep == 4)].value.item()
+            assert got == pytest.approx(want, rel=1e-4), (method, form)
+            assert got != pytest.approx(unpruned, rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def merged_qwen3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("merged")
+    src = root / "src"
+    hf = make_family_checkpoint("qwen3_moe", src, seed=9)
+    tokens = root / "calib.npy"
+    np.save(tokens, np.random.default_rng(6).integers(0, 96, size=(5, 24)).astype(np.int32))
+    return root, src, hf, tokens
+
+
+@pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
+def test_merged_checkpoint_loads_in_transformers_and_equals_the_shrunk_variant(merged_qwen3, method):
+    import torch
+    import transformers
+
+    from moejax.cli import main
+
+    root, src, _, tokens = merged_qwen3
+    dst = root / f"merged_{method}"
+    assert main(["merge", str(src), str(dst), "--method", method, "--keep", "4", "--tokens", str(tokens)]) == 0
+    record = json.loads((dst / "pruning.json").read_text())
+    config = json.loads((dst / "config.json").read_text())
+    assert config.get("num_experts", config.get("num_local_experts")) == 4 and record["method"] == method and record["router"] == "shrunk"
+    source = load_pretrained(src)
+    # the clusters are the in-memory merge's (the streamed pass equals the in-memory one)
+    calib = np.load(tokens)
+    merges = layer_merges(source, calib, method, 4)
+    variant = {}
+    for l, lm in merges.items():
+        layer = record["layers"][str(l)]
+        assert layer["kept"] == sorted(lm.leaders_C.tolist())
+        assert sorted(map(sorted, layer["clusters"])) == sorted(map(sorted, lm.clusters()))
+        labels = np.empty(E, np.int64)
+        for c, members in enumerate(layer["clusters"]):
+            labels[members] = c
+        np.testing.assert_array_equal(merge_clusters(method, labels, layer["counts"],
+                                                     source.model.layers[l].mlp.expert_weights()).weights["gate"][
+            np.argsort(np.argsort([m[0] for m in layer["clusters"]]))], np.asarray(lm.weights["gate"])[
+            np.argsort(lm.leaders_C)])
+        variant[l] = lm.expert_map("shrunk")
+    ids, mask = batch(96, seed=7)
+    want = logits(source, ids, mask, variant)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager").eval()
+    with torch.no_grad():
+        got = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask)).logits.float().numpy()
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits(load_pretrained(dst), ids, mask)[valid], want[valid], atol=1e-5, rtol=1e-5)
+    # bytes: untouched tensors, kept router rows and singleton clusters' experts are the source's
+    a, b = CheckpointReader(src), CheckpointReader(dst)
+    for l, layer in record["layers"].items():
+        stem = f"model.layers.{l}.mlp."
+        rows = [a.read(stem + "gate.weight")[e].tobytes() for e in layer["kept"]]
+        assert [r.tobytes() for r in b.read(stem + "gate.weight")] == rows
+        for new, cluster in enumerate(sorted(layer["clusters"], key=lambda c: c[0])):
+            same = a.read_bytes(f"{stem}experts.{cluster[0]}.down_proj.weight") == \
+                b.read_bytes(f"{stem}experts.{new}.down_proj.weight")
+            assert same == (len(cluster) == 1)
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
+        assert a.read_bytes(name) == b.read_bytes(name)
+
+
+def test_merge_refuses_before_the_pass(merged_qwen3, tmp_path):
+    from moejax.surgery.merge import merge_checkpoint
+
+    _, src, _, tokens = merged_qwen3
+    with pytest.raises(ConfigError, match="--method"):
+        merge_checkpoint(src, tmp_path / "x", method="zipit", keep=4, tokens=tokens)
+    with pytest.raises(ConfigError, match="below top_k"):
+        merge_checkpoint(src, tmp_path / "x", method="hc_smoe", keep=1, tokens=tokens)
+    with pytest.raises(ConfigError, match="allocation"):
+        merge_checkpoint(src, tmp_path / "x", method="hc_smoe", keep=4, tokens=tokens, allocation="local")
+    with pytest.raises(MoejaxError, match="exactly one"):
+        merge_checkpoint(src, tmp_path / "x", method="hc_smoe", keep=4)
+    assert not (tmp_path / "x").exists()
