@@ -2,6 +2,7 @@
 variants one after another (each re-reading every layer's weights), in the same run.
 
     python scripts/bench_real.py [--model tiny|moonlight|both] [--tokens 512]
+    python scripts/bench_real.py --align     # M-SMoE's neuron alignment of one layer only (`bench_alignment`)
 
 8 scores x 2 keeps = 16 pruned variants plus the unpruned model. "tiny" is the model
 `python -m moejax.run experiment=train_tiny` saved (skipped if absent); "moonlight" is a synthetic
@@ -99,12 +100,67 @@ def measure(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int) -
     print(f"  peak resident memory: carried {c['peak_mb']:.0f} MB, one after another {o['peak_mb']:.0f} MB")
 
 
+def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn: int = 1408) -> None:
+    """M-SMoE's neuron alignment of one Moonlight-shaped layer (64 experts, gate/up [H, F] and down
+    [F, H] with H=2048, F=1408, random bfloat16 weights): dominants the first `keep` experts, expert
+    e joining dominant e % keep. `align_layer` (float32 similarity, the assignment overlapped with
+    the next product) against the code it replaced (one member at a time: features concatenated and
+    cast to float64), in the same run, once each (each takes seconds to a minute); the permutations
+    must agree. Wall and CPU seconds (all threads): on a shared machine the CPU ratio is the steadier.
+    Target: < 10 s."""
+    import ml_dtypes
+    from scipy.optimize import linear_sum_assignment
+
+    from moejax.merging.average import align_layer
+
+    def float64_per_member(dominant, member):  # the replaced code (moejax 8bff006, align_neurons)
+        feats = [np.concatenate([w["gate"].T, w["up"].T, w["down"]], axis=1).astype(np.float64)
+                 for w in (dominant, member)]
+        rows, cols = linear_sum_assignment(-(feats[0] @ feats[1].T))
+        perm = np.empty(len(rows), np.int64)
+        perm[rows] = cols
+        return perm
+
+    def timed(fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    shapes = {"gate": (hidden, ffn), "up": (hidden, ffn), "down": (ffn, hidden)}
+    weights = {k: np.empty((n_experts, *shape), ml_dtypes.bfloat16) for k, shape in shapes.items()}
+    for w in weights.values():
+        for e in range(n_experts):
+            w[e] = rng.standard_normal(w.shape[1:], dtype=np.float32) * 0.02
+    print(f"M-SMoE neuron alignment, one layer of {n_experts} experts, H={hidden}, F={ffn}, random bfloat16 "
+          f"(made in {time.perf_counter() - t0:.0f} s; {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}):")
+    for keep in keeps:
+        labels = np.arange(n_experts) % keep
+        members = range(keep, n_experts)
+        got = {}
+        new_s, new_cpu = timed(lambda: got.update(align_layer(weights, labels, np.arange(keep))))
+        want = {}
+        old_s, old_cpu = timed(lambda: want.update(
+            (j, float64_per_member(*({k: w[e] for k, w in weights.items()} for e in (j % keep, j))))
+            for j in members))
+        same = sum(np.array_equal(got[j], want[j]) for j in members)
+        print(f"  keep={keep}: {len(members)} members aligned in {new_s:5.1f} s (CPU {new_cpu:5.1f} s; "
+              f"target < 10 s); float64 one member at a time {old_s:5.1f} s (CPU {old_cpu:5.1f} s); "
+              f"speed-up {old_s / new_s:.1f}x (CPU {old_cpu / new_cpu:.1f}x); permutations identical {same}/{len(members)}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["tiny", "moonlight", "both"], default="both")
     ap.add_argument("--tokens", type=int, default=512, help="calibration tokens (held-out: half)")
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--align", action="store_true", help="time M-SMoE's neuron alignment of one layer only")
     args = ap.parse_args()
+    if args.align:
+        bench_alignment()
+        return
     print(f"{len(SCORES)} scores x {len(KEEPS)} keeps = {len(SCORES) * len(KEEPS)} variants + unpruned; "
           f"{args.tokens} calibration and {args.tokens // 2} held-out tokens")
     with tempfile.TemporaryDirectory(dir=os.environ.get("MOEJAX_BENCH_DIR")) as tmp:

@@ -4,11 +4,13 @@ brute force over every permutation) and the frequency-weighted average."""
 
 import itertools
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from moejax.errors import ConfigError
-from moejax.merging.average import align_neurons, merge_cluster, neuron_features, permute_neurons
+from moejax.merging.allocation import ALLOCATIONS, global_counts, layer_counts
+from moejax.merging.average import align_layer, align_neurons, merge_cluster, merge_layer, permute_neurons
 from moejax.merging.clusters import canonical_labels, hc_smoe_clusters, m_smoe_groups
 
 
@@ -86,13 +88,18 @@ def test_m_smoe_groups_from_the_definition_with_ties():
     assert m_smoe_groups(logits, counts, 3)[3] == m_smoe_groups(logits, counts, 3)[1]
 
 
+def features(w):
+    """[F, 3H]: each intermediate neuron's gate column, up column and down row, side by side."""
+    return np.concatenate([np.asarray(w["gate"]).T, np.asarray(w["up"]).T, np.asarray(w["down"])], axis=1)
+
+
 def test_alignment_is_the_best_permutation():
     rng = np.random.default_rng(5)
     H, F = 6, 5
     dom = {"gate": rng.normal(size=(H, F)), "up": rng.normal(size=(H, F)), "down": rng.normal(size=(F, H))}
     mem = {k: v + 0.1 * rng.normal(size=v.shape) for k, v in dom.items()}
     mem = permute_neurons(mem, rng.permutation(F))
-    a, b = neuron_features(dom), neuron_features(mem)
+    a, b = features(dom), features(mem)
     best = max(itertools.permutations(range(F)), key=lambda p: sum(a[i] @ b[p[i]] for i in range(F)))
     assert align_neurons(dom, mem).tolist() == list(best)
     aligned = permute_neurons(mem, align_neurons(dom, mem))
@@ -126,3 +133,190 @@ def test_bad_requests_are_refused():
         hc_smoe_clusters(np.full((4, 2), np.nan), 2)
     with pytest.raises(ConfigError, match="keep=0"):
         m_smoe_groups(np.ones((3, 4)), np.ones(4), 0)
+
+
+# --- a whole layer at once: align_layer and merge_layer -------------------------------------------------
+
+def best_perm(dom, mem):
+    """The best permutation by brute force over all of them (the definition of the alignment)."""
+    a, b = features(dom).astype(np.float64), features(mem).astype(np.float64)
+    F = len(a)
+    return list(max(itertools.permutations(range(F)), key=lambda p: sum(a[i] @ b[p[i]] for i in range(F))))
+
+
+def layer_of(experts):
+    return {k: np.stack([e[k] for e in experts]) for k in experts[0]}
+
+
+def near_copies(rng, H, F, labels, leaders, dtype=np.float64):
+    """Experts whose cluster members are noisy, neuron-shuffled copies of the cluster's leader."""
+    base = {int(l): {"gate": rng.normal(size=(H, F)), "up": rng.normal(size=(H, F)), "down": rng.normal(size=(F, H))}
+            for l in leaders}
+    experts = []
+    for j, c in enumerate(labels):
+        e = base[int(leaders[c])]
+        if j != leaders[c]:
+            e = permute_neurons({k: v + 0.3 * rng.normal(size=v.shape) for k, v in e.items()}, rng.permutation(F))
+        experts.append({k: v.astype(dtype) for k, v in e.items()})
+    return experts
+
+
+LABELS = np.array([0, 1, 0, 2, 1, 1, 3, 0])   # clusters {0, 2, 7}, {1, 4, 5}, {3}, {6}
+LEADERS = np.array([2, 1, 3, 6])               # a leader need not be its cluster's lowest member
+
+
+def test_align_layer_is_the_best_permutation_of_every_member_onto_its_leader():
+    rng = np.random.default_rng(7)
+    experts = near_copies(rng, 4, 5, LABELS, LEADERS)
+    perms = align_layer(layer_of(experts), LABELS, LEADERS)
+    assert sorted(perms) == [0, 4, 5, 7]        # every expert but the leaders
+    for j, perm in perms.items():
+        assert perm.tolist() == best_perm(experts[LEADERS[LABELS[j]]], experts[j]), j
+    # float32 weights: the float32 similarity picks the same permutations here
+    experts32 = [{k: v.astype(np.float32) for k, v in e.items()} for e in experts]
+    perms32 = align_layer(layer_of(experts32), LABELS, LEADERS)
+    assert all(np.array_equal(perms32[j], perms[j]) for j in perms)
+
+
+def merge_reference(experts, labels, freq, leaders=None):
+    """W_c = sum_{j in c} freq_j P_j(W_j) / sum_{j in c} freq_j (uniform if the cluster's freq sums
+    to 0), P_j the brute-force best permutation onto the leader (identity without leaders)."""
+    out = {k: [] for k in experts[0]}
+    for c in range(max(labels) + 1):
+        members = [j for j in range(len(labels)) if labels[j] == c]
+        f = np.array([float(freq[j]) for j in members])
+        share = f / f.sum() if f.sum() > 0 else np.full(len(members), 1 / len(members))
+        for k in out:
+            terms = []
+            for s, j in zip(share, members):
+                w = np.asarray(experts[j][k], np.float64)
+                if leaders is not None and j != leaders[c]:
+                    perm = best_perm(experts[leaders[c]], experts[j])
+                    w = w[:, perm] if k in ("gate", "up") else w[perm]
+                terms.append(s * w)
+            out[k].append(sum(terms))
+    return {k: np.stack(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_merge_layer_from_the_definition(align):
+    rng = np.random.default_rng(8)
+    experts = near_copies(rng, 4, 5, LABELS, LEADERS)
+    freq = np.array([3, 0, 1, 5, 0, 0, 2, 4])   # cluster {1, 4, 5} never routed: uniform weights
+    merged = merge_layer(layer_of(experts), LABELS, freq, align=align, leaders_C=LEADERS if align else None)
+    want = merge_reference(experts, LABELS, freq, LEADERS if align else None)
+    assert set(merged) == {"gate", "up", "down"}
+    for k in merged:
+        assert merged[k].dtype == np.float64 and merged[k].shape == (4, *experts[0][k].shape)
+        np.testing.assert_allclose(merged[k], want[k], rtol=1e-12, atol=1e-12)
+    # a cluster of neuron-shuffled near-copies merges back near its leader only when aligned
+    gap = np.abs(merged["gate"][0] - experts[2]["gate"]).max()
+    assert gap < 0.5 if align else gap > 0.5
+
+
+def test_merge_layer_precision_singletons_and_the_toy_layout():
+    rng = np.random.default_rng(9)
+    experts = near_copies(rng, 4, 5, LABELS, LEADERS, dtype=np.float32)
+    freq = np.arange(8.0)
+    for dtype, want in ((np.float32, np.float32), (ml_dtypes.bfloat16, np.float32), (np.float64, np.float64)):
+        layer = {k: v.astype(dtype) for k, v in layer_of(experts).items()}
+        merged = merge_layer(layer, LABELS, freq, align=True, leaders_C=LEADERS)
+        assert all(m.dtype == want for m in merged.values()), dtype
+        for c, j in ((2, 3), (3, 6)):           # singletons: the expert exactly
+            np.testing.assert_array_equal(merged["down"][c], layer["down"][j].astype(want))
+        # every expert its own cluster: the layer exactly
+        alone = merge_layer(layer, np.arange(8), freq, align=True, leaders_C=np.arange(8))
+        for k in layer:
+            np.testing.assert_array_equal(alone[k], layer[k].astype(want))
+    np.testing.assert_allclose(merge_layer(layer_of(experts), LABELS, freq)["up"],
+                               merge_reference(experts, LABELS, freq)["up"], rtol=1e-6, atol=1e-6)
+    toy = {"w1": rng.normal(size=(3, 4, 6)), "w2": rng.normal(size=(3, 6, 4))}   # relu_mlp: w1 [d, F], w2 [F, d]
+    toy["w1"][2], toy["w2"][2] = toy["w1"][0][:, ::-1], toy["w2"][0][::-1]       # expert 2: expert 0 reversed
+    merged = merge_layer(toy, np.array([0, 1, 0]), np.array([1.0, 1.0, 1.0]), align=True, leaders_C=np.array([0, 1]))
+    np.testing.assert_allclose(merged["w1"][0], toy["w1"][0])   # aligned, the two are one expert
+    np.testing.assert_allclose(merged["w2"][1], toy["w2"][1])
+
+
+def test_merge_layer_refuses_bad_requests():
+    rng = np.random.default_rng(10)
+    layer = layer_of(near_copies(rng, 4, 5, LABELS, LEADERS))
+    freq = np.ones(8)
+    with pytest.raises(ConfigError, match="number the clusters 0, 1, ..., C - 1"):
+        merge_layer(layer, np.array([0, 1, 0, 3, 1, 1, 3, 0]), freq)          # cluster 2 missing
+    with pytest.raises(ConfigError, match="needs each cluster's leader"):
+        merge_layer(layer, LABELS, freq, align=True)
+    with pytest.raises(ConfigError, match=r"leaders\[c\] an expert of cluster c"):
+        merge_layer(layer, LABELS, freq, align=True, leaders_C=np.array([2, 1, 6, 3]))
+    with pytest.raises(ConfigError, match="finite and non-negative"):
+        merge_layer(layer, LABELS, -freq)
+    with pytest.raises(ConfigError, match="match no layout"):
+        merge_layer({"gate": layer["gate"], "up": layer["up"]}, LABELS, freq)
+
+
+# --- per-layer budgets: moejax.merging.allocation --------------------------------------------------------
+
+def global_reference(scores, keep, top_k):
+    """From the definition, one place at a time: shares s_norm = (s - m) / sum(s - m) with
+    m = min(min(s), 0) (uniform if that sum is 0); each layer's top_k floor; then, keep x L - top_k x L
+    times, the largest share not yet taken (ties: lower layer, then lower expert)."""
+    shares = {}
+    for layer, s in scores.items():
+        m = min(min(s), 0)
+        total = sum(float(x) - m for x in s)
+        shares[layer] = [(float(x) - m) / total if total > 0 else 1 / len(s) for x in s]
+    taken = set()
+    for layer, sh in shares.items():
+        taken |= {(layer, e) for e in sorted(range(len(sh)), key=lambda e: (-sh[e], e))[:top_k]}
+    for _ in range((keep - top_k) * len(scores)):
+        taken.add(min(((layer, e) for layer, sh in shares.items() for e in range(len(sh)) if (layer, e) not in taken),
+                      key=lambda le: (-shares[le[0]][le[1]], le[0], le[1])))
+    return {layer: sum(1 for l_, _ in taken if l_ == layer) for layer in scores}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_global_counts_from_the_definition(seed):
+    rng = np.random.default_rng(seed)
+    E, top_k = 8, 2
+    scores = {l: rng.integers(0, 4, size=E).astype(float) for l in (1, 2, 3, 5)}   # many ties
+    scores[2] = scores[1].copy()                     # equal shares across layers: lower layer first
+    scores[3] = scores[3] - 2                        # signed: shifted by its minimum
+    scores[5] = scores[5] + 1                        # positive: s / sum(s), not shifted
+    if seed % 2:
+        scores[5] = np.full(E, -1.5)                 # shifted sum 0: uniform shares
+    for keep in range(top_k, E + 1):
+        counts = global_counts(scores, keep, top_k)
+        assert counts == global_reference(scores, keep, top_k), keep
+        assert sum(counts.values()) == keep * len(scores)
+        assert all(top_k <= n <= E for n in counts.values())
+        assert layer_counts(scores, keep, top_k, "global") == counts
+        assert layer_counts(scores, keep, top_k, "uniform") == dict.fromkeys(scores, keep)
+
+
+def test_global_counts_follow_the_routing_mass():
+    flat = np.full(8, 10.0)                          # every expert 1/8 of the layer's routing
+    skewed = np.array([80.0] * 6 + [10.0, 10.0])     # six experts 0.16 each, two 0.02
+    counts = global_counts({0: flat, 1: skewed}, 4, 1)
+    assert counts == {0: 2, 1: 6}                    # the skewed layer keeps more than keep=4
+    # frequencies are used as shares: scaling a layer changes nothing
+    assert global_counts({0: 7 * flat, 1: skewed / 3}, 4, 1) == counts
+    # identical layers of distinct scores: uniform; of tied scores: the ties go to the lower layer
+    distinct = np.arange(1.0, 9.0)
+    assert global_counts({0: distinct, 1: distinct.copy()}, 4, 1) == {0: 4, 1: 4}
+    assert global_counts({0: skewed, 1: skewed.copy()}, 4, 1) == {0: 6, 1: 2}
+    assert global_counts({0: flat, 1: skewed}, 8, 1) == {0: 8, 1: 8}   # keep = E: everything
+    assert global_counts({0: flat, 1: skewed}, 2, 2) == {0: 2, 1: 2}   # keep = top_k: the floor
+
+
+def test_allocation_refuses_bad_requests():
+    scores = {0: np.arange(8.0), 1: np.ones(8)}
+    with pytest.raises(ConfigError, match=r"keep=1 per layer must lie in \[top_k, E\] = \[2, 8\]"):
+        global_counts(scores, 1, 2)
+    with pytest.raises(ConfigError, match=r"keep=9 per layer must lie in \[top_k, E\] = \[2, 8\]"):
+        layer_counts(scores, 9, 2, "uniform")
+    with pytest.raises(ConfigError, match="must be a per-layer count"):
+        global_counts(scores, 0.5, 2)
+    with pytest.raises(ConfigError, match="NaN or infinity"):
+        global_counts({0: np.array([1.0, np.nan, 2.0])}, 2, 1)
+    with pytest.raises(ConfigError, match=r"allocation='local': expected one of \['uniform', 'global'\]"):
+        layer_counts(scores, 4, 2, "local")
+    assert ALLOCATIONS == ("uniform", "global")

@@ -1,15 +1,20 @@
-"""Expert merging (issue 18, in progress): the two baselines the REAP paper compares pruning with,
-as pure functions over one layer's calibration statistics and expert weights.
+"""Expert merging (SPEC section 8): the two baselines the REAP paper compares pruning with, evaluated
+as variants beside the pruning scores and written as checkpoints.
 
-- `clusters.hc_smoe_clusters`: HC-SMoE (Chen et al. 2024): agglomerative clustering with average
-  linkage of the experts' mean outputs over all calibration tokens (k-means as a named option).
-- `clusters.m_smoe_groups`: M-SMoE (Li et al. 2024): the `keep` most frequent experts dominate;
-  every other expert joins the dominant one whose router-logit column is most similar (cosine).
-- `average.align_neurons`: M-SMoE's permutation of a member's intermediate neurons onto the
-  dominant expert's (Hungarian assignment on the SwiGLU weights).
-- `average.merge_cluster`: the frequency-weighted average of a cluster's gate, up and down matrices.
+- `clusters`: which experts merge. `hc_smoe_clusters` (HC-SMoE, Chen et al. 2024: agglomerative
+  clustering with average linkage of the experts' mean outputs over all calibration tokens; k-means
+  as a named option); `m_smoe_groups` / `m_smoe_groups_from_gram` (M-SMoE, Li et al. 2024: the
+  `keep` most frequent experts dominate, every other expert joins the dominant one whose
+  router-logit column is most similar by cosine).
+- `average`: how a cluster becomes one expert. `align_neurons` / `align_layer` (M-SMoE's Hungarian
+  alignment of a member's intermediate neurons onto its leader's), `merge_layer` /
+  `merge_cluster` (the frequency-weighted average of every matrix).
+- `allocation`: per-layer counts, uniform or from one global threshold (`layer_counts`).
+- `calibration`: `MergeStats` of a MoE layer from a calibration pass (counts, every expert's output
+  summed over all tokens, the router-logit Gram matrix).
+- `layer`: `merge_layer(method, keep, stats, weights)` -> `LayerMerge` (clusters, leaders, merged
+  experts) and its `ExpertMap` under the `tied` or `shrunk` router form.
 
 Labels are int [E]: the cluster of each expert, clusters numbered by their lowest member, so equal
-partitions give equal labels. Wiring into variants, the forward, `moejax merge` and the experiments
-is the rest of issue 18.
+partitions give equal labels. Pure numpy/scipy except `calibration` (one jitted function).
 """

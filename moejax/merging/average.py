@@ -1,5 +1,5 @@
 """How a cluster's experts become one: M-SMoE's neuron alignment and the frequency-weighted average
-of an expert's matrices.
+of an expert's matrices, for one cluster or for a whole layer.
 
 An expert is a dict of matrices that share one axis of intermediate neurons (F). `NEURON_AXES`
 says where that axis is, per layout, in moejax's [in, out] convention:
@@ -8,12 +8,21 @@ says where that axis is, per layout, in moejax's [in, out] convention:
     relu_mlp  w1 [d, F], w2 [F, d]                    (the toy layer)
 
 A permutation of the neurons moves a column of each input matrix and a row of each output matrix
-together, and leaves the expert's function unchanged.
+together, and leaves the expert's function unchanged. A layer is the same dict with a leading
+expert axis: gate [E, H, F], ...
+
+Precision: everything is computed, and returned, in float64 when any input matrix is float64, and
+in float32 otherwise (bfloat16 checkpoints: a product of two bfloat16 numbers is exact in float32,
+only the accumulation rounds). The inputs are cast one expert at a time, never a whole layer.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
+
+from moejax.errors import ConfigError
 
 NEURON_AXES = {"swiglu": {"gate": 1, "up": 1, "down": 0}, "relu_mlp": {"w1": 1, "w2": 0}}
 
@@ -22,27 +31,49 @@ def _axes(w: dict) -> dict:
     for axes in NEURON_AXES.values():
         if set(axes) == set(w):
             return axes
-    raise ValueError(f"an expert's matrices {sorted(w)} match no layout in NEURON_AXES {NEURON_AXES}")
+    raise ConfigError(f"an expert's matrices {sorted(w)} match no layout in NEURON_AXES {NEURON_AXES}")
 
 
-def neuron_features(w: dict) -> np.ndarray:
-    """[F, sum of the other axes]: each intermediate neuron's weights in every matrix, side by side
-    (for SwiGLU its gate and up columns and its down row: what a permutation moves together)."""
+def _compute_dtype(matrices) -> type:
+    """float64 if any of the matrices (numpy or jax arrays) is float64, else float32."""
+    return np.float64 if any(np.dtype(m.dtype) == np.float64 for m in matrices) else np.float32
+
+
+def _neuron_blocks(w: dict, dtype) -> list[np.ndarray]:
+    """Each matrix as [F, rest] in `dtype`, the neuron axis first (a transposed view, not a copy)."""
     axes = _axes(w)
-    return np.concatenate([np.moveaxis(np.asarray(w[k]), axes[k], 0) for k in axes], axis=1)
+    blocks = []
+    for k in sorted(axes):
+        m = np.moveaxis(np.asarray(w[k], dtype), axes[k], 0)
+        blocks.append(m.reshape(m.shape[0], -1))
+    return blocks
+
+
+def _similarity(dominant_blocks: list, member_blocks: list) -> np.ndarray:
+    """S [F, F], S[i, j] = <features_dominant[i], features_member[j]>, a neuron's features being its
+    weights in every matrix side by side (SwiGLU: its gate column, up column and down row), computed
+    as sum_k A_k @ B_k.T over the matrices (no concatenated copy); blocks from `_neuron_blocks`."""
+    return sum(a @ b.T for a, b in zip(dominant_blocks, member_blocks))
+
+
+def _assign(similarity) -> np.ndarray:
+    """perm [F] maximising sum_i similarity[i, perm[i]] (`scipy.optimize.linear_sum_assignment`,
+    the Hungarian assignment; among equally good permutations, scipy's choice, deterministic for a
+    given matrix)."""
+    from scipy.optimize import linear_sum_assignment
+
+    rows, cols = linear_sum_assignment(similarity, maximize=True)
+    perm = np.empty(len(rows), np.int64)
+    perm[rows] = cols
+    return perm
 
 
 def align_neurons(dominant: dict, member: dict) -> np.ndarray:
     """perm [F]: the member's neuron perm[i] goes to the dominant expert's position i, maximising
     sum_i <features_dominant[i], features_member[perm[i]]> (equivalently minimising the summed
-    squared distance; `scipy.optimize.linear_sum_assignment`, the Hungarian assignment)."""
-    from scipy.optimize import linear_sum_assignment
-
-    a, b = neuron_features(dominant).astype(np.float64), neuron_features(member).astype(np.float64)
-    rows, cols = linear_sum_assignment(-(a @ b.T))
-    perm = np.empty(len(rows), np.int64)
-    perm[rows] = cols
-    return perm
+    squared distance), in the precision of the module docstring."""
+    dtype = _compute_dtype([*dominant.values(), *member.values()])
+    return _assign(_similarity(_neuron_blocks(dominant, dtype), _neuron_blocks(member, dtype)))
 
 
 def permute_neurons(w: dict, perm) -> dict:
@@ -51,12 +82,118 @@ def permute_neurons(w: dict, perm) -> dict:
     return {k: np.take(np.asarray(w[k]), perm, axis=axes[k]) for k in w}
 
 
+def _shares(freq) -> np.ndarray:
+    """Each member's share of the cluster's routing decisions, freq_j / sum_i freq_i (uniform when
+    none was routed)."""
+    freq = np.asarray(freq, np.float64)
+    return freq / freq.sum() if freq.sum() > 0 else np.full(len(freq), 1.0 / len(freq))
+
+
+def _average_into(out: dict, experts: list[dict], freq, perms: list) -> dict:
+    """out[k] = sum_j share_j * P_j(W_j[k]) for every matrix k, P_j the permutation perms[j] of
+    expert j's neurons (None: as it is), written into the arrays of `out` (their dtype); one member's
+    matrix cast at a time, into a scratch array (no allocation per member)."""
+    axes = _axes(experts[0])
+    shares = _shares(freq).tolist()  # Python floats: no promotion of float32
+    for k, acc in out.items():
+        cast, moved = np.empty_like(acc), np.empty_like(acc)
+        for i, (share, e, perm) in enumerate(zip(shares, experts, perms)):
+            np.copyto(cast, np.asarray(e[k]))
+            m = cast if perm is None else np.take(cast, perm, axis=axes[k], out=moved, mode="clip")
+            if i == 0:
+                np.multiply(m, share, out=acc)
+            else:
+                acc += np.multiply(m, share, out=m)
+    return out
+
+
 def merge_cluster(experts: list[dict], freq, align: bool = False) -> dict:
     """One expert from a cluster: each matrix the average of the members', weighted by their share
-    of the cluster's routing decisions (uniform when none was routed), in float64. align: first
-    permute every member's neurons onto the first member's (M-SMoE; pass the dominant expert first)."""
-    freq = np.asarray(freq, np.float64)
-    weights = freq / freq.sum() if freq.sum() > 0 else np.full(len(experts), 1.0 / len(experts))
-    if align:
-        experts = [experts[0]] + [permute_neurons(m, align_neurons(experts[0], m)) for m in experts[1:]]
-    return {k: sum(w * np.asarray(e[k], np.float64) for w, e in zip(weights, experts)) for k in experts[0]}
+    of the cluster's routing decisions, W = sum_j freq_j W_j / sum_j freq_j (uniform when none was
+    routed). align: first permute every member's neurons onto the first member's (M-SMoE; pass the
+    dominant expert first). float32 unless an input is float64."""
+    perms = [None] + [align_neurons(experts[0], m) for m in experts[1:]] if align else [None] * len(experts)
+    dtype = _compute_dtype([m for e in experts for m in e.values()])
+    return _average_into({k: np.empty(np.shape(w), dtype) for k, w in experts[0].items()}, experts, freq, perms)
+
+
+def _check_labels(weights: dict, labels_E) -> np.ndarray:
+    _axes(weights)
+    sizes = {k: np.shape(w)[0] for k, w in weights.items()}
+    if len(set(sizes.values())) != 1:
+        raise ConfigError(f"merge: the matrices' expert axes (axis 0) differ: {sizes}")
+    E = next(iter(sizes.values()))
+    labels = np.asarray(labels_E)
+    if labels.shape != (E,):
+        raise ConfigError(f"merge: labels {labels.shape} must be [E] = ({E},)")
+    if labels.dtype.kind not in "iu" or not np.array_equal(np.unique(labels), np.arange(labels.max() + 1)):
+        raise ConfigError(f"merge: labels {labels.tolist()} must number the clusters 0, 1, ..., C - 1, every one used")
+    return labels
+
+
+def _check_leaders(labels: np.ndarray, leaders_C) -> np.ndarray:
+    leaders = np.asarray(leaders_C)
+    n_clusters = labels.max() + 1
+    if leaders.shape != (n_clusters,) or leaders.dtype.kind not in "iu" or \
+            not np.array_equal(labels[np.clip(leaders, 0, len(labels) - 1)], np.arange(n_clusters)):
+        raise ConfigError(f"merge: leaders {leaders.tolist()} must be int [C] = ({n_clusters},), "
+                          f"leaders[c] an expert of cluster c")
+    return leaders
+
+
+def align_layer(weights: dict, labels_E, leaders_C) -> dict[int, np.ndarray]:
+    """{expert: perm [F]} for every expert that is not its cluster's leader: `align_neurons` of the
+    expert onto its cluster's leader (M-SMoE's dominant expert), for a whole layer.
+
+    weights: a layer ({"gate": [E, H, F], ...}); labels_E: int [E], each expert's cluster, numbered
+    0..C-1; leaders_C: int [C], the leader of each cluster. Each leader is cast once; the
+    assignment (scipy releases the GIL) runs in a second thread while the next similarity is
+    computed, with at most two similarities waiting."""
+    labels = _check_labels(weights, labels_E)
+    leaders = _check_leaders(labels, leaders_C)
+    dtype = _compute_dtype(weights.values())
+
+    def blocks(j):
+        return _neuron_blocks({k: w[j] for k, w in weights.items()}, dtype)
+
+    perms, waiting = {}, []
+    with ThreadPoolExecutor(1) as pool:
+        for c, lead in enumerate(leaders.tolist()):
+            others = [j for j in np.flatnonzero(labels == c).tolist() if j != lead]
+            lead_blocks = blocks(lead) if others else None
+            for j in others:
+                waiting.append((j, pool.submit(_assign, _similarity(lead_blocks, blocks(j)))))
+                if len(waiting) > 2:
+                    j0, job = waiting.pop(0)
+                    perms[j0] = job.result()
+        perms.update((j, job.result()) for j, job in waiting)
+    return perms
+
+
+def merge_layer(weights: dict, labels_E, freq_E, align: bool = False, leaders_C=None) -> dict:
+    """A layer's clusters merged: {"gate": [C, H, F], ...}, row c the merged expert of the cluster
+    labelled c (labels_E: int [E] numbering the C clusters 0..C-1; `canonical_labels` numbers them by
+    lowest member, as the clusterings do):
+
+        W_c = sum_{j in c} freq_j P_j(W_j) / sum_{j in c} freq_j   (uniform when freq sums to 0)
+
+    P_j the identity for HC-SMoE (align=False), and for M-SMoE (align=True) the permutation of
+    expert j's neurons onto its cluster's leader (`align_layer`; the leader's own is the identity).
+    leaders_C: int [C], leaders_C[c] the expert leading cluster c (M-SMoE's dominant expert); needed
+    for align=True only. A singleton cluster is its expert exactly. One cluster at a time, one
+    member's matrix cast at a time; float32 unless an input is float64."""
+    labels = _check_labels(weights, labels_E)
+    freq = np.asarray(freq_E, np.float64)
+    if freq.shape != labels.shape or not (np.isfinite(freq).all() and (freq >= 0).all()):
+        raise ConfigError(f"merge: freq must be [E] = {labels.shape}, finite and non-negative")
+    if align and leaders_C is None:
+        raise ConfigError("merge: align=True (M-SMoE) needs each cluster's leader (leaders_C) to align onto")
+    perms = align_layer(weights, labels, leaders_C) if align else {}
+    dtype = _compute_dtype(weights.values())
+    n_clusters = labels.max() + 1
+    out = {k: np.empty((n_clusters, *np.shape(w)[1:]), dtype) for k, w in weights.items()}
+    for c in range(n_clusters):
+        members = np.flatnonzero(labels == c).tolist()
+        _average_into({k: out[k][c] for k in out}, [{k: w[j] for k, w in weights.items()} for j in members],
+                      freq[members], [perms.get(j) for j in members])
+    return out

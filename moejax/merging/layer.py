@@ -71,7 +71,26 @@ class LayerMerge:
                          {k: jnp.asarray(v) for k, v in self.weights.items()} if table is None else table)
 
     def clusters(self) -> list[list[int]]:
-        return [np.flatnonzero(self.labels_E == c).tolist() for c in range(self.n_clusters)]
+        """Each cluster's experts, the leader first, clusters by label."""
+        return leader_first_clusters(self.labels_E, self.leaders_C)
+
+
+def leader_first_clusters(labels_E, leaders_C) -> list[list[int]]:
+    """[[leader, other members ascending], ...] for clusters 0..C-1."""
+    labels = np.asarray(labels_E)
+    return [[int(lead)] + [int(e) for e in np.flatnonzero(labels == c) if e != lead] for c, lead in enumerate(leaders_C)]
+
+
+def labels_from_clusters(clusters, n_experts: int) -> np.ndarray:
+    """int [E] from a list of clusters (each a list of experts), renumbered by lowest member."""
+    from moejax.merging.clusters import canonical_labels
+
+    labels = np.full(n_experts, -1, np.int64)
+    for c, members in enumerate(clusters):
+        labels[np.asarray(members, np.int64)] = c
+    if (labels < 0).any() or sum(len(m) for m in clusters) != n_experts:
+        raise ConfigError(f"clusters {clusters}: expected a partition of the {n_experts} experts")
+    return canonical_labels(labels)
 
 
 def cluster_leaders(labels_E, counts_E) -> np.ndarray:
@@ -108,5 +127,5 @@ def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict) -> Lay
     leaders = cluster_leaders(labels, counts_E)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
     merged = merge_weights(host, labels, np.asarray(counts_E, np.float64), align=method == "m_smoe",
-                           leaders_E=leaders)
+                           leaders_C=leaders)
     return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype) for k in host})
