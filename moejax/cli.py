@@ -4,7 +4,8 @@
                  [--scores frequency,reap,...] [--batch-size B] [--dtype bfloat16]
                  [--mesh-expert 8] [--mesh-data 1] --out scores.parquet
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
-                 [--layers-keep FILE.json] [--group-aware | --collapse-groups] [--drop-mtp] [--overwrite]
+                 [--layers-keep FILE.json] [--allocation uniform|global] [--group-aware | --collapse-groups]
+                 [--drop-mtp] [--overwrite]
     moejax merge SRC DST --method hc_smoe|m_smoe --keep K (--text PATH... | --tokens FILE.npy)
                  [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--overwrite]
     moejax inspect CKPT [--json]
@@ -83,7 +84,8 @@ def _prune(args) -> None:
     record = prune_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
         scores_file=args.scores_file, layers_keep=_read_layers_keep(args.layers_keep), group_aware=args.group_aware,
-        collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, seed=args.seed, overwrite=args.overwrite)
+        collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, seed=args.seed, allocation=args.allocation,
+        overwrite=args.overwrite)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers pruned by {args.score} to {counts} experts "
           f"(groups: {record['groups']}); kept indices in {args.dst}/pruning.json")
@@ -157,6 +159,8 @@ def main(argv=None) -> int:
     groups.add_argument("--group-aware", action="store_true", help="keep an equal number per routing group")
     groups.add_argument("--collapse-groups", action="store_true",
                         help="allow uneven groups by routing over all kept experts (n_group=1)")
+    p.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
+                   help="global: per-layer counts from one threshold over normalised scores (same total)")
     p.add_argument("--drop-mtp", action="store_true", help="remove the MTP layer(s) instead of pruning them")
     p.add_argument("--seed", type=int, default=0, help="seed of the random score")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")

@@ -38,6 +38,8 @@ from tqdm import tqdm
 from flax import nnx
 
 from moejax.hf.model_io import OpenCheckpoint
+from moejax.errors import ConfigError
+from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import ROUTER_FORMS, merge_layer
 from moejax.moe.expert_map import ExpertMap
@@ -59,6 +61,7 @@ METRICS = {
     "overlap_frequency": "kept experts shared with the frequency kept set",
     "overlap_<score>": "kept experts shared with that score's kept set",
     "rare_large_expert": "an expert in the bottom quarter by frequency and the top quarter by reap (value: its index)",
+    "experts": "experts the variant keeps at the layer (pruning) or clusters it merges them into (merging)",
 }
 
 
@@ -231,26 +234,40 @@ class _ErrorSums:
 
 
 def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
-                     keeps: list, *, merges: tuple = (), sequential: bool = False, batch_size: int = 8,
-                     dtype=jnp.float32, seed: int = 0, progress: bool | None = None) -> tuple[list[dict], dict]:
+                     keeps: list, *, merges: tuple = (), sequential: bool = False, allocation: str = "uniform",
+                     batch_size: int = 8, dtype=jnp.float32, seed: int = 0,
+                     progress: bool | None = None) -> tuple[list[dict], dict]:
     """(tidy rows, info) for every (score, keep) variant and every (merge method, keep, router
     form); calib and each held-out text are token ids [n_seq, seq_len]. Each decoder layer's
     weights are read once. info["kept"][layer] maps "score@keep" (one-shot) and
     "sequential:score@keep" to that variant's kept experts; info["clusters"][layer] maps
-    "method@keep" to its clusters (lists of experts, the leader first)."""
+    "method@keep" to its clusters (lists of experts, the leader first) and "counts" to the
+    routing decisions per expert the merges weighed by (with merges).
+
+    allocation: "uniform" (every MoE layer keeps `keep`) or "global" (per-layer counts from one
+    threshold over the layers' normalised scores, the same total; `moejax.merging.allocation`).
+    A global budget needs every layer's scores before the first layer is pruned, so it costs a
+    statistics pass over the calibration tokens first (each layer's weights are then read twice);
+    info["layer_counts"][variant name][layer] and the `experts` rows record the counts."""
     cfg = ckpt.config
     keeps = sorted({resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
     one_shot = [Variant(s, k) for s in scores for k in keeps]
     merged = [Variant(m, k, form) for m in merges for k in keeps for form in ROUTER_FORMS]
     seq_variants = [Variant(s, k, "sequential") for s in scores for k in keeps] if sequential else []
     show = sys.stderr.isatty() if progress is None else progress
+    if allocation == "global":
+        counts = _global_counts(ckpt, calib, scores, merges, keeps, batch_size, dtype, seed, show)
+    elif allocation not in ALLOCATIONS:
+        raise ConfigError(f"allocation={allocation!r}: expected one of {list(ALLOCATIONS)}")
+    else:
+        counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*scores, *merges] for k in keeps}
     streams = _Streams.embedded(ckpt, calib, heldout, one_shot + merged, seq_variants, batch_size, dtype)
     errors, rows, kept_by_layer, clusters_by_layer = _ErrorSums(), [], {}, {}
     t0 = time.perf_counter()
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams.order)} held-out streams)",
                           unit="layer", disable=not show):
-        layer_rows, kept, clusters = _layer_pass(ckpt, layer_idx, streams, scores, keeps, tuple(merges), errors,
-                                                 seed, dtype)
+        layer_rows, kept, clusters = _layer_pass(ckpt, layer_idx, streams, scores, keeps, tuple(merges), counts,
+                                                 errors, seed, dtype)
         rows += layer_rows
         if kept is not None:
             kept_by_layer[layer_idx] = kept
@@ -258,7 +275,8 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     rows += _perplexity_rows(ckpt, streams, dtype)
     rows += errors.rows()
     info = {"seconds": time.perf_counter() - t0, "variants": len(streams.order) - 1, "keeps": keeps,
-            "kept": kept_by_layer, "clusters": clusters_by_layer, "calib_tokens": int(calib.size),
+            "kept": kept_by_layer, "clusters": clusters_by_layer, "allocation": allocation,
+            "layer_counts": {f"{name}@{k}": c for (name, k), c in counts.items()}, "calib_tokens": int(calib.size),
             "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
     return rows, info
 
@@ -304,7 +322,26 @@ class _Streams:
                          for text, xs in held_embed.items()})
 
 
-def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores, keeps, merges: tuple,
+def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_size, dtype, seed, show) -> dict:
+    """{(score or merge method, keep): {MoE layer: count}} under one global threshold, from a
+    statistics pass over the calibration tokens (the unpruned model's scores; merges allocate by
+    M-SMoE's rule on normalised frequency)."""
+    from moejax.stream import stream_layers
+
+    cfg = ckpt.config
+    batches = [(calib[i:i + batch_size], None) for i in range(0, len(calib), batch_size)]
+    by_layer = {}
+    for layer, moe, router_inputs in stream_layers(ckpt, batches, dtype, show):
+        acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
+        accumulate_layer(moe, router_inputs, [None] * len(router_inputs), acc)
+        stats = acc.stats(np.asarray(moe.router[...]), moe.balance_bias(), seed=seed, layer=layer)
+        by_layer[layer] = {**compute_scores(stats, scores), **{m: stats.counts_E for m in merges}}
+    top_k = cfg.num_experts_per_tok
+    return {(name, k): layer_counts({l: sc[name] for l, sc in by_layer.items()}, k, top_k, "global")
+            for name in [*scores, *merges] for k in keeps}
+
+
+def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores, keeps, merges: tuple, counts: dict,
                 errors: _ErrorSums, seed: int, dtype) -> tuple[list[dict], dict | None, dict | None]:
     """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
     layer's output. At a MoE layer: every variant's expert map (one-shot pruning and merging: from
@@ -334,24 +371,25 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
             return group_scores[group]
 
         stats, layer_sc = scores_of(None)
-        kept = {(s, k): select_kept(layer_sc[s], k, f"layer {layer_idx}: score {s!r}") for s in scores for k in keeps}
+        kept = {(s, k): select_kept(layer_sc[s], counts[s, k][layer_idx], f"layer {layer_idx}: score {s!r}")
+                for s in scores for k in keeps}
         kept_names = {f"{s}@{k}": np.flatnonzero(m).tolist() for (s, k), m in kept.items()}
         for v in streams.order[1:]:
             if v.mode == "one_shot":
                 masks[v] = jnp.asarray(kept[v.score, v.keep])
             elif v.mode == "sequential":
                 _, own = scores_of(streams.group[v])
-                seq_kept = select_kept(own[v.score], v.keep, f"layer {layer_idx}: score {v.score!r} (sequential)")
+                seq_kept = select_kept(own[v.score], counts[v.score, v.keep][layer_idx],
+                                       f"layer {layer_idx}: score {v.score!r} (sequential)")
                 kept_names[v.name] = np.flatnonzero(seq_kept).tolist()
                 masks[v] = jnp.asarray(seq_kept)
         if merges:
             zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[None]]
             m_stats = merge_stats(layer.mlp, zs, [None] * len(zs))
-            layer_merges = {(m, k): merge_layer(m, k, m_stats, layer.mlp.expert_weights(), seed=seed)
-                            for m in merges for k in keeps}
-            clusters = {f"{m}@{k}": [[int(lm.leaders_C[c])] + [e for e in members if e != lm.leaders_C[c]]
-                                     for c, members in enumerate(lm.clusters())]
-                        for (m, k), lm in layer_merges.items()}
+            layer_merges = {(m, k): merge_layer(m, counts[m, k][layer_idx], m_stats, layer.mlp.expert_weights(),
+                                                seed=seed) for m in merges for k in keeps}
+            clusters = {"counts": m_stats.counts_E.tolist(),
+                        **{f"{m}@{k}": lm.clusters() for (m, k), lm in layer_merges.items()}}
     # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
     # MoE layer, by its own mask) leaves its group for one of its own, keyed by itself; the streams
     # it does not prune move on together. (A group keyed by a variant holds that variant alone, so
@@ -370,6 +408,8 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
     if not layer.is_moe:
         return [], None, None
     rows = [dict(mode="one_shot", **r) for r in _analysis_rows(layer_idx, stats, layer_sc, kept, keeps, energy_pos0)]
+    rows += [dict(mode=v.mode, score=v.score, keep=v.keep, layer=layer_idx, metric="experts",
+                  value=float(counts[v.score, v.keep][layer_idx])) for v in streams.order[1:]]
     return rows, kept_names, clusters
 
 

@@ -70,6 +70,24 @@ def check_variant(variant, config):
     return out
 
 
+def merged_variant(model, clusters_by_layer: dict, name: str, router: str) -> dict:
+    """{MoE layer: ExpertMap} of a merge that `moejax.evaluate.evaluate_pruning` recorded
+    (info["clusters"]: per layer, "counts" and name = "method@keep" -> clusters), rebuilt on the
+    model's own experts under router form `router` (tied or shrunk)."""
+    from moejax.merging.layer import check_router_form, labels_from_clusters, merge_clusters
+
+    check_router_form(router)
+    method = name.split("@")[0]
+    out = {}
+    for layer, recorded in clusters_by_layer.items():
+        if name not in recorded:
+            raise ConfigError(f"merged variant {name!r}: layer {layer} records {sorted(recorded)}")
+        moe = model.model.layers[layer].mlp
+        labels = labels_from_clusters(recorded[name], moe.router.shape[0])
+        out[layer] = merge_clusters(method, labels, recorded["counts"], moe.expert_weights()).expert_map(router)
+    return out
+
+
 def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:
     """bool [L, E] from {MoE layer: kept expert indices}; every MoE layer must be named.
     config: the model's typed config (any family)."""

@@ -3,6 +3,7 @@ variants one after another (each re-reading every layer's weights), in the same 
 
     python scripts/bench_real.py [--model tiny|moonlight|both] [--tokens 512]
     python scripts/bench_real.py --align     # M-SMoE's neuron alignment of one layer only (`bench_alignment`)
+    python scripts/bench_real.py --merges [--model moonlight]   # the pass with both merge methods added
 
 8 scores x 2 keeps = 16 pruned variants plus the unpruned model. "tiny" is the model
 `python -m moejax.run experiment=train_tiny` saved (skipped if absent); "moonlight" is a synthetic
@@ -43,6 +44,9 @@ def once():
     t0 = time.perf_counter()
     if mode == "carried":
         evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, progress=False)
+    elif mode == "carried_merges":  # the same pass with HC-SMoE and M-SMoE (tied and shrunk) beside the scores
+        evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, merges=("hc_smoe", "m_smoe"),
+                         progress=False)
     else:  # one variant at a time: every pass re-reads the weights, redoes calibration and the unpruned stream
         for s in scores:
             for k in keeps:
@@ -80,7 +84,8 @@ def moonlight_checkpoint(path: Path) -> None:
     write_checkpoint(path, tensors(), cfg.to_dict())
 
 
-def measure(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int) -> None:
+def run_modes(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int, modes) -> dict:
+    """{mode: the child's {"cold", "warm", "peak_mb"}} for each mode, in this order, on the same tokens."""
     import json as _json
 
     vocab = _json.loads((path / "config.json").read_text())["vocab_size"]
@@ -88,11 +93,28 @@ def measure(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int) -
     np.save(workdir / "calib.npy", rng.integers(0, min(vocab, 256), size=(tokens // seq_len, seq_len)).astype(np.int32))
     np.save(workdir / "held.npy", rng.integers(0, min(vocab, 256), size=(max(1, tokens // (2 * seq_len)), seq_len)).astype(np.int32))
     results = {}
-    for mode in ("carried", "one_after_another"):
+    for mode in modes:
         out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(workdir / "calib.npy"), str(workdir / "held.npy"),
                               mode, json.dumps(SCORES), json.dumps(KEEPS), str(rounds)], check=True, capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT), "MOEJAX_JAX_CACHE": ""})
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    return results
+
+
+def measure_merges(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int) -> None:
+    """The carried pass with both merge methods added (2 methods x 2 keeps x 2 router forms = 8
+    more held-out streams, plus each layer's merge statistics, clustering, alignment and averaging)
+    against the pruning-only pass, same run. Target: <= 1.5x."""
+    r = run_modes(path, tokens, seq_len, workdir, rounds, ("carried", "carried_merges"))
+    p, m = r["carried"], r["carried_merges"]
+    for when in ("cold", "warm")[:rounds]:
+        print(f"  {when}: pruning only {p[when]:7.1f} s, with hc_smoe and m_smoe {m[when]:7.1f} s, "
+              f"ratio {m[when] / p[when]:.2f}x (target <= 1.5x)")
+    print(f"  peak resident memory: pruning only {p['peak_mb']:.0f} MB, with merges {m['peak_mb']:.0f} MB")
+
+
+def measure(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int) -> None:
+    results = run_modes(path, tokens, seq_len, workdir, rounds, ("carried", "one_after_another"))
     c, o = results["carried"], results["one_after_another"]
     for when in ("cold", "warm")[:rounds]:
         print(f"  {when} ({'compilation included' if when == 'cold' else 'compiled'}): carried together "
@@ -157,6 +179,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=512, help="calibration tokens (held-out: half)")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--align", action="store_true", help="time M-SMoE's neuron alignment of one layer only")
+    ap.add_argument("--merges", action="store_true", help="the carried pass with both merge methods against without")
     args = ap.parse_args()
     if args.align:
         bench_alignment()
@@ -169,7 +192,7 @@ def main():
             tiny = Path(os.environ.get("MOEJAX_HOME", Path.home() / ".cache" / "moejax")) / "models" / "tiny"
             if (tiny / "config.json").is_file():
                 print(f"tiny model ({tiny}):")
-                measure(tiny, args.tokens, args.seq_len, tmp, rounds=2)
+                (measure_merges if args.merges else measure)(tiny, args.tokens, args.seq_len, tmp, rounds=2)
             else:
                 print(f"tiny model: not found at {tiny} (python -m moejax.run experiment=train_tiny); skipped")
         if args.model in ("moonlight", "both"):
@@ -178,7 +201,8 @@ def main():
             size = sum(f.stat().st_size for f in (tmp / "moonlight").iterdir())
             print(f"synthetic Moonlight-shaped checkpoint, 4 layers, {size / 1e9:.1f} GB, written in "
                   f"{time.perf_counter() - t0:.0f} s:")
-            measure(tmp / "moonlight", args.tokens, args.seq_len, tmp, rounds=1)  # compute-bound: cold only
+            (measure_merges if args.merges else measure)(tmp / "moonlight", args.tokens, args.seq_len, tmp,
+                                                         rounds=1)  # compute-bound: cold only
 
 
 if __name__ == "__main__":

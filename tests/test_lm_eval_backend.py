@@ -178,3 +178,41 @@ def test_a_softmax_family_equals_the_hf_backend(tmp_path):
     for w_doc, g_doc in zip(want, got):
         for w, g in zip(w_doc, g_doc):
             assert abs(w[0][0] - g[0][0]) <= 1e-4 + 1e-6 * abs(w[0][0]) and w[0][1] == g[0][1], (w, g)
+
+
+def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(setup, tmp_path):
+    """A tied merge evaluated as a variant of the source (no checkpoint) equals lm-eval's hf backend
+    on a checkpoint whose experts are replaced in place by their cluster's merged expert."""
+    import jax.numpy as jnp
+    from lm_eval.models.huggingface import HFLM
+
+    from moejax.hf.model_io import load_pretrained
+    from moejax.lm_eval import MoejaxLM
+    from moejax.merging.calibration import merge_stats
+    from moejax.merging.layer import merge_layer
+
+    ckpt, tasks = setup
+    model = load_pretrained(ckpt)
+    calib = np.random.default_rng(3).integers(0, 256, size=(4, 32)).astype(np.int32)
+    merges = {}
+    for l, z in model.jitted()(jnp.asarray(calib), None, return_moe_inputs=True).moe_inputs.items():
+        moe = model.model.layers[l].mlp
+        merges[l] = merge_layer("hc_smoe", 6, merge_stats(moe, [z], [None]), moe.expert_weights())
+    lm = MoejaxLM(pretrained=str(ckpt), batch_size=4)
+    merged = evaluate(lm.variant({l: m.expert_map("tied") for l, m in merges.items()}), tasks, ["stdlib_mc"])
+    for l, m in merges.items():  # the same merge written into the experts themselves
+        moe = model.model.layers[l].mlp
+        for key, attr in (("gate", "experts_gate"), ("up", "experts_up"), ("down", "experts_down")):
+            getattr(moe, attr)[...] = jnp.asarray(m.weights[key][m.labels_E])
+    model.save_pretrained(tmp_path / "in_place")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (ckpt / name).is_file():
+            (tmp_path / "in_place" / name).write_bytes((ckpt / name).read_bytes())
+    hf = evaluate(HFLM(pretrained=str(tmp_path / "in_place"), dtype="float32", batch_size=4, device="cpu"), tasks,
+                  ["stdlib_mc"])
+    full = evaluate(lm, tasks, ["stdlib_mc"])
+    got, want = responses(merged, "stdlib_mc"), responses(hf, "stdlib_mc")
+    flat = lambda r: np.array([w[0][0] for doc in r for w in doc], np.float64)  # noqa: E731 - log-likelihoods
+    assert len(flat(got)) == len(flat(want)) > 0
+    np.testing.assert_allclose(flat(got), flat(want), atol=1e-4, rtol=1e-6)
+    assert np.abs(flat(got) - flat(responses(full, "stdlib_mc"))).max() > 1e-2  # the merge changed the model

@@ -122,7 +122,7 @@ def test_evaluate_pruning_merges_equal_the_forward_under_the_same_variant(dsv3):
         for l, lm in merges.items():
             want = [[int(lm.leaders_C[c])] + [e for e in members if e != lm.leaders_C[c]]
                     for c, members in enumerate(lm.clusters())]
-            assert info["clusters"][l][f"{method}@4"] == want
+            assert info["clusters"][l][f"{method}@4"] == want == lm.clusters()
         for form in ("tied", "shrunk"):
             lg = logits(model, ids, np.ones(ids.shape, np.int32), {l: lm.expert_map(form) for l, lm in merges.items()})
             want = float(np.exp(np.mean(np.asarray(next_token_nll(lg, jnp.asarray(ids))))))
@@ -206,3 +206,46 @@ def test_merge_refuses_before_the_pass(merged_qwen3, tmp_path):
     with pytest.raises(MoejaxError, match="exactly one"):
         merge_checkpoint(src, tmp_path / "x", method="hc_smoe", keep=4)
     assert not (tmp_path / "x").exists()
+
+
+def test_global_allocation_in_the_carried_pass_and_in_moejax_prune(dsv3, tmp_path):
+    """allocation=global: per-layer counts from one threshold over normalised frequency (the
+    allocation module's rule), the same total as uniform; the pass's perplexity equals the forward
+    with those per-layer kept sets; `moejax prune --allocation global` keeps the same counts."""
+    import pandas as pd
+
+    from moejax.evaluate import evaluate_pruning
+    from moejax.merging.allocation import global_counts
+    from moejax.scoring.observe import calibrate
+    from moejax.scoring.select import select_kept
+    from moejax.surgery.prune import prune_checkpoint
+
+    path, model, calib = dsv3
+    stats = calibrate(model, [(calib, None)])
+    want = global_counts({l: st.counts_E for l, st in stats.items()}, 3, model.config.num_experts_per_tok)
+    assert sum(want.values()) == 3 * len(stats) and len(set(want.values())) > 1  # not uniform here
+    heldout = {"a": np.random.default_rng(4).integers(0, 96, size=(3, 20)).astype(np.int32)}
+    rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["frequency"], [3], merges=("m_smoe",),
+                                  allocation="global", batch_size=4)
+    df = pd.DataFrame(rows)
+    assert info["layer_counts"]["frequency@3"] == want == info["layer_counts"]["m_smoe@3"]
+    got = df[(df.metric == "experts") & (df.score == "frequency")].set_index("layer").value
+    assert {int(l): int(v) for l, v in got.items()} == want
+    for l, c in want.items():
+        assert len(info["clusters"][l]["m_smoe@3"]) == c
+    masks = np.ones((model.config.num_hidden_layers, E), bool)
+    for l, c in want.items():
+        masks[l] = select_kept(stats[l].counts_E, c)
+        assert np.flatnonzero(masks[l]).tolist() == info["kept"][l]["frequency@3"]
+    ids = heldout["a"]
+    lg = logits(model, ids, np.ones(ids.shape, np.int32), jnp.asarray(masks))
+    ppl = float(np.exp(np.mean(np.asarray(next_token_nll(jnp.asarray(lg), jnp.asarray(ids))))))
+    row = df[(df.metric == "perplexity") & (df.text == "a") & (df["mode"] == "one_shot")]
+    assert row.value.item() == pytest.approx(ppl, rel=1e-4)
+    scores = pd.DataFrame([{"layer": l, "expert": e, "score": "frequency", "value": float(v)}
+                           for l, st in stats.items() for e, v in enumerate(st.counts_E)])
+    scores.to_parquet(tmp_path / "scores.parquet")
+    record = prune_checkpoint(path, tmp_path / "pruned", score="frequency", keep=3,
+                              scores_file=tmp_path / "scores.parquet", allocation="global")
+    assert record["allocation"] == "global"
+    assert {int(l): len(layer["kept"]) for l, layer in record["layers"].items()} == want

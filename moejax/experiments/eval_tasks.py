@@ -6,7 +6,8 @@ variant on downstream tasks, in one job, without writing a checkpoint per varian
    each variant's held-out perplexity and mean layer-local error (task `heldout`).
 2. Each variant (and the unpruned model) is evaluated on every task through the lm-eval backend
    `moejax` (`moejax.lm_eval.MoejaxLM`): the model is loaded and compiled once, each variant
-   is a set of expert masks.
+   is a set of expert masks, or with `merges=[hc_smoe,m_smoe]` a merged variant (expert maps built
+   from the clusters the pass recorded, under both router forms, mode tied / shrunk).
 
 Tasks: any lm-eval task name, looked up in `task_dir` (YAML files) and in lm-eval's own tasks
 (`include_defaults`). The default tasks are the offline ones built from the model's held-out
@@ -41,6 +42,7 @@ class EvalTasksConfig:
     limit: int | None = None       # documents per task (None = all)
     keep: tuple = (0.5, 0.25)
     scores: tuple = ("frequency", "reap", "ean", "signed", "l1", "random")
+    merges: tuple = ()             # merging baselines beside the scores (hc_smoe, m_smoe), tied and shrunk
     sequential: bool = False
     calib: tuple = ()              # as prune_real: files/folders/globs; empty = standard-library sources
     heldout: tuple = ()
@@ -60,7 +62,7 @@ class EvalTasksConfig:
     def from_mapping(cls, d: dict) -> "EvalTasksConfig":
         refuse_unknown_settings(cls, d, "eval_tasks")
         d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None or k in ("limit", "n_ppl")}
-        for key in ("keep", "tasks", "scores"):
+        for key in ("keep", "tasks", "scores", "merges"):
             if key in d and not isinstance(d[key], tuple):
                 d[key] = (d[key],)
         cfg = cls(**d)
@@ -68,7 +70,7 @@ class EvalTasksConfig:
         return cfg
 
     def prune_real(self) -> PruneRealConfig:
-        return PruneRealConfig(path=self.path, keep=self.keep, scores=self.scores, calib=self.calib,
+        return PruneRealConfig(path=self.path, keep=self.keep, scores=self.scores, merges=self.merges, calib=self.calib,
                                heldout=self.heldout, seq_len=self.seq_len, calib_tokens=self.calib_tokens,
                                heldout_tokens=self.heldout_tokens, batch_size=self.batch_size,
                                sequential=self.sequential, dtype=self.dtype, seed=self.seed)
@@ -107,7 +109,7 @@ Config = EvalTasksConfig
 def settings_from(cfg: dict) -> dict:
     model, data, prune, lm = (cfg.get(k) or {} for k in ("model", "data", "prune", "lm_eval"))
     settings = {"path": model.get("path") or "", **data, **prune, **lm}
-    for key in ("keep", "scores", "tasks", "dtype", "seed"):
+    for key in ("keep", "scores", "merges", "tasks", "dtype", "seed"):
         if cfg.get(key) is not None:
             settings[key] = cfg[key]
     return settings
@@ -171,7 +173,8 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     from moejax.experiments import prune_real
     from moejax.lm_eval import MoejaxLM
     from moejax.models.registry import read_config
-    from moejax.variant import masks_from_kept
+    from moejax.merging.layer import ROUTER_FORMS
+    from moejax.variant import masks_from_kept, merged_variant
 
     job_dir = Path(job_dir or ".")
     task_dir = build_tasks(cfg, job_dir)
@@ -195,7 +198,8 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     keeps = sorted({int(k) for k in ppl_df.keep.dropna()}, reverse=True)
     modes = ["one_shot"] + (["sequential"] if cfg.sequential else [])
     variants = [dict(mode="none", score=None, keep=None)] + [
-        dict(mode=m, score=s, keep=k) for m in modes for s in cfg.scores for k in keeps]
+        dict(mode=m, score=s, keep=k) for m in modes for s in cfg.scores for k in keeps] + [
+        dict(mode=form, score=m, keep=k) for m in cfg.merges for k in keeps for form in ROUTER_FORMS]
 
     rows = []
     all_ppl = ppl_df[(ppl_df.metric == "perplexity") & (ppl_df.text == "all")]
@@ -211,6 +215,8 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     for v in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
         if v["mode"] == "none":
             masks = None
+        elif v["mode"] in ROUTER_FORMS:
+            masks = merged_variant(base.model, info["clusters"], f"{v['score']}@{v['keep']}", v["mode"])
         else:
             key = f"{'sequential:' if v['mode'] == 'sequential' else ''}{v['score']}@{v['keep']}"
             masks = masks_from_kept({l: sets[key] for l, sets in info_kept.items()}, model_cfg, key)

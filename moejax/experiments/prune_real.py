@@ -4,7 +4,9 @@ One pass over the checkpoint (each layer's weights read once) gives every score 
 from the calibration text, then each (score, keep) variant's layer-local errors and end-to-end
 held-out perplexity, plus the analyses of SPEC section 3 (moejax.evaluate). With
 `prune.sequential=true` the greedy variant (score layer l+1 on the model pruned up to layer l) is
-reported beside the one-shot one (column `mode`).
+reported beside the one-shot one (column `mode`). With `merges=[hc_smoe,m_smoe]` the merging
+baselines (SPEC section 8) are evaluated in the same pass at the same keeps, each under both router
+forms (`mode` tied / shrunk, `score` the method); their clusters go to `clusters.json`.
 
 Data defaults: calibration = the Python standard library's own sources (sorted, skipping held-out
 files); held-out = the files a `train_tiny` model never saw (its moejax_tiny.json) when the model
@@ -32,6 +34,8 @@ class PruneRealConfig:
     path: str = ""
     keep: tuple = (0.5, 0.25)
     scores: tuple | None = None    # None: every score the model supports (moejax.scoring.scores.scores_for)
+    merges: tuple = ()             # merging baselines beside the scores: hc_smoe, m_smoe (moejax.merging)
+    allocation: str = "uniform"    # or "global": per-layer counts from one threshold (moejax.merging.allocation)
     calib: tuple = ()              # files/folders/globs; empty = standard-library sources
     heldout: tuple = ()            # empty = the model's held-out files, else DEFAULT_HELDOUT (+ LICENSE.txt)
     seq_len: int = 256
@@ -46,6 +50,8 @@ class PruneRealConfig:
     def from_mapping(cls, d: dict) -> "PruneRealConfig":
         refuse_unknown_settings(cls, d, "prune_real")
         d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None}
+        if isinstance(d.get("merges"), str):
+            d["merges"] = (d["merges"],)
         if "keep" in d and not isinstance(d["keep"], tuple):
             d["keep"] = (d["keep"],)
         cfg = cls(**d)
@@ -64,6 +70,13 @@ class PruneRealConfig:
             check_score_names(self.scores)
             scores_for(self.scores, read_config(Path(self.path) / "config.json").HAS_BALANCE_BIAS,
                        f"prune_real: {self.path}")
+        from moejax.merging.layer import check_merge_names
+
+        from moejax.merging.allocation import ALLOCATIONS
+
+        check_merge_names(self.merges, "prune_real: merges")
+        if self.allocation not in ALLOCATIONS:
+            raise ConfigError(f"prune_real: allocation={self.allocation!r}; expected one of {list(ALLOCATIONS)}")
         if not self.keep:
             raise ConfigError("prune_real: keep is empty; give counts or ratios of E, e.g. keep=[0.5,0.25]")
         for name in ("seq_len", "calib_tokens", "heldout_tokens", "batch_size"):
@@ -79,7 +92,7 @@ Config = PruneRealConfig
 def settings_from(cfg: dict) -> dict:
     model, data, prune = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("prune") or {}
     settings = {"path": model.get("path") or "", **data, **prune}
-    for key in ("keep", "scores", "dtype", "seed"):
+    for key in ("keep", "scores", "merges", "allocation", "dtype", "seed"):
         if cfg.get(key) is not None:
             settings[key] = cfg[key]
     return settings
@@ -118,6 +131,10 @@ def default_texts(cfg: PruneRealConfig) -> tuple[list[Path], list[Path]]:
 
 def run(cfg: PruneRealConfig, progress=None, job_dir=None):
     df, info, timings = evaluate(cfg, progress)
+    if job_dir is not None and info["clusters"] and any(info["clusters"].values()):
+        from moejax.results import write_json_atomic
+
+        write_json_atomic(Path(job_dir) / "clusters.json", {str(l): c for l, c in info["clusters"].items()})
     return df, timings
 
 
@@ -148,7 +165,8 @@ def evaluate(cfg: PruneRealConfig, progress=None):
     calib = tokens(calib_files, cfg.calib_tokens)
     heldout = {f.name: tokens([f], cfg.heldout_tokens) for f in heldout_files}
     scores = scores_for(cfg.scores, ckpt.config.HAS_BALANCE_BIAS, f"prune_real: {cfg.path}")
-    rows, info = evaluate_pruning(ckpt, calib, heldout, scores, list(cfg.keep), sequential=cfg.sequential,
+    rows, info = evaluate_pruning(ckpt, calib, heldout, scores, list(cfg.keep), merges=cfg.merges,
+                                  sequential=cfg.sequential, allocation=cfg.allocation,
                                   batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
                                   progress=progress is not None or None)
     df = pd.DataFrame(rows, columns=["mode", "score", "keep", "layer", "text", "metric", "value"])
@@ -161,8 +179,10 @@ def evaluate(cfg: PruneRealConfig, progress=None):
 
 
 def summary_title(cfg: PruneRealConfig) -> str:
+    modes = "one-shot and sequential" if cfg.sequential else "one-shot"
+    merged = f"; merging by {', '.join(cfg.merges)}, router tied and shrunk" if cfg.merges else ""
     return (f"{cfg.path}: held-out perplexity (all texts) and mean layer-local relative error, by score "
-            f"and keep ({'one-shot and sequential' if cfg.sequential else 'one-shot'}):")
+            f"and keep ({modes} pruning{merged}):")
 
 
 def summary_table(df):

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.merging.layer import LayerMerge, check_merge_names, cluster_leaders, layer_clusters, merge_clusters
+from moejax.merging.layer import (LayerMerge, check_merge_names, cluster_leaders, layer_clusters, leader_first_clusters,
+                                  merge_clusters)
 from moejax.scoring.select import resolve_keep
 
 PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -50,12 +51,7 @@ class MergePlan:
         in that order (the merged checkpoint's expert order)."""
         out = {}
         for l, labels in self.labels.items():
-            order = np.argsort(self.leaders[l], kind="stable")
-            clusters = []
-            for c in order:
-                members = np.flatnonzero(labels == c).tolist()
-                lead = int(self.leaders[l][c])
-                clusters.append([lead] + [e for e in members if e != lead])
+            clusters = sorted(leader_first_clusters(labels, self.leaders[l]))  # by leader: the new expert order
             out[str(l)] = {"n_experts": int(len(labels)), "kept": sorted(int(e) for e in self.leaders[l]),
                            "clusters": clusters, "counts": self.freq[l].tolist()}
         return out

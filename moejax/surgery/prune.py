@@ -161,10 +161,12 @@ def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
 def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
                  collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0,
-                 layer_scores: dict | None = None) -> PrunePlan:
+                 layer_scores: dict | None = None, allocation: str = "uniform") -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
     writing when the request is not well defined (SPEC section 2). layer_scores: {layer: [E]}
-    given in memory instead of a data-free score or a scores file."""
+    given in memory instead of a data-free score or a scores file. allocation "global": the
+    per-layer counts from one threshold over the layers' normalised scores, `keep` x layers in all
+    (`moejax.merging.allocation`)."""
     # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
     # config.json is the source's dictionary with the family's expert-count key updated.
     config, experts_key = cfg.to_dict(), cfg.experts_key
@@ -182,6 +184,12 @@ def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, cfg, *, sco
                           f"MTP layers (num_hidden_layers={n_layers}); prune without --drop-mtp")
     counts = _keep_counts(layers, keep, layers_keep, top_k)
     scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores)
+    if allocation != "uniform":
+        from moejax.merging.allocation import layer_counts
+
+        if layers_keep:
+            raise ConfigError("--allocation global spreads one --keep over the layers; it takes no --layers-keep")
+        counts = layer_counts(scores, next(iter(counts.values())), top_k, allocation)
     routing = cfg.router_settings()
     n_group, topk_group = routing.get("n_group", 1), routing.get("topk_group", 1)
     notes, new_config = [], dict(config)
@@ -339,7 +347,8 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
 
 def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layers_keep: dict | None = None,
                      group_aware: bool = False, collapse_groups: bool = False, drop_mtp: bool = False,
-                     seed: int = 0, overwrite: bool = False, progress: bool | None = None) -> dict:
+                     seed: int = 0, allocation: str = "uniform", overwrite: bool = False,
+                     progress: bool | None = None) -> dict:
     """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
     before the first byte is written."""
@@ -352,12 +361,12 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     copied, file_notes = other_files(reader)
     plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
                         layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
-                        drop_mtp=drop_mtp, seed=seed)
+                        drop_mtp=drop_mtp, seed=seed, allocation=allocation)
     plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), "score": score,
         "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "keep": keep,
-        "layers_keep": layers_keep, "seed": seed, "group_aware": group_aware, "groups": plan.groups,
+        "layers_keep": layers_keep, "allocation": allocation, "seed": seed, "group_aware": group_aware, "groups": plan.groups,
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }
