@@ -191,6 +191,16 @@ def test_merged_checkpoint_loads_in_transformers_and_equals_the_shrunk_variant(m
             assert same == (len(cluster) == 1)
     for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
         assert a.read_bytes(name) == b.read_bytes(name)
+    # moejax diff reads it as a pruning to the leaders; --hash names exactly the merged experts' tensors
+    from moejax.surgery.diff import diff_checkpoints, failed_checks
+
+    report = diff_checkpoints(src, dst, hash_tensors=True)
+    assert {l: e["kept"] for l, e in report["layers"].items()} == {l: e["kept"] for l, e in record["layers"].items()}
+    merged_names = {f"model.layers.{l}.mlp.experts.{new}.{p}_proj.weight" for l, layer in record["layers"].items()
+                    for new, c in enumerate(sorted(layer["clusters"], key=lambda c: c[0])) if len(c) > 1
+                    for p in ("gate", "up", "down")}
+    assert set(report["tensors"]["bytes_differ"]) == merged_names and merged_names
+    assert failed_checks(report) == ["other_tensors_identical"]
 
 
 def test_merge_refuses_before_the_pass(merged_qwen3, tmp_path):
