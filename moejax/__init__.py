@@ -16,7 +16,7 @@ pandas notebook. The JAX-backed pieces live in the sub-packages:
 Shape-suffix letters: an array's name ends in one capital per axis (`x_BSH` is [batch, sequence,
 hidden], `rows_B11` adds two unit axes); each letter has one meaning everywhere:
 
-    A  pruning variants (stacked expert masks)     N  attention heads
+    A  variants (stacked expert masks or maps)     N  attention heads
     B  batch rows (or any leading batch axes)      O  toy3 offsets
     C  KV-cache positions (columns)                P  prompt positions (prefill)
     D  model width of the toy / generic MoE code   Q  per-head query/key width (or its rope part)

@@ -84,7 +84,7 @@ def test_tied_equals_experts_replaced_in_place_and_shrunk_equals_pruning_to_lead
     masks = np.ones((model.config.num_hidden_layers, E), bool)
     for l, lm in merges.items():
         masks[l] = lm.kept_E("shrunk")
-        assert sorted(lm.leaders_C.tolist()) == np.flatnonzero(masks[l]).tolist()
+        assert sorted(lm.leaders.tolist()) == np.flatnonzero(masks[l]).tolist()
     shrunk = logits(model, ids, mask, {l: lm.expert_map("shrunk") for l, lm in merges.items()})
     np.testing.assert_allclose(shrunk, logits(in_place, ids, mask, jnp.asarray(masks)), atol=2e-5, rtol=1e-5)
 
@@ -120,7 +120,7 @@ def test_evaluate_pruning_merges_equal_the_forward_under_the_same_variant(dsv3):
     for method in ("hc_smoe", "m_smoe"):
         merges = layer_merges(model, calib, method, 4)
         for l, lm in merges.items():
-            want = [[int(lm.leaders_C[c])] + [e for e in members if e != lm.leaders_C[c]]
+            want = [[int(lm.leaders[c])] + [e for e in members if e != lm.leaders[c]]
                     for c, members in enumerate(lm.clusters())]
             assert info["clusters"][l][f"{method}@4"] == want == lm.clusters()
         for form in ("tied", "shrunk"):
@@ -161,7 +161,7 @@ def test_merged_checkpoint_loads_in_transformers_and_equals_the_shrunk_variant(m
     variant = {}
     for l, lm in merges.items():
         layer = record["layers"][str(l)]
-        assert layer["kept"] == sorted(lm.leaders_C.tolist())
+        assert layer["kept"] == sorted(lm.leaders.tolist())
         assert sorted(map(sorted, layer["clusters"])) == sorted(map(sorted, lm.clusters()))
         labels = np.empty(E, np.int64)
         for c, members in enumerate(layer["clusters"]):
@@ -169,7 +169,7 @@ def test_merged_checkpoint_loads_in_transformers_and_equals_the_shrunk_variant(m
         np.testing.assert_array_equal(merge_clusters(method, labels, layer["counts"],
                                                      source.model.layers[l].mlp.expert_weights()).weights["gate"][
             np.argsort(np.argsort([m[0] for m in layer["clusters"]]))], np.asarray(lm.weights["gate"])[
-            np.argsort(lm.leaders_C)])
+            np.argsort(lm.leaders)])
         variant[l] = lm.expert_map("shrunk")
     ids, mask = batch(96, seed=7)
     want = logits(source, ids, mask, variant)

@@ -203,7 +203,7 @@ def test_merge_layer_from_the_definition(align):
     rng = np.random.default_rng(8)
     experts = near_copies(rng, 4, 5, LABELS, LEADERS)
     freq = np.array([3, 0, 1, 5, 0, 0, 2, 4])   # cluster {1, 4, 5} never routed: uniform weights
-    merged = merge_layer(layer_of(experts), LABELS, freq, align=align, leaders_C=LEADERS if align else None)
+    merged = merge_layer(layer_of(experts), LABELS, freq, align=align, leaders=LEADERS if align else None)
     want = merge_reference(experts, LABELS, freq, LEADERS if align else None)
     assert set(merged) == {"gate", "up", "down"}
     for k in merged:
@@ -220,19 +220,19 @@ def test_merge_layer_precision_singletons_and_the_toy_layout():
     freq = np.arange(8.0)
     for dtype, want in ((np.float32, np.float32), (ml_dtypes.bfloat16, np.float32), (np.float64, np.float64)):
         layer = {k: v.astype(dtype) for k, v in layer_of(experts).items()}
-        merged = merge_layer(layer, LABELS, freq, align=True, leaders_C=LEADERS)
+        merged = merge_layer(layer, LABELS, freq, align=True, leaders=LEADERS)
         assert all(m.dtype == want for m in merged.values()), dtype
         for c, j in ((2, 3), (3, 6)):           # singletons: the expert exactly
             np.testing.assert_array_equal(merged["down"][c], layer["down"][j].astype(want))
         # every expert its own cluster: the layer exactly
-        alone = merge_layer(layer, np.arange(8), freq, align=True, leaders_C=np.arange(8))
+        alone = merge_layer(layer, np.arange(8), freq, align=True, leaders=np.arange(8))
         for k in layer:
             np.testing.assert_array_equal(alone[k], layer[k].astype(want))
     np.testing.assert_allclose(merge_layer(layer_of(experts), LABELS, freq)["up"],
                                merge_reference(experts, LABELS, freq)["up"], rtol=1e-6, atol=1e-6)
     toy = {"w1": rng.normal(size=(3, 4, 6)), "w2": rng.normal(size=(3, 6, 4))}   # relu_mlp: w1 [d, F], w2 [F, d]
     toy["w1"][2], toy["w2"][2] = toy["w1"][0][:, ::-1], toy["w2"][0][::-1]       # expert 2: expert 0 reversed
-    merged = merge_layer(toy, np.array([0, 1, 0]), np.array([1.0, 1.0, 1.0]), align=True, leaders_C=np.array([0, 1]))
+    merged = merge_layer(toy, np.array([0, 1, 0]), np.array([1.0, 1.0, 1.0]), align=True, leaders=np.array([0, 1]))
     np.testing.assert_allclose(merged["w1"][0], toy["w1"][0])   # aligned, the two are one expert
     np.testing.assert_allclose(merged["w2"][1], toy["w2"][1])
 
@@ -246,7 +246,7 @@ def test_merge_layer_refuses_bad_requests():
     with pytest.raises(ConfigError, match="needs each cluster's leader"):
         merge_layer(layer, LABELS, freq, align=True)
     with pytest.raises(ConfigError, match=r"leaders\[c\] an expert of cluster c"):
-        merge_layer(layer, LABELS, freq, align=True, leaders_C=np.array([2, 1, 6, 3]))
+        merge_layer(layer, LABELS, freq, align=True, leaders=np.array([2, 1, 6, 3]))
     with pytest.raises(ConfigError, match="finite and non-negative"):
         merge_layer(layer, LABELS, -freq)
     with pytest.raises(ConfigError, match="match no layout"):

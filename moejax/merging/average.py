@@ -131,8 +131,8 @@ def _check_labels(weights: dict, labels_E) -> np.ndarray:
     return labels
 
 
-def _check_leaders(labels: np.ndarray, leaders_C) -> np.ndarray:
-    leaders = np.asarray(leaders_C)
+def _check_leaders(labels: np.ndarray, leaders) -> np.ndarray:
+    leaders = np.asarray(leaders)
     n_clusters = labels.max() + 1
     if leaders.shape != (n_clusters,) or leaders.dtype.kind not in "iu" or \
             not np.array_equal(labels[np.clip(leaders, 0, len(labels) - 1)], np.arange(n_clusters)):
@@ -141,16 +141,16 @@ def _check_leaders(labels: np.ndarray, leaders_C) -> np.ndarray:
     return leaders
 
 
-def align_layer(weights: dict, labels_E, leaders_C) -> dict[int, np.ndarray]:
+def align_layer(weights: dict, labels_E, leaders) -> dict[int, np.ndarray]:
     """{expert: perm [F]} for every expert that is not its cluster's leader: `align_neurons` of the
     expert onto its cluster's leader (M-SMoE's dominant expert), for a whole layer.
 
     weights: a layer ({"gate": [E, H, F], ...}); labels_E: int [E], each expert's cluster, numbered
-    0..C-1; leaders_C: int [C], the leader of each cluster. Each leader is cast once; the
+    0..C-1; leaders: int [C], the leader of each cluster. Each leader is cast once; the
     assignment (scipy releases the GIL) runs in a second thread while the next similarity is
     computed, with at most two similarities waiting."""
     labels = _check_labels(weights, labels_E)
-    leaders = _check_leaders(labels, leaders_C)
+    leaders = _check_leaders(labels, leaders)
     dtype = _compute_dtype(weights.values())
 
     def blocks(j):
@@ -170,7 +170,7 @@ def align_layer(weights: dict, labels_E, leaders_C) -> dict[int, np.ndarray]:
     return perms
 
 
-def merge_layer(weights: dict, labels_E, freq_E, align: bool = False, leaders_C=None) -> dict:
+def merge_layer(weights: dict, labels_E, freq_E, align: bool = False, leaders=None) -> dict:
     """A layer's clusters merged: {"gate": [C, H, F], ...}, row c the merged expert of the cluster
     labelled c (labels_E: int [E] numbering the C clusters 0..C-1; `canonical_labels` numbers them by
     lowest member, as the clusterings do):
@@ -179,16 +179,16 @@ def merge_layer(weights: dict, labels_E, freq_E, align: bool = False, leaders_C=
 
     P_j the identity for HC-SMoE (align=False), and for M-SMoE (align=True) the permutation of
     expert j's neurons onto its cluster's leader (`align_layer`; the leader's own is the identity).
-    leaders_C: int [C], leaders_C[c] the expert leading cluster c (M-SMoE's dominant expert); needed
+    leaders: int [C], leaders[c] the expert leading cluster c (M-SMoE's dominant expert); needed
     for align=True only. A singleton cluster is its expert exactly. One cluster at a time, one
     member's matrix cast at a time; float32 unless an input is float64."""
     labels = _check_labels(weights, labels_E)
     freq = np.asarray(freq_E, np.float64)
     if freq.shape != labels.shape or not (np.isfinite(freq).all() and (freq >= 0).all()):
         raise ConfigError(f"merge: freq must be [E] = {labels.shape}, finite and non-negative")
-    if align and leaders_C is None:
-        raise ConfigError("merge: align=True (M-SMoE) needs each cluster's leader (leaders_C) to align onto")
-    perms = align_layer(weights, labels, leaders_C) if align else {}
+    if align and leaders is None:
+        raise ConfigError("merge: align=True (M-SMoE) needs each cluster's leader (leaders) to align onto")
+    perms = align_layer(weights, labels, leaders) if align else {}
     dtype = _compute_dtype(weights.values())
     n_clusters = labels.max() + 1
     out = {k: np.empty((n_clusters, *np.shape(w)[1:]), dtype) for k, w in weights.items()}

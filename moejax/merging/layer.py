@@ -48,12 +48,12 @@ def check_router_form(router: str) -> None:
 class LayerMerge:
     method: str
     labels_E: np.ndarray     # int [E]: each expert's cluster, clusters numbered by their lowest member
-    leaders_C: np.ndarray    # int [C]: each cluster's leader (its most frequent member)
+    leaders: np.ndarray    # int [C]: each cluster's leader (its most frequent member)
     weights: dict            # name -> [C, ...]: the merged experts, in the layer's dtype
 
     @property
     def n_clusters(self) -> int:
-        return len(self.leaders_C)
+        return len(self.leaders)
 
     def kept_E(self, router: str) -> np.ndarray:
         """bool [E]: the router slots that remain under `router`."""
@@ -61,7 +61,7 @@ class LayerMerge:
         if router == "tied":
             return np.ones(len(self.labels_E), bool)
         kept = np.zeros(len(self.labels_E), bool)
-        kept[self.leaders_C] = True
+        kept[self.leaders] = True
         return kept
 
     def expert_map(self, router: str, row_offset: int = 0, table: dict | None = None) -> ExpertMap:
@@ -72,13 +72,13 @@ class LayerMerge:
 
     def clusters(self) -> list[list[int]]:
         """Each cluster's experts, the leader first, clusters by label."""
-        return leader_first_clusters(self.labels_E, self.leaders_C)
+        return leader_first_clusters(self.labels_E, self.leaders)
 
 
-def leader_first_clusters(labels_E, leaders_C) -> list[list[int]]:
+def leader_first_clusters(labels_E, leaders) -> list[list[int]]:
     """[[leader, other members ascending], ...] for clusters 0..C-1."""
     labels = np.asarray(labels_E)
-    return [[int(lead)] + [int(e) for e in np.flatnonzero(labels == c) if e != lead] for c, lead in enumerate(leaders_C)]
+    return [[int(lead)] + [int(e) for e in np.flatnonzero(labels == c) if e != lead] for c, lead in enumerate(leaders)]
 
 
 def labels_from_clusters(clusters, n_experts: int) -> np.ndarray:
@@ -127,5 +127,5 @@ def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict) -> Lay
     leaders = cluster_leaders(labels, counts_E)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
     merged = merge_weights(host, labels, np.asarray(counts_E, np.float64), align=method == "m_smoe",
-                           leaders_C=leaders)
+                           leaders=leaders)
     return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype) for k in host})

@@ -6,7 +6,7 @@ Weights are stored [in, out] (x @ W). The forward follows transformers' eager im
 (ref: shared/reference/deepseek-v3-hf.md section 2).
 
     model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.float32)
-    logits_BSV = model(input_ids_BS, attention_mask_BS, expert_masks_LE).logits_BSV
+    logits_BSV = model(input_ids_BS, attention_mask_BS, variant).logits_BSV
 """
 
 from __future__ import annotations
