@@ -23,8 +23,6 @@ the per-layer counts and every cluster (leader first, in the merged checkpoint's
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -137,14 +135,13 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
     from moejax.hf.model_io import opened
-    from moejax.hf.staging import check_destination, staged_directory
+    from moejax.hf.staging import check_destination
     from moejax.merging.allocation import ALLOCATIONS
     from moejax.merging.calibration import merge_stats
     from moejax.merging.clusters import HC_SMOE_METHODS
     from moejax.scoring.score_checkpoint import calibration_ids
     from moejax.stream import stream_layers
-    from moejax.hf.safetensors_format import CONFIG_NAME
-    from moejax.surgery.prune import PRUNING_RECORD, other_files, plan_pruning, write_pruned
+    from moejax.surgery.prune import other_files, plan_pruning, write_folder
 
     check_merge_names([method], "--method")
     if allocation not in ALLOCATIONS:
@@ -183,11 +180,6 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
         "seed": seed, "groups": prune_plan.groups, "dropped_layers": [], "notes": list(prune_plan.notes),
         "layers": plan.record_layers(),
     }
-    with staged_directory(dst, overwrite) as staging:
-        write_pruned(reader, layout, prune_plan, staging, progress=show, replaced=MergedTensors(ckpt, plan))
-        for relative in copied:
-            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / relative, staging / relative)
-        (staging / CONFIG_NAME).write_text(json.dumps(prune_plan.config, indent=2) + "\n", encoding="utf-8")
-        (staging / PRUNING_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_folder(reader, layout, prune_plan, src, dst, copied, record, overwrite=overwrite, progress=show,
+                 replaced=MergedTensors(ckpt, plan))
     return record

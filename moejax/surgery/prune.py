@@ -370,12 +370,19 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }
+    write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=progress)
+    return record
+
+
+def write_folder(reader: CheckpointReader, layout: CheckpointLayout, plan: PrunePlan, src: Path, dst: Path,
+                 copied: list[Path], record: dict, *, overwrite: bool, progress: bool | None, replaced=None) -> None:
+    """DST written atomically (a staging folder renamed at the end, removed on any failure): the
+    streamed shards (`write_pruned`), the source's other files, config.json and pruning.json."""
     show = sys.stderr.isatty() if progress is None else progress
     with staged_directory(dst, overwrite) as staging:
-        write_pruned(reader, layout, plan, staging, progress=show)
+        write_pruned(reader, layout, plan, staging, progress=show, replaced=replaced)
         for relative in copied:
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / relative, staging / relative)
         (staging / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2) + "\n", encoding="utf-8")
         (staging / PRUNING_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    return record
