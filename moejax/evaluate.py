@@ -423,15 +423,26 @@ def _stacked_expert_map(order, masks: dict, layer_merges: dict | None, own: dict
                          else jnp.asarray(layer_merges[v.score, v.keep].kept_E(v.mode)) for v in order])
     if not layer_merges:
         return ExpertMap(mask_AE)
-    offsets, parts, n_rows = {}, [own], E
+    # The table: the layer's own experts, then each merge's merged experts of clusters of two or
+    # more (a singleton's merged expert is its expert exactly, so its slot keeps the own row).
+    rows_of, extra, n_rows = {}, [], E
     for key, lm in layer_merges.items():
-        offsets[key] = n_rows
-        parts.append({k: jnp.asarray(v) for k, v in lm.weights.items()})
-        n_rows += lm.n_clusters
-    table = {k: jnp.concatenate([p[k] for p in parts]) for k in own}
+        rows = np.arange(E, dtype=np.int32)
+        for c in range(lm.n_clusters):
+            members = lm.labels_E == c
+            if members.sum() > 1:
+                extra.append({k: np.asarray(v[c]) for k, v in lm.weights.items()})
+                rows[members] = n_rows
+                n_rows += 1
+        rows_of[key] = rows
+    # padded with zero experts no slot points at to a power of two, so layers whose merges leave
+    # different numbers of clusters of two or more share a few compiled shapes
+    pad = (1 << max(len(extra) - 1, 0).bit_length()) - len(extra) if extra else 0
+    table = {k: jnp.concatenate([own[k], jnp.asarray(np.stack([e[k] for e in extra])),
+                                 jnp.zeros((pad,) + own[k].shape[1:], own[k].dtype)]) if extra else own[k]
+             for k in own}
     identity = jnp.arange(E, dtype=jnp.int32)
-    rows_AE = jnp.stack([identity if v is None or not v.merged
-                         else jnp.asarray(layer_merges[v.score, v.keep].labels_E + offsets[v.score, v.keep], jnp.int32)
+    rows_AE = jnp.stack([identity if v is None or not v.merged else jnp.asarray(rows_of[v.score, v.keep])
                          for v in order])
     return ExpertMap(mask_AE, rows_AE, table)
 
