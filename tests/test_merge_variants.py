@@ -71,7 +71,7 @@ def logits(model, ids, mask, variant=None):
     return np.asarray(forward(jnp.asarray(ids), jnp.asarray(mask), variant).logits_BSV)
 
 
-@pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
+@pytest.mark.parametrize("method", ["hc_smoe", pytest.param("m_smoe", marks=pytest.mark.slow)])
 def test_tied_equals_experts_replaced_in_place_and_shrunk_equals_pruning_to_leaders(dsv3, method):
     _, model, calib = dsv3
     merges = layer_merges(model, calib, method, 3)
@@ -141,7 +141,7 @@ def merged_qwen3(tmp_path_factory):
     return root, src, hf, tokens
 
 
-@pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
+@pytest.mark.parametrize("method", [pytest.param("hc_smoe", marks=pytest.mark.slow), "m_smoe"])
 def test_merged_checkpoint_loads_in_transformers_and_equals_the_shrunk_variant(merged_qwen3, method):
     import torch
     import transformers
