@@ -9,7 +9,9 @@ Prints, all measured in this run on this machine:
   - the balancing loop alone (the hot spot), numpy vs JAX;
   - achieved FLOP/s of the routed-expert work (sorted grouped-matmul backend) against a dense
     matmul rate measured in the same run.
-The numpy implementation is also what tests/test_toy3.py checks the experiment against.
+The numpy implementation is also what tests/test_toy3.py checks the experiment against. Both sides
+run the pruning scores only (merges=(), eq6_pairs=0): the merging baselines are checked against
+numpy in tests/test_toy3_merging.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +133,7 @@ def numpy_toy3(cfg, inputs, seeds):
 def _cold_run_seconds(seeds: int) -> float:
     """moejax's toy3 in a fresh process with the persistent cache off: compilation included."""
     code = ("import time; t=time.perf_counter(); from moejax.experiments import toy3; "
-            f"toy3.run(toy3.Toy3Config(seeds={seeds})); print(time.perf_counter()-t)")
+            f"toy3.run(toy3.Toy3Config(seeds={seeds}, merges=(), eq6_pairs=0)); print(time.perf_counter()-t)")
     env = {**os.environ, "MOEJAX_JAX_CACHE": "", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -152,7 +153,7 @@ def main():
     from moejax.moe import dispatch
     from moejax.moe.balancing import balance_bias
 
-    cfg = toy3.Toy3Config(seeds=args.seeds)
+    cfg = toy3.Toy3Config(seeds=args.seeds, merges=(), eq6_pairs=0)  # as the numpy baseline: pruning only
     seeds = list(range(args.seeds))
     print(f"toy3 benchmark: seeds={cfg.seeds}, {cfg.n_calib}+{cfg.n_heldout} tokens, {cfg.balance_steps} "
           f"balancing steps, keeps {cfg.keep_counts()}, scores {list(cfg.scores)}; "

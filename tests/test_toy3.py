@@ -10,7 +10,7 @@ from bench_toy3 import np_keep_mask, np_route, np_routed_output, np_scores, nump
 from moejax.errors import ConfigError
 from moejax.experiments import toy3
 
-SMALL = dict(n_calib=700, n_heldout=500, balance_steps=25)
+SMALL = dict(n_calib=700, n_heldout=500, balance_steps=25, merges=(), eq6_pairs=0)  # merging: test_toy3_merging.py
 
 
 @pytest.fixture(scope="module")

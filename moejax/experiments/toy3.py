@@ -17,15 +17,33 @@ layer is on held-out tokens.
                       define; so router=softmax refuses loads containing `balanced`, and scores
                       that read the bias)
 
+Beside the scores, the merging baselines of SPEC section 8 at the same keeps (`merges`): HC-SMoE
+and M-SMoE, each under both router forms,
+    tied      every router slot remains; slot e computes its cluster's merged expert
+    shrunk    only each cluster's leader's slot remains (its most frequent member, ties to the lower
+              index); it computes the merged expert
+reported as the scores are, with score "hc_smoe:tied", "m_smoe:shrunk", ...; and the check of the
+REAP paper's Eq. 6 (`eq6_pairs` pairs per seed and condition merged one at a time, tied router:
+the measured increase in error against the formula's prediction; rows `eq6_*`, score "pair:i+j").
+
+Every variant is an expert map (moejax.moe.expert_map): a mask of the router slots that remain and
+the row each slot computes with, in one table of expert outputs on the held-out tokens (the
+layer's own experts, then the merged ones). Pruning: its mask, every slot its own row.
+
 Seeds are vectorised inside one job. How the work is laid out:
   host (numpy)   draw every seed's layer and tokens;
   stage 1 (jit)  balance, route the calibration tokens
                  (sorted grouped-matmul backend: only routed pairs) and tabulate f_j(x) for
-                 every held-out token and expert once (each pruned variant's output is a
-                 gate-weighted sum of entries of that table, so no variant recomputes an expert);
-  host (numpy)   float64 statistics, scores, kept sets (ties to the lower index);
+                 every held-out token and expert once (each variant's output is a gate-weighted
+                 sum of entries of that table, so no variant recomputes an expert); with merges,
+                 each expert's mean output over the calibration tokens (HC-SMoE) and the router
+                 logits of the calibration tokens (M-SMoE);
+  host (numpy)   float64 statistics, scores, kept sets (ties to the lower index); clusters and
+                 merged experts (moejax.merging), the variants' masks and rows;
   stage 2 (jit)  route the held-out tokens under every kept set (masks, one compile) and
-                 measure the errors (SPEC section 3).
+                 measure the errors (SPEC section 3); the merges' variants likewise, in a program
+                 of their own that first tabulates the merged experts on the held-out tokens;
+  host (numpy)   Eq. 6's prediction for the merged pairs.
 """
 
 from __future__ import annotations
@@ -35,6 +53,7 @@ import functools
 import itertools
 import logging
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,6 +69,7 @@ OFFSETS = ("ones", "random")
 LOADS = ("skewed", "balanced")
 ROUTERS = ("sigmoid", "softmax")  # toy_layer.ROUTERS, not imported: validating needs no JAX
 DEFAULT_SCORES = ("frequency", "signed", "l1", "random", "reap", "ean")
+MERGES = ("hc_smoe", "m_smoe")  # moejax.merging.layer.MERGE_METHODS, not imported: validating needs no JAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +80,8 @@ class Toy3Config:
     seeds: int = 8                # seeds seed .. seed + seeds - 1, vectorised in one job
     keep: tuple = (8, 16, 32, 48)  # counts, or ratios of E (floats in (0, 1])
     scores: tuple = DEFAULT_SCORES
+    merges: tuple = MERGES        # merging baselines (SPEC section 8), each under both router forms; () = none
+    eq6_pairs: int = 16           # Eq. 6 check: pairs merged one at a time per seed and condition; 0 = none
     offsets: tuple = OFFSETS
     loads: tuple = LOADS
     d_model: int = 32
@@ -88,7 +110,7 @@ class Toy3Config:
             cfg["keep"] = tuple(keep) if isinstance(keep, (list, tuple)) else (keep,)
         elif "keep" in cfg:
             del cfg["keep"]
-        for key in ("scores", "offsets", "loads"):
+        for key in ("scores", "merges", "offsets", "loads"):
             if key in cfg:
                 cfg[key] = tuple(cfg[key]) if isinstance(cfg[key], (list, tuple)) else (cfg[key],)
         out = cls(**cfg)
@@ -97,7 +119,7 @@ class Toy3Config:
 
     def validate(self) -> None:
         for name in ("seed", "seeds", "d_model", "d_hidden", "n_experts", "top_k", "n_calib",
-                     "n_heldout", "balance_steps", "seed_batch", "mesh_data", "mesh_expert"):
+                     "n_heldout", "balance_steps", "seed_batch", "mesh_data", "mesh_expert", "eq6_pairs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"toy3: {name} must be an integer, got {value!r}")
@@ -110,6 +132,13 @@ class Toy3Config:
             if bad or not value:
                 raise ConfigError(f"toy3: {name}={list(value)}; valid values: {list(valid)}")
         self.check_router()
+        if [m for m in self.merges if m not in MERGES] or len(set(self.merges)) < len(self.merges):
+            raise ConfigError(f"toy3: merges={list(self.merges)}; valid merges: {list(MERGES)}, each at most "
+                              "once (toy.merges=[] for none)")
+        n_pairs = self.n_experts * (self.n_experts - 1) // 2
+        if not 0 <= self.eq6_pairs <= n_pairs:
+            raise ConfigError(f"toy3: eq6_pairs={self.eq6_pairs}; expected 0 (no Eq. 6 check) to {n_pairs} "
+                              f"(every pair of the {self.n_experts} experts)")
         if "reap_code" in self.scores:
             raise ConfigError("toy3: the reap_code score needs expert outputs for pairs the layer did not "
                               "route, which the toy does not compute; use reap")
@@ -161,7 +190,8 @@ def settings_from(cfg: dict) -> dict:
 
 
 def summary_title(cfg: Toy3Config) -> str:
-    return f"{cfg.router} router: mean rel_error over {cfg.seeds} seed(s) (± std), by keep:"
+    merges = " (merges: method:router form)" if cfg.merges else ""
+    return f"{cfg.router} router: mean rel_error over {cfg.seeds} seed(s) (± std), by keep{merges}:"
 
 
 def draw_inputs(cfg: Toy3Config, seeds) -> list[dict]:
@@ -197,11 +227,151 @@ def _draw(cfg: Toy3Config, seed: int) -> dict:
     return {"router": router, "w1": w1, "w2": w2, "x_cal": x_cal, "x_held": x_held}
 
 
+class Layout(NamedTuple):
+    """The variant axis of stage two, the same for every (seed, offset, load): the pruning variants
+    (score, keep), then per merge (method, keep) its shrunk form, then its tied form, then the Eq. 6
+    pairs. The pruning and shrunk variants are routed under their own masks (`n_masked` of them);
+    the tied forms and the pairs keep every slot, so they are routed as the unpruned layer is.
+
+    Merged experts get rows of the table after the layer's E own experts, per load: merge m's
+    clusters of two or more members at rows first_slot[m] .., the Eq. 6 pairs from first_slot[-1];
+    n_slots rows per load in all."""
+
+    pruned: list      # (score, keep)
+    merged: list      # (method, keep)
+    first_slot: list
+    n_slots: int
+
+    @property
+    def n_masked(self) -> int:
+        return len(self.pruned) + len(self.merged)
+
+    def labels(self, pairs) -> list:
+        """(score, keep) of every variant; pairs: the (i, j) of the Eq. 6 variants."""
+        return (self.pruned + [(f"{m}:shrunk", k) for m, k in self.merged]
+                + [(f"{m}:tied", k) for m, k in self.merged] + [(f"pair:{i}+{j}", None) for i, j in pairs])
+
+
+def layout(cfg: Toy3Config) -> Layout:
+    keeps = cfg.keep_counts()
+    merged = [(method, keep) for method in cfg.merges for keep in keeps]
+    first_slot = np.cumsum([0] + [merge_slots(keep, cfg.n_experts) for _, keep in merged]).tolist()
+    return Layout([(name, keep) for name in cfg.scores for keep in keeps], merged, first_slot,
+                  first_slot[-1] + cfg.eq6_pairs)
+
+
+def merge_slots(keep: int, n_experts: int) -> int:
+    """How many clusters of two or more members a partition of E experts into `keep` clusters can
+    have: min(keep, E - keep) (with s singletons, keep - s clusters share the other E - s experts, two
+    or more each: keep - s <= (E - s) / 2, so keep - s <= E - keep). Singletons compute with their own
+    expert, so only these need a merged row."""
+    return min(keep, n_experts - keep)
+
+
+def merge_labels(method: str, keep: int, counts_E, mean_output_ED=None, logit_gram_EE=None) -> np.ndarray:
+    """The clusters [E] of `method` (SPEC section 8): hc_smoe from the experts' mean outputs over all
+    calibration tokens (average linkage), m_smoe from the Gram matrix L^T L of the calibration
+    tokens' router logits L [T, E] (the cosines of its columns) and the routing counts."""
+    from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups_from_gram
+
+    if method == "hc_smoe":
+        return hc_smoe_clusters(mean_output_ED, keep)
+    return m_smoe_groups_from_gram(logit_gram_EE, counts_E, keep)
+
+
+class MergeMap(NamedTuple):
+    """One merge of the layer as expert maps: the shrunk form keeps the router slots `leaders` (each
+    cluster's most frequent member, ties to the lower index), the tied form every slot; under both,
+    slot e computes with table row rows_E[e]: its own expert (row e) if its cluster is a singleton,
+    else its cluster's merged expert, `experts[i]` at row first_row + i for the i-th cluster of two
+    or more members."""
+
+    leaders: np.ndarray
+    rows_E: np.ndarray
+    experts: list
+
+
+def merge_map(method: str, labels_E, counts_E, w1_EDF, w2_EFD, first_row: int) -> MergeMap:
+    """The merge of clusters `labels_E` (`moejax.merging.layer.merge_clusters`): each cluster G becomes
+    W_G = sum_{j in G} freq_j W_j / sum_{j in G} freq_j, w1 and w2 separately, freq the routing
+    counts; m_smoe first aligns each member's neurons to its cluster's leader, the dominant expert."""
+    from moejax.merging.layer import merge_clusters
+
+    merge = merge_clusters(method, labels_E, counts_E, {"w1": w1_EDF, "w2": w2_EFD})
+    rows, experts = np.arange(len(merge.labels_E), dtype=np.int32), []
+    for c in range(merge.n_clusters):
+        members = np.flatnonzero(merge.labels_E == c)
+        if len(members) > 1:
+            experts.append({k: w[c] for k, w in merge.weights.items()})
+            rows[members] = first_row + len(experts) - 1
+    return MergeMap(merge.leaders, rows, experts)
+
+
+def pair_map(pair, counts_E, w1_EDF, w2_EFD, row: int) -> MergeMap:
+    """One pair (i < j) merged as HC-SMoE merges a cluster, W = (freq_i W_i + freq_j W_j) / (freq_i + freq_j)
+    (`merge_cluster`), every other expert alone: both slots compute with the merged expert at `row`."""
+    from moejax.merging.average import merge_cluster
+
+    i, j = pair
+    rows = np.arange(len(counts_E), dtype=np.int32)
+    rows[[i, j]] = row
+    merged = merge_cluster([{"w1": w1_EDF[e], "w2": w2_EFD[e]} for e in (i, j)], np.asarray(counts_E)[[i, j]])
+    leaders = np.delete(np.arange(len(counts_E)), j)  # clusters by lowest member: the pair's is the i-th
+    leaders[i] = i if counts_E[i] >= counts_E[j] else j
+    return MergeMap(leaders, rows, [merged])
+
+
+def coroute_pairs(expert_idx_TK, n_experts: int, n_pairs: int) -> list:
+    """The `n_pairs` pairs (i < j) routed together (both among a token's chosen experts) on the most
+    calibration tokens; ties to the lower i, then the lower j."""
+    idx_TK = np.sort(np.asarray(expert_idx_TK), axis=1)
+    a, b = np.triu_indices(idx_TK.shape[1], k=1)  # every two of a token's K chosen experts, lower first
+    together = np.bincount((idx_TK[:, a] * n_experts + idx_TK[:, b]).ravel(), minlength=n_experts ** 2)
+    i, j = np.triu_indices(n_experts, k=1)
+    order = np.lexsort((j, i, -together[i * n_experts + j]))[:n_pairs]
+    return [(int(i[o]), int(j[o])) for o in order]
+
+
+def eq6_prediction(g_i, g_j, d_ij) -> float:
+    """REAP's Eq. 6 (SPEC section 8) summed over a set of N tokens:
+    N * E[(g_i + g_j)^2] * Var[r] * E[||f_i(x) - f_j(x)||^2],  r = g_i / (g_i + g_j),
+    expectations (and the population variance) over the set; g_e = 0 where e is not routed;
+    d_ij = ||f_i(x) - f_j(x)||^2 per token. 0 for an empty set. In float64."""
+    g_i, g_j, d_ij = (np.asarray(a, np.float64) for a in (g_i, g_j, d_ij))
+    if g_i.size == 0:
+        return 0.0
+    return float(g_i.size * np.mean((g_i + g_j) ** 2) * np.var(g_i / (g_i + g_j)) * np.mean(d_ij))
+
+
+def eq6_metrics(pair, idx_TK, gate_TK, f_ETD, err_sq_T) -> dict:
+    """Eq. 6 for one merged pair (i, j) on the held-out tokens, tied router (idx, gate: the unpruned
+    routing; f: the held-out table; err_sq_T = ||y_merged - y||^2 per token, only this pair merged):
+      eq6_measured        sum over every token of err_sq (nonzero only where i or j is routed)
+      eq6_predicted       `eq6_prediction` over the tokens routed to i or j: every token the merge
+                          changes, and the set on which the algebra holds (g = 0 for an expert not
+                          routed, so r is 1 or 0 on a token routed to only one of them)
+      eq6_measured_both   sum of err_sq over the tokens routed to both (r strictly inside (0, 1))
+      eq6_predicted_both  `eq6_prediction` over the tokens routed to both"""
+    i, j = pair
+    g_i, g_j = ((gate_TK * (idx_TK == e)).sum(axis=1, dtype=np.float64) for e in (i, j))
+    on_i, on_j = (idx_TK == i).any(axis=1), (idx_TK == j).any(axis=1)
+
+    def predicted(tokens):
+        d = np.sum((f_ETD[i, tokens].astype(np.float64) - f_ETD[j, tokens]) ** 2, axis=1)
+        return eq6_prediction(g_i[tokens], g_j[tokens], d)
+
+    both = on_i & on_j
+    return {"eq6_measured": float(np.sum(err_sq_T, dtype=np.float64)), "eq6_predicted": predicted(on_i | on_j),
+            "eq6_measured_both": float(np.sum(err_sq_T[both], dtype=np.float64)),
+            "eq6_predicted_both": predicted(both)}
+
+
 @functools.lru_cache(maxsize=8)
 def _stage_one(cfg: Toy3Config):
     """Per seed: balancing, the calibration pass and the held-out table, from the drawn inputs
-    (`draw_inputs`, stacked over seeds). Returns a jitted function (cached per config, so repeated
-    runs reuse it)."""
+    (`draw_inputs`, stacked over seeds); for the merges, each expert's mean output over the
+    calibration tokens (hc_smoe) and the calibration tokens' router logits (m_smoe). Returns a
+    jitted function (cached per config, so repeated runs reuse it)."""
     import jax
     import jax.numpy as jnp
 
@@ -243,10 +413,45 @@ def _stage_one(cfg: Toy3Config):
         n_held = x_held_ZOTD.shape[0] * x_held_ZOTD.shape[1]
         f_held_ZOETD = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
             *x_held_ZOTD.shape[:2], cfg.n_experts, *x_held_ZOTD.shape[2:])
-        return dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_ZOTD.mean(axis=2),
-                    bias=bias_ZOWE, f_held=f_held_ZOETD, logits_held=logits_held)
+        out = dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_ZOTD.mean(axis=2),
+                   bias=bias_ZOWE, f_held=f_held_ZOETD, logits_held=logits_held)
+        if "hc_smoe" in cfg.merges:
+            def mean_outputs(i):  # c_j = mean over the calibration tokens of f_j(x), one (seed, offset)
+                return toy_layer.mean_expert_outputs(weights(i // n_offsets), x_cal_ZOTD[i // n_offsets, i % n_offsets])
+
+            out["cal_mean_output"] = jax.lax.map(mean_outputs, jnp.arange(n_held)).reshape(
+                *x_cal_ZOTD.shape[:2], cfg.n_experts, x_cal_ZOTD.shape[-1])
+        if "m_smoe" in cfg.merges:
+            out["logits_cal"] = logits_cal_ZOTE
+        return out
 
     return run
+
+
+def _with_unpruned(masks_AE):
+    """The masks led by variant 0, which keeps every expert (the full layer)."""
+    import jax.numpy as jnp
+
+    return jnp.concatenate([jnp.ones_like(masks_AE[..., :1, :]), masks_AE], axis=-2)
+
+
+@functools.lru_cache(maxsize=8)
+def _kth_values(cfg: Toy3Config):
+    """A jitted function (logits [Z, O, T, E], bias [Z, O, W, E], masks [Z, O, W, A, E]) -> each held-out
+    token's K-th largest biased score s + bias under the full layer and every mask [Z, O, W, 1 + A, T]."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+    from moejax.moe.topk import kth_largest
+
+    @jax.jit
+    def kth_values(logits, bias, masks):
+        sel_ZOWET = jnp.swapaxes(toy_layer.router_scores(logits, cfg.router)[:, :, None] + bias[:, :, :, None], -1, -2)
+        # the masks go into the network (one expert at a time), not onto a copy of the scores per variant
+        return kth_largest(sel_ZOWET[:, :, :, None], cfg.top_k, keep_E=_with_unpruned(masks))
+
+    return kth_values
 
 
 @functools.lru_cache(maxsize=8)
@@ -276,31 +481,23 @@ def _stage_two(cfg: Toy3Config):
     from moejax.models import toy_layer
     from moejax.moe.dispatch import combine_from_table
     from moejax.moe.routing import gates
-    from moejax.moe.topk import kth_largest, topk_indices_at_threshold
+    from moejax.moe.topk import topk_indices_at_threshold
 
     router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+    kth_values = _kth_values(cfg)
 
     def scores(logits):  # s of the unpruned layer: sigmoid, or softmax over all E
         return toy_layer.router_scores(logits, cfg.router)
 
-    def with_unpruned(masks_AE):  # variant 0 keeps every expert
-        return jnp.concatenate([jnp.ones_like(masks_AE[..., :1, :]), masks_AE], axis=-2)
-
     # [Z, O, T, E] logits, [Z, O, W, E] biases, [Z, O, W, A, E] masks: map over seeds and offsets
     per_load = functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))
-
-    @jax.jit
-    def kth_values(logits, bias, masks):
-        sel_ZOWET = jnp.swapaxes(scores(logits)[:, :, None] + bias[:, :, :, None], -1, -2)
-        # the masks go into the network (one expert at a time), not onto a copy of the scores per variant
-        return kth_largest(sel_ZOWET[:, :, :, None], cfg.top_k, keep_E=with_unpruned(masks))
 
     @jax.jit
     def errors(f, logits, bias, masks, kth):
         @per_load
         def condition(f_ETD, logits_TE, bias_E, masks_AE, kth_AT):
             s_TE = scores(logits_TE)
-            idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=with_unpruned(masks_AE))
+            idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
             gate_ATK = gates(s_TE, idx_ATK, router_cfg)
             # the unpruned output in its own call: sliced off the variants' outputs, XLA
             # recomputed it for every variant (4x slower)
@@ -323,6 +520,80 @@ def _stage_two(cfg: Toy3Config):
     return run
 
 
+@functools.lru_cache(maxsize=8)
+def _stage_merges(cfg: Toy3Config):
+    """The merges' variants, as `_stage_two` evaluates the pruning ones: tabulate the merged experts
+    on the held-out tokens, route the held-out tokens and measure each variant's error. Returns a
+    function (f_held, logits_held, bias, masks, rows, x_held, merged) -> (sum_t ||y'_t - y_t||^2
+    [..., A], per-token relative errors ||y'_t - y_t||^2 / ||y_t||^2 [..., A, T], ||y_t||^2 [..., T],
+    and the full layer's routing, experts and gates [..., T, K]).
+
+    A variant is an expert map. The merges' shrunk forms are routed under their masks
+    [..., n_shrunk, E] (`kth_values` as in `_stage_two`); the rest (tied forms, Eq. 6 pairs) keep
+    every slot, so they take the full layer's routing. rows [..., A, E]: the row of the table
+    [E + W * n_slots, T, D] that each slot computes with: the layer's own experts (f_held), then
+    each load's merged experts (merged: {"w1": [..., W, n_slots, D, F], "w2": ...}, None when there
+    are none), tabulated here once per (seed, offset).
+
+    The batch of variants is led by the full layer (every slot its own row), its reference, computed
+    by the same code as they are: a variant that routes and computes a token as the full layer does
+    (a merge of singletons) has an error of exactly zero. (Computed apart, as `_stage_two` does,
+    the reference came out of a differently fused loop, 1 ulp off, once the merged table was in the
+    program; which is also why the merges are a program of their own, leaving the pruning one as it
+    was.) The batch's outputs are materialised (the barrier): sliced off them inside the error's
+    fusion, XLA recomputed the reference for every variant (1.3x slower).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+    from moejax.moe.dispatch import combine_from_table
+    from moejax.moe.routing import gates
+    from moejax.moe.topk import topk_indices_at_threshold
+
+    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+    n_shrunk = len(layout(cfg).merged)
+    kth_values = _kth_values(cfg)
+
+    # the table (rows: the layer's experts, then the merged ones) and logits shared by the loads;
+    # [W, ...] biases, masks, K-th values, rows
+    @functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0, 0))
+    def condition(table_ETD, logits_TE, bias_E, masks_AE, kth_AT, rows_AE):
+        s_TE = toy_layer.router_scores(logits_TE, cfg.router)
+        idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
+        gate_ATK = gates(s_TE, idx_ATK, router_cfg)
+        same = (rows_AE.shape[0] - n_shrunk,) + idx_ATK.shape[1:]
+        slot_ATK = jnp.concatenate([idx_ATK, jnp.broadcast_to(idx_ATK[0], same)])
+        gate_v_ATK = jnp.concatenate([gate_ATK, jnp.broadcast_to(gate_ATK[0], same)])
+        rows_v_AE = jnp.concatenate([jnp.arange(rows_AE.shape[1], dtype=rows_AE.dtype)[None], rows_AE])
+        row_ATK = jnp.take_along_axis(rows_v_AE[:, None, :], slot_ATK, axis=-1)  # ExpertMap.apply
+        y_ATD = jax.lax.optimization_barrier(combine_from_table(gate_v_ATK, row_ATK, table_ETD))
+        y_TD = y_ATD[0]
+        err_sq_AT = jnp.sum((y_ATD[1:] - y_TD) ** 2, axis=-1)
+        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+        return err_sq_AT.sum(axis=-1), err_sq_AT / y_sq_T, y_sq_T, idx_ATK[0], gate_ATK[0]
+
+    @jax.jit
+    def errors(f, logits, bias, masks, kth, rows, x, merged):
+        def seed_offset(args):
+            f_ETD, x_TD, merged_W, *per_load = args
+            table_ETD = f_ETD
+            if merged_W is not None:  # every load's merged experts, after the layer's own
+                flat = {k: w.reshape(-1, *w.shape[2:]) for k, w in merged_W.items()}
+                table_ETD = jnp.concatenate([f_ETD, toy_layer.expert_output_table(flat, x_TD)])
+            return condition(table_ETD, *per_load)
+
+        lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
+        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), (f, x, merged, logits, bias, masks, kth, rows))
+        out = jax.lax.map(seed_offset, flat)
+        return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
+
+    def run(f, logits, bias, masks, rows, x=None, merged=None):
+        return errors(f, logits, bias, masks, kth_values(logits, bias, masks), rows, x, merged)
+
+    return run
+
+
 def run(cfg: Toy3Config, progress=None, job_dir=None):
     """Run toy3; returns (tidy pandas DataFrame, timings dict)."""
     cfg.validate()
@@ -338,7 +609,10 @@ def _run(cfg: Toy3Config, progress=None):
     from moejax.scoring.select import select_kept
 
     keeps = cfg.keep_counts()
-    variants = [(name, keep) for name in cfg.scores for keep in keeps]  # stage two's variant axis
+    lay = layout(cfg)
+    n_pruned, n_merged, n_experts = len(lay.pruned), len(lay.merged), cfg.n_experts
+    n_rel = lay.n_masked + n_merged  # variants reported by rel_error; the Eq. 6 pairs follow them
+    n_merge_variants = 2 * n_merged + cfg.eq6_pairs  # shrunk forms, tied forms, pairs
     all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)
     batches = [all_seeds[i:i + cfg.seed_batch] for i in range(0, len(all_seeds), cfg.seed_batch)]
     rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0}
@@ -351,7 +625,12 @@ def _run(cfg: Toy3Config, progress=None):
         host = jax.device_get({k: v for k, v in one.items() if k not in ("f_held", "logits_held")})
         host["router"] = stacked["router"]
         t1 = time.perf_counter()
-        masks = np.zeros((len(batch), len(cfg.offsets), len(cfg.loads), len(variants), cfg.n_experts), bool)
+        lead = (len(batch), len(cfg.offsets), len(cfg.loads))
+        masks = np.zeros((*lead, lay.n_masked, n_experts), bool)  # pruning, then the shrunk forms
+        weight_rows = np.broadcast_to(np.arange(n_experts, dtype=np.int32), (*lead, n_merge_variants, n_experts)).copy()
+        merged = ({k: np.zeros((*lead, lay.n_slots, *stacked[k].shape[2:]), np.float32) for k in ("w1", "w2")}
+                  if lay.n_slots else None)
+        pairs, clustering = {}, {}
         for (s, seed), (o, offset), (l_, load) in conditions:
             base = dict(offset=offset, load=load, seed=int(seed))
             stats = stats_from_pairs(host["cal_idx"][s, o, l_], host["cal_gate"][s, o, l_],
@@ -363,22 +642,63 @@ def _run(cfg: Toy3Config, progress=None):
             usage = np.sort(stats.counts_E)[::-1]
             rows.append({**base, "score": None, "keep": None, "metric": "top16_share",
                          "value": float(usage[:16].sum() / usage.sum())})
-            for v, (name, keep) in enumerate(variants):
+            for v, (name, keep) in enumerate(lay.pruned):
                 masks[s, o, l_, v] = kept = select_kept(scores[name], keep)
                 rows.append({**base, "score": name, "keep": keep, "metric": "overlap_frequency",
                              "value": float(np.sum(kept & frequency_kept[keep]))})
+            first_row = n_experts + l_ * lay.n_slots  # this load's merged experts in the table
+            w1, w2 = stacked["w1"][s], stacked["w2"][s]
+            if (s, o) not in clustering:  # what the clusters read, per (seed, offset)
+                logits = np.asarray(host["logits_cal"][s, o], np.float64) if "logits_cal" in host else None
+                clustering[s, o] = {"mean_output": host["cal_mean_output"][s, o] if "cal_mean_output" in host else None,
+                                    "gram": None if logits is None else logits.T @ logits}
+            inputs = clustering[s, o]
+            maps = []  # (variants, slot of its first merged expert, MergeMap)
+            for m, (method, keep) in enumerate(lay.merged):
+                if method == "hc_smoe":  # the same clusters under either load (only the weights' freq differ)
+                    if keep not in inputs:
+                        inputs[keep] = merge_labels(method, keep, stats.counts_E, inputs["mean_output"])
+                    labels = inputs[keep]
+                else:
+                    labels = merge_labels(method, keep, stats.counts_E, logit_gram_EE=inputs["gram"])
+                mm = merge_map(method, labels, stats.counts_E, w1, w2, first_row + lay.first_slot[m])
+                masks[s, o, l_, n_pruned + m, mm.leaders] = True  # shrunk: only the leaders' slots
+                maps.append(([m, n_merged + m], lay.first_slot[m], mm))
+            pairs[s, o, l_] = coroute_pairs(host["cal_idx"][s, o, l_], n_experts, cfg.eq6_pairs)
+            for p, pair in enumerate(pairs[s, o, l_]):
+                slot = lay.first_slot[-1] + p
+                maps.append(([2 * n_merged + p], slot, pair_map(pair, stats.counts_E, w1, w2, first_row + slot)))
+            for variants, first_slot, mm in maps:
+                weight_rows[s, o, l_, variants] = mm.rows_E
+                for slot, weights in enumerate(mm.experts, start=first_slot):
+                    for k in merged:
+                        merged[k][s, o, l_, slot] = weights[k]
         t2 = time.perf_counter()
         rel_all, rel_per_token = jax.device_get(jax.block_until_ready(_stage_two(cfg)(
-            one["f_held"], one["logits_held"], one["bias"], masks)))
+            one["f_held"], one["logits_held"], one["bias"], masks[..., :n_pruned, :])))
         rel_median = np.median(rel_per_token, axis=-1)
+        if n_merge_variants:
+            err_sum, merge_per_token, y_sq, idx_held, gate_held = jax.device_get(jax.block_until_ready(
+                _stage_merges(cfg)(one["f_held"], one["logits_held"], one["bias"], masks[..., n_pruned:, :],
+                                   weight_rows, None if merged is None else stacked["x_held"], merged)))
+            rel_all = np.concatenate([rel_all, err_sum[..., :2 * n_merged] / y_sq.sum(axis=-1)[..., None]], axis=-1)
+            merge_median = np.median(merge_per_token[..., :2 * n_merged, :], axis=-1)
+            rel_median = np.concatenate([rel_median, merge_median], axis=-1)
         t3 = time.perf_counter()
+        f_held = np.asarray(one["f_held"])  # no copy on the CPU backend (for Eq. 6's prediction)
         for (s, seed), (o, offset), (l_, load) in conditions:
-            for v, (name, keep) in enumerate(variants):
+            for v, (name, keep) in enumerate(lay.labels(pairs[s, o, l_])):
                 base = dict(offset=offset, load=load, seed=int(seed), score=name, keep=keep)
-                rows.append({**base, "metric": "rel_error", "value": float(rel_all[s, o, l_, v])})
-                rows.append({**base, "metric": "rel_error_median", "value": float(rel_median[s, o, l_, v])})
+                if v < n_rel:
+                    rows.append({**base, "metric": "rel_error", "value": float(rel_all[s, o, l_, v])})
+                    rows.append({**base, "metric": "rel_error_median", "value": float(rel_median[s, o, l_, v])})
+                    continue
+                err_sq_T = merge_per_token[s, o, l_, v - n_pruned] * y_sq[s, o, l_].astype(np.float64)
+                for metric, value in eq6_metrics(pairs[s, o, l_][v - n_rel], idx_held[s, o, l_], gate_held[s, o, l_],
+                                                 f_held[s, o], err_sq_T).items():
+                    rows.append({**base, "metric": metric, "value": value})
         timings["stage_one_s"] += t1 - t0
-        timings["host_s"] += t2 - t1
+        timings["host_s"] += t2 - t1 + time.perf_counter() - t3
         timings["stage_two_s"] += t3 - t2
         if progress is not None:
             progress(len(batch))
@@ -388,11 +708,12 @@ def _run(cfg: Toy3Config, progress=None):
 
 
 def summary_table(df):
-    """Mean +- std over seeds of rel_error, rows (offset, load, score), one column per keep."""
+    """Mean +- std over seeds of rel_error, rows (offset, load, score), one column per keep; within a
+    condition the scores first, then the merges ("method:router form")."""
     err = df[df.metric == "rel_error"]
     agg = err.groupby(["offset", "load", "score", "keep"])["value"].agg(["mean", "std"]).reset_index()
     agg["cell"] = [f"{m:.3f} ± {0.0 if np.isnan(s) else s:.3f}" for m, s in zip(agg["mean"], agg["std"])]
     table = agg.pivot(index=["offset", "load", "score"], columns="keep", values="cell")
     table.columns = [f"keep={k}" for k in table.columns]
-    return table
+    return table.iloc[sorted(range(len(table)), key=lambda i: (*table.index[i][:2], ":" in table.index[i][2]))]
 

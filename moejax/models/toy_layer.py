@@ -69,6 +69,17 @@ def expert_output_table(weights: dict, x_TD: jax.Array) -> jax.Array:
     return grouped.expert_output_table(x_TD, expert_weights(weights), dispatch.relu_mlp)
 
 
+def mean_expert_outputs(weights: dict, x_TD: jax.Array) -> jax.Array:
+    """c_j = mean_t f_j(x_t) for every expert, [E, D] (HC-SMoE's representation of an expert), as
+    w2[j]^T . mean_t relu(w1[j]^T x_t): f_j is linear after its ReLU, so the mean moves inside and
+    only the first matmul runs per token. A loop over experts, each a whole GEMM."""
+    def one(w):
+        h_TF = jax.nn.relu(jnp.matmul(x_TD, w["w1"], precision=jax.lax.Precision.HIGHEST))
+        return jnp.matmul(jnp.mean(h_TF, axis=0), w["w2"], precision=jax.lax.Precision.HIGHEST)
+
+    return jax.lax.map(one, expert_weights(weights))
+
+
 def expert_weights(weights: dict) -> dict:
     """The experts' part of the layer's weights, as `dispatch.relu_mlp` takes them."""
     return {"w1": weights["w1"], "w2": weights["w2"]}
