@@ -130,3 +130,19 @@ def test_notebook_code_runs_on_a_run(results, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "tasks.png").stat().st_size > 5_000
+
+
+@pytest.mark.slow
+def test_merged_variants_on_the_tasks(ckpt, tmp_path):
+    """merges=[hc_smoe]: each merge under both router forms is a variant on every task; at keep=E
+    (every cluster a singleton) it reproduces the unpruned numbers exactly."""
+    run_job(job(ckpt, scores=["frequency"], merges=["hc_smoe"], tasks=["stdlib_ppl"]), tmp_path)
+    df = pd.read_parquet(tmp_path / "results.parquet")
+    tasks = df[df.task == "stdlib_ppl"]
+    base = tasks[tasks["mode"] == "none"].set_index("metric").value
+    for form in ("tied", "shrunk"):
+        merged = tasks[(tasks["mode"] == form) & (tasks.score == "hc_smoe")]
+        assert set(merged.keep) == {E, 8}
+        for _, row in merged[merged.keep == E].iterrows():
+            assert row.value == base[row.metric]
+        assert (merged[(merged.keep == 8) & (merged.metric == "bits_per_byte")].value != base["bits_per_byte"]).all()

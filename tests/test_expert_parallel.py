@@ -176,7 +176,7 @@ def test_scores_identical_on_a_mesh(ckpt, tmp_path):
 def test_toy3_identical_on_eight_expert_shards():
     from moejax.experiments import toy3
 
-    small = dict(seeds=2, n_calib=400, n_heldout=400, balance_steps=20, keep=(8, 16), eq6_pairs=0)
+    small = dict(seeds=2, n_calib=400, n_heldout=400, balance_steps=20, keep=(8, 16), merges=(), eq6_pairs=0)
     one, _ = toy3.run(toy3.Toy3Config(**small))
     eight, _ = toy3.run(toy3.Toy3Config(**small, backend="ep", mesh_expert=8))
     keys = ["offset", "load", "seed", "score", "keep", "metric"]
