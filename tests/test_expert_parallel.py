@@ -158,6 +158,7 @@ def test_each_device_block_is_read_from_its_own_experts(ckpt, monkeypatch):
     assert len(per_expert) == len({s.hf_name for s in per_expert}) == 2 * 3 * 8  # each expert tensor once
 
 
+@pytest.mark.slow  # 18 s; the expert-parallel forward and toy3 stay in the default run
 def test_scores_identical_on_a_mesh(ckpt, tmp_path):
     from moejax.scoring.score_checkpoint import score_checkpoint
     from moejax.scoring.select import select_kept

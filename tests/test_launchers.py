@@ -90,6 +90,7 @@ def test_slurm_sweep_renders_one_gpu_array_job(tmp_path):
                for line in lines)
 
 
+@pytest.mark.slow  # 30 s: the launcher's rendering is checked by the default run; this runs a real sweep
 def test_local_gpu_sweep_runs_each_job_in_its_own_process(tmp_path):
     from moejax.results import load  # JAX-free
 

@@ -20,7 +20,8 @@ def _sel(key, n_experts, coarse):
     return jnp.where(masked, -jnp.inf, sel), sel, ~masked[..., 0]
 
 
-@pytest.mark.parametrize("n_experts,k,coarse", [(64, 4, True), (64, 4, False), (40, 6, True), (70, 1, True),
+@pytest.mark.parametrize("n_experts,k,coarse", [pytest.param(64, 4, True, marks=pytest.mark.slow), (64, 4, False),
+                                                (40, 6, True), (70, 1, True),
                                                 (16, 8, True), (32, 2, False)])
 def test_same_choice_as_lax_top_k(n_experts, k, coarse):
     sel_ET, unmasked_ET, keep_E = _sel(jax.random.key(n_experts * 10 + k), n_experts, coarse)

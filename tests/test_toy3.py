@@ -48,9 +48,8 @@ def test_schema_and_invariants(small_run):
 
 
 def test_seeds_are_independent_of_batching():
-    # pruning only: merges read the same per-seed tables (tests/test_toy3_merging.py checks them)
-    a, _ = toy3.run(toy3.Toy3Config(seeds=3, keep=(16,), seed_batch=2, merges=(), eq6_pairs=0, **SMALL))
-    b, _ = toy3.run(toy3.Toy3Config(seeds=3, keep=(16,), seed_batch=3, merges=(), eq6_pairs=0, **SMALL))
+    a, _ = toy3.run(toy3.Toy3Config(seeds=3, keep=(16,), seed_batch=2, **SMALL))
+    b, _ = toy3.run(toy3.Toy3Config(seeds=3, keep=(16,), seed_batch=3, **SMALL))
     key = ["offset", "load", "seed", "score", "keep", "metric"]
     a, b = (d.sort_values(key, na_position="first").reset_index(drop=True) for d in (a, b))
     pd.testing.assert_frame_equal(a[key], b[key])
