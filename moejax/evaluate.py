@@ -386,8 +386,9 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
         if merges:
             zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[None]]
             m_stats = merge_stats(layer.mlp, zs, [None] * len(zs))
-            layer_merges = {(m, k): merge_layer(m, counts[m, k][layer_idx], m_stats, layer.mlp.expert_weights(),
-                                                seed=seed) for m in merges for k in keeps}
+            host = {k: np.asarray(v) for k, v in layer.mlp.expert_weights().items()}  # one host copy for every merge
+            layer_merges = {(m, k): merge_layer(m, counts[m, k][layer_idx], m_stats, host, seed=seed)
+                            for m in merges for k in keeps}
             clusters = {"counts": m_stats.counts_E.tolist(),
                         **{f"{m}@{k}": lm.clusters() for (m, k), lm in layer_merges.items()}}
     # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a

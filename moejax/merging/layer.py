@@ -64,11 +64,10 @@ class LayerMerge:
         kept[self.leaders] = True
         return kept
 
-    def expert_map(self, router: str, row_offset: int = 0, table: dict | None = None) -> ExpertMap:
-        """The layer's ExpertMap: rows index `self.weights` (or, with row_offset, a larger table
-        holding them from that row on)."""
-        return ExpertMap(jnp.asarray(self.kept_E(router)), jnp.asarray(self.labels_E + row_offset, jnp.int32),
-                         {k: jnp.asarray(v) for k, v in self.weights.items()} if table is None else table)
+    def expert_map(self, router: str) -> ExpertMap:
+        """The layer's ExpertMap: slot e computes with row labels_E[e] of `self.weights`."""
+        return ExpertMap(jnp.asarray(self.kept_E(router)), jnp.asarray(self.labels_E, jnp.int32),
+                         {k: jnp.asarray(v) for k, v in self.weights.items()})
 
     def clusters(self) -> list[list[int]]:
         """Each cluster's experts, the leader first, clusters by label."""
