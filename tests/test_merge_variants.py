@@ -250,3 +250,18 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
                               scores_file=tmp_path / "scores.parquet", allocation="global")
     assert record["allocation"] == "global"
     assert {int(l): len(layer["kept"]) for l, layer in record["layers"].items()} == want
+
+
+def test_merge_refuses_a_quantised_source_before_the_pass(dsv3, tmp_path):
+    """Merged experts would need re-quantising, which moejax does not do: refused by name, nothing written."""
+    from hf_fixtures import QUANT_CONFIGS, quantize, rewrite
+
+    from moejax.errors import CheckpointError
+    from moejax.surgery.merge import merge_checkpoint
+
+    path, _, calib = dsv3
+    src = rewrite(path, tmp_path / "fp8", quantize("fp8_block"), {"quantization_config": QUANT_CONFIGS["fp8_block"]})
+    np.save(tmp_path / "calib.npy", calib)
+    with pytest.raises(CheckpointError, match="quantised.*does not re-quantise"):
+        merge_checkpoint(src, tmp_path / "out", method="m_smoe", keep=4, tokens=tmp_path / "calib.npy")
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["calib.npy", "fp8"]
