@@ -3,6 +3,7 @@
     moejax score CKPT (--text PATH... | --tokens FILE.npy) [--seq-len N] [--max-tokens N]
                  [--scores frequency,reap,...] [--batch-size B] [--dtype bfloat16]
                  [--mesh-expert 8] [--mesh-data 1] --out scores.parquet
+    moejax score CKPT --scores bias,signed,l1[,random] [--seed S] --out scores.parquet   (data-free)
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
                  [--layers-keep FILE.json] [--allocation uniform|global] [--group-aware | --collapse-groups]
                  [--drop-mtp] [--overwrite]
@@ -12,6 +13,10 @@
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
     moejax diff SRC PRUNED [--hash] [--json]       (exit 1 when a check fails)
     moejax clean FOLDER...                          (stale staging folders of killed runs)
+
+inspect, plan, diff and data-free score also read remote checkpoints (headers and router tensors by
+range requests, nothing stored): CKPT = https://host/path/to/folder or hf://org/name[@revision].
+prune, merge and calibrated score read every weight and take local folders only.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ LOW_MEMORY_XLA_FLAGS = "--xla_disable_hlo_passes=while-loop-invariant-code-motio
 def _score(args) -> None:
     import os
 
+    from moejax.hf.storage import require_local
+
+    if args.text is None and args.tokens is None:
+        return _score_data_free(args)
+    require_local(args.checkpoint, "moejax score with calibration data")
+
     from moejax.parallel.mesh import MeshConfig, request_cpu_devices
 
     mesh = MeshConfig(data=args.mesh_data, expert=args.mesh_expert)
@@ -45,6 +56,20 @@ def _score(args) -> None:
                           max_tokens=args.max_tokens, scores=scores, batch_size=args.batch_size, out=args.out,
                           dtype=args.dtype, mesh=mesh)
     print(f"{df.layer.nunique()} MoE layers x {df.expert.nunique()} experts x {df.score.nunique()} scores "
+          f"-> {args.out} (+ {args.out.rsplit('.', 1)[0]}.json)")
+
+
+def _score_data_free(args) -> None:
+    """`moejax score CKPT --scores l1,signed,bias --out FILE` without calibration data: the
+    data-free scores from the router tensors alone (CKPT may be remote)."""
+    from moejax.errors import ConfigError
+    from moejax.scoring.score_checkpoint import score_data_free
+
+    if not args.scores:
+        raise ConfigError("give calibration data (--text or --tokens), or --scores naming only data-free scores "
+                          "(e.g. --scores bias,signed,l1) to score from the router weights alone")
+    df = score_data_free(args.checkpoint, scores=args.scores.split(","), out=args.out, seed=args.seed)
+    print(f"{df.layer.nunique()} MoE layers x {df.expert.nunique()} experts x {df.score.nunique()} data-free scores "
           f"-> {args.out} (+ {args.out.rsplit('.', 1)[0]}.json)")
 
 
@@ -79,7 +104,10 @@ def _read_layers_keep(path: str | None) -> dict | None:
 
 
 def _prune(args) -> None:
+    from moejax.hf.storage import require_local
     from moejax.surgery.prune import prune_checkpoint
+
+    require_local(args.src, "moejax prune")
 
     record = prune_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
@@ -94,7 +122,10 @@ def _prune(args) -> None:
 
 
 def _merge(args) -> None:
+    from moejax.hf.storage import require_local
     from moejax.surgery.merge import merge_checkpoint
+
+    require_local(args.src, "moejax merge")
 
     record = merge_checkpoint(
         args.src, args.dst, method=args.method, keep=parse_keep(args.keep), text=args.text, tokens=args.tokens,
@@ -109,8 +140,8 @@ def _merge(args) -> None:
         print(f"note: {note}")
 
 
-def _calibration_arguments(p) -> None:
-    data = p.add_mutually_exclusive_group(required=True)
+def _calibration_arguments(p, required: bool = True) -> None:
+    data = p.add_mutually_exclusive_group(required=required)
     data.add_argument("--text", nargs="+", help="text files, folders or globs")
     data.add_argument("--tokens", help="pre-tokenised ids, a .npy int array [n_seq, seq_len]")
     p.add_argument("--seq-len", type=int, default=None,
@@ -138,11 +169,15 @@ def _diff(args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="moejax", description="moejax checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("score", help="every expert score of every MoE layer from one calibration pass")
-    p.add_argument("checkpoint")
-    _calibration_arguments(p)
+    p = sub.add_parser("score", help="every expert score of every MoE layer from one calibration pass "
+                       "(or, without --text/--tokens, the data-free --scores of a local or remote checkpoint)")
+    p.add_argument("checkpoint", help="a local folder; for data-free scores also an https:// base URL or "
+                   "hf://org/name[@revision]")
+    _calibration_arguments(p, required=False)
     p.add_argument("--scores", default=None, help="comma-separated; default: every score the model supports (all nine; "
-                   "without `bias` for routers with no balance bias)")
+                   "without `bias` for routers with no balance bias); without calibration data: data-free "
+                   "scores only (bias, signed, l1, random)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random score (data-free scoring)")
     p.add_argument("--mesh-expert", type=int, default=1, help="devices the routed experts are split over")
     p.add_argument("--mesh-data", type=int, default=1, help="data-parallel devices (tokens split)")
     p.add_argument("--out", required=True, help="scores.parquet")
@@ -183,8 +218,8 @@ def main(argv=None) -> int:
     p.set_defaults(func=_merge)
 
     p = sub.add_parser("diff", help="recover and audit a pruned checkpoint's selection against its source")
-    p.add_argument("src")
-    p.add_argument("pruned")
+    p.add_argument("src", help="a local folder, an https:// base URL or hf://org/name[@revision]")
+    p.add_argument("pruned", help="the same kinds of location")
     p.add_argument("--hash", action="store_true", help="also compare the bytes of every non-router tensor")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_diff)

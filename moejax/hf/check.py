@@ -1,6 +1,7 @@
 """The one check of a checkpoint folder against its config.json, run by every command before work.
 
-`check_checkpoint(path)` is what `from_pretrained`, `moejax score`, `prune`, `inspect`, `plan` and
+`check_checkpoint(path)` (a local folder, or a remote location for the read-only tools: see
+`moejax.hf.storage`) is what `from_pretrained`, `moejax score`, `prune`, `inspect`, `plan` and
 `diff` all call first, so each refuses exactly what the others refuse:
 
 * files: the index's shard paths are relative and stay inside the folder (a Hugging Face cache
@@ -30,8 +31,9 @@ from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
 from moejax.hf.safetensors_format import CONFIG_NAME
+from moejax.hf.storage import Storage, open_location
 from moejax.models.family import Family
-from moejax.models.registry import family_of, read_config
+from moejax.models.registry import config_from_dict, family_of, read_config
 
 DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
 PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8"}  # the element type of a packed 4-bit `weight_packed`
@@ -43,7 +45,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 class CheckedCheckpoint:
     """A checkpoint folder whose headers agree with its config.json."""
 
-    path: Path                 # resolved
+    path: Path                 # resolved (a remote checkpoint: its RemotePath, printed as its URL)
     config: object             # the family's config class
     family: Family
     reader: FusedExpertsReader  # answers per-expert names for transformers-5 fused expert tensors too
@@ -171,20 +173,31 @@ def check_checkpoint(path, *, uniform_experts: bool = True) -> CheckedCheckpoint
     (`moe_sparsity_config`), which the checkpoint tools read but the model does not build."""
     problems, checked = _checked(path, uniform_experts)
     if problems:
-        raise CheckpointError(f"{path}: checkpoint does not match its config.json:\n  - " + "\n  - ".join(problems))
+        where = path.describe() if isinstance(path, Storage) else path
+        raise CheckpointError(f"{where}: checkpoint does not match its config.json:\n  - " + "\n  - ".join(problems))
     return checked
 
 
 def checkpoint_problems(path, *, uniform_experts: bool = False) -> list[str]:
     """The mismatches `check_checkpoint` would raise, as a list, for a tool that reports them
     (`moejax diff` auditing a pruned checkpoint). Unreadable files and configs still raise."""
-    return _checked(path, uniform_experts)[0]
+    return audit_checkpoint(path, uniform_experts=uniform_experts)[0]
+
+
+def audit_checkpoint(path, *, uniform_experts: bool = False) -> tuple[list[str], CheckpointReader]:
+    """checkpoint_problems and the checkpoint's reader, so that an audit reads (a remote
+    checkpoint: fetches) the headers once."""
+    problems, checked = _checked(path, uniform_experts)
+    return problems, checked.reader.reader
 
 
 def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]:
-    path = Path(path)
-    raw = CheckpointReader(path)
-    cfg = read_config(path / CONFIG_NAME, uniform_experts=uniform_experts)
+    storage = open_location(path)
+    raw = CheckpointReader(storage)
+    if storage.remote:  # the same strict config parsing, on the bytes fetched
+        cfg = config_from_dict(raw.config(), str(storage.root / CONFIG_NAME), uniform_experts=uniform_experts)
+    else:
+        cfg = read_config(storage.root / CONFIG_NAME, uniform_experts=uniform_experts)
     family = family_of(cfg)
     reader = FusedExpertsReader(raw, tuple(family.rule(n).hf for n in ("expert_gate", "expert_up", "expert_down")),
                                 family.rule("router").hf)
@@ -192,4 +205,5 @@ def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]
     specs = tensor_specs(cfg)
     problems, stored, carried = check_tensors(cfg, reader, specs, fmt)
     layout = checkpoint_layout(raw, family.moe_block) if not problems else None
-    return problems, CheckedCheckpoint(path.resolve(), cfg, family, reader, fmt, specs, stored, carried, layout)
+    where = storage.root if storage.remote else storage.root.resolve()
+    return problems, CheckedCheckpoint(where, cfg, family, reader, fmt, specs, stored, carried, layout)

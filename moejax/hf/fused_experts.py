@@ -94,6 +94,12 @@ class FusedExpertsReader:
             self._cache = (part.fused, self.reader.read(part.fused))
         return self._cache[1][part.expert, part.rows]
 
+    def read_rows(self, name: str, start: int, stop: int):
+        """Rows of an unfused tensor (the embedding table, the output head)."""
+        if name in self._virtual:
+            return self.read(name)[start:stop]
+        return self.reader.read_rows(name, start, stop)
+
     def shard_of(self, name: str):
         return self.reader.shard_of(self._virtual[name].fused if name in self._virtual else name)
 

@@ -3,7 +3,9 @@ also the per-tensor header facts and the text tables that `moejax plan` (`moejax
 builds on.
 
 No tensor data is read (only each shard's header), so inspect and plan answer in seconds for a
-700 GB checkpoint and work on a checkpoint whose shards are still being downloaded as sparse files.
+700 GB checkpoint and work on a checkpoint whose shards are still being downloaded as sparse files,
+or on one that is not downloaded at all (`moejax inspect https://host/ckpt` or `hf://org/name@rev`:
+one or two range requests per shard, `moejax.hf.remote`).
 The module imports neither JAX nor torch, so the commands start fast.
 
 Parameter counting follows Hugging Face (SPEC section 6): every tensor in the checkpoint counts its
@@ -28,6 +30,7 @@ from moejax.hf.check import PACKED_DTYPES, check_checkpoint
 from moejax.hf.layout import CheckpointLayout
 from moejax.hf.quant import QUANT_FORMATS
 from moejax.hf.safetensors_format import DTYPE_BITS, TensorInfo
+from moejax.hf.storage import open_location
 
 PACKED_SUFFIX = "weight_packed"
 
@@ -102,7 +105,7 @@ def _suffix(name: str) -> str:
 class CheckpointFacts:
     """A checkpoint as headers, config and layout: everything inspect and plan look at."""
 
-    path: Path
+    path: Path  # a remote checkpoint: its RemotePath (prints as its URL)
     config: object  # the family's config, types and ranges checked (moejax.hf.check)
     fmt: str | None
     layout: CheckpointLayout
@@ -110,11 +113,13 @@ class CheckpointFacts:
 
 
 def checkpoint_facts(path) -> CheckpointFacts:
-    checked = check_checkpoint(path, uniform_experts=False)  # the check every command runs first
+    """`path`: a local folder or a remote location (https://, hf://; `moejax.hf.storage`)."""
+    storage = open_location(path)
+    checked = check_checkpoint(storage, uniform_experts=False)  # the check every command runs first
     reader, layout, fmt = checked.reader.reader, checked.layout, checked.fmt
     routed = layout.routed_names()
     tensors = {name: tensor_facts(reader.info(name), fmt, name in routed) for name in reader.keys()}
-    return CheckpointFacts(Path(path), checked.config, fmt, layout, tensors)
+    return CheckpointFacts(storage.root, checked.config, fmt, layout, tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,7 +305,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add `inspect CKPT [--json]` to an argparse subparsers object; it sets `func(args)`, which
     prints the report. `moejax.hf.planning.register_cli` adds `plan`."""
     p = subparsers.add_parser("inspect", help="parameters, bytes and MoE structure of a checkpoint (headers only)")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="a local folder, an https:// base URL or hf://org/name[@revision]")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_run_inspect)
 

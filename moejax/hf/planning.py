@@ -213,7 +213,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add `plan CKPT [--gpu NAME=GB ...] [--headroom F] [--json]` to an argparse subparsers object;
     it sets `func(args)`, which prints the report."""
     p = subparsers.add_parser("plan", help="accelerators needed for a checkpoint's weights, per storage format")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="a local folder, an https:// base URL or hf://org/name[@revision]")
     p.add_argument("--gpu", action="append", default=[], metavar="NAME=GB",
                    help="an extra accelerator and its memory in GB (1e9 bytes); repeatable")
     p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,

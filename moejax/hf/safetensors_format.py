@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.errors import CheckpointError
+from moejax.hf.storage import LOCAL_FILES, Storage
 
 # The files of a Hugging Face checkpoint folder.
 INDEX_NAME = "model.safetensors.index.json"
@@ -122,12 +122,15 @@ class SafetensorsFile:
     """One .safetensors file whose header is parsed and validated up front; data is read on demand.
 
     Validation happens at construction so that a corrupt file fails before any expensive work,
-    with a message naming the file and the offending tensor.
+    with a message naming the file and the offending tensor. `storage` says where the bytes come
+    from (default: the local file `path`; a remote storage reads by range requests, the same
+    parsing and checks applying); `prefix` = (file size, first bytes) already fetched for it.
     """
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        header, data_start, data_size = _read_header(self.path)
+    def __init__(self, path, storage: Storage | None = None, *, prefix: tuple[int, bytes] | None = None):
+        self.storage = storage or LOCAL_FILES
+        self.path = Path(path) if storage is None else path
+        header, data_start, data_size = _read_header(self.path, self.storage, prefix)
         self.metadata: dict[str, str] = _parse_metadata(header.pop("__metadata__", {}), self.path)
         self._infos = {
             name: _parse_entry(name, entry, self.path, data_start, data_size)
@@ -147,11 +150,9 @@ class SafetensorsFile:
         return self._infos[name]
 
     def read_bytes(self, name: str) -> bytes:
-        """Exactly this tensor's bytes (one seek and one read, never the whole file)."""
+        """Exactly this tensor's bytes (one read, or one range request; never the whole file)."""
         info = self.info(name)
-        with open(info.file, "rb") as handle:
-            handle.seek(info.begin)
-            data = handle.read(info.nbytes)
+        data = self.storage.read_range(info.file, info.begin, info.nbytes)
         check_complete_read(info, len(data))
         return data
 
@@ -160,10 +161,25 @@ class SafetensorsFile:
         info = self.info(name)
         dtype = numpy_dtype(info.dtype, f"{info.file}: tensor {name!r}")
         buffer = bytearray(info.nbytes)
-        with open(info.file, "rb") as handle:
-            handle.seek(info.begin)
-            check_complete_read(info, handle.readinto(buffer))
+        check_complete_read(info, self.storage.read_into(info.file, info.begin, buffer))
         return np.frombuffer(buffer, dtype=dtype).reshape(info.shape)
+
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the tensor's first axis (one read of just those bytes): an
+        embedding table or output head a vocabulary chunk at a time."""
+        info = self.info(name)
+        dtype = numpy_dtype(info.dtype, f"{info.file}: tensor {name!r}")
+        if not info.shape or not 0 <= start <= stop <= info.shape[0]:
+            raise CheckpointError(f"{info.file}: tensor {name!r} of shape {list(info.shape)}: "
+                                  f"rows [{start}, {stop}) out of range")
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        buffer = bytearray(row_bytes * (stop - start))
+        count = self.storage.read_into(info.file, info.begin + start * row_bytes, buffer)
+        if count != len(buffer):
+            raise CheckpointError(f"{info.file}: tensor {name!r} rows [{start}, {stop}): expected {len(buffer)} "
+                                  f"bytes, read {count} (file changed since it was opened?)")
+        return np.frombuffer(buffer, dtype=dtype).reshape((stop - start,) + tuple(info.shape[1:]))
 
 
 def check_complete_read(info: TensorInfo, count: int) -> None:
@@ -174,33 +190,35 @@ def check_complete_read(info: TensorInfo, count: int) -> None:
             f"read {count} (file changed since it was opened?)")
 
 
-def _read_header(path: Path) -> tuple[dict, int, int]:
-    """The header JSON as a dict, the absolute offset of the data buffer, and the buffer's size."""
+def _read_header(path, storage: Storage, prefix: tuple[int, bytes] | None) -> tuple[dict, int, int]:
+    """The header JSON as a dict, the absolute offset of the data buffer, and the buffer's size.
+    The storage's first read takes `storage.header_prefetch` bytes (8 locally: the length field;
+    remote: enough for most headers in one request); a second read fetches the rest of a longer
+    header."""
     try:
-        file_size = path.stat().st_size
-        with open(path, "rb") as handle:
-            length_field = handle.read(_HEADER_LENGTH_BYTES)
-            if len(length_field) < _HEADER_LENGTH_BYTES:
-                raise CheckpointError(
-                    f"{path}: {file_size} bytes, shorter than the 8-byte header length field")
-            (header_length,) = struct.unpack("<Q", length_field)
-            if header_length > min(_MAX_HEADER_BYTES, file_size - _HEADER_LENGTH_BYTES):
-                raise CheckpointError(
-                    f"{path}: header length field says {header_length} bytes, but the file has "
-                    f"{file_size - _HEADER_LENGTH_BYTES} after it (limit {_MAX_HEADER_BYTES}); "
-                    "truncated or not a safetensors file")
-            header_bytes = handle.read(header_length)
+        file_size, first = prefix if prefix is not None else storage.read_prefix(path, storage.header_prefetch)
+        if len(first) < _HEADER_LENGTH_BYTES:
+            raise CheckpointError(f"{path}: {file_size} bytes, shorter than the 8-byte header length field")
+        (header_length,) = struct.unpack("<Q", first[:_HEADER_LENGTH_BYTES])
+        if header_length > min(_MAX_HEADER_BYTES, file_size - _HEADER_LENGTH_BYTES):
+            raise CheckpointError(
+                f"{path}: header length field says {header_length} bytes, but the file has "
+                f"{file_size - _HEADER_LENGTH_BYTES} after it (limit {_MAX_HEADER_BYTES}); "
+                "truncated or not a safetensors file")
+        data_start = _HEADER_LENGTH_BYTES + header_length
+        header_bytes = first[_HEADER_LENGTH_BYTES:data_start]
+        if len(first) < data_start:
+            header_bytes += storage.read_range(path, len(first), data_start - len(first))
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read safetensors file: {error}") from error
     header = _parse_header_json(header_bytes, path)
-    data_start = _HEADER_LENGTH_BYTES + header_length
     return header, data_start, file_size - data_start
 
 
 def _parse_header_json(header_bytes: bytes, path: Path) -> dict:
     """Decode the JSON header, refusing duplicate keys (the format forbids them)."""
     try:
-        header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_refuse_duplicate_keys)
+        header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=refuse_duplicate_keys)
     except (UnicodeDecodeError, json.JSONDecodeError, _DuplicateKey) as error:
         raise CheckpointError(f"{path}: header is not valid UTF-8 JSON: {error}") from error
     if not isinstance(header, dict):
@@ -212,7 +230,7 @@ class _DuplicateKey(ValueError):
     """Raised inside json.loads when a header names a tensor twice (json would keep the last)."""
 
 
-def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+def refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     result = {}
     for key, value in pairs:
         if key in result:

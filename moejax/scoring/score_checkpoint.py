@@ -1,6 +1,9 @@
 """`moejax score`: every score of every MoE layer of a checkpoint from one streamed calibration
 pass, written as a tidy table (layer, expert, score, value) plus a JSON sidecar with the per-layer
-statistics and the run's settings. The scores file is what pruning and evaluation consume."""
+statistics and the run's settings. The scores file is what pruning and evaluation consume.
+
+Without calibration data, `score_data_free` computes the data-free scores (bias, signed, l1,
+random) from the router tensors alone, of a local or a remote checkpoint (`moejax.hf.storage`)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     routers and statistics stay float32/float64 either way). scores: names, or None for every score
     the model supports (`bias` only where routers have a balance bias). mesh: run the pass expert-parallel
     (routed experts split over mesh.expert devices); the scores are the same."""
+    from moejax.hf.storage import require_local
+
+    require_local(checkpoint, "moejax score with calibration data")  # before JAX starts
     import jax
     import pandas as pd
 
@@ -82,6 +88,51 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
         }
         write_json_atomic(out.with_suffix(".json"), sidecar)
         write_parquet_atomic(df, out)  # last: its presence means the run completed
+    return df
+
+
+def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
+    """The data-free scores (SPEC section 2: from router rows and balance biases alone; no
+    calibration pass, no JAX) of every MoE layer, MTP layers included (the layers `moejax prune
+    --score NAME` ranks, so `prune --scores-file` of this table keeps the same experts), as the
+    table `score_checkpoint` gives (layer, expert, score, value); written to `out` (parquet, plus
+    `out` with suffix .json) when given. `checkpoint`: a local folder or a remote location
+    (https:// base URL, hf://org/name[@revision]), of which only the headers, config.json and the
+    router and bias tensors are read. seed: the `random` score's."""
+    import pandas as pd
+
+    from moejax import __version__
+    from moejax.hf.check import check_checkpoint
+    from moejax.hf.storage import open_location
+    from moejax.results import write_json_atomic, write_parquet_atomic
+    from moejax.scoring.scores import DATA_FREE_SCORES
+    from moejax.surgery.prune import router_stats
+
+    names = check_score_names(scores)
+    calibrated = [n for n in names if n not in DATA_FREE_SCORES]
+    if calibrated:
+        raise ConfigError(f"score(s) {calibrated} need a calibration pass: give --text or --tokens; without "
+                          f"calibration data only the data-free scores ({', '.join(DATA_FREE_SCORES)}) are computed")
+    if out is not None:  # before any byte is fetched
+        check_output_file(out)
+        check_output_file(Path(out).with_suffix(".json"))
+    storage = open_location(checkpoint)
+    checked = check_checkpoint(storage, uniform_experts=False)  # headers and config.json only
+    names = scores_for(names, checked.config.HAS_BALANCE_BIAS, storage.describe())
+    rows = []
+    for layer, ml in checked.layout.moe_layers.items():
+        for name, values in compute_scores(router_stats(checked.reader.reader, ml, seed), names).items():
+            if not np.isfinite(values).all():
+                raise CheckpointError(f"layer {layer}: score {name!r} is not finite at experts "
+                                      f"{np.flatnonzero(~np.isfinite(values)).tolist()[:16]}; nothing was written")
+            rows += [{"layer": layer, "expert": e, "score": name, "value": float(v)} for e, v in enumerate(values)]
+    df = pd.DataFrame(rows, columns=["layer", "expert", "score", "value"])
+    if out is not None:
+        write_json_atomic(Path(out).with_suffix(".json"), {
+            "checkpoint": storage.describe(), "data_free": True, "scores": names, "seed": seed,
+            "layers": sorted(checked.layout.moe_layers),
+            "versions": {"moejax": __version__, "python": platform.python_version()}})
+        write_parquet_atomic(df, Path(out))  # last: its presence means the run completed
     return df
 
 

@@ -6,27 +6,50 @@ experts survived, in which order, without any record from the tool that pruned i
 selection known, every other tensor can be checked for name, shape and (with `--hash`) bytes,
 and the data-free scores (`signed`, `l1`, `bias`) can be asked whether they explain the choice.
 
-Only headers, router tensors and balance biases are read unless `hash_tensors` asks for more.
+Only headers, router tensors and balance biases are read unless `hash_tensors` asks for more, so
+either checkpoint may be remote (an https:// base URL or hf://org/name[@revision]): the audit then
+costs one or two range requests per shard header and one per router and bias tensor.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from pathlib import Path
 
 import numpy as np
 
-from moejax.hf.check import check_checkpoint, checkpoint_problems
+from moejax.hf.check import audit_checkpoint, check_checkpoint
 from moejax.hf.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
-from moejax.hf.safetensors_format import TensorInfo
+from moejax.hf.safetensors_format import TensorInfo, numpy_dtype
+from moejax.hf.storage import open_location
 from moejax.scoring.scores import DATA_FREE_SCORES, compute_scores, rank_correlation
 from moejax.scoring.select import select_kept
 from moejax.surgery.prune import router_stats
 
 # The data-free scores a selection is audited against (random explains nothing).
 DATA_FREE = tuple(n for n in DATA_FREE_SCORES if n != "random")
+
+
+class _ReadOnce:
+    """A reader that keeps the tensors read through it, so one layer's router and bias are read
+    once (a remote checkpoint: one range request each) for both the row matching and the scores."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader, self._bytes = reader, {}
+
+    def read_bytes(self, name: str) -> bytes:
+        if name not in self._bytes:
+            self._bytes[name] = self.reader.read_bytes(name)
+        return self._bytes[name]
+
+    def read(self, name: str) -> np.ndarray:
+        info = self.reader.info(name)
+        dtype = numpy_dtype(info.dtype, f"{info.file}: tensor {name!r}")
+        return np.frombuffer(bytearray(self.read_bytes(name)), dtype=dtype).reshape(info.shape)
+
+    def __getattr__(self, attribute):  # info, shard_of, ...: the reader's
+        return getattr(self.reader, attribute)
 
 
 def _rows(reader: CheckpointReader, name: str) -> tuple[str, list[bytes]]:
@@ -84,17 +107,15 @@ def _score_report(scores: dict[str, np.ndarray], kept: list[int]) -> dict:
     return {"scores": out, "overlap_between_scores": pairs}
 
 
-def _tensor_digest(info: TensorInfo) -> str:
+def _tensor_digest(reader: CheckpointReader, info: TensorInfo) -> str:
+    """SHA-256 of one tensor's bytes, read in 64 MiB pieces (range requests when remote)."""
     digest = hashlib.sha256()
-    with open(info.file, "rb") as handle:
-        handle.seek(info.begin)
-        remaining = info.nbytes
-        while remaining:
-            chunk = handle.read(min(remaining, 64 * 2**20))
-            if not chunk:
-                break
-            digest.update(chunk)
-            remaining -= len(chunk)
+    step = 64 * 2**20
+    for start in range(info.begin, info.end, step):
+        chunk = reader.storage.read_range(info.file, start, min(step, info.end - start))
+        if not chunk:
+            break
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -123,10 +144,10 @@ def _expected_names(src_layout: CheckpointLayout, pruned_layout: CheckpointLayou
 
 def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
     """The audit of `pruned` against `src` as a JSON-serialisable dict (see module docstring)."""
+    src, pruned = open_location(src), open_location(pruned)  # either may be remote (https://, hf://)
     checked = check_checkpoint(src, uniform_experts=False)  # the source must be sound, as for prune
     src_reader, src_layout = checked.reader.reader, checked.layout
-    pruned_problems = checkpoint_problems(pruned)          # the pruned one is audited: its problems are reported
-    pruned_reader = CheckpointReader(pruned)
+    pruned_problems, pruned_reader = audit_checkpoint(pruned)  # the pruned one is audited: its problems reported
     pruned_layout = checkpoint_layout(pruned_reader, checked.family.moe_block)  # read as the source's family
     layers, kept_by_layer = {}, {}
     for layer, pml in pruned_layout.moe_layers.items():
@@ -135,7 +156,8 @@ def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
             layers[str(layer)] = {"error": "MoE layer in the pruned checkpoint but not in the source"}
             kept_by_layer[layer] = [None] * pml.n_experts
             continue
-        src_dtype, src_rows = _rows(src_reader, sml.router)
+        src_layer = _ReadOnce(src_reader)
+        src_dtype, src_rows = _rows(src_layer, sml.router)
         pruned_dtype, pruned_rows = _rows(pruned_reader, pml.router)
         kept = match_rows(src_rows, pruned_rows) if src_dtype == pruned_dtype else [None] * len(pruned_rows)
         kept_by_layer[layer] = kept
@@ -147,11 +169,11 @@ def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
             "bias_identical": None,
         }
         if sml.bias and pml.bias:
-            _, src_bias = _rows(src_reader, sml.bias)
+            _, src_bias = _rows(src_layer, sml.bias)
             _, pruned_bias = _rows(pruned_reader, pml.bias)
             entry["bias_identical"] = all(k is not None and pruned_bias[j] == src_bias[k] for j, k in enumerate(kept))
         if entry["rows_identical"]:
-            entry.update(_score_report(data_free_scores(src_reader, sml), sorted(kept)))
+            entry.update(_score_report(data_free_scores(src_layer, sml), sorted(kept)))
         layers[str(layer)] = entry
     expected = _expected_names(src_layout, pruned_layout, kept_by_layer)
     pruned_names = set(pruned_reader.keys()) - pruned_layout.router_names()
@@ -162,11 +184,11 @@ def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
         a, b = src_reader.info(expected[name]), pruned_reader.info(name)
         if (a.dtype, a.shape) != (b.dtype, b.shape):
             mismatched.append(f"{name}: {b.dtype}{list(b.shape)}, source {expected[name]} is {a.dtype}{list(a.shape)}")
-        elif hash_tensors and _tensor_digest(a) != _tensor_digest(b):
+        elif hash_tensors and _tensor_digest(src_reader, a) != _tensor_digest(pruned_reader, b):
             differing_bytes.append(name)
     dropped_layers = sorted(set(src_layout.decoder_layers) - set(pruned_layout.decoder_layers))
     report = {
-        "source": str(Path(src).resolve()), "pruned": str(Path(pruned).resolve()),
+        "source": src.describe(), "pruned": pruned.describe(),
         "layers": layers,
         "dropped_layers": dropped_layers,
         "pruned_config_problems": pruned_problems,
