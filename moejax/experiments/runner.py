@@ -28,6 +28,7 @@ from pathlib import Path
 
 from moejax.errors import ConfigError
 from moejax.experiments import EXPERIMENTS, get, register_configs
+from moejax.parallel.distributed import DistributedConfig, initialize
 from moejax.parallel.mesh import MeshConfig, request_cpu_devices
 from moejax.results import write_json_atomic, write_parquet_atomic, write_text_atomic
 from moejax.signals import KillSwitch, Killed
@@ -112,25 +113,36 @@ class _Progress:
 
 
 def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
+    """Validate, compute and write one job. In a multi-process job (the `distributed` settings, or
+    several Slurm tasks: moejax.parallel.distributed) every process computes and process 0 alone
+    writes the job folder; the others return the same table and write nothing."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = _Progress(cfg.get("name") or "job", 1)
-    counted = False
+    counted, primary = False, True
     with KillSwitch() as switch:
         try:
+            distributed = DistributedConfig.from_dict(cfg.get("distributed"))
+            primary = distributed.process_index() == 0
             module, typed = experiment_config(cfg)  # before any compute
-            request_cpu_devices(MeshConfig.from_dict(cfg.get("mesh")).n_devices)  # before JAX starts
+            mesh_devices = MeshConfig.from_dict(cfg.get("mesh")).n_devices
+            request_cpu_devices(distributed.local_device_count(mesh_devices))  # before JAX starts
             import yaml
 
-            write_text_atomic(out_dir / "resolved_config.yaml", yaml.safe_dump(cfg, sort_keys=False))
+            if primary:
+                write_text_atomic(out_dir / "resolved_config.yaml", yaml.safe_dump(cfg, sort_keys=False))
             progress.stage, progress.total = "start", getattr(typed, "seeds", 1)
             enable_compilation_cache()
+            initialize(distributed)  # one process: nothing
             progress.stage = "compute"
             t0 = time.perf_counter()
             callback = progress.callback()
             counted = callback is not None
             df, timings = module.run(typed, progress=callback, job_dir=out_dir)
             timings["total_s"] = time.perf_counter() - t0
+            if not primary:
+                switch.stopped = True
+                return df
             progress.stage = "write"
             switch.check()
             write_parquet_atomic(df, out_dir / "results.parquet")
@@ -149,12 +161,14 @@ def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
             if switch.signum is None and isinstance(exc, Killed):  # an inner switch (a staging folder) took it
                 switch.signum = exc.signum
             if switch.signum is None:
-                record_failure(out_dir, exc, overrides)
+                if primary:  # process 0 reports the job (the others' errors are on their stderr)
+                    record_failure(out_dir, exc, overrides)
                 raise
             killed = exc if isinstance(exc, Killed) else Killed(switch.signum)
             if killed is not exc:  # the experiment turned Killed into another exception
                 killed.__traceback__ = exc.__traceback__
-            record_killed(out_dir, killed, overrides, {**progress.record(counted), "experiment": cfg.get("name")})
+            if primary:
+                record_killed(out_dir, killed, overrides, {**progress.record(counted), "experiment": cfg.get("name")})
             if killed is exc:
                 raise
             raise killed from exc

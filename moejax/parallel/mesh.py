@@ -69,10 +69,17 @@ def mesh_context(cfg: MeshConfig):
 
 
 def make_mesh(cfg: MeshConfig, devices=None):
-    """A `jax.sharding.Mesh` of cfg.data x cfg.expert devices (the first n of jax.devices())."""
+    """A `jax.sharding.Mesh` of cfg.data x cfg.expert devices (the first n of jax.devices()). In a
+    multi-process job (moejax.parallel.distributed) it must span every process's devices: process p's
+    devices follow process p-1's, so each holds a contiguous block of the expert axis."""
     import jax
     import numpy as np
 
+    if devices is None and jax.process_count() > 1 and cfg.n_devices != jax.device_count():
+        raise ConfigError(
+            f"mesh data={cfg.data} x expert={cfg.expert} is {cfg.n_devices} device(s), but this job's "
+            f"{jax.process_count()} processes have {jax.device_count()}: a multi-process mesh spans every device "
+            f"(set mesh.data x mesh.expert = {jax.device_count()})")
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < cfg.n_devices:
         raise ConfigError(

@@ -21,6 +21,7 @@ from flax import nnx
 
 from moejax.moe import dispatch as dispatch_lib
 from moejax.moe.routing import route
+from moejax.parallel.distributed import to_host
 from moejax.scoring.scores import LayerStats, StatsAccumulator
 
 
@@ -91,8 +92,8 @@ def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator) -> None:
     """Add one MoE layer's statistics over batches (router inputs [B*S, H], masks [B*S] or None)."""
     graphdef, state = nnx.split(moe)
     for x_TH, mask in zip(router_inputs, masks):
-        out = jax.device_get(_pairs(graphdef, state, x_TH))
-        acc.add(out["idx"], out["gate"], out["norm"], jax.device_get(x_TH), mask,
+        out, x_TH = to_host((_pairs(graphdef, state, x_TH), x_TH))  # gathered from every process's devices
+        acc.add(out["idx"], out["gate"], out["norm"], x_TH, mask,
                 out["code_idx"], out["code_gate"], out["code_norm"])
 
 
