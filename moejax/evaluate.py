@@ -42,13 +42,21 @@ from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import ROUTER_FORMS, merge_layer
+from moejax.moe.dispatch import pair_outputs
 from moejax.moe.expert_map import ExpertMap
+from moejax.moe.grouped import exact_expert_loop_combined, large_experts
+from moejax.moe.routing import route
 from moejax.models.layers import linear, rms_norm
-from moejax.nll import next_token_nll
+from moejax.nll import chunked_nll, chunked_nll_init, chunked_nll_update
 from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
-from moejax.stream import batch_geometry, embed
+from moejax.stream import batch_geometry, embed, vocab_chunks
+
+# Held-out tokens a decoder layer runs in one call (all streams of a batch together would hold
+# several [streams x tokens, width] intermediates: 17 streams of 1,024 Moonlight tokens need 0.9 GB
+# for each expert-width one). 2,048 keeps a Moonlight-shaped layer's intermediates near 0.2 GB.
+STREAM_TOKENS = 2048
 
 METRICS = {
     "rel_error": "all-token relative error of the layer's routed output, sum ||y'-y||^2 / sum ||y||^2",
@@ -105,63 +113,122 @@ def _streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _routed_errors(graphdef, state, z_BSH, em_A: ExpertMap):
-    """Per-token squared norms of the unpruned routed output and of its error under each of the A
-    variants of em_A (mask and rows [A, E], one table): (||y_t||^2 [B, S], ||y'_t - y_t||^2 [A, B, S]);
-    shared experts excluded (SPEC section 3)."""
+def _routed_errors(graphdef, state, z_TH, em_V: ExpertMap):
+    """Per-token squared norms of the unpruned routed output and of its error under each of the V
+    variants of em_V (mask and rows [V, E], one table): (||y_t||^2 [T], ||y'_t - y_t||^2 [V, T]);
+    shared experts excluded (SPEC section 3).
+
+    Every expert output any of them needs is computed once: the union of the rows the unpruned
+    router and each variant's router choose for a token (at most K (V + 1), usually far fewer than
+    V K separate routed outputs would run), weighed by each variant's gates in one pass over the
+    pairs (`exact_expert_loop_combined` with a gate column per variant; the dense oracle for small
+    experts). A variant's output and the unpruned one are sums over the same expert outputs, so a
+    token whose choice a variant leaves unchanged has error exactly 0."""
     moe = nnx.merge(graphdef, state).mlp
-    B, S, H = z_BSH.shape
-    z = z_BSH.reshape(B * S, H)
+    n_tokens = z_TH.shape[0]
+    table = em_V.table(moe.expert_weights())
+    n_rows = jax.tree.leaves(table)[0].shape[0]
+    logits = moe.router_logits(z_TH)
+    # column 0: the unpruned router (every slot, rows the identity); column 1 + v: variant v. One
+    # loop body routes them all, so a variant whose choice is the unpruned one gets bitwise-equal
+    # gates (a separately compiled routing may round the renormalisation differently).
+    n_slots = em_V.mask_E.shape[-1]
+    mask_CE = jnp.concatenate([jnp.ones((1, n_slots), bool), em_V.mask_E.astype(bool)])
+    rows_CE = jnp.concatenate([jnp.arange(n_slots, dtype=jnp.int32)[None],
+                               jnp.broadcast_to(jnp.arange(n_slots, dtype=jnp.int32), em_V.mask_E.shape)
+                               if em_V.rows_E is None else em_V.rows_E.astype(jnp.int32)])
 
-    def routed(em):
-        return moe.routed_variant(z, em, forward_only=True)[0].astype(jnp.float32)
+    def column(mask_rows):
+        r = ExpertMap(*mask_rows).apply(route(logits, moe.router_cfg, moe.balance_bias(), mask_rows[0]))
+        return r.expert_idx_TK, r.gate_TK
 
-    y = routed(None)
-    err = jax.lax.map(lambda mr: jnp.sum((routed(ExpertMap(mr[0], mr[1], em_A.weights)) - y) ** 2, axis=-1),
-                      (em_A.mask_E, em_A.rows_E))
-    return jnp.sum(y ** 2, axis=-1).reshape(B, S), err.reshape(-1, B, S)
+    idx_CTK, gate_CTK = jax.lax.map(column, (mask_CE, rows_CE))
+    n_cols, _, top_k = idx_CTK.shape
+    idx_TJ = jnp.moveaxis(idx_CTK, 0, 1).reshape(n_tokens, -1)
+    gate_TJ = jnp.moveaxis(gate_CTK, 0, 1).reshape(n_tokens, -1)
+    owner_J = np.repeat(np.arange(n_cols), top_k)
+    gate_TJC = gate_TJ[..., None] * jnp.asarray(np.eye(n_cols, dtype=np.float32)[owner_J])
+    # the union: each token's distinct rows once (later copies of a row become absent, index n_rows,
+    # their gates added to the first copy's)
+    order_TJ = jnp.argsort(idx_TJ, axis=1, stable=True)
+    idx_sorted = jnp.take_along_axis(idx_TJ, order_TJ, axis=1)
+    gate_sorted = jnp.take_along_axis(gate_TJC, order_TJ[..., None], axis=1)
+    first = jnp.concatenate([jnp.ones((n_tokens, 1), bool), idx_sorted[:, 1:] != idx_sorted[:, :-1]], axis=1)
+    segment = jnp.cumsum(first, axis=1) - 1                                    # [T, J]: union slot
+    n_union = min(n_rows, idx_TJ.shape[1])
+    union_TU = jnp.full((n_tokens, n_union), n_rows, jnp.int32).at[
+        jnp.arange(n_tokens)[:, None], jnp.where(first, segment, n_union)].set(idx_sorted, mode="drop")
+    gate_TUC = jnp.zeros((n_tokens, n_union, gate_TJC.shape[-1]), jnp.float32).at[
+        jnp.arange(n_tokens)[:, None], segment].add(gate_sorted)
+    y_TCH = _columns_output(z_TH, union_TU, gate_TUC, table, moe.expert_fn)
+    y_TH = y_TCH[:, 0]
+    err_VT = jnp.sum((y_TCH[:, 1:] - y_TH[:, None]) ** 2, axis=-1).T
+    return jnp.sum(y_TH ** 2, axis=-1), err_VT
 
 
+def _columns_output(x_TD, idx_TU, gate_TUC, table, expert_fn):
+    """[T, C, D]: column c's sum_u gate[t, u, c] f_{idx_tu}(x_t), each pair's output computed once
+    (index = table rows: absent)."""
+    if large_experts(table):
+        return exact_expert_loop_combined(x_TD, idx_TU, gate_TUC, table, expert_fn)
+    f_TUD = pair_outputs(x_TD, idx_TU, table, expert_fn, "sorted", forward_only=True).astype(jnp.float32)
+    # term by term in union (= expert) order, the same operations for every column: columns with
+    # equal gates give bitwise-equal outputs (a dot over u may round each output row differently)
+    return jax.lax.fori_loop(0, idx_TU.shape[1], lambda u, y: y + gate_TUC[:, u, :, None] * f_TUD[:, u, None, :],
+                             jnp.zeros(gate_TUC.shape[:1] + gate_TUC.shape[2:] + f_TUD.shape[-1:], jnp.float32))
 @functools.partial(jax.jit, static_argnums=0)
 def _routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap):
     """`_routed_errors` of stream n's own inputs under its own variant n: ([A, B, S], [A, B, S])."""
     def one(args):
         z, mask, rows = args
-        norm, err = _routed_errors(graphdef, state, z, ExpertMap(mask[None], None if rows is None else rows[None],
-                                                                 em_A.weights))
-        return norm, err[0]
+        norm, err = _routed_errors(graphdef, state, z.reshape(-1, z.shape[-1]),
+                                   ExpertMap(mask[None], None if rows is None else rows[None], em_A.weights))
+        return norm.reshape(z.shape[:-1]), err[0].reshape(z.shape[:-1])
     return jax.lax.map(one, (z_ABSH, em_A.mask_E, em_A.rows_E))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed_BSS, em_A: ExpertMap | None):
-    """One decoder layer on A streams at once (stacked into the batch, so every weight is read
-    once per call for all of them), stream n's MoE under variant n of em_A (mask and rows [A, E],
-    one table; None: a dense layer). Returns (output [A, B, S, H], router input [A, B, S, H])."""
+def _stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed_BSS):
+    """The attention half of one decoder layer on A streams at once (stacked into the batch, so
+    each weight is read once per call for all of them): (h = x + attn(norm(x)), the MLP's input z),
+    both [A, B, S, H]."""
     A, B, S, H = x_ABSH.shape
     layer = nnx.merge(graphdef, state)
     x = x_ABSH.reshape(A * B, S, H)
     allowed = jnp.broadcast_to(allowed_BSS[None], (A, B, S, S)).reshape(A * B, S, S)
     h = x + layer.self_attn(layer.input_layernorm(x), cos, sin, allowed)
-    z = layer.post_attention_layernorm(h)
+    return h.reshape(A, B, S, H), layer.post_attention_layernorm(h).reshape(A, B, S, H)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | None):
+    """The MLP half on `n_streams` streams (h and z broadcast from one stream when they hold one),
+    stream n's MoE under variant n of em_A (mask and rows [n_streams, E], one table; None: a dense
+    layer): h + mlp(z), [n_streams, B, S, H]."""
+    _, B, S, H = h_ABSH.shape
+    layer = nnx.merge(graphdef, state)
+    h, z = (jnp.broadcast_to(a, (n_streams, B, S, H)).reshape(n_streams * B, S, H) for a in (h_ABSH, z_ABSH))
     if em_A is None:
         out = h + layer.mlp(z)
     else:  # stream n's mask and rows on each of its tokens
         per_token = jax.tree.map(lambda a: jnp.repeat(a, B * S, axis=0), (em_A.mask_E, em_A.rows_E))
         out = h + layer.mlp(z, ExpertMap(*per_token, em_A.weights), forward_only=True)[0]
-    return out.reshape(A, B, S, H), z.reshape(A, B, S, H)
+    return out.reshape(n_streams, B, S, H)
 
 
 @jax.jit
-def _nll_stacked(x_ABSH, norm_H, head_HV, ids_BS, eps):
-    return jax.lax.map(lambda x: _nll(x, norm_H, head_HV, ids_BS, eps), x_ABSH)
+def _nll_chunk(x_ABSH, head_CH, ids_BS, start, state):
+    """Fold vocabulary rows [start, start + C) of the output head into each stream's running
+    next-token log-sum-exp (`moejax.nll.chunked_nll_update`); x is already final-normed."""
+    def one(args):
+        x, st = args
+        return chunked_nll_update(st, linear(x[:, :-1], head_CH.T), ids_BS[:, 1:], start)
+    return jax.lax.map(one, (x_ABSH, state))
 
 
 @jax.jit
-def _nll(x_BSH, norm_H, head_HV, ids_BS, eps):
-    """Sum of next-token negative log-likelihoods, and the number of predicted tokens."""
-    nll = next_token_nll(linear(rms_norm(x_BSH, norm_H, eps), head_HV), ids_BS)
-    return jnp.sum(nll), nll.size
+def _final_norm(x_ABSH, norm_H, eps):
+    return rms_norm(x_ABSH, norm_H, eps)
 
 
 # --- the pass ------------------------------------------------------------------------------------
@@ -171,14 +238,11 @@ def _geometry(ckpt: OpenCheckpoint, batches, dtype):
     return [batch_geometry(ckpt, ids, None, dtype) for ids in batches]
 
 
-def _head(ckpt: OpenCheckpoint, dtype):
+def _head_specs(ckpt: OpenCheckpoint):
+    """(the final norm's spec, the output head's: lm_head, or the embedding table when tied; both
+    [V, H] on disk)."""
     by_param = {s.param: s for s in ckpt.specs}
-    norm = ckpt.read_param_tensor(by_param["model.norm.weight"], jnp.dtype(dtype))
-    if "lm_head" in by_param:
-        head = ckpt.read_param_tensor(by_param["lm_head"], jnp.dtype(dtype))
-    else:  # tied: the embedding transposed
-        head = ckpt.read_param_tensor(by_param["model.embed_tokens"], jnp.dtype(dtype)).T
-    return jnp.asarray(norm), jnp.asarray(head)
+    return by_param["model.norm.weight"], by_param.get("lm_head", by_param["model.embed_tokens"])
 
 
 def _analysis_rows(layer, stats, scores, kept, keeps, energy_pos0):
@@ -292,7 +356,9 @@ class _Streams:
     own, keyed by itself. So through the dense layers at the bottom every calibration stream is the
     unpruned one, and each layer computes attention, statistics and the MLP once per group.
 
-    Held-out streams are stacked, [A, B, S, H] per batch, in the order of `order`."""
+    Held-out streams are stacked, [A, B, S, H] per batch, in the order of `order`; until the first
+    MoE layer every one of them is the unpruned stream, held once ([1, B, S, H]). A layer runs on
+    `chunk` streams at a time (STREAM_TOKENS tokens per call), which bounds its intermediates."""
 
     order: list        # the held-out streams: None (unpruned), then the variants measured on the unpruned
                        # model's inputs (one-shot and merged), then the sequential variants
@@ -302,24 +368,41 @@ class _Streams:
     held_ids: dict     # text -> per batch: ids [B, S]
     group: dict        # calibration stream key -> the key of its group
     cal: dict          # group key -> per calibration batch: x [B, S, H]
-    held: dict         # text -> per batch: x [A, B, S, H]
+    held: dict         # text -> per batch: x [A, B, S, H] (or [1, B, S, H]: every stream still the same)
+    chunk: int         # held-out streams per call
 
     @classmethod
     def embedded(cls, ckpt: OpenCheckpoint, calib, heldout, one_shot, seq_variants, batch_size, dtype) -> "_Streams":
-        """one_shot: the variants decided on the unpruned model (pruned one-shot, merged)."""
-        """Every stream at the embeddings, before the first decoder layer (one group)."""
+        """Every stream at the embeddings, before the first decoder layer (one group; the held-out
+        streams held once). one_shot: the variants decided on the unpruned model (pruned one-shot,
+        merged)."""
         def batched(ids):
             return [ids[i:i + batch_size] for i in range(0, len(ids), batch_size)]
 
         cal_batches = batched(calib)
         held_ids = {text: batched(ids) for text, ids in heldout.items()}
         order = [None, *one_shot, *seq_variants]
-        held_embed = {text: embed(ckpt, b, dtype) for text, b in held_ids.items()}
+        held_batches = [b for text in held_ids for b in held_ids[text]]
+        xs = embed(ckpt, cal_batches + held_batches, dtype)   # the table read once for all of them
+        held, at = {}, len(cal_batches)
+        for text, bs in held_ids.items():
+            held[text] = [x[None] for x in xs[at:at + len(bs)]]
+            at += len(bs)
+        tokens = max([b.size for b in held_batches], default=1)
         return cls(order=order, n_unpruned_inputs=len(one_shot), cal_geo=_geometry(ckpt, cal_batches, dtype),
                    held_geo={text: _geometry(ckpt, b, dtype) for text, b in held_ids.items()}, held_ids=held_ids,
-                   group={key: None for key in [None, *seq_variants]}, cal={None: embed(ckpt, cal_batches, dtype)},
-                   held={text: [jnp.broadcast_to(x[None], (len(order),) + x.shape) for x in xs]
-                         for text, xs in held_embed.items()})
+                   group={key: None for key in [None, *seq_variants]}, cal={None: xs[:len(cal_batches)]},
+                   held=held, chunk=max(1, STREAM_TOKENS // tokens))
+
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """The held-out streams a layer runs at once: (a0, a1, skip) ranges of `order`, all of one
+        size (at most `chunk`, balanced), the last one moved back to end at the last stream, its
+        first `skip` streams already computed by the one before. One size means one compiled
+        program whose every row computes alike: a variant that prunes nothing gets the unpruned
+        stream's numbers bitwise (a last call of another size may round differently)."""
+        n = len(self.order)
+        size = -(-n // -(-n // self.chunk))
+        return [(min(a0, n - size), min(a0, n - size) + size, a0 - min(a0, n - size)) for a0 in range(0, n, size)]
 
 
 def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_size, dtype, seed, show) -> dict:
@@ -350,7 +433,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
     kept experts}, {merge name: clusters}), the latter two None at a dense layer."""
     cfg = ckpt.config
     E = cfg.n_experts
-    layer = ckpt.decoder_layer(layer_idx, dtype)
+    layer = ckpt.decoder_layer(layer_idx, dtype, expert_dtype=ckpt.stored_expert_dtype(dtype))
     graphdef, state = nnx.split(layer)
     # per calibration group and batch: (h, z), the residual after attention and the MLP's (router's) input
     cal_hz = {group: [_attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
@@ -386,7 +469,8 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
         if merges:
             zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[None]]
             m_stats = merge_stats(layer.mlp, zs, [None] * len(zs))
-            host = {k: np.asarray(v) for k, v in layer.mlp.expert_weights().items()}  # one host copy for every merge
+            # one host copy for every merge, in the compute dtype (experts may be held as stored)
+            host = {k: np.asarray(v).astype(jnp.dtype(dtype)) for k, v in layer.mlp.expert_weights().items()}
             layer_merges = {(m, k): merge_layer(m, counts[m, k][layer_idx], m_stats, host, seed=seed)
                             for m in merges for k in keeps}
             clusters = {"counts": m_stats.counts_E.tolist(),
@@ -450,45 +534,82 @@ def _stacked_expert_map(order, masks: dict, layer_merges: dict | None, own: dict
 
 def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, errors: _ErrorSums,
                    layer_idx: int) -> float:
-    """The layer on every held-out stream at once, stream n under variant n of em_A (None: a dense
-    layer), and at a MoE layer the layer-local errors: one-shot and merged variants' on the
-    unpruned router inputs (stream 0), sequential variants' on their own. Returns the unpruned
-    routed output's share of energy at position 0 (NaN at a dense layer)."""
+    """The layer on every held-out stream, `streams.chunk` streams per call, stream n under variant
+    n of em_A (None: a dense layer), and at a MoE layer the layer-local errors: one-shot and merged
+    variants' on the unpruned router inputs (stream 0), sequential variants' on their own. Returns
+    the unpruned routed output's share of energy at position 0 (NaN at a dense layer)."""
     is_moe = em_A is not None
     energy0, energy = 0.0, 0.0
     first_seq = 1 + streams.n_unpruned_inputs
     on_unpruned, seq_variants = streams.order[1:first_seq], streams.order[first_seq:]
+    chunks = streams.chunks()
     for text, xs in streams.held.items():
         new = []
-        for x_ABSH, (cos, sin, allowed) in zip(xs, streams.held_geo[text]):
-            out, z = _stacked_layer(graphdef, state, x_ABSH, cos, sin, allowed[0], em_A)
+        for b, (cos, sin, allowed) in enumerate(streams.held_geo[text]):
+            x_ABSH, xs[b] = xs[b], None  # the batch's input is dropped as soon as its output exists
+            outs, z_seq = [], []
+            if x_ABSH.shape[0] == 1:  # every stream is still the unpruned one: its attention once
+                h, z = _stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed[0])
+                if not is_moe:
+                    outs.append(_stacked_mlp(graphdef, state, h, z, 1, None))
+                else:
+                    outs += [_stacked_mlp(graphdef, state, h, z, a1 - a0, _streams_slice(em_A, slice(a0, a1)))[skip:]
+                             for a0, a1, skip in chunks]
+                    z_seq = [jnp.broadcast_to(z, (len(seq_variants),) + z.shape[1:])]
+                z0 = z[0]
+            else:
+                for a0, a1, skip in chunks:
+                    h, z = _stacked_attention(graphdef, state, x_ABSH[a0:a1], cos, sin, allowed[0])
+                    z0 = z[0] if a0 == 0 else z0
+                    z_seq.append(z[max(first_seq - a0, skip):])
+                    outs.append(_stacked_mlp(graphdef, state, h, z, a1 - a0,
+                                             _streams_slice(em_A, slice(a0, a1)) if is_moe else None)[skip:])
             if is_moe:  # layer-local errors: one-shot and merged variants on the unpruned inputs (stream 0)
-                norm, err = _routed_errors(graphdef, state, z[0], _streams_slice(em_A, slice(1, first_seq)))
+                B, S, H = z0.shape
+                norm, err = _routed_errors(graphdef, state, z0.reshape(B * S, H),
+                                           _streams_slice(em_A, slice(1, first_seq)))
+                norm, err = norm.reshape(B, S), err.reshape(-1, B, S)
                 for i, variant in enumerate(on_unpruned):
                     errors.add((variant, layer_idx), norm, err[i], np.ones(norm.shape, bool))
                 n = np.asarray(norm, np.float64)
                 energy0, energy = energy0 + n[:, 0].sum(), energy + n.sum()
             if is_moe and seq_variants:  # sequential variants on their own (pruned) inputs
-                norms, errs = _routed_errors_each(graphdef, state, z[first_seq:],
+                norms, errs = _routed_errors_each(graphdef, state, jnp.concatenate(z_seq)[:len(seq_variants)],
                                                   _streams_slice(em_A, slice(first_seq, None)))
                 for i, variant in enumerate(seq_variants):
                     errors.add((variant, layer_idx), norms[i], errs[i], np.ones(norms[i].shape, bool))
-            new.append(out)
+            del x_ABSH, h, z
+            new.append(outs[0] if len(outs) == 1 else jnp.concatenate(outs))
+            del outs, z_seq
         streams.held[text] = new
     return float(energy0 / energy) if energy else float("nan")
 
 
 def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dict]:
     """The final norm and head on every held-out stream: a perplexity row per stream and text, and
-    over all texts ("all")."""
+    over all texts ("all"). The head is read a vocabulary chunk at a time (`moejax.stream.
+    vocab_chunks`) and folded into each token's running log-sum-exp, never held whole (Moonlight's
+    is 1.3 GB in float32) and never turned into a [tokens, V] logits array."""
     cfg = ckpt.config
-    norm_H, head_HV = _head(ckpt, dtype)
-    rows, totals = [], {}
+    norm_spec, head_spec = _head_specs(ckpt)
+    norm_H = jnp.asarray(ckpt.read_param_tensor(norm_spec, jnp.dtype(dtype)))
+    nll_state = {}
     for text, xs in streams.held.items():
-        sums = [_nll_stacked(x, norm_H, head_HV, jnp.asarray(ids), cfg.rms_norm_eps)
-                for x, ids in zip(xs, streams.held_ids[text])]
+        for b, x in enumerate(xs):  # in place: the carried stream is not needed after its final norm
+            xs[b] = _final_norm(x, norm_H, cfg.rms_norm_eps)
+        nll_state[text] = [chunked_nll_init((x.shape[0], ids.shape[0], ids.shape[1] - 1))
+                           for x, ids in zip(xs, streams.held_ids[text])]
+    for v0, v1 in vocab_chunks(cfg.vocab_size):
+        head_CH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))
+        for text, xs in streams.held.items():
+            nll_state[text] = [_nll_chunk(x, head_CH, jnp.asarray(ids), v0, st)
+                               for x, ids, st in zip(xs, streams.held_ids[text], nll_state[text])]
+    rows, totals = [], {}
+    for text, states in nll_state.items():
+        per_batch = [np.asarray(chunked_nll(st), np.float64) for st in states]   # [A or 1, B, S - 1]
         for i, v in enumerate(streams.order):
-            nll, count = sum(float(a[i]) for a, _ in sums), sum(int(b[i]) for _, b in sums)
+            nll = sum(float(b[i if b.shape[0] > 1 else 0].sum()) for b in per_batch)
+            count = sum(b[0].size for b in per_batch)
             totals.setdefault(v, [0.0, 0])
             totals[v][0] += nll
             totals[v][1] += count

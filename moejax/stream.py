@@ -37,17 +37,40 @@ def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype):
     return cos, sin, causal_allowed(mask_BS, B, S)
 
 
+VOCAB_CHUNK = 8192  # rows of the embedding table or output head read at a time (64 MB of float32 at H=2048)
+
+
+def vocab_chunks(vocab_size: int, chunk: int | None = None):
+    """[start, stop) row ranges covering a vocabulary, `VOCAB_CHUNK` rows each by default."""
+    chunk = chunk or VOCAB_CHUNK
+    return [(v0, min(v0 + chunk, vocab_size)) for v0 in range(0, vocab_size, chunk)]
+
+
 def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:
-    """The embedding rows of each batch of token ids, [B, S, H] in `dtype`, reading the table once
-    (then dropping it); a NaN or infinity in a row the data uses is refused naming the token ids."""
+    """The embedding rows of each batch of token ids, [B, S, H] in `dtype`. The table is read a
+    vocabulary chunk at a time (`VOCAB_CHUNK` rows), keeping only the rows the data uses, so it is
+    never held whole (Moonlight's 163,840 x 2,048 table is 0.7 GB in bfloat16); a NaN or infinity
+    in a row the data uses is refused naming the token ids."""
     (spec,) = [s for s in ckpt.specs if s.param == "model.embed_tokens"]
-    table = ckpt.reader.read(spec.hf_name)  # [V, H], one tensor; dropped after the lookup
-    used = np.unique(np.concatenate([np.asarray(ids).ravel() for ids in batches_of_ids]))
-    bad = used[~np.isfinite(table[used].astype(np.float32)).all(axis=1)]
+    ids = [np.asarray(b) for b in batches_of_ids]
+    used = np.unique(np.concatenate([b.ravel() for b in ids])) if ids else np.zeros((0,), np.int64)
+    info = ckpt.reader.info(spec.hf_name)
+    if used.size and (used[0] < 0 or used[-1] >= info.shape[0]):
+        raise CheckpointError(f"token id(s) {used[(used < 0) | (used >= info.shape[0])][:16].tolist()} outside "
+                              f"{spec.hf_name}'s {info.shape[0]} rows")
+    rows = None
+    for v0, v1 in vocab_chunks(info.shape[0]):
+        lo, hi = np.searchsorted(used, [v0, v1])
+        if lo == hi:
+            continue
+        block = ckpt.reader.read_rows(spec.hf_name, v0, v1)
+        rows = np.empty((len(used),) + block.shape[1:], block.dtype) if rows is None else rows
+        rows[lo:hi] = block[used[lo:hi] - v0]
+    bad = used[~np.isfinite(rows.astype(np.float32)).all(axis=1)] if rows is not None else used[:0]
     if bad.size:
         raise CheckpointError(f"{spec.hf_name} in {ckpt.reader.shard_of(spec.hf_name).name}: non-finite values "
                               f"(NaN or inf) in the rows of token id(s) {bad[:16].tolist()}, which the data uses")
-    return [jnp.asarray(table[np.asarray(ids)].astype(jnp.dtype(dtype))) for ids in batches_of_ids]
+    return [jnp.asarray(rows[np.searchsorted(used, b)].astype(jnp.dtype(dtype))) for b in ids]
 
 
 def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progress: bool | None = None,

@@ -4,6 +4,7 @@ variants one after another (each re-reading every layer's weights), in the same 
     python scripts/bench_real.py [--model tiny|moonlight|both] [--tokens 512]
     python scripts/bench_real.py --align     # M-SMoE's neuron alignment of one layer only (`bench_alignment`)
     python scripts/bench_real.py --merges [--model moonlight]   # the pass with both merge methods added
+    python scripts/bench_real.py --model moonlight-full [--old-ref REF]   # the article's streamed run (`bench_full`)
 
 8 scores x 2 keeps = 16 pruned variants plus the unpruned model. "tiny" is the model
 `python -m moejax.run experiment=train_tiny` saved (skipped if absent); "moonlight" is a synthetic
@@ -59,7 +60,9 @@ print(json.dumps({"cold": cold, "warm": warm, "peak_mb": hwm / 1024}))
 """
 
 
-def moonlight_checkpoint(path: Path) -> None:
+def moonlight_checkpoint(path: Path, layers: int = 4, vocab: int = 32768) -> None:
+    """A synthetic Moonlight-16B-A3B-shaped checkpoint: `layers` decoder layers (the first dense),
+    bfloat16 on disk (router and balance bias float32), random weights."""
     import ml_dtypes
 
     from moejax.hf.mapping import tensor_specs
@@ -67,7 +70,7 @@ def moonlight_checkpoint(path: Path) -> None:
     from moejax.models.deepseek_v3 import DeepseekV3Config
     from moejax.models.deepseek_v3.presets import PRESETS
 
-    raw = {**PRESETS["moonlight-16b-a3b"], "num_hidden_layers": 4, "vocab_size": 32768}
+    raw = {**PRESETS["moonlight-16b-a3b"], "num_hidden_layers": layers, "vocab_size": vocab}
     cfg = DeepseekV3Config.from_dict(raw)
     specs = tensor_specs(cfg)
     rng = np.random.default_rng(0)
@@ -118,6 +121,141 @@ def measure(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int, m
             print(f"{head}carried together {c[when]:7.1f} s, one after another {o[when]:7.1f} s, "
                   f"speed-up {o[when] / c[when]:.1f}x (target >= 4x)")
     print(f"  peak resident memory: carried {c['peak_mb']:.0f} MB, {other.replace('_', ' ')} {o['peak_mb']:.0f} MB")
+
+
+FULL_CHILD = r"""
+import json, sys, time, threading
+import numpy as np
+import moejax.evaluate as ev
+from moejax.hf.model_io import open_checkpoint
+path, calib, held_a, held_b, out = sys.argv[1], np.load(sys.argv[2]), np.load(sys.argv[3]), np.load(sys.argv[4]), sys.argv[5]
+layer_s, head_s = [], []
+def timed(fn, into):
+    def wrapped(*a, **k):
+        t0 = time.perf_counter(); r = fn(*a, **k); into.append(time.perf_counter() - t0); return r
+    return wrapped
+ev._layer_pass = timed(ev._layer_pass, layer_s)
+ev._perplexity_rows = timed(ev._perplexity_rows, head_s)
+t0 = time.perf_counter()
+rows, info = ev.evaluate_pruning(open_checkpoint(path), calib, {"a": held_a, "b": held_b}, json.loads(sys.argv[6]),
+                                 json.loads(sys.argv[7]), progress=False)
+total = time.perf_counter() - t0
+hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
+kept = {str(l): v for l, v in info["kept"].items()}
+json.dump({"total": total, "layers": layer_s, "head": head_s[0], "peak_mb": hwm, "rows": rows, "kept": kept}, open(out, "w"))
+"""
+
+DENSE_CHILD = r"""
+import json, time, numpy as np, jax, jax.numpy as jnp
+rng = np.random.default_rng(0)
+a = jnp.asarray(rng.standard_normal((4096, 2048), dtype=np.float32))
+b = jnp.asarray(rng.standard_normal((2048, 1408), dtype=np.float32))
+f = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+f(a, b).block_until_ready()
+best = float("inf")
+for _ in range(10):
+    t0 = time.perf_counter(); f(a, b).block_until_ready(); best = min(best, time.perf_counter() - t0)
+print(json.dumps({"gflops": 2 * 4096 * 2048 * 1408 / best / 1e9}))
+"""
+
+
+def layer_flops(cfg, seq_len: int, moe: bool) -> float:
+    """FLOPs of one decoder layer per token (multiply-adds x 2) of a DeepSeek-V3-family config:
+    MLA projections and attention over the whole sequence (as computed, masked), then the router,
+    the K routed experts and the shared experts (MoE) or the dense MLP."""
+    H, nh = cfg.hidden_size, cfg.num_attention_heads
+    qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = H * cfg.q_lora_rank + cfg.q_lora_rank * nh * qk if cfg.q_lora_rank else H * nh * qk
+    attn = q + H * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + v) \
+        + nh * v * H + nh * seq_len * (qk + v)
+    if not moe:
+        return 2.0 * (attn + 3 * H * cfg.intermediate_size)
+    F = cfg.moe_intermediate_size
+    return 2.0 * (attn + H * cfg.n_routed_experts + 3 * H * F * (cfg.num_experts_per_tok + cfg.n_shared_experts))
+
+
+def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), calib_seqs: int = 16,
+               held_seqs: int = 8, seq_len: int = 128) -> None:
+    """The seed article's headline run on a synthetic Moonlight-shaped checkpoint with the full
+    163,840-token vocabulary (bfloat16 on disk): 8 scores x 2 keeps, 2,048 calibration tokens,
+    two held-out texts of 1,024 tokens. The code at `old_ref` (the pass before the issue-19
+    rewrite, extracted with `git archive`) and this checkout's, each in a child process, on the
+    same tokens; the new code at every layer count in `layer_counts` (peak memory must not grow
+    with depth), the old at `old_layers`. Reported: total time, time per MoE layer (every MoE
+    layer after the first, whose time includes compilation), the output head, peak resident
+    memory (VmHWM), the FLOPs a MoE layer must do (every held-out stream and the calibration
+    stream through the layer; the layer-local errors not counted) against the dense float32
+    matmul rate measured in the same run, and how far the new results are from the old."""
+    from moejax.models.deepseek_v3 import DeepseekV3Config
+    from moejax.models.deepseek_v3.presets import PRESETS
+
+    vocab = PRESETS["moonlight-16b-a3b"]["vocab_size"]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MOEJAX_BENCH_DIR")) as tmp:
+        tmp = Path(tmp)
+        old_src = tmp / "old"
+        old_src.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", old_ref, "moejax", "conf"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(old_src)], input=archive, check=True)
+        rng = np.random.default_rng(1)
+        ids = {name: tmp / f"{name}.npy" for name in ("calib", "a", "b")}
+        for name, n in (("calib", calib_seqs), ("a", held_seqs), ("b", held_seqs)):
+            np.save(ids[name], rng.integers(0, vocab, size=(n, seq_len)).astype(np.int32))
+        dense = json.loads(subprocess.run([sys.executable, "-c", DENSE_CHILD], check=True, capture_output=True,
+                                          text=True).stdout.strip().splitlines()[-1])["gflops"]
+        n_tokens = {"calib": calib_seqs * seq_len, "held": 2 * held_seqs * seq_len}
+        print(f"the article's streamed run on a synthetic Moonlight-shaped checkpoint (vocabulary {vocab:,}, bfloat16): "
+              f"{len(SCORES)} scores x {len(KEEPS)} keeps, {n_tokens['calib']} calibration and 2 x "
+              f"{held_seqs * seq_len} held-out tokens; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+              f"dense float32 matmul {dense:.0f} GFLOP/s")
+        results = {}
+        for layers in sorted(set(layer_counts) | set(old_layers)):
+            ckpt = tmp / f"moonlight{layers}"
+            t0 = time.perf_counter()
+            moonlight_checkpoint(ckpt, layers, vocab)
+            size = sum(f.stat().st_size for f in ckpt.iterdir())
+            print(f"  {layers} decoder layers ({layers - 1} MoE), {size / 1e9:.1f} GB, written in "
+                  f"{time.perf_counter() - t0:.0f} s")
+            for code, src in (("old", old_src), ("new", ROOT)):
+                if layers not in (old_layers if code == "old" else layer_counts):
+                    continue
+                out = tmp / f"{code}{layers}.json"
+                subprocess.run([sys.executable, "-c", FULL_CHILD, str(ckpt), str(ids["calib"]), str(ids["a"]),
+                                str(ids["b"]), str(out), json.dumps(SCORES), json.dumps(KEEPS)], check=True,
+                               env={**os.environ, "PYTHONPATH": str(src), "MOEJAX_JAX_CACHE": ""})
+                r = results[code, layers] = json.loads(out.read_text())
+                cfg = DeepseekV3Config.from_dict(json.loads((ckpt / "config.json").read_text()))
+                n_streams = len(SCORES) * len(KEEPS) + 1
+                flops = (n_streams * n_tokens["held"] + n_tokens["calib"]) * layer_flops(cfg, seq_len, moe=True)
+                steady = r["layers"][2:] or r["layers"][1:]  # MoE layers after the first (dense layer 0 first)
+                per_layer = sum(steady) / len(steady)
+                print(f"    {code} code ({'this checkout' if code == 'new' else old_ref}): total {r['total']:7.1f} s, "
+                      f"per MoE layer {per_layer:6.1f} s (layers: {', '.join(f'{t:.1f}' for t in r['layers'])}), "
+                      f"output head {r['head']:6.1f} s, peak {r['peak_mb']:,.0f} MB; a MoE layer's "
+                      f"{flops / 1e12:.2f} TFLOP at {flops / per_layer / 1e9:.0f} GFLOP/s = "
+                      f"{flops / per_layer / 1e9 / dense:.0%} of dense")
+        for layers in old_layers:
+            if ("new", layers) in results:
+                compare_runs(results["old", layers], results["new", layers], layers)
+
+
+def compare_runs(old: dict, new: dict, layers: int) -> None:
+    """How far the new run's rows are from the old run's (the same keys), and whether they keep the
+    same experts."""
+    def keyed(rows):
+        return {(r.get("mode"), r.get("score"), r.get("keep"), r.get("layer"), r.get("text"), r["metric"]): r["value"]
+                for r in rows}
+
+    o, n = keyed(old["rows"]), keyed(new["rows"])
+    worst = {}
+    for key in o.keys() & n.keys():
+        a, b = o[key], n[key]
+        rel = abs(a - b) / max(abs(a), 1e-30) if a == a and b == b else (0.0 if (a != a) == (b != b) else float("inf"))
+        worst[key[-1]] = max(worst.get(key[-1], 0.0), rel)
+    same = old["kept"] == new["kept"]
+    print(f"  {layers} layers, new against old: {len(o.keys() & n.keys())} of {len(o)} rows compared "
+          f"({len(o.keys() ^ n.keys())} unmatched); kept sets {'identical' if same else 'DIFFER'}; largest relative "
+          f"difference per metric: " + ", ".join(f"{m} {v:.1e}" for m, v in sorted(worst.items())))
 
 
 def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn: int = 1408) -> None:
@@ -173,7 +311,10 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=["tiny", "moonlight", "both"], default="both")
+    ap.add_argument("--model", choices=["tiny", "moonlight", "both", "moonlight-full"], default="both")
+    ap.add_argument("--old-ref", default="46d0ba0", help="moonlight-full: the code to compare against (a git ref)")
+    ap.add_argument("--layers", type=int, nargs="+", default=[3, 5], help="moonlight-full: decoder layer counts (new code)")
+    ap.add_argument("--old-layers", type=int, nargs="+", default=[3], help="moonlight-full: layer counts for the old code")
     ap.add_argument("--tokens", type=int, default=512, help="calibration tokens (held-out: half)")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--align", action="store_true", help="time M-SMoE's neuron alignment of one layer only")
@@ -181,6 +322,9 @@ def main():
     args = ap.parse_args()
     if args.align:
         bench_alignment()
+        return
+    if args.model == "moonlight-full":
+        bench_full(tuple(args.layers), args.old_ref, tuple(args.old_layers))
         return
     print(f"{len(SCORES)} scores x {len(KEEPS)} keeps = {len(SCORES) * len(KEEPS)} variants + unpruned; "
           f"{args.tokens} calibration and {args.tokens // 2} held-out tokens")

@@ -120,3 +120,47 @@ def test_exact_expert_loop_every_group_size(chunk_rows, granule):
     present = idx < E
     np.testing.assert_allclose(got[present], want[present], rtol=1e-6, atol=1e-5)
     assert float(jnp.abs(got[~present]).max()) == 0.0
+
+
+@pytest.mark.parametrize("chunk_rows,granule", [(8, 2), (16, 4)])
+def test_exact_loop_combined_equals_gate_weighted_pairs(chunk_rows, granule):
+    """The combined forward-only path (large experts' outputs added into y as computed) gives the
+    oracle's gate-weighted sum for groups of every size class, absent pairs (index E) and a
+    remainder spilling into the next expert's rows contributing nothing."""
+    x, r, w, fn, _ = setup(7, "swiglu")
+    rng = np.random.default_rng(2)
+    p = rng.dirichlet(np.full(E, 0.3))
+    idx = rng.choice(E, size=(T, K), p=p)
+    idx[rng.random(idx.shape) < 0.2] = E
+    gate = rng.standard_normal((T, K)).astype(np.float32)
+    got = jax.jit(G.exact_expert_loop_combined, static_argnums=(4, 5, 6))(
+        x, jnp.asarray(idx), jnp.asarray(gate), w, fn, chunk_rows, granule)
+    f = D.dense_pair_outputs(x, jnp.asarray(np.minimum(idx, E - 1)), w, fn)
+    want = np.einsum("tk,tkd->td", np.where(idx < E, gate, 0), np.asarray(f, np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_exact_loop_combined_with_gate_columns():
+    """Gate columns [T, K, G] give G outputs from one evaluation of the pairs, each the oracle's
+    sum weighted by its column."""
+    x, r, w, fn, _ = setup(8, "swiglu")
+    rng = np.random.default_rng(3)
+    idx = rng.choice(E + 1, size=(T, K))
+    gate = rng.standard_normal((T, K, 3)).astype(np.float32)
+    got = jax.jit(G.exact_expert_loop_combined, static_argnums=(4, 5, 6))(
+        x, jnp.asarray(idx), jnp.asarray(gate), w, fn, 8, 2)
+    f = np.asarray(D.dense_pair_outputs(x, jnp.asarray(np.minimum(idx, E - 1)), w, fn), np.float64)
+    want = np.einsum("tkg,tkd->tgd", np.where((idx < E)[..., None], gate, 0), f)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_exact_loop_with_bfloat16_experts_equals_float32_bitwise():
+    """Experts held in bfloat16 (as stored) compute what the same values upcast to float32 compute,
+    bit for bit: each expert is converted as its iteration runs (the streamed pass relies on this
+    to halve a layer's memory without changing a result)."""
+    x, r, w, fn, _ = setup(9, "swiglu")
+    w16 = {k: v.astype(jnp.bfloat16) for k, v in w.items()}
+    f = jax.jit(G.exact_expert_loop_combined, static_argnums=(4, 5, 6))
+    got = f(x, r.expert_idx_TK, r.gate_TK, w16, fn, 8, 2)
+    want = f(x, r.expert_idx_TK, r.gate_TK, {k: v.astype(jnp.float32) for k, v in w16.items()}, fn, 8, 2)
+    assert np.array_equal(np.asarray(got), np.asarray(want))

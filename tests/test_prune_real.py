@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 
 from hf_fixtures import make_checkpoint  # noqa: E402
 
+from moejax import evaluate, stream  # noqa: E402
 from moejax.evaluate import evaluate_pruning  # noqa: E402
 from moejax.hf.model_io import open_checkpoint  # noqa: E402
 from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
@@ -25,8 +26,15 @@ def setup(tmp_path_factory):
     calib = rng.integers(0, 256, size=(6, SEQ)).astype(np.int32)
     heldout = {"a": rng.integers(0, 256, size=(4, SEQ)).astype(np.int32),
                "b": rng.integers(0, 256, size=(3, SEQ)).astype(np.int32)}
-    rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["frequency", "reap", "l1", "signed", "random"],
-                                  [E, 8, 0.25], sequential=True, batch_size=4)
+    # The output head a vocabulary chunk at a time (100, 100, 56 rows: the running log-sum-exp
+    # across chunks) and 4 of the 31 held-out streams per call (the last call 3), so every test
+    # below checks the chunked paths.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evaluate, "STREAM_TOKENS", 4 * 4 * SEQ)
+        mp.setattr(stream, "VOCAB_CHUNK", 100)
+        rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout,
+                                      ["frequency", "reap", "l1", "signed", "random"], [E, 8, 0.25],
+                                      sequential=True, batch_size=4)
     return path, model, calib, heldout, pd.DataFrame(rows), info
 
 

@@ -33,6 +33,7 @@ from moejax.hf.checkpoint_writer import write_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
 from moejax.hf.safetensors_format import RawTensor, numpy_dtype
+from moejax.hf.storage import require_local
 from moejax.models.family import Family
 
 log = logging.getLogger(__name__)
@@ -109,15 +110,41 @@ class OpenCheckpoint:
         check_finite(value, f"{s.hf_name} in {self.reader.shard_of(self.stored[s.hf_name][0]).name}")
         return value
 
-    def decoder_layer(self, layer: int, dtype, backend: str = "sorted", mesh=None):
+    def read_rows(self, s: TensorSpec, start: int, stop: int, dtype) -> np.ndarray:
+        """Rows [start, stop) of a [V, H] vocabulary tensor (embedding table, output head) in its
+        Hugging Face layout, cast to dtype and checked finite like `read_param_tensor`; only those
+        rows are read (a quantised tensor is decoded whole first)."""
+        if self.stored[s.hf_name] == (s.hf_name,):
+            value = self.reader.read_rows(s.hf_name, start, stop)
+        else:
+            value = read_decoded(self.reader, s.hf_name, self.stored[s.hf_name], self.fmt,
+                                 self.config.quantization_config)[start:stop]
+        value = value.astype(dtype)
+        check_finite(value, f"{s.hf_name} rows [{start}, {stop}) in {self.reader.shard_of(self.stored[s.hf_name][0]).name}")
+        return value
+
+    def stored_expert_dtype(self, dtype):
+        """The dtype routed experts can be held in for a float32 computation without changing a
+        value: their stored dtype when it is bfloat16 or float16 (converted exactly to float32 one
+        expert at a time as they are used; half the memory of a float32 stack), else `dtype`."""
+        on_disk = [self.stored[s.hf_name] for s in self.specs if s.expert is not None]
+        if jnp.dtype(dtype) != jnp.float32 or not on_disk or any(len(d) != 1 for d in on_disk):
+            return dtype  # (quantised experts are decoded to float32 anyway)
+        stored = {self.reader.info(d[0]).dtype for d in on_disk}
+        narrow = {"BF16": jnp.bfloat16, "F16": jnp.float16}
+        return narrow[min(stored)] if len(stored) == 1 and stored <= set(narrow) else dtype
+
+    def decoder_layer(self, layer: int, dtype, backend: str = "sorted", mesh=None, expert_dtype=None):
         """Decoder layer `layer` of this checkpoint's family, filled from its tensors (the streamed
-        executors hold one at a time). mesh: routed experts split over its expert axis."""
+        executors hold one at a time). mesh: routed experts split over its expert axis.
+        expert_dtype: hold the routed experts in this dtype instead (`stored_expert_dtype`)."""
         cls = self.family.causal_lm()
         prefix = f"model.layers.{layer}."
         abstract = nnx.eval_shape(lambda: cls.decoder_layer(self.config, layer, dtype, nnx.Rngs(0), backend))
-        return self.fill(abstract, self.specs_under(prefix), dtype, prefix=prefix, mesh=mesh)
+        return self.fill(abstract, self.specs_under(prefix), dtype, prefix=prefix, mesh=mesh,
+                         expert_dtype=expert_dtype)
 
-    def fill(self, abstract, specs: list[TensorSpec], dtype, prefix: str = "", mesh=None):
+    def fill(self, abstract, specs: list[TensorSpec], dtype, prefix: str = "", mesh=None, expert_dtype=None):
         """Materialise `abstract` (an nnx.eval_shape'd module) with the tensors of `specs`, whose
         parameter paths are relative to the module once `prefix` is removed. Reads one tensor at a
         time; quantised tensors are decoded.
@@ -143,7 +170,8 @@ class OpenCheckpoint:
             path = s.param[len(prefix):]
             if path in sharded:
                 continue
-            target = np.float32 if s.param.endswith(_ALWAYS_F32) else dtype
+            target = np.float32 if s.param.endswith(_ALWAYS_F32) else (
+                expert_dtype if s.expert is not None and expert_dtype is not None else dtype)
             buf = buffers.get(path)
             if buf is None:
                 buf = buffers[path] = np.empty(get_path(abstract, path).shape, jnp.dtype(target))
@@ -184,7 +212,9 @@ class OpenCheckpoint:
 
 def open_checkpoint(path) -> OpenCheckpoint:
     """Read config.json and every safetensors header (`moejax.hf.check.check_checkpoint`, the
-    check every command runs); raise every mismatch at once."""
+    check every command runs); raise every mismatch at once. A local folder only: loading reads
+    every weight, and saving copies the source's other files."""
+    require_local(path, "loading a model")
     return opened(check_checkpoint(path))
 
 

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from moejax.moe.expert_parallel import ep_pair_outputs
-from moejax.moe.grouped import ExpertFn, Linear, dense_pair_outputs, ragged_pair_outputs, sorted_pair_outputs
+from moejax.moe.grouped import (ExpertFn, Linear, dense_pair_outputs, exact_expert_loop_combined, large_experts,
+                                ragged_pair_outputs, sorted_pair_outputs)
 
 
 BACKENDS = ("dense", "sorted", "ragged", "ep")
@@ -113,6 +114,10 @@ def combine_from_table(gate_TK: jax.Array, expert_idx_TK: jax.Array, f_ETD: jax.
 def dispatch(x_TD, expert_idx_TK, gate_TK, weights, expert_fn: ExpertFn, backend: str = "sorted",
              forward_only: bool = False):
     """Routed output y_TD = sum_k gate_tk * expert_{idx_tk}(x_t) (SPEC section 1).
-    forward_only: no gradients will be taken (faster large experts, see `pair_outputs`)."""
+    forward_only: no gradients will be taken (faster large experts, see `pair_outputs`); with the
+    sorted backend, large experts' outputs are then added into y as they are computed
+    (`exact_expert_loop_combined`: no [T, K, D] pair outputs held; summed in expert order)."""
+    if forward_only and backend == "sorted" and large_experts(weights):
+        return exact_expert_loop_combined(x_TD, expert_idx_TK, gate_TK, weights, expert_fn).astype(x_TD.dtype)
     f_TKD = pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, backend, forward_only=forward_only)
     return combine(gate_TK, f_TKD).astype(x_TD.dtype)

@@ -89,6 +89,12 @@ class BlockLayout:
 EXACT_LOOP_MIN_WEIGHTS = 1 << 18
 
 
+def large_experts(weights) -> bool:
+    """Experts large enough for the exact forward-only loop (every matrix at least
+    EXACT_LOOP_MIN_WEIGHTS numbers)."""
+    return min(w[0].size for w in jax.tree.leaves(weights)) >= EXACT_LOOP_MIN_WEIGHTS
+
+
 def _default_block_rows(n_pairs: int, n_experts: int, weights) -> int:
     """Rows per block, balancing padded compute (about E * B / 2 rows) against per-block weight
     cost (n_blocks * D * F): the minimum of a * (M + E B / 2) + b * (M / B + E) is at
@@ -120,8 +126,7 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
     absent = absent or forward_only
     block_rows = block_rows or _default_block_rows(n_tokens * top_k, n_experts, weights)
     small_experts = all(w.shape[-1] <= block_rows for w in jax.tree.leaves(weights))
-    large_experts = min(w[0].size for w in jax.tree.leaves(weights)) >= EXACT_LOOP_MIN_WEIGHTS
-    if forward_only and large_experts:
+    if forward_only and large_experts(weights):
         return _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn)
     layout = BlockLayout(expert_idx_TK, n_experts + 1 if absent else n_experts, block_rows)
     block_expert_Y = jnp.minimum(layout.block_expert_Y, n_experts - 1)
@@ -184,45 +189,109 @@ def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int 
     larger matmuls per expert) for 0.3 s more compilation (16 remainder sizes instead of 4)."""
     n_tokens, top_k = expert_idx_TK.shape
     n_experts = jax.tree.leaves(weights)[0].shape[0]
-    _, order_M, sizes_E = _sort_by_expert(expert_idx_TK, n_experts + 1)
-    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    loop = _SortedExpertLoop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows, granule)
     n_pairs = n_tokens * top_k
-    xs_MD = jnp.concatenate([x_TD[order_M // top_k], jnp.zeros((chunk_rows, x_TD.shape[-1]), x_TD.dtype)])
-
-    def rows_out(w, start, n_rows):
-        y = expert_fn(_f32_matmul, w, jax.lax.dynamic_slice_in_dim(xs_MD, start, n_rows))
-        return jnp.pad(y, ((0, chunk_rows - n_rows), (0, 0))) if n_rows < chunk_rows else y
-
-    def one_expert(e, ys):
-        w = _expert_weights(weights, e)
-        start, size = starts_E[e], sizes_E[e]
-        n_full = size // chunk_rows
-
-        def full_chunk(i, ys):
-            return jax.lax.dynamic_update_slice_in_dim(ys, rows_out(w, start + i * chunk_rows, chunk_rows),
-                                                       start + i * chunk_rows, axis=0)
-
-        ys = jax.lax.fori_loop(0, n_full, full_chunk, ys)
-        # The remainder: the branches return a chunk-sized result (zero rows past n), so `ys`
-        # itself never passes through the switch (which would copy it).
-        rest_start = start + n_full * chunk_rows
-        branches = [lambda: jnp.zeros((chunk_rows, ys.shape[-1]), ys.dtype)] + [
-            (lambda n=n: rows_out(w, rest_start, n)) for n in range(granule, chunk_rows + 1, granule)]
-        which = -(-(size - n_full * chunk_rows) // granule)
-        return jax.lax.dynamic_update_slice_in_dim(ys, jax.lax.switch(which, branches), rest_start, axis=0)
-
-    out = jax.eval_shape(lambda: expert_fn(_f32_matmul, jax.tree.map(lambda w: w[0], weights), xs_MD[:1]))
+    out = loop.out_shape()
     ys_MD = jnp.zeros((n_pairs + chunk_rows, out.shape[-1]), out.dtype)
-    # Only the experts that got pairs, still in expert order (which the spill rule needs): XLA
-    # copies an expert's weights out of the stack at the top of each iteration, so an iteration
-    # for an empty expert would still cost a copy of its weights.
-    used_E = sizes_E[:n_experts] > 0
-    used_in_order = jnp.argsort(~used_E, stable=True).astype(jnp.int32)
-    ys_MD = jax.lax.fori_loop(0, jnp.sum(used_E, dtype=jnp.int32),
-                              lambda i, ys: one_expert(used_in_order[i], ys), ys_MD)
-    y_TKD = jnp.zeros((n_pairs, out.shape[-1]), out.dtype).at[order_M].set(ys_MD[:n_pairs])
+    ys_MD = loop.run(ys_MD, lambda ys, start, valid_C, y_CD: jax.lax.dynamic_update_slice_in_dim(ys, y_CD, start, 0))
+    y_TKD = jnp.zeros((n_pairs, out.shape[-1]), out.dtype).at[loop.order_M].set(ys_MD[:n_pairs])
     y_TKD = y_TKD.reshape(n_tokens, top_k, -1)
     return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0)
+
+
+def exact_expert_loop_combined(x_TD, expert_idx_TK, gate_TK, weights, expert_fn, chunk_rows: int = 512,
+                               granule: int = 32):
+    """Forward only, large experts: the routed output y_t = sum_k g_tk f_{idx_tk}(x_t) itself,
+    float32 [T, D], by the loop of `_exact_expert_loop`, each chunk's gate-weighted outputs added
+    into y by token as they come. Nothing of size [T, K, D] is ever held (a Moonlight-shaped layer
+    on 17 streams of 1,024 tokens held three such buffers, 0.9 GB each). A token's K terms are
+    summed in expert order, not in slot order as `combine` sums them: equal up to float rounding.
+
+    gate_TK may carry trailing columns, gate [T, K, G]: then G outputs at once, [T, G, D], column c
+    weighing the same pair outputs by gate[..., c] (every pruning variant's output from one
+    evaluation of the pairs any of them routes to: `moejax.evaluate`)."""
+    loop = _SortedExpertLoop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows, granule)
+    n_tokens, top_k = expert_idx_TK.shape
+    columns = gate_TK.shape[2:]
+    gate_M = gate_TK.reshape((n_tokens * top_k,) + columns).astype(jnp.float32)[loop.order_M]
+    gate_M = jnp.concatenate([gate_M, jnp.zeros((chunk_rows,) + columns, jnp.float32)])
+
+    def add(y, start, valid_C, f_CD):
+        token_C = jax.lax.dynamic_slice_in_dim(loop.token_M, start, chunk_rows)
+        g_C = jax.lax.dynamic_slice_in_dim(gate_M, start, chunk_rows)
+        g_C = jnp.where(valid_C.reshape((chunk_rows,) + (1,) * len(columns)), g_C, 0.0)
+        return y.at[token_C].add(g_C[..., None] * f_CD.astype(jnp.float32).reshape(
+            (chunk_rows,) + (1,) * len(columns) + f_CD.shape[-1:]), mode="promise_in_bounds")
+
+    out = loop.out_shape()
+    return loop.run(jnp.zeros((n_tokens,) + columns + out.shape[-1:], jnp.float32), add)
+
+
+class _SortedExpertLoop:
+    """The loop behind the exact forward-only paths: the pairs sorted by expert (absent pairs,
+    index E, last), then for each expert that has pairs, in expert order, its pairs as full chunks
+    of `chunk_rows` rows plus one remainder chunk rounded up to `granule` rows. Each chunk's input
+    rows are gathered as it runs (no [T*K, D] copy of the inputs); `consume(acc, start, valid_C,
+    f_CD)` takes each chunk's expert outputs f_CD [chunk_rows, D] (zero rows past the remainder)
+    at sorted position `start`, valid_C marking the rows that are this expert's pairs."""
+
+    def __init__(self, x_TD, expert_idx_TK, weights, expert_fn, chunk_rows, granule):
+        n_tokens, top_k = expert_idx_TK.shape
+        self.n_experts = jax.tree.leaves(weights)[0].shape[0]
+        _, self.order_M, self.sizes_E = _sort_by_expert(expert_idx_TK, self.n_experts + 1)
+        self.starts_E = jnp.cumsum(self.sizes_E) - self.sizes_E
+        self.token_M = jnp.concatenate([self.order_M // top_k, jnp.zeros((chunk_rows,), self.order_M.dtype)])
+        self.x_TD, self.weights, self.expert_fn = x_TD, weights, expert_fn
+        self.chunk_rows, self.granule = chunk_rows, granule
+
+    def out_shape(self):
+        return jax.eval_shape(lambda: self.expert_fn(_f32_matmul, jax.tree.map(lambda w: w[0], self.weights),
+                                                     self.x_TD[:1]))
+
+    def _rows_out(self, w, start, n_rows):
+        x_ND = self.x_TD[jax.lax.dynamic_slice_in_dim(self.token_M, start, n_rows)]
+        y = self.expert_fn(_f32_matmul, w, x_ND)
+        return jnp.pad(y, ((0, self.chunk_rows - n_rows), (0, 0))) if n_rows < self.chunk_rows else y
+
+    def run(self, acc, consume):
+        chunk_rows, granule = self.chunk_rows, self.granule
+        rows_C = jnp.arange(chunk_rows)
+
+        def one_expert(e, acc, weights):
+            w = _expert_weights(weights, e)
+            start, size = self.starts_E[e], self.sizes_E[e]
+            n_full = size // chunk_rows
+
+            def full_chunk(i, acc):
+                at = start + i * chunk_rows
+                return consume(acc, at, rows_C < chunk_rows, self._rows_out(w, at, chunk_rows))
+
+            acc = jax.lax.fori_loop(0, n_full, full_chunk, acc)
+            # The remainder: the branches return a chunk-sized result (zero rows past n), so the
+            # accumulator itself never passes through the switch (which would copy it).
+            rest_start = start + n_full * chunk_rows
+            out = self.out_shape()
+            branches = [lambda: jnp.zeros((chunk_rows, out.shape[-1]), out.dtype)] + [
+                (lambda n=n: self._rows_out(w, rest_start, n)) for n in range(granule, chunk_rows + 1, granule)]
+            rest = size - n_full * chunk_rows
+            which = -(-rest // granule)
+            return consume(acc, rest_start, rows_C < rest, jax.lax.switch(which, branches))
+
+        # Only the experts that got pairs, still in expert order (which the spill rule of
+        # `_exact_expert_loop` needs): XLA copies an expert's weights out of the stack at the top
+        # of each iteration, so an iteration for an empty expert would still cost a copy of its weights.
+        used_E = self.sizes_E[:self.n_experts] > 0
+        used_in_order = jnp.argsort(~used_E, stable=True).astype(jnp.int32)
+        # The weights ride in the loop's carry through an optimisation barrier, so XLA cannot see
+        # them as loop-invariant: it would otherwise hoist the float32 conversion of a bfloat16
+        # stack out of the loop (a float32 copy of every expert: +2.2 GB at Moonlight's shape)
+        # instead of converting one expert per iteration.
+        def body(i, carry):
+            acc, weights = carry
+            weights = jax.lax.optimization_barrier(weights)
+            return one_expert(used_in_order[i], acc, weights), weights
+
+        return jax.lax.fori_loop(0, jnp.sum(used_E, dtype=jnp.int32), body, (acc, self.weights))[0]
 
 
 def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
