@@ -581,6 +581,9 @@ def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, e
             del x_ABSH, h, z
             new.append(outs[0] if len(outs) == 1 else jnp.concatenate(outs))
             del outs, z_seq
+            # one batch in flight: dispatching ahead would keep every queued call's buffers alive
+            # (the next layer's weights beside this one's, at worst)
+            new[-1].block_until_ready()
         streams.held[text] = new
     return float(energy0 / energy) if energy else float("nan")
 
@@ -604,6 +607,7 @@ def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dic
         for text, xs in streams.held.items():
             nll_state[text] = [_nll_chunk(x, head_CH, jnp.asarray(ids), v0, st)
                                for x, ids, st in zip(xs, streams.held_ids[text], nll_state[text])]
+        jax.block_until_ready(nll_state)  # one head chunk in memory at a time
     rows, totals = [], {}
     for text, states in nll_state.items():
         per_batch = [np.asarray(chunked_nll(st), np.float64) for st in states]   # [A or 1, B, S - 1]

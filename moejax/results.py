@@ -11,10 +11,12 @@ import secrets
 import signal
 import warnings
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from moejax.errors import MoejaxError
+
+if TYPE_CHECKING:  # pandas is imported where it is used: a job imports it while its JAX compiles
+    import pandas as pd
 
 
 class ResultsWarning(UserWarning):
@@ -152,6 +154,8 @@ def _not_completed(status: dict | None) -> str:
 def _float_values(values: pd.Series, d: Path, problems: list[str]) -> pd.Series:
     """The `value` column as float64 (so that jobs of different schemas concatenate to a numeric
     column). A value that is not a number becomes NaN and is reported, never dropped silently."""
+    import pandas as pd
+
     if pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_complex_dtype(values):
         return values.astype("float64")  # int, bool, Int64/Float64 (pd.NA -> NaN)
 
@@ -186,6 +190,8 @@ def load(path, status: str | None = "completed") -> pd.DataFrame:
     repaired and why (a corrupt results.parquet or status.json, a failed, killed or unfinished
     job, non-numeric values). Raises MoejaxError when no job gives any rows.
     """
+    import pandas as pd
+
     root = Path(path)
     if not root.exists():
         raise MoejaxError(f"results folder {root} does not exist")
@@ -217,6 +223,8 @@ def load(path, status: str | None = "completed") -> pd.DataFrame:
 def _load_job(d: Path, status: str | None, problems: list[str]) -> pd.DataFrame | None:
     """The rows of one job folder, None when it is (silently) filtered out; _Skip with the reason
     when it should have given rows and did not."""
+    import pandas as pd
+
     try:
         record = _read_status(d)
     except _Skip as exc:

@@ -124,15 +124,22 @@ def measure(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int, m
 
 
 FULL_CHILD = r"""
-import json, sys, time, threading
+import json, os, sys, time
+code = os.environ["MOEJAX_BENCH_CODE"]  # this code, not the checkout an editable install points at
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+sys.path.insert(0, code)
 import numpy as np
 import moejax.evaluate as ev
+assert ev.__file__.startswith(code), (ev.__file__, code)
 from moejax.hf.model_io import open_checkpoint
 path, calib, held_a, held_b, out = sys.argv[1], np.load(sys.argv[2]), np.load(sys.argv[3]), np.load(sys.argv[4]), sys.argv[5]
+import jax
 layer_s, head_s = [], []
 def timed(fn, into):
-    def wrapped(*a, **k):
-        t0 = time.perf_counter(); r = fn(*a, **k); into.append(time.perf_counter() - t0); return r
+    def wrapped(*a, **k):  # (_layer_pass's third argument is the streams: wait for the layer's work)
+        t0 = time.perf_counter(); r = fn(*a, **k)
+        jax.block_until_ready((a[2].held, a[2].cal) if len(a) > 2 else r)
+        into.append(time.perf_counter() - t0); return r
     return wrapped
 ev._layer_pass = timed(ev._layer_pass, layer_s)
 ev._perplexity_rows = timed(ev._perplexity_rows, head_s)
@@ -142,7 +149,8 @@ rows, info = ev.evaluate_pruning(open_checkpoint(path), calib, {"a": held_a, "b"
 total = time.perf_counter() - t0
 hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
 kept = {str(l): v for l, v in info["kept"].items()}
-json.dump({"total": total, "layers": layer_s, "head": head_s[0], "peak_mb": hwm, "rows": rows, "kept": kept}, open(out, "w"))
+json.dump({"total": total, "layers": layer_s, "head": head_s[0], "peak_mb": hwm, "rows": rows, "kept": kept},
+          open(out, "w"), default=lambda o: o.item() if hasattr(o, "item") else str(o))
 """
 
 DENSE_CHILD = r"""
@@ -222,7 +230,7 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
                 out = tmp / f"{code}{layers}.json"
                 subprocess.run([sys.executable, "-c", FULL_CHILD, str(ckpt), str(ids["calib"]), str(ids["a"]),
                                 str(ids["b"]), str(out), json.dumps(SCORES), json.dumps(KEEPS)], check=True,
-                               env={**os.environ, "PYTHONPATH": str(src), "MOEJAX_JAX_CACHE": ""})
+                               env={**os.environ, "MOEJAX_BENCH_CODE": str(src), "MOEJAX_JAX_CACHE": ""})
                 r = results[code, layers] = json.loads(out.read_text())
                 cfg = DeepseekV3Config.from_dict(json.loads((ckpt / "config.json").read_text()))
                 n_streams = len(SCORES) * len(KEEPS) + 1

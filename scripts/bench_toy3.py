@@ -1,30 +1,43 @@
-"""Benchmark toy3: moejax (JAX) against a plain numpy implementation of the same experiment.
+"""Benchmark toy3: moejax (JAX) against numpy implementations of the same experiment.
 
     python scripts/bench_toy3.py                 # the full run: seeds=8, 6,000 + 6,000 tokens, 300 steps
-    python scripts/bench_toy3.py --seeds 2       # quicker
+    python scripts/bench_toy3.py --seeds 2 --skip-loop   # quicker
 
-Prints, all measured in this run on this machine:
-  - numpy baseline (per-expert loop over routed tokens) vs moejax compiled, and vs moejax with
-    compilation included (cold: the persistent compilation cache is off for that run);
-  - the balancing loop alone (the hot spot), numpy vs JAX;
+Prints, all measured in this run on this machine, against two numpy baselines: the vectorised
+one (`vec_toy3`: batched over seeds, tokens and variants, a partition for the top-k, one matmul per
+expert group; the fastest numpy we could write, and the one the targets are quoted against) and the
+per-expert loop (`numpy_toy3`: the definitions written plainly, what tests/test_toy3.py checks the
+experiment against):
+  - compiled: moejax's `toy3.run` with everything compiled (best of --repeat runs), against each
+    baseline's own time in a numpy-only process (vectorised: best of --repeat runs; loop: one run);
+  - cold process: the whole `python -m moejax.run experiment=toy3 seeds=N` (no persistent
+    compilation cache, so every function compiles; interpreter start and imports included)
+    against a whole numpy process doing the same work (draw, compute, write results.parquet,
+    print a summary);
+  - the balancing loop alone (the hot spot), vectorised numpy vs JAX;
   - achieved FLOP/s of the routed-expert work (sorted grouped-matmul backend) against a dense
     matmul rate measured in the same run.
-The numpy implementation is also what tests/test_toy3.py checks the experiment against. Both sides
-run the pruning scores only (merges=(), eq6_pairs=0): the merging baselines are checked against
-numpy in tests/test_toy3_merging.py.
+Every baseline's results are checked against moejax's (overlaps identical, errors within float
+rounding) before its time is reported. All sides run the pruning scores only (merges=(),
+eq6_pairs=0): the merging baselines are checked against numpy in tests/test_toy3_merging.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
+import types
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import best_of  # noqa: E402
@@ -127,58 +140,360 @@ def numpy_toy3(cfg, inputs, seeds):
 
 
 # --------------------------------------------------------------------------------------------
+# The vectorised numpy implementation: the baseline the ratios are quoted against. What a numerical
+# programmer would write for speed: no Python loop over tokens, variants or (except for the grouped
+# matmul of the calibration pass) experts; every (seed, offset) balanced together; top-k by
+# partition (`np.partition` / `np.argpartition`, O(E) a row, not a sort), exact ties (the lower
+# index, as moejax and np_route choose) mended on the few rows that have one; float32 like moejax,
+# float64 for the statistics. The same results as moejax (checked in main()).
+
+
+def vec_draw(p: dict, seed: int) -> dict:
+    """One seed's layer and tokens: moejax.experiments.toy3._draw, restated so the numpy process
+    imports nothing of moejax (main() checks the two draws are identical)."""
+    g_model, g_dir, g_cal, g_held = (np.random.default_rng(s) for s in np.random.SeedSequence([seed, 1]).spawn(4))
+    d, h, n_experts = p["d_model"], p["d_hidden"], p["n_experts"]
+
+    def normal(gen, shape, std=1.0):
+        return gen.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    router = normal(g_model, (n_experts, d), d ** -0.5)
+    w1 = normal(g_model, (n_experts, d, h), d ** -0.5)
+    w2 = normal(g_model, (n_experts, h, d), h ** -0.5)
+    v = g_dir.standard_normal(d)
+    directions = {"ones": np.ones(d) / np.sqrt(d), "random": v / np.linalg.norm(v)}
+    mu_OD = (p["offset_scale"] * np.sqrt(d) * np.stack([directions[o] for o in p["offsets"]])).astype(np.float32)
+    x_cal = mu_OD[:, None] + normal(g_cal, (p["n_calib"], d))
+    x_held = mu_OD[:, None] + normal(g_held, (p["n_heldout"], d))
+    return {"router": router, "w1": w1, "w2": w2, "x_cal": x_cal, "x_held": x_held}
+
+
+def vec_sigmoid(z):
+    return np.float32(1) / (np.float32(1) + np.exp(-z))
+
+
+def vec_mend_ties(sel_RE, kth_R1, k):
+    """The exact top-k mask of rows whose K-th value is tied: those above it, then the lowest-index
+    equal ones until k are seated."""
+    above, tied = sel_RE > kth_R1, sel_RE == kth_R1
+    seats = k - above.sum(axis=-1, keepdims=True)
+    return above | (tied & (np.cumsum(tied, axis=-1) <= seats))
+
+
+def vec_topk_mask(sel, k):
+    """bool [..., E]: the top k of `sel` over the last axis, ties to the lower index. The K-th largest
+    value by np.partition, every expert at or above it; rows where a tie seats more than k mended."""
+    n = sel.shape[-1]
+    kth = np.partition(sel, n - k, axis=-1)[..., n - k:n - k + 1]
+    chosen = sel >= kth
+    over = chosen.sum(axis=-1) > k
+    if over.any():
+        chosen[over] = vec_mend_ties(sel[over], kth[over], k)
+    return chosen
+
+
+def vec_topk(sel, k):
+    """int [..., k]: the chosen experts of vec_topk_mask, ascending."""
+    return np.nonzero(vec_topk_mask(sel, k))[-1].reshape(*sel.shape[:-1], k)
+
+
+def vec_balance(s_BTE, steps, rate, k):
+    """`steps` balancing updates of B runs at once. A step needs only the loads: per run and expert,
+    the tokens whose K-th largest s + bias it reaches (an in-place np.partition, no index array); a
+    run with a tie (more than T * k seats) recounts its tied tokens exactly."""
+    n_runs, n_tokens, n_experts = s_BTE.shape
+    bias = np.zeros((n_runs, n_experts), np.float32)
+    sel, part = np.empty_like(s_BTE), np.empty_like(s_BTE)
+    rate = np.float32(rate)
+    for _ in range(steps):
+        np.add(s_BTE, bias[:, None, :], out=part)
+        part.partition(n_experts - k, axis=-1)
+        kth = part[..., n_experts - k:n_experts - k + 1]
+        np.add(s_BTE, bias[:, None, :], out=sel)
+        at_or_above = sel >= kth
+        load = at_or_above.sum(axis=1)
+        for b in np.flatnonzero(load.sum(axis=-1) != n_tokens * k):
+            rows = np.flatnonzero(at_or_above[b].sum(axis=-1) > k)
+            load[b] += vec_mend_ties(sel[b, rows], kth[b, rows], k).sum(axis=0) - at_or_above[b, rows].sum(axis=0)
+        bias -= rate * np.sign(load - load.mean(axis=-1, keepdims=True)).astype(np.float32)
+    return bias
+
+
+def vec_gates(s, idx):
+    gate = np.take_along_axis(s, idx, axis=-1)
+    return gate / (gate.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+
+
+def vec_pair_norms(x_PD, idx_P, w1, w2):
+    """||f_j(x)|| of each (token, expert) pair: the pairs grouped by expert, one matmul per expert's group."""
+    order = np.argsort(idx_P, kind="stable")
+    bounds = np.searchsorted(idx_P[order], np.arange(w1.shape[0] + 1))
+    x_sorted = x_PD[order]
+    norms = np.empty(idx_P.shape, np.float32)
+    for j in range(w1.shape[0]):
+        a, b = bounds[j], bounds[j + 1]
+        if a < b:
+            f = np.maximum(x_sorted[a:b] @ w1[j], 0) @ w2[j]
+            norms[order[a:b]] = np.sqrt(np.einsum("pd,pd->p", f, f))
+    return norms
+
+
+def vec_routed_output(sel_VTE, s_TE, table_MD, k):
+    """y [V, T, D] of V routings (sel: each token's biased, masked scores) from the table of every
+    expert's output on every token (row e * T + t): the top k by partition, gates renormalised,
+    k rows gathered per token."""
+    n_tokens, n_experts = s_TE.shape
+    chosen = vec_topk_mask(sel_VTE, k)
+    pair = (np.flatnonzero(chosen) % (n_tokens * n_experts)).reshape(*chosen.shape[:-1], k)  # t * E + e
+    gate = np.take(s_TE, pair)
+    gate /= gate.sum(axis=-1, keepdims=True) + np.float32(1e-20)
+    rows = np.take(table_MD, pair % n_experts * n_tokens + pair // n_experts, axis=0)  # [V, T, k, D]
+    return np.einsum("vtk,vtkd->vtd", gate, rows)
+
+
+def vec_toy3(p: dict, inputs: list, chunk: int = 6):
+    """toy3 (pruning scores only) in vectorised numpy; the same tidy rows as moejax. The held-out
+    table is made 8 experts a GEMM and the variants run `chunk` at a time: temporaries of 10-20 MB
+    rather than 0.1-0.2 GB (measured 2-5x faster here: fresh memory is slow to fault in on this
+    machine, and smaller blocks stay in cache)."""
+    import pandas as pd
+
+    seeds, keeps, k, E = p["seeds"], p["keeps"], p["top_k"], p["n_experts"]
+    router = np.stack([i["router"] for i in inputs])            # [Z, E, D]
+    w1, w2 = np.stack([i["w1"] for i in inputs]), np.stack([i["w2"] for i in inputs])
+    x_cal, x_held = np.stack([i["x_cal"] for i in inputs]), np.stack([i["x_held"] for i in inputs])  # [Z, O, T, D]
+    Z, O, T, D = x_cal.shape
+    s_cal = vec_sigmoid(x_cal @ router.transpose(0, 2, 1)[:, None])     # [Z, O, T, E]
+    s_held = vec_sigmoid(x_held @ router.transpose(0, 2, 1)[:, None])
+    biases = {"skewed": np.zeros((Z, O, E), np.float32)}
+    if "balanced" in p["loads"]:
+        biases["balanced"] = vec_balance(s_cal.reshape(Z * O, T, E), p["balance_steps"], p["balance_rate"],
+                                         k).reshape(Z, O, E)
+    bias_ZOWE = np.stack([biases[ld] for ld in p["loads"]], axis=2)
+
+    # calibration: every (seed, offset, load) routed at once; ||f|| of each routed pair
+    idx_cal = vec_topk(s_cal[:, :, None] + bias_ZOWE[:, :, :, None], k)  # [Z, O, W, T, k]
+    gate_cal = vec_gates(s_cal[:, :, None], idx_cal)
+    pair_x = np.broadcast_to(x_cal[:, :, None, :, None], (*idx_cal.shape, D))
+    norms = np.stack([vec_pair_norms(pair_x[z].reshape(-1, D), idx_cal[z].ravel(), w1[z], w2[z])
+                      for z in range(Z)]).reshape(idx_cal.shape)
+    mean_input = x_cal.mean(axis=2, dtype=np.float64)
+
+    variants = [(name, keep) for name in p["scores"] for keep in keeps]
+    rows = []
+    F = w1.shape[-1]
+    w1_all = np.ascontiguousarray(w1.transpose(0, 2, 1, 3)).reshape(Z, D, E * F)  # every expert's first layer
+    group = 8 if E % 8 == 0 else 1
+    f_ETD = np.empty((E, T, D), np.float32)  # one (seed, offset)'s held-out table, reused
+    for z, seed in enumerate(seeds):
+        for o, offset in enumerate(p["offsets"]):
+            for e in range(0, E, group):  # f_e(x) of every held-out token, `group` experts a GEMM
+                hidden = np.maximum(x_held[z, o] @ w1_all[z, :, e * F:(e + group) * F], 0).reshape(T, group, F)
+                np.matmul(hidden.transpose(1, 0, 2), w2[z, e:e + group], out=f_ETD[e:e + group])
+            table = f_ETD.reshape(E * T, D)
+            for w, load in enumerate(p["loads"]):
+                base = dict(offset=offset, load=load, seed=int(seed))
+                idx = idx_cal[z, o, w].ravel()
+                counts = np.bincount(idx, minlength=E).astype(np.float64)
+                gns = np.bincount(idx, weights=(gate_cal[z, o, w] * norms[z, o, w]).ravel().astype(np.float64),
+                                  minlength=E)
+                ns = np.bincount(idx, weights=norms[z, o, w].ravel().astype(np.float64), minlength=E)
+                usage = np.sort(counts)[::-1]
+                rows.append({**base, "score": None, "keep": None, "metric": "top16_share",
+                             "value": usage[:16].sum() / usage.sum()})
+                scores = {name: np_scores(name, counts, gns, ns, router[z], bias_ZOWE[z, o, w], mean_input[z, o], seed)
+                          for name in p["scores"]}
+                frequency_kept = {keep: np_keep_mask(counts, keep) for keep in keeps}
+                masks = np.zeros((len(variants), E), bool)
+                for v, (name, keep) in enumerate(variants):
+                    masks[v] = kept = np_keep_mask(scores[name], keep)
+                    rows.append({**base, "score": name, "keep": keep, "metric": "overlap_frequency",
+                                 "value": float((kept & frequency_kept[keep]).sum())})
+                # the full layer, then the variants `chunk` at a time: [V, T, E] selections, [V, T, D] outputs
+                sel_TE = s_held[z, o] + bias_ZOWE[z, o, w]
+                y_TD = vec_routed_output(sel_TE[None], s_held[z, o], table, k)[0]
+                ref_T = (y_TD ** 2).sum(axis=-1)
+                for c in range(0, len(variants), chunk):
+                    sel = np.where(masks[c:c + chunk, None, :], sel_TE, -np.inf)
+                    err = ((vec_routed_output(sel, s_held[z, o], table, k) - y_TD) ** 2).sum(axis=-1)  # [V, T]
+                    rel, median = err.sum(axis=-1) / ref_T.sum(), np.median(err / ref_T, axis=-1)
+                    for v, (name, keep) in enumerate(variants[c:c + chunk]):
+                        row = {**base, "score": name, "keep": keep}
+                        rows.append({**row, "metric": "rel_error", "value": float(rel[v])})
+                        rows.append({**row, "metric": "rel_error_median", "value": float(median[v])})
+    return pd.DataFrame(rows, columns=["offset", "load", "seed", "score", "keep", "metric", "value"])
+
+
+# --------------------------------------------------------------------------------------------
 # Timing
 
 
-def _cold_run_seconds(seeds: int) -> float:
-    """moejax's toy3 in a fresh process with the persistent cache off: compilation included."""
-    code = ("import time; t=time.perf_counter(); from moejax.experiments import toy3; "
-            f"toy3.run(toy3.Toy3Config(seeds={seeds}, merges=(), eq6_pairs=0)); print(time.perf_counter()-t)")
-    env = {**os.environ, "MOEJAX_JAX_CACHE": "", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+def settings(cfg) -> dict:
+    """The plain settings the numpy implementations read (a Toy3Config without moejax)."""
+    names = ("offsets", "loads", "scores", "top_k", "n_experts", "d_model", "d_hidden", "n_calib", "n_heldout",
+             "balance_steps", "balance_rate", "offset_scale")
+    return {"seeds": list(range(cfg.seed, cfg.seed + cfg.seeds)), "keeps": cfg.keep_counts(),
+            **{n: list(v) if isinstance(v, tuple) else v for n, v in ((n, getattr(cfg, n)) for n in names)}}
+
+
+def numpy_process(kind: str, p: dict, out_dir: Path) -> None:
+    """The whole numpy job, as `python -m moejax.run experiment=toy3` does it: draw, compute, write
+    results.parquet, print the summary table. Run in a fresh process; prints its compute time last."""
+    t0 = time.perf_counter()
+    inputs = [vec_draw(p, s) for s in p["seeds"]]
+    if kind == "vectorised":
+        df = vec_toy3(p, inputs)
+    else:
+        df = numpy_toy3(types.SimpleNamespace(**p, keep_counts=lambda: p["keeps"]), inputs, p["seeds"])
+    compute = time.perf_counter() - t0
+    df["keep"] = df["keep"].astype("Int64")
+    df.to_parquet(out_dir / "results.parquet")
+    err = df[df.metric == "rel_error"].groupby(["offset", "load", "score", "keep"])["value"].agg(["mean", "std"])
+    print(err.reset_index().pivot(index=["offset", "load", "score"], columns="keep", values="mean").to_string())
+    print(json.dumps({"compute_s": compute}))
+
+
+def numpy_steady(p: dict, repeat: int) -> None:
+    """The vectorised numpy's steady state, in a process of its own (numpy's BLAS threads and XLA's
+    would contend in one process): the best of `repeat` runs (draws included, as moejax's `toy3.run`
+    includes them), and the balancing loop alone."""
+    def run():
+        vec_toy3(p, [vec_draw(p, s) for s in p["seeds"]])
+
+    inputs = [vec_draw(p, s) for s in p["seeds"]]
+    s_all = np.stack([vec_sigmoid(inp["x_cal"][o] @ inp["router"].T)
+                      for inp in inputs for o in range(len(p["offsets"]))])
+    out = {"full_s": best_of(run, repeat),
+           "balance_s": best_of(lambda: vec_balance(s_all, p["balance_steps"], p["balance_rate"], p["top_k"]), 1)}
+    print(json.dumps(out))
+
+
+def _run_process(cmd, env) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return time.perf_counter() - t0, out.stdout
+
+
+def cold_moejax(seeds: int, out_dir: Path) -> float:
+    """Seconds of the whole `python -m moejax.run experiment=toy3` process (pruning only, as the numpy
+    baselines), from a cold start: no persistent compilation cache, so every function compiles."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(MOEJAX_JAX_CACHE="", MOEJAX_OUT=str(out_dir), PYTHONPATH=str(ROOT))
+    return _run_process([sys.executable, "-m", "moejax.run", "experiment=toy3", f"seeds={seeds}",
+                         "toy.merges=[]", "toy.eq6_pairs=0"], env)[0]
+
+
+def numpy_child(p: dict, *args) -> tuple[float, dict]:
+    """Run this script as a numpy-only child; (its seconds, the JSON it printed last)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    wall, out = _run_process([sys.executable, __file__, "--settings", json.dumps(p), *args], env)
+    return wall, json.loads(out.strip().splitlines()[-1])
+
+
+def agree(df, ref, what: str) -> float:
+    """The same rows; overlaps and shares identical, errors within float rounding (as tests/test_toy3.py).
+    Returns the largest relative difference of an error."""
+    key = ["offset", "load", "seed", "score", "keep", "metric"]
+    both = df.merge(ref.astype({"keep": "Int64"}), on=key, how="outer", suffixes=("", "_np"), indicator=True)
+    assert (both["_merge"] == "both").all() and len(both) == len(df) == len(ref), f"{what}: rows differ"
+    exact = both.metric.isin(["overlap_frequency", "top16_share"])
+    np.testing.assert_array_equal(both.value[exact], both.value_np[exact], err_msg=what)
+    np.testing.assert_allclose(both.value[~exact], both.value_np[~exact], rtol=1e-4, atol=1e-7, err_msg=what)
+    return float(np.max(np.abs(both.value - both.value_np)[~exact] / np.abs(both.value_np[~exact]).clip(1e-7)))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2, help="timed runs of each cold process and warm run (best of)")
+    ap.add_argument("--skip-loop", action="store_true", help="leave out the per-expert-loop baseline (~90 s)")
+    ap.add_argument("--numpy-process", choices=("vectorised", "loop"), help=argparse.SUPPRESS)
+    ap.add_argument("--numpy-steady", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.numpy_process:  # the children: numpy and pandas only
+        return numpy_process(args.numpy_process, json.loads(args.settings), args.out)
+    if args.numpy_steady:
+        return numpy_steady(json.loads(args.settings), args.repeat)
 
+    import pandas as pd
+
+    from moejax.experiments import toy3
+
+    cfg = toy3.Toy3Config(seeds=args.seeds, merges=(), eq6_pairs=0)  # as the numpy baselines: pruning only
+    p = settings(cfg)
+    inputs = toy3.draw_inputs(cfg, p["seeds"])
+    for mine, theirs in zip((vec_draw(p, s) for s in p["seeds"]), inputs):
+        assert all(np.array_equal(mine[k], theirs[k]) for k in theirs), "vec_draw differs from toy3.draw_inputs"
+    import jax
+
+    print(f"toy3 benchmark: seeds={cfg.seeds}, {cfg.n_calib}+{cfg.n_heldout} tokens, {cfg.balance_steps} "
+          f"balancing steps, keeps {cfg.keep_counts()}, scores {list(cfg.scores)} (no merges); "
+          f"{os.cpu_count()} CPU cores, jax {jax.__version__} on {jax.default_backend()}, numpy {np.__version__}; "
+          f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        # Whole processes, cold: moejax and the vectorised numpy alternately (a slow spell hits both).
+        cold = {"moejax": [], "vectorised": []}
+        for i in range(args.repeat):
+            cold["moejax"].append(cold_moejax(args.seeds, tmp / f"moejax{i}"))
+            (tmp / f"vec{i}").mkdir()
+            cold["vectorised"].append(numpy_child(p, "--numpy-process", "vectorised", "--out", str(tmp / f"vec{i}"))[0])
+        df_cold = pd.read_parquet(next((tmp / "moejax0").glob("outputs/*/*/results.parquet")))
+        refs = {"vectorised": pd.read_parquet(tmp / "vec0" / "results.parquet")}
+        diff = agree(df_cold, refs["vectorised"], "moejax process vs vectorised numpy process")
+        steady = numpy_child(p, "--numpy-steady", "--repeat", str(args.repeat))[1]
+        if not args.skip_loop:  # one run, ~90 s: its compute time is its steady state (nothing to compile)
+            (tmp / "loop").mkdir()
+            wall, out = numpy_child(p, "--numpy-process", "loop", "--out", str(tmp / "loop"))
+            cold["loop"], steady["loop_s"] = [wall], out["compute_s"]
+            refs["loop"] = pd.read_parquet(tmp / "loop" / "results.parquet")
+
+    # Compiled / steady state, in this process: the same work, imports and compilation done.
+    df, _ = toy3.run(cfg)
+    t_mj = best_of(lambda: toy3.run(cfg), repeat=args.repeat)
+    for name, ref in refs.items():
+        diff = max(diff, agree(df, ref, f"moejax vs {name} numpy"))
+    print(f"results agree: overlaps and shares identical, errors within {diff:.1e} (relative)\n")
+    print("whole toy3, best of " + (f"{args.repeat} runs" if args.repeat > 1 else "1 run") +
+          f" (every cold run, s: moejax {', '.join(f'{t:.2f}' for t in cold['moejax'])}; "
+          f"vectorised numpy {', '.join(f'{t:.2f}' for t in cold['vectorised'])})")
+    print(f"{'':40s} {'numpy':>8s} {'moejax':>8s}   ratio")
+    rows = [("compiled: vs vectorised numpy", steady["full_s"], t_mj)]
+    if not args.skip_loop:
+        rows.append(("compiled: vs per-expert-loop numpy", steady["loop_s"], t_mj))
+    rows.append(("cold process: vs vectorised numpy", min(cold["vectorised"]), min(cold["moejax"])))
+    if not args.skip_loop:
+        rows.append(("cold process: vs per-expert-loop numpy", cold["loop"][0], min(cold["moejax"])))
+    for name, t_np, t in rows:
+        print(f"{name:40s} {t_np:7.2f}s {t:7.2f}s  {t_np / t:5.1f}x")
+
+    extras(cfg, inputs, steady["balance_s"])
+    print(f"load average at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def extras(cfg, inputs, t_bal_np: float) -> None:
+    """The balancing loop alone (numpy's measured in its steady-state process), and the routed
+    experts' FLOP rate."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from moejax.experiments import toy3
     from moejax.models.toy import ToyMoE
     from moejax.moe import dispatch
     from moejax.moe.balancing import balance_bias
 
-    cfg = toy3.Toy3Config(seeds=args.seeds, merges=(), eq6_pairs=0)  # as the numpy baseline: pruning only
-    seeds = list(range(args.seeds))
-    print(f"toy3 benchmark: seeds={cfg.seeds}, {cfg.n_calib}+{cfg.n_heldout} tokens, {cfg.balance_steps} "
-          f"balancing steps, keeps {cfg.keep_counts()}, scores {list(cfg.scores)}; "
-          f"{os.cpu_count()} CPU cores, jax {jax.__version__} on {jax.default_backend()}")
-
-    cold = _cold_run_seconds(args.seeds)
-    toy3.run(cfg)  # compile in this process
-    warm = best_of(lambda: toy3.run(cfg), repeat=2)
-    inputs = toy3.draw_inputs(cfg, seeds)
-    t_np = best_of(lambda: numpy_toy3(cfg, inputs, seeds), repeat=1)
-    print(f"\nfull run   numpy {t_np:7.2f} s | moejax compiled {warm:6.2f} s  -> {t_np / warm:5.1f}x"
-          f" | moejax incl. compilation {cold:6.2f} s -> {t_np / cold:5.1f}x")
-
     # The balancing loop alone: every (seed, offset) balanced, 300 steps.
-    s_all = [1 / (1 + np.exp(-(inp["x_cal"][o] @ inp["router"].T))) for inp in inputs for o in range(2)]
-    t_bal_np = best_of(lambda: [np_balance(s, cfg.balance_steps, cfg.balance_rate, cfg.top_k) for s in s_all],
-                       repeat=1)
-    logits = jnp.asarray(np.stack([np.log(s / (1 - s)) for s in s_all]))
+    logits = jnp.asarray(np.stack([inp["x_cal"][o] @ inp["router"].T for inp in inputs for o in range(2)]))
     bal = jax.jit(lambda lg: balance_bias(lg, ToyMoE.router_cfg_for(cfg.top_k), cfg.balance_steps, cfg.balance_rate))
     bal(logits).block_until_ready()
     t_bal = best_of(lambda: bal(logits).block_until_ready(), repeat=2)
-    print(f"balancing  numpy {t_bal_np:7.2f} s | moejax {t_bal:6.2f} s  -> {t_bal_np / t_bal:5.1f}x"
-          f"   ({len(s_all)} loops x {cfg.balance_steps} steps x {cfg.n_calib} tokens)")
+    print(f"\nbalancing alone: vectorised numpy {t_bal_np:6.2f} s | moejax {t_bal:5.2f} s -> {t_bal_np / t_bal:5.1f}x"
+          f"   ({logits.shape[0]} runs x {cfg.balance_steps} steps x {cfg.n_calib} tokens)")
 
-    # Routed-expert FLOP/s: the sorted grouped-matmul backend on one calibration pass per condition.
+    # Routed-expert FLOP/s: the sorted grouped-matmul backend on one calibration pass.
     model = ToyMoE(cfg.d_model, cfg.d_hidden, cfg.n_experts, cfg.top_k, rngs=nnx.Rngs(0))
     x = jnp.asarray(inputs[0]["x_cal"][0])
     w = model.expert_weights()

@@ -56,6 +56,20 @@ def test_seeds_are_independent_of_batching():
     np.testing.assert_allclose(a.value, b.value, rtol=1e-5)
 
 
+@pytest.mark.slow  # ~18 s; both paths are checked against numpy by default (here and test_toy3_merging.py)
+def test_held_out_table_made_in_either_stage_gives_the_same_bits():
+    """Without merges stage two tabulates each (seed, offset) in its loop; with merges stage one
+    tabulates them all for them. The pruning rows must not depend on which."""
+    tiny = dict(SMALL, n_calib=300, n_heldout=200, balance_steps=10, keep=(8, 32), loads=("skewed",))
+    a, _ = toy3.run(toy3.Toy3Config(seeds=1, **tiny))
+    b, _ = toy3.run(toy3.Toy3Config(seeds=1, **{**tiny, "merges": ("hc_smoe",)}))
+    assert not toy3._merges_read_table(toy3.Toy3Config(**tiny))
+    key = ["offset", "load", "seed", "score", "keep", "metric"]
+    b = b[~b.score.fillna("").str.contains(":")].reset_index(drop=True)
+    a, b = (d.sort_values(key, na_position="first").reset_index(drop=True) for d in (a, b))
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(keep=(2,)), "below top_k=4"),
     (dict(keep=(65,)), "exceeds"),

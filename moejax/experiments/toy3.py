@@ -33,25 +33,31 @@ layer's own experts, then the merged ones). Pruning: its mask, every slot its ow
 Seeds are vectorised inside one job. How the work is laid out:
   host (numpy)   draw every seed's layer and tokens;
   stage 1 (jit)  balance, route the calibration tokens
-                 (sorted grouped-matmul backend: only routed pairs) and tabulate f_j(x) for
-                 every held-out token and expert once (each variant's output is a gate-weighted
-                 sum of entries of that table, so no variant recomputes an expert); with merges,
+                 (sorted grouped-matmul backend: only routed pairs); with merges, tabulate f_j(x)
+                 for every held-out token and expert once (each variant's output is a
+                 gate-weighted sum of entries of that table, so no variant recomputes an expert),
                  each expert's mean output over the calibration tokens (HC-SMoE) and the router
                  logits of the calibration tokens (M-SMoE);
   host (numpy)   float64 statistics, scores, kept sets (ties to the lower index); clusters and
                  merged experts (moejax.merging), the variants' masks and rows;
   stage 2 (jit)  route the held-out tokens under every kept set (masks, one compile) and
-                 measure the errors (SPEC section 3); the merges' variants likewise, in a program
+                 measure the errors (SPEC section 3), one (seed, offset) at a time, tabulating its
+                 f_j(x) first when stage 1 did not; the merges' variants likewise, in a program
                  of their own that first tabulates the merged experts on the held-out tokens;
   host (numpy)   Eq. 6's prediction for the merged pairs.
+A cold job overlaps what it can on a second thread (`_compile_ahead`, `_import_in_background`):
+stage 2 compiles, and pandas imports, while stage 1 is traced, compiled and run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import itertools
 import logging
+import sys
+import threading
 import time
 from typing import NamedTuple
 
@@ -406,15 +412,16 @@ def _stage_one(cfg: Toy3Config):
                for a in jax.lax.map(calibrate, jnp.arange(bias_ZOWE.shape[0] * n_offsets * n_loads))]
         logits_held = jax.vmap(jax.vmap(toy_layer.router_logits, in_axes=(None, 0)))(router_Z, x_held_ZOTD)
 
-        def held_table(i):  # f_j(x) of every held-out token and expert of one (seed, offset)
-            s, o = i // n_offsets, i % n_offsets
-            return toy_layer.expert_output_table(weights(s), x_held_ZOTD[s, o])
-
         n_held = x_held_ZOTD.shape[0] * x_held_ZOTD.shape[1]
-        f_held_ZOETD = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
-            *x_held_ZOTD.shape[:2], cfg.n_experts, *x_held_ZOTD.shape[2:])
         out = dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_ZOTD.mean(axis=2),
-                   bias=bias_ZOWE, f_held=f_held_ZOETD, logits_held=logits_held)
+                   bias=bias_ZOWE, logits_held=logits_held)
+        if _merges_read_table(cfg):  # else stage two tabulates each (seed, offset) as it goes
+            def held_table(i):  # f_j(x) of every held-out token and expert of one (seed, offset)
+                s, o = i // n_offsets, i % n_offsets
+                return toy_layer.expert_output_table(weights(s), x_held_ZOTD[s, o])
+
+            out["f_held"] = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
+                *x_held_ZOTD.shape[:2], cfg.n_experts, *x_held_ZOTD.shape[2:])
         if "hc_smoe" in cfg.merges:
             def mean_outputs(i):  # c_j = mean over the calibration tokens of f_j(x), one (seed, offset)
                 return toy_layer.mean_expert_outputs(weights(i // n_offsets), x_cal_ZOTD[i // n_offsets, i % n_offsets])
@@ -426,6 +433,18 @@ def _stage_one(cfg: Toy3Config):
         return out
 
     return run
+
+
+def _merges_read_table(cfg: Toy3Config) -> bool:
+    """Whether the merges' variants or Eq. 6 need the whole held-out table [Z, O, E, T, D] (786 MB
+    at the full settings): then stage one tabulates it once for them and stage two; without merges
+    stage two tabulates each (seed, offset) in its loop, and the table is never whole."""
+    return bool(cfg.merges) or cfg.eq6_pairs > 0
+
+
+def _flat_seed_offset(a):
+    """[Z, O, ...] -> [Z * O, ...] (sizes spelt out: -1 is undefined beside a zero-size axis)."""
+    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
 def _with_unpruned(masks_AE):
@@ -457,9 +476,13 @@ def _kth_values(cfg: Toy3Config):
 @functools.lru_cache(maxsize=8)
 def _stage_two(cfg: Toy3Config):
     """Route the held-out tokens under every kept set and measure the error of each variant.
-    Returns a function (f_held, logits_held, bias, masks) -> (all-token relative error [..., A],
-    per-token relative errors [..., A, T]); the median is taken on the host (numpy's partition-based
-    median is far cheaper than a sort per variant on the device).
+    Returns a function (logits_held, bias, masks, f_held=None, w1=None, w2=None, x_held=None) ->
+    (all-token relative error [..., A], per-token relative errors [..., A, T]); the median is taken
+    on the host (numpy's partition-based median is far cheaper than a sort per variant on the device).
+    Without the held-out table f_held (when the merges did not need stage one to make it whole,
+    `_merges_read_table`), each (seed, offset)'s table is made here from the experts w1, w2 [Z, ...]
+    and tokens x_held [Z, O, T, D], in the loop that uses it: a 25 MB table reused, where the
+    whole one was 786 MB of fresh memory for every run.
 
     Routing is `route`'s choice computed without `lax.top_k` (moejax/moe/topk.py, tested equal):
     one jitted call finds each token's K-th largest biased score under every mask, a second reads
@@ -484,40 +507,87 @@ def _stage_two(cfg: Toy3Config):
     from moejax.moe.topk import topk_indices_at_threshold
 
     router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
-    kth_values = _kth_values(cfg)
 
     def scores(logits):  # s of the unpruned layer: sigmoid, or softmax over all E
         return toy_layer.router_scores(logits, cfg.router)
 
-    # [Z, O, T, E] logits, [Z, O, W, E] biases, [Z, O, W, A, E] masks: map over seeds and offsets
-    per_load = functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))
+    # per (seed, offset): [T, E] logits, [W, E] biases, [W, A, E] masks; the loads vmapped
+    @functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))
+    def condition(f_ETD, s_TE, bias_E, masks_AE, kth_AT):
+        idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
+        gate_ATK = gates(s_TE, idx_ATK, router_cfg)
+        # the unpruned output in its own call: sliced off the variants' outputs, XLA
+        # recomputed it for every variant (4x slower)
+        y_TD = combine_from_table(gate_ATK[0], idx_ATK[0], f_ETD)
+        err_sq_AT = jnp.sum((combine_from_table(gate_ATK[1:], idx_ATK[1:], f_ETD) - y_TD) ** 2, axis=-1)
+        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+        return err_sq_AT.sum(axis=-1) / y_sq_T.sum(), err_sq_AT / y_sq_T
+
+    kth_values = _kth_values(cfg)
 
     @jax.jit
-    def errors(f, logits, bias, masks, kth):
-        @per_load
-        def condition(f_ETD, logits_TE, bias_E, masks_AE, kth_AT):
-            s_TE = scores(logits_TE)
-            idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
-            gate_ATK = gates(s_TE, idx_ATK, router_cfg)
-            # the unpruned output in its own call: sliced off the variants' outputs, XLA
-            # recomputed it for every variant (4x slower)
-            y_TD = combine_from_table(gate_ATK[0], idx_ATK[0], f_ETD)
-            err_sq_AT = jnp.sum((combine_from_table(gate_ATK[1:], idx_ATK[1:], f_ETD) - y_TD) ** 2, axis=-1)
-            y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
-            return err_sq_AT.sum(axis=-1) / y_sq_T.sum(), err_sq_AT / y_sq_T
+    def errors(logits, bias, masks, kth, f, w1, w2, x):
+        n_offsets = logits.shape[1]
 
         def seed_offset(args):
-            return condition(*args)
+            i, logits_TE, bias_WE, masks_WAE, kth_WAT, f_ETD, x_TD = args
+            if f_ETD is None:
+                s = i // n_offsets
+                f_ETD = toy_layer.expert_output_table({"w1": w1[s], "w2": w2[s]}, x_TD)
+            return condition(f_ETD, scores(logits_TE), bias_WE, masks_WAE, kth_WAT)
 
-        lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
-        flat = [a.reshape(-1, *a.shape[2:]) for a in (f, logits, bias, masks, kth)]
-        rel, per_token = jax.lax.map(seed_offset, flat)
+        lead = logits.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
+        flat = jax.tree.map(_flat_seed_offset, (logits, bias, masks, kth, f, x))
+        rel, per_token = jax.lax.map(seed_offset, (jnp.arange(lead[0] * lead[1]), *flat))
         return rel.reshape(*lead, *rel.shape[1:]), per_token.reshape(*lead, *per_token.shape[1:])
 
-    def run(f, logits, bias, masks):
-        return errors(f, logits, bias, masks, kth_values(logits, bias, masks))
+    def run(logits, bias, masks, f_held=None, w1=None, w2=None, x_held=None):
+        if f_held is not None:
+            w1 = w2 = x_held = None
+        return errors(logits, bias, masks, kth_values(logits, bias, masks), f_held, w1, w2, x_held)
 
+    def compile_for(n_seeds: int) -> None:
+        """Compile both programs for a batch of n_seeds seeds, from the shapes alone (`run`'s calls
+        then find them compiled)."""
+        O, W, T, E = len(cfg.offsets), len(cfg.loads), cfg.n_heldout, cfg.n_experts
+        D, F = cfg.d_model, cfg.d_hidden
+
+        def f32(*shape):
+            return jax.ShapeDtypeStruct((n_seeds, *shape), jnp.float32)
+
+        logits, bias = f32(O, T, E), f32(O, W, E)
+        masks = jax.ShapeDtypeStruct((n_seeds, O, W, len(layout(cfg).pruned), E), jnp.bool_)
+        kth = jax.eval_shape(kth_values, logits, bias, masks)
+        kth_values.lower(logits, bias, masks).compile()
+        table = (f32(O, E, T, D), None, None, None) if _merges_read_table(cfg) else (
+            None, f32(E, D, F), f32(E, F, D), f32(O, T, D))
+        errors.lower(logits, bias, masks, kth, *table).compile()
+
+    run.compile_for = compile_for
     return run
+
+
+def _compile_ahead(cfg: Toy3Config, batch_sizes) -> threading.Thread | None:
+    """Compile stage two on a second thread while the main thread traces, compiles and runs stage
+    one (XLA's compilation releases the GIL and keeps about one core busy, so on two cores most of
+    the second compilation overlaps; only tracing contends). JAX's cache hands the compiled programs
+    to `_stage_two`'s calls. One device only (a mesh's programs are compiled under its context).
+    Returns the thread to join before stage two, or None."""
+    if MeshConfig(cfg.mesh_data, cfg.mesh_expert).n_devices > 1:
+        return None
+
+    def work():
+        try:
+            for n_seeds in sorted(set(batch_sizes)):
+                _stage_two(cfg).compile_for(n_seeds)
+        except Exception:  # the main thread's call compiles (and raises) as usual
+            log.debug("toy3: compiling stage two ahead failed", exc_info=True)
+
+    # not a daemon: the interpreter waits for it at exit (a job killed by a signal included), since
+    # a thread still inside XLA while Python finalises aborts the process
+    thread = threading.Thread(target=work, name="toy3-compile-ahead")
+    thread.start()
+    return thread
 
 
 @functools.lru_cache(maxsize=8)
@@ -601,10 +671,27 @@ def run(cfg: Toy3Config, progress=None, job_dir=None):
         return _run(cfg, progress)
 
 
+def _import_in_background(*names: str) -> None:
+    """Import modules that the job needs only at its end on a second thread: pandas and pyarrow
+    (~0.7 s) then load while XLA compiles and runs stage one, which release the GIL, instead of
+    before the job starts. A failed import is left for the main thread's own import to raise."""
+    missing = [name for name in names if name not in sys.modules]
+
+    def work():
+        try:
+            for name in missing:
+                importlib.import_module(name)
+        except Exception:
+            log.debug("toy3: importing %s in the background failed", missing, exc_info=True)
+
+    if missing:
+        threading.Thread(target=work, name="toy3-imports").start()  # not a daemon: see _compile_ahead
+
+
 def _run(cfg: Toy3Config, progress=None):
     import jax
-    import pandas as pd
 
+    from moejax.parallel.distributed import to_host  # jax.device_get, gathering across processes
     from moejax.scoring.scores import compute_scores, stats_from_pairs
     from moejax.scoring.select import select_kept
 
@@ -613,16 +700,18 @@ def _run(cfg: Toy3Config, progress=None):
     n_pruned, n_merged, n_experts = len(lay.pruned), len(lay.merged), cfg.n_experts
     n_rel = lay.n_masked + n_merged  # variants reported by rel_error; the Eq. 6 pairs follow them
     n_merge_variants = 2 * n_merged + cfg.eq6_pairs  # shrunk forms, tied forms, pairs
+    _import_in_background("pandas", "pyarrow.parquet")  # for the results table, at the end
     all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)
     batches = [all_seeds[i:i + cfg.seed_batch] for i in range(0, len(all_seeds), cfg.seed_batch)]
     rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0}
+    ahead = _compile_ahead(cfg, [len(b) for b in batches])
     for batch in batches:
         conditions = list(itertools.product(enumerate(batch), enumerate(cfg.offsets), enumerate(cfg.loads)))
         t0 = time.perf_counter()
         drawn = draw_inputs(cfg, batch)
         stacked = {k: np.stack([d[k] for d in drawn]) for k in ("router", "w1", "w2", "x_cal", "x_held")}
         one = jax.block_until_ready(_stage_one(cfg)(*stacked.values()))
-        host = jax.device_get({k: v for k, v in one.items() if k not in ("f_held", "logits_held")})
+        host = to_host({k: v for k, v in one.items() if k not in ("f_held", "logits_held")})
         host["router"] = stacked["router"]
         t1 = time.perf_counter()
         lead = (len(batch), len(cfg.offsets), len(cfg.loads))
@@ -674,18 +763,21 @@ def _run(cfg: Toy3Config, progress=None):
                     for k in merged:
                         merged[k][s, o, l_, slot] = weights[k]
         t2 = time.perf_counter()
-        rel_all, rel_per_token = jax.device_get(jax.block_until_ready(_stage_two(cfg)(
-            one["f_held"], one["logits_held"], one["bias"], masks[..., :n_pruned, :])))
+        if ahead is not None:
+            ahead.join()
+        rel_all, rel_per_token = to_host(jax.block_until_ready(_stage_two(cfg)(
+            one["logits_held"], one["bias"], masks[..., :n_pruned, :], f_held=one.get("f_held"),
+            w1=stacked["w1"], w2=stacked["w2"], x_held=stacked["x_held"])))
         rel_median = np.median(rel_per_token, axis=-1)
         if n_merge_variants:
-            err_sum, merge_per_token, y_sq, idx_held, gate_held = jax.device_get(jax.block_until_ready(
+            err_sum, merge_per_token, y_sq, idx_held, gate_held = to_host(jax.block_until_ready(
                 _stage_merges(cfg)(one["f_held"], one["logits_held"], one["bias"], masks[..., n_pruned:, :],
                                    weight_rows, None if merged is None else stacked["x_held"], merged)))
             rel_all = np.concatenate([rel_all, err_sum[..., :2 * n_merged] / y_sq.sum(axis=-1)[..., None]], axis=-1)
             merge_median = np.median(merge_per_token[..., :2 * n_merged, :], axis=-1)
             rel_median = np.concatenate([rel_median, merge_median], axis=-1)
         t3 = time.perf_counter()
-        f_held = np.asarray(one["f_held"])  # no copy on the CPU backend (for Eq. 6's prediction)
+        f_held = to_host(one["f_held"]) if cfg.eq6_pairs else None  # no copy on CPU (Eq. 6's prediction)
         for (s, seed), (o, offset), (l_, load) in conditions:
             for v, (name, keep) in enumerate(lay.labels(pairs[s, o, l_])):
                 base = dict(offset=offset, load=load, seed=int(seed), score=name, keep=keep)
@@ -702,6 +794,8 @@ def _run(cfg: Toy3Config, progress=None):
         timings["stage_two_s"] += t3 - t2
         if progress is not None:
             progress(len(batch))
+    import pandas as pd
+
     df = pd.DataFrame(rows, columns=["offset", "load", "seed", "score", "keep", "metric", "value"])
     df["keep"] = df["keep"].astype("Int64")
     return df, timings
