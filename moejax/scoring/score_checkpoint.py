@@ -37,7 +37,6 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
 
     require_local(checkpoint, "moejax score with calibration data")  # before JAX starts
     import jax
-    import pandas as pd
 
     from moejax import __version__
     from moejax.hf.model_io import open_checkpoint
@@ -65,14 +64,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     with contextlib.nullcontext() if device_mesh is None else jax.set_mesh(device_mesh):
         stats = calibrate_streamed(ckpt, batches, dtype=jax.numpy.dtype(dtype), progress=progress, mesh=device_mesh)
     seconds = time.perf_counter() - t0
-    rows = []
-    for layer, st in stats.items():
-        for name, values in compute_scores(st, scores).items():
-            if not np.isfinite(values).all():
-                raise CheckpointError(f"layer {layer}: score {name!r} is not finite (NaN or inf) at experts "
-                                      f"{np.flatnonzero(~np.isfinite(values)).tolist()[:16]}; nothing was written")
-            rows += [{"layer": layer, "expert": e, "score": name, "value": float(v)} for e, v in enumerate(values)]
-    df = pd.DataFrame(rows, columns=["layer", "expert", "score", "value"])
+    df = score_table(stats.items(), scores)
     if out is not None:
         out = Path(out)
         sidecar = {
@@ -99,8 +91,6 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     `out` with suffix .json) when given. `checkpoint`: a local folder or a remote location
     (https:// base URL, hf://org/name[@revision]), of which only the headers, config.json and the
     router and bias tensors are read. seed: the `random` score's."""
-    import pandas as pd
-
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
     from moejax.hf.storage import open_location
@@ -119,14 +109,8 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     storage = open_location(checkpoint)
     checked = check_checkpoint(storage, uniform_experts=False)  # headers and config.json only
     names = scores_for(names, checked.config.HAS_BALANCE_BIAS, storage.describe())
-    rows = []
-    for layer, ml in checked.layout.moe_layers.items():
-        for name, values in compute_scores(router_stats(checked.reader.reader, ml, seed), names).items():
-            if not np.isfinite(values).all():
-                raise CheckpointError(f"layer {layer}: score {name!r} is not finite at experts "
-                                      f"{np.flatnonzero(~np.isfinite(values)).tolist()[:16]}; nothing was written")
-            rows += [{"layer": layer, "expert": e, "score": name, "value": float(v)} for e, v in enumerate(values)]
-    df = pd.DataFrame(rows, columns=["layer", "expert", "score", "value"])
+    df = score_table(((layer, router_stats(checked.reader.reader, ml, seed))
+                      for layer, ml in checked.layout.moe_layers.items()), names)
     if out is not None:
         write_json_atomic(Path(out).with_suffix(".json"), {
             "checkpoint": storage.describe(), "data_free": True, "scores": names, "seed": seed,
@@ -134,6 +118,22 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
             "versions": {"moejax": __version__, "python": platform.python_version()}})
         write_parquet_atomic(df, Path(out))  # last: its presence means the run completed
     return df
+
+
+def score_table(layer_stats, names):
+    """The (layer, expert, score, value) table of every score in `names` from each (layer,
+    statistics) pair; a score that is not finite is refused naming the layer, score and experts
+    (before anything is written)."""
+    import pandas as pd
+
+    rows = []
+    for layer, st in layer_stats:
+        for name, values in compute_scores(st, names).items():
+            if not np.isfinite(values).all():
+                raise CheckpointError(f"layer {layer}: score {name!r} is not finite (NaN or inf) at experts "
+                                      f"{np.flatnonzero(~np.isfinite(values)).tolist()[:16]}; nothing was written")
+            rows += [{"layer": layer, "expert": e, "score": name, "value": float(v)} for e, v in enumerate(values)]
+    return pd.DataFrame(rows, columns=["layer", "expert", "score", "value"])
 
 
 def check_calibration_args(text, tokens, seq_len, max_tokens) -> None:
