@@ -111,6 +111,8 @@ def ckpt(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # 24 s; by default tests/test_multiprocess.py checks these logits on 8 devices (2 processes
+# against 1, bitwise) and the dispatch-level tests here check expert parallelism against the oracle
 def test_deepseek_logits_identical_across_meshes(ckpt):
     from hf_fixtures import batch
 
@@ -174,6 +176,7 @@ def test_scores_identical_on_a_mesh(ckpt, tmp_path):
             assert (select_kept(g.value.to_numpy(), 4) == select_kept(h.value.to_numpy(), 4)).all()
 
 
+@pytest.mark.slow  # 22 s; by default tests/test_multiprocess.py runs toy3 on 8 expert shards (2 processes against 1)
 def test_toy3_identical_on_eight_expert_shards():
     from moejax.experiments import toy3
 

@@ -271,6 +271,7 @@ def test_progress_line_only_on_a_terminal():
     assert "10/10" in tty.getvalue() and "loss 1.234" in tty.getvalue() and "5,000 tok/s" in tty.getvalue()
 
 
+@pytest.mark.slow  # 22 s; prune_real itself is checked against transformers and numpy by tests/test_prune_real.py
 def test_prune_real_on_the_trained_model(trained, tmp_path):
     """The reduced train_tiny, then prune_real on it through the Hydra runner: its held-out files
     are the defaults, every score and both keeps are reported, keep=E gives the unpruned numbers."""
