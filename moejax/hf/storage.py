@@ -15,6 +15,8 @@ take local folders only; the read-only audits (inspect, plan, diff, data-free sc
 
 from __future__ import annotations
 
+import abc
+
 import os
 import stat
 from pathlib import Path
@@ -29,7 +31,7 @@ class MissingFile(CheckpointError):
     """A file the checkpoint needs is not there: no such local file, or HTTP 404."""
 
 
-class Storage:
+class Storage(abc.ABC):
     """The reads a checkpoint reader needs. Paths are `root / name` objects (a `Path`, or a
     `moejax.hf.remote.RemotePath`); every error names the file (its path or URL)."""
 
@@ -37,18 +39,20 @@ class Storage:
     root: object
     header_prefetch: int = 8  # bytes read before the header length is known (remote: more, one request)
 
+    @abc.abstractmethod
     def read_prefix(self, path, length: int) -> tuple[int, bytes]:
         """(the file's size, its first min(length, size) bytes)."""
-        raise NotImplementedError
+        ...
 
     def read_prefixes(self, paths, length: int) -> dict:
         """read_prefix of several files (concurrently where the storage can)."""
         return {path: self.read_prefix(path, length) for path in paths}
 
+    @abc.abstractmethod
     def read_range(self, path, start: int, length: int) -> bytes:
         """The bytes [start, start + length) of `path`; remote storages return exactly that many or
         raise, a local read may come back short (the caller names the tensor)."""
-        raise NotImplementedError
+        ...
 
     def read_into(self, path, start: int, buffer: bytearray) -> int:
         """Fill `buffer` from byte `start` of `path`; returns the count read."""
@@ -56,17 +60,19 @@ class Storage:
         buffer[:len(data)] = data
         return len(data)
 
+    @abc.abstractmethod
     def read_file(self, path) -> bytes | None:
         """A small file whole (config.json, the index), or None when there is no such file."""
-        raise NotImplementedError
+        ...
 
     def check_shard(self, path, index_path, shard: str) -> None:
         """Refuse a shard named by the index that is missing or unsafe to read (remote: checked
         when its header is read, which is the first request for it anyway)."""
 
+    @abc.abstractmethod
     def shard_files(self, single_name: str) -> list:
         """Without an index: `single_name` (model.safetensors) if present, else every *.safetensors."""
-        raise NotImplementedError
+        ...
 
     def describe(self) -> str:
         """What reports call the checkpoint: a remote one's URL (a local folder: its resolved path)."""
