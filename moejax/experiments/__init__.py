@@ -48,12 +48,13 @@ _DEFAULTS = {
     "score": ("moejax.experiments.score:ScoreConfig", {"": ("scores",), "data": "*"}),
     "train_tiny": ("moejax.training.config:TrainTinyConfig", {"": "*"}),
     "prune_real": ("moejax.experiments.prune_real:PruneRealConfig",
-                   {"": ("keep", "scores", "merges", "allocation", "dtype", "seed"), "prune": ("sequential",),
+                   {"": ("keep", "scores", "merges", "allocation", "calibration", "dtype", "seed"), "prune": ("sequential",),
                     "data": "*"}),
     "eval_tasks": ("moejax.experiments.eval_tasks:EvalTasksConfig",
-                   {"": ("keep", "scores", "merges", "tasks", "dtype", "seed"), "prune": ("sequential",),
+                   {"": ("keep", "scores", "merges", "tasks", "calibration", "dtype", "seed"), "prune": ("sequential",),
                     "lm_eval": ("task_dir", "include_defaults", "limit", "eval_batch_size", "n_nextline", "n_mc",
-                                "n_ppl", "bootstrap_iters"),
+                                "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll", "n_degen", "routing_docs",
+                                "bootstrap_iters"),
                     "data": "*"}),
 }
 _ELSEWHERE = ("path", "mesh_data", "mesh_expert")

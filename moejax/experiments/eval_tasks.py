@@ -28,9 +28,11 @@ from pathlib import Path
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
 from moejax.experiments.prune_real import PruneRealConfig
+from moejax.skills_tasks import DEGEN_TASK, task_names
 
-COLUMNS = ["mode", "score", "keep", "task", "metric", "value", "stderr"]
+COLUMNS = ["mode", "score", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
+SKILL_TASKS = tuple(task_names())  # the skills tasks (moejax.skills_tasks), built into the job folder when named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +43,11 @@ class EvalTasksConfig:
     include_defaults: bool = True  # also look tasks up among lm-eval's own
     limit: int | None = None       # documents per task (None = all)
     keep: tuple = (0.5, 0.25)
-    scores: tuple = ("frequency", "reap", "ean", "signed", "l1", "random")
+    scores: tuple | None = ("frequency", "reap", "ean", "signed", "l1", "random")   # null: every score the model has
     merges: tuple = ()             # merging baselines beside the scores (hc_smoe, m_smoe), tied and shrunk
     sequential: bool = False
     calib: tuple = ()              # as prune_real: files/folders/globs; empty = standard-library sources
+    calibration: str = "code"      # as prune_real: code | skills | uniform | train | 'code=0.5,kv=0.5'
     heldout: tuple = ()
     seq_len: int = 256
     calib_tokens: int = 32768
@@ -54,6 +57,11 @@ class EvalTasksConfig:
     n_nextline: int = 200          # sizes of the built stdlib tasks
     n_mc: int = 200
     n_ppl: int | None = None       # None: about 64 KB of held-out text in pieces the model can take
+    n_skill: int = 100             # sizes of the built skills tasks (moejax.skills_tasks), per skill
+    n_skill_mc: int = 50
+    n_skill_ll: int = 50
+    n_degen: int = 48
+    routing_docs: int = 100        # held-out documents per skill for the routing table (skills tasks only)
     bootstrap_iters: int = 1000    # lm-eval's stderr bootstrap for non-mean metrics
     dtype: str = "float32"
     seed: int = 0
@@ -61,9 +69,9 @@ class EvalTasksConfig:
     @classmethod
     def from_mapping(cls, d: dict) -> "EvalTasksConfig":
         refuse_unknown_settings(cls, d, "eval_tasks")
-        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None or k in ("limit", "n_ppl")}
+        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None or k in ("limit", "n_ppl", "scores")}
         for key in ("keep", "tasks", "scores", "merges"):
-            if key in d and not isinstance(d[key], tuple):
+            if key in d and d[key] is not None and not isinstance(d[key], tuple):
                 d[key] = (d[key],)
         cfg = cls(**d)
         cfg.validate()
@@ -71,6 +79,7 @@ class EvalTasksConfig:
 
     def prune_real(self) -> PruneRealConfig:
         return PruneRealConfig(path=self.path, keep=self.keep, scores=self.scores, merges=self.merges, calib=self.calib,
+                               calibration=self.calibration,
                                heldout=self.heldout, seq_len=self.seq_len, calib_tokens=self.calib_tokens,
                                heldout_tokens=self.heldout_tokens, batch_size=self.batch_size,
                                sequential=self.sequential, dtype=self.dtype, seed=self.seed)
@@ -84,7 +93,8 @@ class EvalTasksConfig:
         self.prune_real().validate()
         if not self.tasks:
             raise ConfigError("eval_tasks: tasks is empty; name lm-eval tasks, e.g. tasks=[stdlib_mc]")
-        for name in ("eval_batch_size", "n_nextline", "n_mc", "n_ppl"):
+        for name in ("eval_batch_size", "n_nextline", "n_mc", "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll",
+                     "n_degen", "routing_docs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"eval_tasks: {name}={getattr(self, name)} must be >= 1")
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
@@ -98,9 +108,21 @@ class EvalTasksConfig:
             resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok)
         if self.task_dir and not Path(self.task_dir).is_dir():
             raise ConfigError(f"eval_tasks: task_dir={self.task_dir}: no such folder")
-        if not self.task_dir and not set(self.tasks) <= set(DEFAULT_TASKS) and not self.include_defaults:
-            raise ConfigError(f"eval_tasks: tasks {sorted(set(self.tasks) - set(DEFAULT_TASKS))} need task_dir=... "
+        built = set(DEFAULT_TASKS) | set(SKILL_TASKS)
+        if not self.task_dir and not set(self.tasks) <= built and not self.include_defaults:
+            raise ConfigError(f"eval_tasks: tasks {sorted(set(self.tasks) - built)} need task_dir=... "
                               "or include_defaults=true")
+        if not self.task_dir and set(self.tasks) & set(SKILL_TASKS):
+            from moejax.eval_tasks import position_budget
+            from moejax.skills_tasks import DEGEN_BYTES, DEGEN_TASK
+            from moejax.training.skills import longest_document
+
+            budget, source = position_budget(self.path)
+            longest = DEGEN_BYTES if DEGEN_TASK in self.tasks else longest_document(
+                {t.split("_")[1] for t in self.tasks if t in SKILL_TASKS})
+            if longest > budget:
+                raise ConfigError(f"eval_tasks: the skills tasks need documents of {longest} bytes, longer than the "
+                                  f"model's {budget} positions ({source})")
 
 
 Config = EvalTasksConfig
@@ -109,8 +131,10 @@ Config = EvalTasksConfig
 def settings_from(cfg: dict) -> dict:
     model, data, prune, lm = (cfg.get(k) or {} for k in ("model", "data", "prune", "lm_eval"))
     settings = {"path": model.get("path") or "", **data, **prune, **lm}
-    for key in ("keep", "scores", "merges", "tasks", "dtype", "seed"):
-        if cfg.get(key) is not None:
+    for key in ("keep", "scores", "merges", "tasks", "calibration", "dtype", "seed"):
+        if key == "scores" and key in cfg:   # null: every score the model supports
+            settings[key] = cfg[key]
+        elif cfg.get(key) is not None:
             settings[key] = cfg[key]
     return settings
 
@@ -125,7 +149,7 @@ def task_manager(cfg: EvalTasksConfig, task_dir: Path | None):
     unknown = [t for t in cfg.tasks if t not in known]
     if unknown:
         where = ([str(task_dir)] if task_dir else []) + (["lm-eval's own tasks"] if cfg.include_defaults else [])
-        local = sorted(n for n in known if task_dir and n.startswith("stdlib_"))
+        local = sorted(n for n in known if task_dir and n.startswith(("stdlib_", "skills_")))[:8]
         raise ConfigError(f"eval_tasks: unknown task(s) {unknown}; looked in {' and '.join(where)} "
                           f"({len(known)} tasks known{', e.g. ' + ', '.join(local) if local else ''}; "
                           "`lm_eval ls tasks` lists lm-eval's own)")
@@ -133,15 +157,25 @@ def task_manager(cfg: EvalTasksConfig, task_dir: Path | None):
 
 
 def build_tasks(cfg: EvalTasksConfig, job_dir: Path) -> Path | None:
-    """The folder of task YAML files: task_dir, or the stdlib tasks built into the job folder."""
+    """The folder of task YAML files: task_dir, or the stdlib and skills tasks named, built into the
+    job folder (tasks/ and tasks/skills/)."""
     if cfg.task_dir:
         return Path(cfg.task_dir)
-    if not set(cfg.tasks) & set(DEFAULT_TASKS):
+    stdlib, skills = set(cfg.tasks) & set(DEFAULT_TASKS), set(cfg.tasks) & set(SKILL_TASKS)
+    if not stdlib and not skills:
         return None
     from moejax.eval_tasks import write_stdlib_tasks
+    from moejax.skills_tasks import default_sources, write_skills_tasks
 
-    return write_stdlib_tasks(job_dir / "tasks", checkpoint=cfg.path, n_nextline=cfg.n_nextline, n_mc=cfg.n_mc,
-                              n_ppl=cfg.n_ppl, seed=cfg.seed)
+    out = job_dir / "tasks"
+    if stdlib:
+        write_stdlib_tasks(out, checkpoint=cfg.path, n_nextline=cfg.n_nextline, n_mc=cfg.n_mc, n_ppl=cfg.n_ppl,
+                           seed=cfg.seed)
+    if skills:
+        code, prose = default_sources(cfg.path)
+        write_skills_tasks(out / "skills", n=cfg.n_skill, n_mc=cfg.n_skill_mc, n_ll=cfg.n_skill_ll,
+                           n_degen=cfg.n_degen, code_files=code, prose_file=prose, seed=cfg.seed)
+    return out
 
 
 def _datasets_offline_hint(error: Exception, task: str) -> ConfigError:
@@ -174,11 +208,12 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     from moejax.lm_eval import MoejaxLM
     from moejax.models.registry import read_config
     from moejax.merging.layer import ROUTER_FORMS
+    from moejax.scoring.scores import scores_for
     from moejax.variant import masks_from_kept, merged_variant
 
     job_dir = Path(job_dir or ".")
     task_dir = build_tasks(cfg, job_dir)
-    if set(cfg.tasks) <= set(DEFAULT_TASKS):
+    if set(cfg.tasks) <= set(DEFAULT_TASKS) | set(SKILL_TASKS):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON: never ask the hub
     tm = task_manager(cfg, task_dir)  # unknown names fail here, before the calibration pass
     loaded = {"tasks": {}, "groups": {}, "group_map": {}}  # TaskManager.load's dicts, merged
@@ -197,8 +232,9 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     model_cfg = read_config(Path(cfg.path) / "config.json")
     keeps = sorted({int(k) for k in ppl_df.keep.dropna()}, reverse=True)
     modes = ["one_shot"] + (["sequential"] if cfg.sequential else [])
+    scores = scores_for(cfg.scores, model_cfg.HAS_BALANCE_BIAS, f"eval_tasks: {cfg.path}")
     variants = [dict(mode="none", score=None, keep=None)] + [
-        dict(mode=m, score=s, keep=k) for m in modes for s in cfg.scores for k in keeps] + [
+        dict(mode=m, score=s, keep=k) for m in modes for s in scores for k in keeps] + [
         dict(mode=form, score=m, keep=k) for m in cfg.merges for k in keeps for form in ROUTER_FORMS]
 
     rows = []
@@ -212,6 +248,7 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
                          value=float(value), stderr=math.nan))
 
     base = MoejaxLM(pretrained=cfg.path, dtype=cfg.dtype, batch_size=cfg.eval_batch_size, seed=cfg.seed)
+    rows += skill_routing_rows(cfg, base.model)
     for v in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
         if v["mode"] == "none":
             masks = None
@@ -224,9 +261,28 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
                                      bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING")
         rows += task_rows(results, v)
     df = pd.DataFrame(rows, columns=COLUMNS)
-    df["keep"] = df["keep"].astype("Int64")
+    for col in ("keep", "layer", "expert"):
+        df[col] = df[col].astype("Int64")
     timings["variants"] = len(variants)
     return df, timings
+
+
+def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:
+    """The routing table of the unpruned model (moejax.routing_table) on each named skill's
+    held-out documents and on held-out code, when skills tasks are evaluated (else [])."""
+    from moejax.eval_tasks import heldout_files, position_budget
+    from moejax.routing_table import routing_rows, routing_shares
+    from moejax.training.skills import documents, text
+
+    skills = sorted({t.split("_")[1] for t in cfg.tasks if t in SKILL_TASKS and t != DEGEN_TASK})
+    if not skills:
+        return []
+    texts = {s: "".join(text(*d) for d in documents(s, cfg.routing_docs, cfg.seed, "heldout")) for s in skills}
+    code = "".join(p.read_text(encoding="utf-8", errors="replace") for _, p in heldout_files(cfg.path)[:4])
+    texts["code"] = code[:16384]
+    shares = routing_shares(model, texts, position_budget(cfg.path)[0])
+    return [dict(r, mode="none", score=None, keep=None, stderr=math.nan)
+            for r in routing_rows(shares, model.config.moe_layers)]
 
 
 def summary_title(cfg: EvalTasksConfig) -> str:
@@ -234,6 +290,7 @@ def summary_title(cfg: EvalTasksConfig) -> str:
 
 
 def summary_table(df):
+    df = df[~df.metric.isin(["routing_share"]) & ~df.metric.str.startswith("experts_for_")]
     unpruned = df[df["mode"] == "none"].set_index(["task", "metric"]).value
     wide = df[df["mode"] != "none"].pivot_table(index=["mode", "score"], columns=["task", "metric", "keep"],
                                                 values="value")

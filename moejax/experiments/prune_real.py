@@ -37,6 +37,7 @@ class PruneRealConfig:
     merges: tuple = ()             # merging baselines beside the scores: hc_smoe, m_smoe (moejax.merging)
     allocation: str = "uniform"    # or "global": per-layer counts from one threshold (moejax.merging.allocation)
     calib: tuple = ()              # files/folders/globs; empty = standard-library sources
+    calibration: str = "code"      # which text calibrates: code | skills | uniform | train | 'code=0.5,kv=0.5'
     heldout: tuple = ()            # empty = the model's held-out files, else DEFAULT_HELDOUT (+ LICENSE.txt)
     seq_len: int = 256
     calib_tokens: int = 32768
@@ -84,6 +85,22 @@ class PruneRealConfig:
                 raise ConfigError(f"prune_real: {name}={getattr(self, name)} must be >= 1")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"prune_real: dtype={self.dtype!r}; expected float32 or bfloat16")
+        self.calibration_mix()
+
+    def calibration_mix(self) -> dict:
+        """Shares of the calibration tokens by text (moejax.training.skills.calibration_mix), the
+        model's training mix read from its moejax_tiny.json for calibration=train."""
+        from moejax.training.skills import calibration_mix
+
+        record = Path(self.path) / TINY_RECORD
+        trained = None
+        if record.is_file():
+            trained = ((json.loads(record.read_text()).get("config") or {}).get("data") or {}).get("mix")
+            trained = dict(trained) if isinstance(trained, (list, dict)) and trained else None
+        try:
+            return calibration_mix(self.calibration, trained)
+        except ConfigError as e:
+            raise ConfigError(f"prune_real: {e}") from None
 
 
 Config = PruneRealConfig
@@ -92,7 +109,7 @@ Config = PruneRealConfig
 def settings_from(cfg: dict) -> dict:
     model, data, prune = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("prune") or {}
     settings = {"path": model.get("path") or "", **data, **prune}
-    for key in ("keep", "scores", "merges", "allocation", "dtype", "seed"):
+    for key in ("keep", "scores", "merges", "allocation", "calibration", "dtype", "seed"):
         if cfg.get(key) is not None:
             settings[key] = cfg[key]
     return settings
@@ -162,7 +179,7 @@ def evaluate(cfg: PruneRealConfig, progress=None):
                 break
         return pack(docs, cfg.seq_len, max_tokens)
 
-    calib = tokens(calib_files, cfg.calib_tokens)
+    calib = calibration_tokens(cfg, calib_files, tok, tokens)
     heldout = {f.name: tokens([f], cfg.heldout_tokens) for f in heldout_files}
     scores = scores_for(cfg.scores, ckpt.config.HAS_BALANCE_BIAS, f"prune_real: {cfg.path}")
     rows, info = evaluate_pruning(ckpt, calib, heldout, scores, list(cfg.keep), merges=cfg.merges,
@@ -176,6 +193,30 @@ def evaluate(cfg: PruneRealConfig, progress=None):
                "heldout_tokens": info["heldout_tokens"], "calib_files": len(calib_files),
                "heldout_files": [str(f) for f in heldout_files]}
     return df, info, timings
+
+
+def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):
+    """[n_seq, seq_len] calibration ids: `calibration`'s shares of calib_tokens, the code part
+    from the calibration files, each skill's part from its training-split documents (one row may
+    hold several skills' documents: the skills text is shuffled together by document)."""
+    import random
+
+    import numpy as np
+
+    from moejax.data import pack
+    from moejax.training.skills import CODE, TERMINATOR, calibration_documents
+
+    mix = cfg.calibration_mix()
+    parts = []
+    if mix.get(CODE, 0) > 0:
+        parts.append(tokens(code_files, max(cfg.seq_len, round(mix[CODE] * cfg.calib_tokens))))
+    skill_docs = calibration_documents(mix, cfg.calib_tokens, cfg.seed)
+    if skill_docs:
+        lines = [l + TERMINATOR for t in skill_docs.values() for l in t.split(TERMINATOR) if l]
+        random.Random(f"calibration:{cfg.seed}").shuffle(lines)
+        n_skill = cfg.calib_tokens - (parts[0].size if parts else 0)
+        parts.append(pack([tok.encode("".join(lines))], cfg.seq_len, max(cfg.seq_len, n_skill)))
+    return np.concatenate(parts, axis=0)
 
 
 def summary_title(cfg: PruneRealConfig) -> str:

@@ -58,7 +58,7 @@ import numpy as np
 
 from moejax.training.checkpoints import checkpoint_manager, restore, save_checkpoint
 from moejax.training.config import TrainTinyConfig
-from moejax.training.corpus import build_corpus, train_batch
+from moejax.training.corpus import build_corpus
 from moejax.training.progress import Progress
 from moejax.training.trainer import Trainer
 
@@ -116,6 +116,8 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     start = int(meta.get("step", 0))
     history = [tuple(r) for r in meta.get("history", [])]      # (step, loss, lr, max_load_share)
     evals = [tuple(r) for r in meta.get("evals", [])]          # (step, heldout_loss)
+    skill_evals = [tuple(r) for r in meta.get("skill_evals", [])]   # (step, skill, greedy exact match)
+    skill_docs = _skill_docs(cfg)
     train_s_before = float(meta.get("train_s", 0.0))
     if start:
         log.info("train_tiny: resuming from step %d (%s), continuing to step %d", start, cfg.orbax_dir,
@@ -127,7 +129,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
 
     def meta_at(step, train_s):
         return {"step": step, "seed": cfg.seed, "fingerprint": cfg.fingerprint(), "history": history,
-                "evals": evals, "train_s": train_s}
+                "evals": evals, "skill_evals": skill_evals, "train_s": train_s}
 
     bar = Progress(t.steps, start)
     smooth, compile_s, eval_s = None, 0.0, 0.0
@@ -136,7 +138,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     pending = []   # (step, device metrics): fetched lazily so the host does not wait on every step
     try:
         for step in range(start, t.steps):
-            ids = train_batch(corpus.train_tokens, cfg.seed, step, t.batch_size, dc.seq_len)
+            ids = corpus.batch(cfg.seed, step, t.batch_size, dc.seq_len)
             ts = time.perf_counter()
             trainer.state, metrics = trainer.step(trainer.state, ids)
             pending.append((step + 1, metrics))
@@ -161,6 +163,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
             if t.eval_every and done % t.eval_every == 0 and done < t.steps:
                 te = time.perf_counter()
                 evals.append((done, trainer.heldout(corpus.heldout_ids)[0]))
+                skill_evals += _skill_curve(trainer, skill_docs, done)
                 eval_s += time.perf_counter() - te
             if done % t.checkpoint_every == 0 or done == t.steps:
                 log.info("train_tiny: step %d/%d  loss %.4f (smoothed)  %.0f tokens/s%s", done, t.steps, smooth, rate,
@@ -178,6 +181,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     te = time.perf_counter()
     heldout_loss, loads = trainer.heldout(corpus.heldout_ids)
     evals = [e for e in evals if e[0] != t.steps] + [(t.steps, heldout_loss)]
+    skill_evals = [e for e in skill_evals if e[0] != t.steps] + _skill_curve(trainer, skill_docs, t.steps)
     timings["eval_s"] = eval_s + time.perf_counter() - te
     model = trainer.model
     biases = {l: np.asarray(b) for l in loads if (b := model.model.layers[l].mlp.balance_bias()) is not None}
@@ -192,6 +196,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
         "steps": t.steps, "tokens_seen": t.steps * tokens_per_step,
         "train_loss": final_loss, "heldout_loss": heldout_loss, "heldout_ppl": math.exp(heldout_loss),
         "heldout_tokens": int(corpus.heldout_ids.size), "loss_unit": "nats per byte",
+        "skills_exact_match": {k: v for s, k, v in skill_evals if s == t.steps},
         "train_s": train_s_before + timings["train_s"], "resumed_from_step": start,
         "orbax_dir": str(cfg.orbax_dir), "versions": versions(),
     }
@@ -212,14 +217,37 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     for s, loss in evals:
         rows += [{"step": s, "metric": "heldout_loss", "layer": -1, "value": loss},
                  {"step": s, "metric": "heldout_ppl", "layer": -1, "value": math.exp(loss)}]
+    for s, skill, value in skill_evals:
+        rows.append({"step": s, "metric": "skill_exact_match", "layer": -1, "skill": skill, "value": value})
     for l, load in loads.items():
         rows.append({"step": t.steps, "metric": "max_load_share", "layer": l, "value": float(load.max() / load.sum())})
         if l in biases:
             rows += [{"step": t.steps, "metric": "bias_min", "layer": l, "value": float(biases[l].min())},
                      {"step": t.steps, "metric": "bias_max", "layer": l, "value": float(biases[l].max())}]
     df = pd.DataFrame(rows)
+    if "skill" not in df:
+        df["skill"] = None
     df["path"] = str(out)
     return df, timings
+
+
+def _skill_docs(cfg: TrainTinyConfig) -> dict:
+    """The held-out skills documents of the learning curve ({} without a skills mix)."""
+    from moejax.training.skills import CODE, documents
+
+    dc = cfg.data
+    return {k: documents(k, dc.skill_eval_docs, cfg.seed, "heldout") for k, v in dc.mix if k != CODE and v > 0}
+
+
+def _skill_curve(trainer, skill_docs: dict, step: int) -> list:
+    """[(step, skill, greedy exact match)] of the model now, on the learning curve's documents."""
+    if not skill_docs:
+        return []
+    from moejax.training.skill_match import exact_match
+
+    scores = exact_match(trainer.model, skill_docs)
+    log.info("train_tiny: step %d skills exact match %s", step, {k: round(v, 3) for k, v in scores.items()})
+    return [(step, k, v) for k, v in scores.items()]
 
 
 def summary_title(cfg: TrainTinyConfig) -> str:
@@ -236,4 +264,6 @@ def summary_table(df):
            "heldout_ppl": df[(df.metric == "heldout_ppl") & (df.step == last)].value.mean(),
            "max_load_share (held-out, mean over layers)": df[df.metric == "max_load_share"].value.mean(),
            "started at step": df[df.metric == "start_step"].value.iloc[0]}
+    skills = df[(df.metric == "skill_exact_match") & (df.step == last)]
+    out.update({f"exact match: {r.skill}": r.value for r in skills.itertuples()})
     return pd.DataFrame({"value": out})

@@ -15,6 +15,7 @@ from moejax.experiments import refuse_unknown_settings
 ORBAX_SUFFIX = ".orbax"   # the orbax checkpoints of model.path=P are in P.orbax/ (TrainTinyConfig.orbax_dir)
 
 _NULLABLE = {"decay_steps": int, "aux_loss_alpha": float}  # settings whose default is null
+_MAPPINGS = ("mix",)  # settings that are mappings (Hydra gives DictConfig-converted dicts)
 
 
 def _typed(cls, d, where: str):
@@ -31,7 +32,11 @@ def _typed(cls, d, where: str):
     out = {}
     for k, v in d.items():
         want = _NULLABLE.get(k) or type(getattr(cls(), k))
-        if want is tuple:
+        if k in _MAPPINGS:
+            if not isinstance(v, dict):
+                raise ConfigError(f"train_tiny: {where}.{k}={v!r}; expected a mapping")
+            v = tuple(sorted(v.items()))
+        elif want is tuple:
             v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
         elif want is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
@@ -91,6 +96,15 @@ class DataConfig:
     heldout_always: tuple = ("difflib.py", "textwrap.py", "fractions.py")
     seq_len: int = 128
     eval_tokens: int = 65536       # held-out tokens evaluated (packed, from the held-out files in order)
+    # the skills corpus (moejax.training.skills): shares of training bytes, "code" (the files above)
+    # and skills, summing to one; empty = code only. Skill rows start at a document's start.
+    mix: tuple | dict = dataclasses.field(default_factory=dict)   # {name: share}; held as sorted (name, share) pairs
+    skill_bytes: int = 8_000_000   # size of the generated skills stream the rows are drawn from
+    skill_eval_docs: int = 64      # held-out documents per skill for the learning curve (greedy exact match)
+
+    @property
+    def mix_dict(self) -> dict:
+        return dict(self.mix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +172,22 @@ class TrainTinyConfig:
                               f"{a.max_position_embeddings}")
         if not 0.0 < dc.heldout_fraction < 1.0:
             raise ConfigError(f"train_tiny: data.heldout_fraction={dc.heldout_fraction} must lie in (0, 1)")
-        if not dc.stdlib and not dc.text:
+        if not dc.stdlib and not dc.text and not dc.mix:
             raise ConfigError("train_tiny: no training text: data.stdlib=false and data.text=[] (name files)")
+        if dc.mix:
+            from moejax.training.skills import CODE, check_mix, longest_document
+
+            mix = check_mix(dict(dc.mix))
+            if mix.get(CODE, 0) > 0 and not dc.stdlib and not dc.text:
+                raise ConfigError(f"train_tiny: data.mix.{CODE}={mix[CODE]} but there is no code text "
+                                  "(data.stdlib=false and data.text=[])")
+            longest = longest_document([k for k, v in mix.items() if k != CODE and v > 0])
+            if longest > dc.seq_len:
+                raise ConfigError(f"train_tiny: a skills document can be {longest} bytes, longer than "
+                                  f"data.seq_len={dc.seq_len}: raise data.seq_len")
+            if dc.skill_bytes < dc.seq_len or dc.skill_eval_docs < 1:
+                raise ConfigError(f"train_tiny: data.skill_bytes={dc.skill_bytes} must be >= data.seq_len and "
+                                  f"data.skill_eval_docs={dc.skill_eval_docs} >= 1")
         if dc.eval_tokens < dc.seq_len:
             raise ConfigError(f"train_tiny: data.eval_tokens={dc.eval_tokens} is below one sequence "
                               f"(data.seq_len={dc.seq_len})")
