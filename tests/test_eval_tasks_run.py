@@ -58,7 +58,8 @@ def results(ckpt, tmp_path_factory):
 
 def test_every_variant_on_every_task_in_a_tidy_table(results):
     out, df = results
-    assert list(df.columns) == ["mode", "score", "keep", "task", "metric", "value", "stderr"]
+    assert list(df.columns) == ["mode", "score", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
+    assert df.layer.isna().all() and df.expert.isna().all()   # the routing table comes with skills tasks only
     assert json.loads((out / "status.json").read_text())["status"] == "completed"
     assert (out / "tasks" / "stdlib_mc.yaml").is_file()  # the tasks are kept beside the results
     tasks = df[df.task != "heldout"]

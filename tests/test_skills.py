@@ -299,19 +299,25 @@ def test_training_records_a_per_skill_learning_curve(skills_model):
     assert dict(record["config"]["data"]["mix"]) == {"code": 0.5, "up": 0.3, "close": 0.2}
 
 
-def test_eval_tasks_on_the_skills_model_end_to_end(skills_model, tmp_path):
-    import pandas as pd
-
+@pytest.fixture(scope="module")
+def eval_run(skills_model, tmp_path_factory):
     from moejax.experiments.runner import run_job
 
     path, _ = skills_model
+    tmp_path = tmp_path_factory.mktemp("eval_skills")
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")
     cfg = {"name": "eval_tasks", "model": {"path": str(path)}, "keep": [4], "scores": ["frequency", "reap"],
            "tasks": ["skills_up", "skills_up_mc"], "calibration": "code=0.5,up=0.5",
            "lm_eval": {"n_skill": 6, "n_skill_mc": 4, "eval_batch_size": 8, "bootstrap_iters": 0, "routing_docs": 10},
            "data": {"seq_len": 48, "calib_tokens": 480, "heldout_tokens": 96, "batch_size": 4}}
     run_job(cfg, tmp_path / "job")
-    df = pd.read_parquet(tmp_path / "job" / "results.parquet")
+    return tmp_path / "job"
+
+
+def test_eval_tasks_on_the_skills_model_end_to_end(eval_run):
+    import pandas as pd
+
+    df = pd.read_parquet(eval_run / "results.parquet")
     tasks = df[df.task.isin(["skills_up", "skills_up_mc"])]
     variants = tasks.groupby(["mode", "score", "keep"], dropna=False).task.nunique()
     assert len(variants) == 3 and (variants == 2).all()        # unpruned + 2 scores at one keep
@@ -322,7 +328,24 @@ def test_eval_tasks_on_the_skills_model_end_to_end(skills_model, tmp_path):
     assert np.allclose(sums, 1.0) and len(sums) == 2 * 2          # two MoE layers
     need = df[df.metric == "experts_for_90"]
     assert need.value.between(1, 8).all()
-    assert (tmp_path / "job" / "tasks" / "skills" / "skills_up.yaml").is_file()
+    assert (eval_run / "tasks" / "skills" / "skills_up.yaml").is_file()
+
+
+def test_notebook_code_runs_on_a_run(eval_run, tmp_path):
+    import subprocess
+    import sys
+
+    import nbformat
+
+    root = Path(__file__).resolve().parents[1]
+    nb = nbformat.read(root / "experiments" / "skills" / "skills.ipynb", as_version=4)
+    code = "\n\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    env = {**os.environ, "PYTHONPATH": str(root), "MPLBACKEND": "Agg", "MOEJAX_SKILLS_RESULTS": str(eval_run),
+           "MOEJAX_SKILLS_FIGURES": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for name in ("skills_exact_match.png", "skills_mc_vs_generation.png", "skills_routing.png"):
+        assert (tmp_path / name).stat().st_size > 5_000
 
 
 def test_bad_eval_settings_are_refused_before_calibration(skills_model, tmp_path):
