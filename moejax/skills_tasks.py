@@ -13,8 +13,9 @@ Per skill NAME (held-out documents only: their prompts never occur in training):
 - skills_NAME_mc (multiple_choice): the true answer among four, each followed by the terminator;
   the three wrong ones plausible (`distractors`: one character changed to another of the answer's
   kind, two neighbours swapped, and for kv another value from the same line); acc. Chance 0.25.
-- skills_NAME_ll (loglikelihood): the answer and terminator given the prompt; perplexity
-  (exp of minus the mean per-document log-likelihood) and acc (the answer is the greedy one).
+- skills_NAME_ll (loglikelihood): the answer and terminator given the prompt; logprob (its
+  log-likelihood in nats, mean over documents, with the standard error of a mean; no bootstrap)
+  and acc (the answer is the greedy one).
 
 And skills_degen (generate_until, no stop but the EOS token): open prompts, a third each of
 held-out code (the start of a held-out file's line, with the lines before it), prose (the
@@ -86,6 +87,12 @@ def degeneration_metrics(output: str) -> dict:
 def process_degeneration(doc, results) -> dict:
     """lm-eval's process_results for skills_degen (results: the one generated string)."""
     return degeneration_metrics(results[0])
+
+
+def process_loglikelihood(doc, results) -> dict:
+    """lm-eval's process_results for skills_NAME_ll (results: one (log-likelihood, is_greedy))."""
+    ll, greedy = results[0]
+    return {"logprob": float(ll), "acc": float(greedy)}
 
 
 # --- multiple-choice distractors ----------------------------------------------------------------
@@ -169,8 +176,8 @@ def _config(task: str, data_file: Path, skill: str | None) -> dict:
                 "metric_list": [{"metric": "acc", **mean}]}
     elif task.endswith("_ll"):
         body = {"output_type": "loglikelihood", "doc_to_target": "{{answer}}" + TERMINATOR,
-                "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
-                                {"metric": "acc", **mean}]}
+                "process_results": "PROCESS_LL",
+                "metric_list": [{"metric": "logprob", **mean}, {"metric": "acc", **mean}]}
     else:
         longest = SKILLS[skill].longest
         body = {"output_type": "generate_until", "doc_to_target": "{{answer}}",
@@ -211,10 +218,11 @@ def write_skills_tasks(out_dir, *, skills=None, n: int = 100, n_mc: int = 50, n_
             (staging / f"{task}.jsonl").write_text(data, encoding="utf-8")
             text = yaml.dump(_config(task, out_dir / f"{task}.jsonl", skill), Dumper=dumper, sort_keys=False,
                              allow_unicode=True, width=1000)
-            text = text.replace("PROCESS_RESULTS", "!function skills_degen_metrics.process_degeneration")
+            text = text.replace("PROCESS_RESULTS", "!function skills_metrics.process_degeneration")
+            text = text.replace("PROCESS_LL", "!function skills_metrics.process_loglikelihood")
             (staging / f"{task}.yaml").write_text(text, encoding="utf-8")
-        (staging / "skills_degen_metrics.py").write_text(
-            "from moejax.skills_tasks import process_degeneration  # noqa: F401  (lm-eval's !function)\n",
+        (staging / "skills_metrics.py").write_text(
+            "from moejax.skills_tasks import process_degeneration, process_loglikelihood  # noqa: F401  (lm-eval's !function)\n",
             encoding="utf-8")
     return out_dir
 

@@ -227,11 +227,12 @@ def test_task_yaml_scores_hand_written_documents_exactly(tmp_path):
     right = {HAND[0][0], HAND[2][0], HAND[3][0]}
     res = lm_eval.simple_evaluate(model=ScriptedLM(right), tasks=["skills_add", "skills_add_mc", "skills_add_ll"],
                                   task_manager=TaskManager(include_path=str(out), include_defaults=False),
-                                  bootstrap_iters=0)["results"]
+                                  bootstrap_iters=10)["results"]   # means: closed-form standard errors
     assert res["skills_add"]["exact_match,none"] == 0.75
     assert res["skills_add_mc"]["acc,none"] == 0.75
     assert res["skills_add_ll"]["acc,none"] == 1.0                  # every answer is the greedy one here
-    assert res["skills_add_ll"]["perplexity,none"] == pytest.approx(np.exp(0.25))
+    assert res["skills_add_ll"]["logprob,none"] == pytest.approx(-0.25)
+    assert res["skills_add_ll"]["logprob_stderr,none"] == pytest.approx(0.25)   # std of (0,0,0,-1)/sqrt(4), ddof 1
 
 
 def test_degeneration_task_runs_its_metrics_through_lm_eval(tmp_path):
@@ -384,5 +385,5 @@ def test_skills_model_equals_hf_backend_unpruned_and_pruned(skills_model, tmp_pa
                                      tasks=names, task_manager=tm, bootstrap_iters=0)["results"]
         for task in names:
             for metric, value in hf[task].items():
-                if re.fullmatch(r"(exact_match|acc|perplexity),none", metric):
+                if re.fullmatch(r"(exact_match|acc|logprob),none", metric):
                     assert mj[task][metric] == pytest.approx(value, rel=1e-5, abs=1e-6), (ckpt, task, metric)

@@ -32,10 +32,10 @@ def tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     gen = tasks[(tasks.kind == "gen") & (tasks.metric == "exact_match")]
     mc = tasks[(tasks.kind == "mc") & (tasks.metric == "acc")]
     base = gen[gen["mode"] == "none"].set_index("skill")
-    out["unpruned model: greedy exact match, MC acc, answer perplexity per skill"] = pd.DataFrame({
+    out["unpruned model: greedy exact match, MC acc, answer log-likelihood (nats) per skill"] = pd.DataFrame({
         "exact match": base.apply(lambda r: _fmt(r.value, r.stderr), axis=1),
         "MC acc": mc[mc["mode"] == "none"].set_index("skill").apply(lambda r: _fmt(r.value, r.stderr), axis=1),
-        "answer ppl": tasks[(tasks.kind == "ll") & (tasks.metric == "perplexity") & (tasks["mode"] == "none")]
+        "answer logprob": tasks[(tasks.kind == "ll") & (tasks.metric == "logprob") & (tasks["mode"] == "none")]
         .set_index("skill").value.round(3)})
     for keep in sorted(gen.keep.dropna().unique(), reverse=True):
         g = gen[gen.keep == keep]

@@ -9,6 +9,13 @@ What it does
   files of `data.heldout_always` always are. The model never sees a held-out file. Training
   batches are random windows of `seq_len` bytes of the concatenated training files; batch `i` is a
   pure function of (seed, i), so a resumed run sees exactly the batches an uninterrupted one would.
+- Skills (`data.mix`, `experiment=train_skills`): shares of training bytes for the code and for
+  generated skills documents (moejax.training.skills: add, sort, rev, kv, close, up). Each row of
+  a batch is a code window with probability `code`, else a window of the shuffled skills stream
+  starting at a document's first byte. Held-out skills documents (a stable hash of the prompt)
+  never occur in training; at every evaluation the model's greedy exact match on
+  `data.skill_eval_docs` of them per skill is recorded (metric skill_exact_match, column skill:
+  the learning curve; the last values also in moejax_tiny.json as skills_exact_match).
 - Model: the family's moejax model at its `tiny` preset (moejax/models/<family>/presets.py: TINY,
   with `+arch.KEY=VALUE` overriding config.json keys; the default is the DeepSeek-V3 tiny model:
   MLA, sigmoid router with e_score_correction_bias, group-limited routing, shared expert, dense

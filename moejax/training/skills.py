@@ -10,7 +10,7 @@ Every document is one line: a prompt that names the skill, its answer, and the t
 |---------|-----------------------------------------------|--------------------------------|
 | add     | sum of two numbers, 0..999 (carries)          | `add 417+589=1006`             |
 | sort    | 4-7 digits in ascending order                 | `sort 5282=2258`               |
-| rev     | a 3-7 letter string reversed                  | `rev kxqbt=tbqxk`              |
+| rev     | a 3-6 letter string reversed                  | `rev kxqbt=tbqxk`              |
 | kv      | the value of a key defined earlier (recall)   | `kv c3=x7 k9=b2 q1=f4 ?k9=b2`  |
 | close   | the closers of the still-open brackets (stack)| `close ([]{(=)})`              |
 | up      | a 3-8 letter word in upper case               | `up hello=HELLO`               |
@@ -21,7 +21,7 @@ prompts and held-out draws keep only them. Everything is a pure function of (ski
 
 The mix (`data.mix` of train_tiny): shares of training *bytes*, `code` (the standard library and
 any `data.text` files) plus skills, summing to one; `DEFAULT_MIX` keeps `kv`, `close` and `up` at
-5% or less on purpose.
+5% of training bytes on purpose.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ TERMINATOR = "\n"
 HELDOUT_FRACTION = 0.1
 CODE = "code"   # the mix's name for the standard library (and data.text) bytes
 
-DEFAULT_MIX = {"code": 0.46, "add": 0.16, "sort": 0.12, "rev": 0.12, "kv": 0.05, "close": 0.05, "up": 0.04}
+DEFAULT_MIX = {"code": 0.5, "add": 0.12, "sort": 0.1, "rev": 0.13, "kv": 0.05, "close": 0.05, "up": 0.05}
 RARE_SHARE = 0.05                # skills at or below this share of training bytes are "rare"
 
 
@@ -65,7 +65,7 @@ def _sort(rng):
 
 
 def _rev(rng):
-    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 7)))
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6)))
     return f"rev {word}=", word[::-1]
 
 
@@ -101,7 +101,7 @@ def _up(rng):
 SKILLS = {s.name: s for s in (
     Skill("add", _add, "the sum of two numbers below 1000", len("add 999+999=1998\n")),
     Skill("sort", _sort, "4-7 digits sorted ascending", len("sort =\n") + 14),
-    Skill("rev", _rev, "a 3-7 letter string reversed", len("rev =\n") + 14),
+    Skill("rev", _rev, "a 3-6 letter string reversed", len("rev =\n") + 12),
     Skill("kv", _kv, "recall the value of a key defined earlier in the line", len("kv  ?=\n") + 5 * 6 - 1 + 2 + 2),
     Skill("close", _close, "close the brackets still open, innermost first", len("close =\n") + 2 * 9),
     Skill("up", _up, "a 3-8 letter word in upper case", len("up =\n") + 16),
