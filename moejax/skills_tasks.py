@@ -179,9 +179,9 @@ def _config(task: str, data_file: Path, skill: str | None) -> dict:
                 "process_results": "PROCESS_LL",
                 "metric_list": [{"metric": "logprob", **mean}, {"metric": "acc", **mean}]}
     else:
-        longest = SKILLS[skill].longest
         body = {"output_type": "generate_until", "doc_to_target": "{{answer}}",
-                "generation_kwargs": {"until": [TERMINATOR], "max_gen_toks": longest, "do_sample": False},
+                "generation_kwargs": {"until": [TERMINATOR], "max_gen_toks": SKILLS[skill].answer_max + 1,
+                                      "do_sample": False},
                 "metric_list": [{"metric": "exact_match", **mean}]}
     return {**head, **body, "metadata": {"version": 1.0}}
 

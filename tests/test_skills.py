@@ -59,6 +59,8 @@ def test_generators_answer_as_python_does_and_are_deterministic(skill):
         assert answer == answer_of(skill, prompt), prompt
         assert sk.TERMINATOR not in prompt + answer
         assert len(sk.text(prompt, answer).encode()) <= sk.SKILLS[skill].longest
+        assert len(answer.encode()) <= sk.SKILLS[skill].answer_max
+    assert max(len(a) for _, a in docs) == sk.SKILLS[skill].answer_max   # the bound is reached, not loose
     assert len({p for p, _ in docs}) > N_DOCS // 3   # varied, not a handful of prompts repeated
 
 

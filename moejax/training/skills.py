@@ -52,6 +52,7 @@ class Skill:
     draw: Callable[[random.Random], tuple[str, str]]
     summary: str
     longest: int     # bytes of the longest document it can draw, terminator included
+    answer_max: int  # bytes of the longest answer it can draw (terminator excluded)
 
 
 def _add(rng):
@@ -99,12 +100,12 @@ def _up(rng):
 
 
 SKILLS = {s.name: s for s in (
-    Skill("add", _add, "the sum of two numbers below 1000", len("add 999+999=1998\n")),
-    Skill("sort", _sort, "4-7 digits sorted ascending", len("sort =\n") + 14),
-    Skill("rev", _rev, "a 3-6 letter string reversed", len("rev =\n") + 12),
-    Skill("kv", _kv, "recall the value of a key defined earlier in the line", len("kv  ?=\n") + 5 * 6 - 1 + 2 + 2),
-    Skill("close", _close, "close the brackets still open, innermost first", len("close =\n") + 2 * 9),
-    Skill("up", _up, "a 3-8 letter word in upper case", len("up =\n") + 16),
+    Skill("add", _add, "the sum of two numbers below 1000", len("add 999+999=1998\n"), 4),
+    Skill("sort", _sort, "4-7 digits sorted ascending", len("sort =\n") + 14, 7),
+    Skill("rev", _rev, "a 3-6 letter string reversed", len("rev =\n") + 12, 6),
+    Skill("kv", _kv, "recall the value of a key defined earlier in the line", len("kv  ?=\n") + 5 * 6 - 1 + 2 + 2, 2),
+    Skill("close", _close, "close the brackets still open, innermost first", len("close =\n") + 2 * 8, 8),
+    Skill("up", _up, "a 3-8 letter word in upper case", len("up =\n") + 16, 8),
 )}
 
 
