@@ -243,7 +243,7 @@ def _skill_docs(cfg: TrainTinyConfig) -> dict:
     from moejax.training.skills import CODE, documents
 
     dc = cfg.data
-    return {k: documents(k, dc.skill_eval_docs, cfg.seed, "heldout") for k, v in dc.mix if k != CODE and v > 0}
+    return {k: documents(k, dc.skill_eval_docs, cfg.seed, "heldout") for k, v in dc.mix.items() if k != CODE and v > 0}
 
 
 def _skill_curve(trainer, skill_docs: dict, step: int) -> list:

@@ -35,7 +35,7 @@ def _typed(cls, d, where: str):
         if k in _MAPPINGS:
             if not isinstance(v, dict):
                 raise ConfigError(f"train_tiny: {where}.{k}={v!r}; expected a mapping")
-            v = tuple(sorted(v.items()))
+            v = dict(sorted(v.items()))
         elif want is tuple:
             v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
         elif want is float and isinstance(v, int) and not isinstance(v, bool):
@@ -98,13 +98,9 @@ class DataConfig:
     eval_tokens: int = 65536       # held-out tokens evaluated (packed, from the held-out files in order)
     # the skills corpus (moejax.training.skills): shares of training bytes, "code" (the files above)
     # and skills, summing to one; empty = code only. Skill rows start at a document's start.
-    mix: tuple | dict = dataclasses.field(default_factory=dict)   # {name: share}; held as sorted (name, share) pairs
+    mix: dict = dataclasses.field(default_factory=dict)   # {name: share}, sorted by name
     skill_bytes: int = 8_000_000   # size of the generated skills stream the rows are drawn from
     skill_eval_docs: int = 64      # held-out documents per skill for the learning curve (greedy exact match)
-
-    @property
-    def mix_dict(self) -> dict:
-        return dict(self.mix)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,7 @@ def build_corpus(cfg: TrainTinyConfig) -> Corpus:
                           "held-out file(s); need both (add files with data.text=[...] or change "
                           "data.heldout_fraction)")
     stream = byte_stream([_resolve(root, n) for n in train])
-    if len(stream) < cfg.data.seq_len + 1 and not dict(dc.mix).get("code", 1.0) == 0:
+    if len(stream) < cfg.data.seq_len + 1 and dc.mix.get("code", 1.0) > 0:
         raise ConfigError(f"train_tiny: the training files hold {len(stream)} bytes, fewer than one "
                           f"sequence (data.seq_len={dc.seq_len})")
     held = byte_stream([_resolve(root, n) for n in heldout])[: dc.eval_tokens]
