@@ -14,8 +14,8 @@ import numpy as np
 
 def routing_shares(model, texts: dict, seq_len: int, batch: int = 16) -> dict:
     """{text name: float64 [n_moe_layers, E] shares (each row sums to one)}, with the MoE layers
-    in model order. Each text's UTF-8 bytes (byte-level ids) are cut into rows of seq_len (the
-    last row shorter rows are padded, the padding not counted)."""
+    in model order. Each text's UTF-8 bytes (byte-level ids) are cut into rows of seq_len; the last
+    row is padded, and the padding is not counted."""
     import jax.numpy as jnp
 
     from moejax.moe.routing import routing_counts

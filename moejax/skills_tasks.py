@@ -7,7 +7,7 @@ and merging do to abilities rather than to perplexity:
 Per skill NAME (held-out documents only: their prompts never occur in training):
 
 - skills_NAME (generate_until): {"prompt", "answer"}; greedy generation until the terminator
-  "\\n", at most the skill's longest answer + 2 bytes; exact_match. Because the budget leaves room
+  "\\n", at most the skill's longest answer + 1 bytes; exact_match. Because the budget leaves room
   for one byte past any answer, a completion matches only when the model also *stopped* (emitted
   the terminator) right after the answer.
 - skills_NAME_mc (multiple_choice): the true answer among four, each followed by the terminator;
@@ -42,6 +42,13 @@ DEGEN_BYTES = 256          # prompt + generation, the skills model's trained con
 DEGEN_PROMPT_BYTES = 64
 LOOP_MIN_SHARE = 0.5       # a periodic tail covering more than this share of the output is a loop
 N_CHOICES = 4
+
+
+def skill_of(task: str) -> str | None:
+    """The skill a skills task is about (skills_kv_mc -> kv), None for skills_degen and others."""
+    parts = task.split("_")
+    return parts[1] if task != DEGEN_TASK and parts[0] == "skills" and len(parts) > 1 and parts[1] in SKILLS \
+        else None
 
 
 def task_names(skills=None) -> list[str]:
@@ -159,6 +166,21 @@ def _degen_docs(n: int, seed: int, code_files, prose_file) -> list[dict]:
     return docs
 
 
+METRICS_MODULE = "skills_metrics"   # the shim written beside the YAML files, for lm-eval's !function
+
+
+class _Function(str):
+    """A process_results hook, dumped as lm-eval's `!function skills_metrics.NAME` tag."""
+
+
+def _dumper():
+    from moejax.eval_tasks import _dumper as stdlib_dumper
+
+    dumper = stdlib_dumper()
+    dumper.add_representer(_Function, lambda d, f: d.represent_scalar("!function", f"{METRICS_MODULE}.{f}"))
+    return dumper
+
+
 def _config(task: str, data_file: Path, skill: str | None) -> dict:
     head = {"task": task, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data_file)}},
             "test_split": "test", "doc_to_text": "{{prompt}}", "target_delimiter": ""}
@@ -167,7 +189,7 @@ def _config(task: str, data_file: Path, skill: str | None) -> dict:
         body = {"output_type": "generate_until", "doc_to_target": "",
                 "generation_kwargs": {"until": [], "max_gen_toks": DEGEN_BYTES - DEGEN_PROMPT_BYTES,
                                       "do_sample": False},
-                "process_results": "PROCESS_RESULTS",
+                "process_results": _Function("process_degeneration"),
                 "metric_list": [{"metric": "loop", "aggregation": "mean", "higher_is_better": False},
                                 {"metric": "terminated", **mean}, {"metric": "distinct_2", **mean},
                                 {"metric": "distinct_4", **mean}]}
@@ -176,7 +198,7 @@ def _config(task: str, data_file: Path, skill: str | None) -> dict:
                 "metric_list": [{"metric": "acc", **mean}]}
     elif task.endswith("_ll"):
         body = {"output_type": "loglikelihood", "doc_to_target": "{{answer}}" + TERMINATOR,
-                "process_results": "PROCESS_LL",
+                "process_results": _Function("process_loglikelihood"),
                 "metric_list": [{"metric": "logprob", **mean}, {"metric": "acc", **mean}]}
     else:
         body = {"output_type": "generate_until", "doc_to_target": "{{answer}}",
@@ -192,7 +214,6 @@ def write_skills_tasks(out_dir, *, skills=None, n: int = 100, n_mc: int = 50, n_
     process_results shim) into out_dir (replaced, atomically) and return its path."""
     import yaml
 
-    from moejax.eval_tasks import _dumper
     from moejax.hf.staging import staged_directory
 
     skills = list(SKILLS) if skills is None else list(skills)
@@ -218,10 +239,8 @@ def write_skills_tasks(out_dir, *, skills=None, n: int = 100, n_mc: int = 50, n_
             (staging / f"{task}.jsonl").write_text(data, encoding="utf-8")
             text = yaml.dump(_config(task, out_dir / f"{task}.jsonl", skill), Dumper=dumper, sort_keys=False,
                              allow_unicode=True, width=1000)
-            text = text.replace("PROCESS_RESULTS", "!function skills_metrics.process_degeneration")
-            text = text.replace("PROCESS_LL", "!function skills_metrics.process_loglikelihood")
             (staging / f"{task}.yaml").write_text(text, encoding="utf-8")
-        (staging / "skills_metrics.py").write_text(
+        (staging / f"{METRICS_MODULE}.py").write_text(
             "from moejax.skills_tasks import process_degeneration, process_loglikelihood  # noqa: F401  (lm-eval's !function)\n",
             encoding="utf-8")
     return out_dir

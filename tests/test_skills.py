@@ -143,10 +143,12 @@ def test_calibration_mixes():
     assert sum(sk.calibration_mix("uniform").values()) == pytest.approx(1.0)
     assert sk.calibration_mix("code=0.25,kv=0.75") == {"code": 0.25, "kv": 0.75}
     assert sk.calibration_mix("train", {"code": 0.5, "up": 0.5}) == {"code": 0.5, "up": 0.5}
-    docs = sk.calibration_documents({"code": 0.5, "kv": 0.5}, 4000, seed=0)
-    held = {p for p, _ in sk.documents("kv", 2000, 0, "heldout")}
-    lines = docs["kv"].split(sk.TERMINATOR)[:-1]
-    assert 1500 < len(docs["kv"]) < 2500 and not {l[:l.rindex("=") + 1] for l in lines} & held
+    docs = sk.calibration_documents({"code": 0.5, "kv": 0.5, "up": 0.25}, 4000, seed=0)
+    held = {p for s in ("kv", "up") for p, _ in sk.documents(s, 2000, 0, "heldout")}
+    kv = "".join(d for d in docs if d.startswith("kv "))
+    assert 1500 < len(kv) < 2500 and all(d.endswith(sk.TERMINATOR) for d in docs)
+    assert not {d[:d.rindex("=") + 1] for d in docs} & held
+    assert [d[:2] for d in docs] != sorted(d[:2] for d in docs)        # the skills shuffled together
 
 
 # --- degeneration metrics ---------------------------------------------------------------------

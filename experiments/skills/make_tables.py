@@ -16,10 +16,7 @@ import numpy as np
 import pandas as pd
 
 from moejax.results import load
-
-
-def _skill(task: str) -> str:
-    return task.split("_")[1]
+from moejax.skills_tasks import skill_of
 
 
 def _fmt(v, se):
@@ -31,7 +28,7 @@ def _tasks(df: pd.DataFrame):
     df = df.copy()
     df["method"] = df["score"].fillna("unpruned")
     tasks = df[df.task.str.startswith("skills_") & (df.task != "skills_degen")].copy()
-    tasks["skill"] = tasks.task.map(_skill)
+    tasks["skill"] = tasks.task.map(skill_of)
     tasks["kind"] = tasks.task.map(lambda t: {"mc": "mc", "ll": "ll"}.get(t.split("_")[-1], "gen"))
     return (tasks[(tasks.kind == "gen") & (tasks.metric == "exact_match")],
             tasks[(tasks.kind == "mc") & (tasks.metric == "acc")], tasks[tasks.kind == "ll"])

@@ -28,7 +28,7 @@ from pathlib import Path
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
 from moejax.experiments.prune_real import PruneRealConfig
-from moejax.skills_tasks import DEGEN_TASK, task_names
+from moejax.skills_tasks import skill_of, task_names
 
 COLUMNS = ["mode", "score", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
@@ -119,7 +119,7 @@ class EvalTasksConfig:
 
             budget, source = position_budget(self.path)
             longest = DEGEN_BYTES if DEGEN_TASK in self.tasks else longest_document(
-                {t.split("_")[1] for t in self.tasks if t in SKILL_TASKS})
+                {skill_of(t) for t in self.tasks} - {None})
             if longest > budget:
                 raise ConfigError(f"eval_tasks: the skills tasks need documents of {longest} bytes, longer than the "
                                   f"model's {budget} positions ({source})")
@@ -274,7 +274,7 @@ def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:
     from moejax.routing_table import routing_rows, routing_shares
     from moejax.training.skills import documents, text
 
-    skills = sorted({t.split("_")[1] for t in cfg.tasks if t in SKILL_TASKS and t != DEGEN_TASK})
+    skills = sorted({skill_of(t) for t in cfg.tasks} - {None})
     if not skills:
         return []
     texts = {s: "".join(text(*d) for d in documents(s, cfg.routing_docs, cfg.seed, "heldout")) for s in skills}

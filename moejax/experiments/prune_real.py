@@ -198,13 +198,11 @@ def evaluate(cfg: PruneRealConfig, progress=None):
 def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):
     """[n_seq, seq_len] calibration ids: `calibration`'s shares of calib_tokens, the code part
     from the calibration files, each skill's part from its training-split documents (one row may
-    hold several skills' documents: the skills text is shuffled together by document)."""
-    import random
-
+    hold several skills' documents: they are shuffled together)."""
     import numpy as np
 
     from moejax.data import pack
-    from moejax.training.skills import CODE, TERMINATOR, calibration_documents
+    from moejax.training.skills import CODE, calibration_documents
 
     mix = cfg.calibration_mix()
     parts = []
@@ -212,10 +210,8 @@ def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):
         parts.append(tokens(code_files, max(cfg.seq_len, round(mix[CODE] * cfg.calib_tokens))))
     skill_docs = calibration_documents(mix, cfg.calib_tokens, cfg.seed)
     if skill_docs:
-        lines = [l + TERMINATOR for t in skill_docs.values() for l in t.split(TERMINATOR) if l]
-        random.Random(f"calibration:{cfg.seed}").shuffle(lines)
         n_skill = cfg.calib_tokens - (parts[0].size if parts else 0)
-        parts.append(pack([tok.encode("".join(lines))], cfg.seq_len, max(cfg.seq_len, n_skill)))
+        parts.append(pack([tok.encode("".join(skill_docs))], cfg.seq_len, max(cfg.seq_len, n_skill)))
     return np.concatenate(parts, axis=0)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from moejax.errors import ConfigError
 from moejax.training.config import TrainTinyConfig
+from moejax.training.skills import CODE
 
 
 @dataclasses.dataclass
@@ -53,7 +54,7 @@ def build_corpus(cfg: TrainTinyConfig) -> Corpus:
                           "held-out file(s); need both (add files with data.text=[...] or change "
                           "data.heldout_fraction)")
     stream = byte_stream([_resolve(root, n) for n in train])
-    if len(stream) < cfg.data.seq_len + 1 and dc.mix.get("code", 1.0) > 0:
+    if len(stream) < cfg.data.seq_len + 1 and dc.mix.get(CODE, 1.0) > 0:   # (code-free mixes need no code)
         raise ConfigError(f"train_tiny: the training files hold {len(stream)} bytes, fewer than one "
                           f"sequence (data.seq_len={dc.seq_len})")
     held = byte_stream([_resolve(root, n) for n in heldout])[: dc.eval_tokens]
@@ -64,12 +65,11 @@ def build_corpus(cfg: TrainTinyConfig) -> Corpus:
     ids = held[: n_seq * dc.seq_len].reshape(n_seq, dc.seq_len).astype(np.int32)
     if not dc.mix:
         return Corpus(root, train, heldout, stream, ids)
-    from moejax.training.skills import CODE, skill_stream
+    from moejax.training.skills import skill_stream
 
-    mix = dict(dc.mix)
-    skills, starts = skill_stream(mix, dc.skill_bytes, cfg.seed)
+    skills, starts = skill_stream(dc.mix, dc.skill_bytes, cfg.seed)
     usable = starts[starts + dc.seq_len <= len(skills)]
-    return Corpus(root, train, heldout, stream, ids, skills, usable, mix.get(CODE, 0.0))
+    return Corpus(root, train, heldout, stream, ids, skills, usable, dc.mix.get(CODE, 0.0))
 
 
 def train_batch(stream: np.ndarray, seed: int, step: int, batch: int, seq_len: int) -> np.ndarray:

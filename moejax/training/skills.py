@@ -163,6 +163,13 @@ def check_mix(mix, where: str = "data.mix") -> dict:
     return out
 
 
+def texts_of_bytes(skill: str, n_bytes: float, seed: int, estimate_seed: int) -> list[str]:
+    """Training-split document texts of `skill` holding about n_bytes bytes: the count is n_bytes
+    over the mean length of 200 documents drawn with `estimate_seed` (at least one document)."""
+    mean = np.mean([len(text(*d)) for d in documents(skill, 200, estimate_seed)])
+    return [text(*d) for d in documents(skill, max(1, int(n_bytes / mean)), seed)]
+
+
 def skill_stream(mix: dict, n_bytes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(uint8 bytes, int64 document starts): the skills' training documents, shuffled together,
     each skill's share of the bytes its share of the mix among the skills (about n_bytes in all)."""
@@ -170,9 +177,7 @@ def skill_stream(mix: dict, n_bytes: int, seed: int) -> tuple[np.ndarray, np.nda
     total = sum(skills.values())
     docs = []
     for name, share in skills.items():
-        budget = n_bytes * share / total
-        mean = np.mean([len(text(*d)) for d in documents(name, 200, seed + 7919)])
-        docs += [text(*d) for d in documents(name, max(1, int(budget / mean)), seed)]
+        docs += texts_of_bytes(name, n_bytes * share / total, seed, seed + 7919)
     random.Random(f"moejax-skills-shuffle:{seed}").shuffle(docs)
     data = "".join(docs).encode("utf-8")
     starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
@@ -215,14 +220,13 @@ def calibration_mix(spec: str, trained_mix: dict | None = None) -> dict:
     return check_mix(mix, f"calibration={spec!r}")
 
 
-def calibration_documents(mix: dict, n_bytes: int, seed: int) -> dict:
-    """{skill: its calibration text}: training-split documents (the model saw their kind, never the
-    held-out ones), about mix[skill] * n_bytes bytes each, drawn apart from the training stream's
-    own draws (seed offset)."""
-    out = {}
+def calibration_documents(mix: dict, n_bytes: int, seed: int) -> list[str]:
+    """The skills' calibration documents, shuffled together: training-split documents (the model
+    saw their kind, never the held-out ones), about mix[skill] * n_bytes bytes of each skill,
+    drawn apart from the training stream's own draws (seed offset)."""
+    docs = []
     for name, share in mix.items():
-        if name == CODE or share <= 0:
-            continue
-        mean = np.mean([len(text(*d)) for d in documents(name, 200, seed + 7919)])
-        out[name] = "".join(text(*d) for d in documents(name, max(1, int(share * n_bytes / mean)), seed + 104729))
-    return out
+        if name != CODE and share > 0:
+            docs += texts_of_bytes(name, share * n_bytes, seed + 104729, seed + 7919)
+    random.Random(f"calibration:{seed}").shuffle(docs)
+    return docs
