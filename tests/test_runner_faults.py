@@ -189,8 +189,13 @@ def test_kill_switch_raises_even_where_a_handler_exception_would_be_lost(monkeyp
             os.kill(os.getpid(), signal.SIGTERM)
             sum(range(1000))  # the handler runs here; its exception cannot leave __del__
 
+    from moejax.signals import _unsafe_to_raise
+
+    seen_unsafe = []
+
     def in_gc(phase, info):
         if phase == "start":
+            seen_unsafe.append(_unsafe_to_raise(sys._getframe()))
             os.kill(os.getpid(), signal.SIGTERM)
             sum(range(1000))
 
@@ -216,7 +221,13 @@ def test_kill_switch_raises_even_where_a_handler_exception_would_be_lost(monkeyp
                     switch.stopped = True
                     raise
         assert killed.value.signum == signal.SIGTERM and killed.value.signal_name == "SIGTERM"
-        assert lost == ([] if trigger == "gc" else [Killed])  # in a gc callback it does not even try
+        # in a gc callback the handler does not even try; a resend may still land in some other
+        # object's finalizer or weakref callback during a collection, which loses only that copy
+        assert set(lost) <= {Killed}
+        if trigger == "gc":
+            assert seen_unsafe and all(seen_unsafe)
+        else:
+            assert Killed in lost
         assert signal.getsignal(signal.SIGTERM) is before
 
 
