@@ -51,8 +51,10 @@ def hf_classes(family: str):
     return getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
 
 
-def make_family_checkpoint(family: str, path, seed=0, dtype="float32", **overrides):
-    """Save a random transformers model of `family` to `path`; returns the torch model (eval)."""
+def make_family_checkpoint(family: str, path, seed=0, dtype="float32", save_original_format=True, **overrides):
+    """Save a random transformers model of `family` to `path` (save_original_format=False:
+    transformers 5's fused expert tensors, `mlp.experts.gate_up_proj` / `down_proj`); returns the
+    torch model (eval)."""
     import torch
 
     config_cls, model_cls = hf_classes(family)
@@ -62,7 +64,7 @@ def make_family_checkpoint(family: str, path, seed=0, dtype="float32", **overrid
     model = harden(model_cls(cfg).eval())
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
-    model.save_pretrained(path)
+    model.save_pretrained(path, save_original_format=save_original_format)
     return model
 
 

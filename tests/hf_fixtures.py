@@ -29,9 +29,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 50000.0}
 
 
-def make_checkpoint(path, seed=0, dtype="float32", max_shard_size=None, **overrides):
+def make_checkpoint(path, seed=0, dtype="float32", max_shard_size=None, save_original_format=True, **overrides):
     """Save a random transformers DeepseekV3ForCausalLM to `path` (sharded when max_shard_size,
-    e.g. "200KB", is given); returns the torch model (eval)."""
+    e.g. "200KB", is given; save_original_format=False: transformers 5's fused expert tensors);
+    returns the torch model (eval)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -41,7 +42,8 @@ def make_checkpoint(path, seed=0, dtype="float32", max_shard_size=None, **overri
     model = harden(DeepseekV3ForCausalLM(cfg).eval())
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
-    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    model.save_pretrained(path, save_original_format=save_original_format,
+                          **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 
