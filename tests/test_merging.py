@@ -320,3 +320,60 @@ def test_allocation_refuses_bad_requests():
     with pytest.raises(ConfigError, match=r"allocation='local': expected one of \['uniform', 'global'\]"):
         layer_counts(scores, 4, 2, "local")
     assert ALLOCATIONS == ("uniform", "global")
+
+
+# --- each cluster's leader: moejax.merging.layer.cluster_leaders -----------------------------------------
+
+def leaders_reference(labels, counts):
+    """From the definition (SPEC section 8, `shrunk`): each cluster's most frequent member, ties to
+    the lower expert index; clusters in label order 0, 1, ..., C - 1."""
+    labels, counts = [int(c) for c in labels], [float(n) for n in counts]
+    return [min((e for e in range(len(labels)) if labels[e] == c), key=lambda e: (-counts[e], e))
+            for c in range(max(labels) + 1)]
+
+
+def test_cluster_leaders_from_the_definition_with_ties():
+    from moejax.merging.layer import cluster_leaders
+
+    # {0, 2, 7} tie at the top (4, 4): the lower, 0; {1, 4, 5} tie (5, 5) above its lowest member: 4;
+    # {3} alone; {6} never routed; a leader is neither the lowest member nor the first listed
+    labels = np.array([0, 1, 0, 2, 1, 1, 3, 0])
+    counts = np.array([4, 2, 4, 1, 5, 5, 0, 1])
+    assert cluster_leaders(labels, counts).tolist() == leaders_reference(labels, counts) == [0, 4, 3, 6]
+    assert cluster_leaders(labels, np.zeros(8)).tolist() == [0, 1, 3, 6]   # never routed: the lowest member
+    assert cluster_leaders(labels, np.arange(8.0)).tolist() == [7, 5, 3, 6]  # no ties: the most frequent
+    assert cluster_leaders(np.zeros(5, np.int64), [2.0, 7.5, 7.5, 7.49999, 0]).tolist() == [1]
+    rng = np.random.default_rng(11)
+    for _ in range(200):  # small integer counts: ties everywhere; float counts as merge_stats gives them
+        E = int(rng.integers(1, 13))
+        labels = canonical_labels(rng.integers(0, int(rng.integers(1, E + 1)), size=E))
+        counts = rng.integers(0, 3, size=E).astype(np.float64)
+        got = cluster_leaders(labels, counts)
+        assert got.dtype == np.int64 and got.tolist() == leaders_reference(labels, counts), (labels, counts)
+
+
+@pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
+def test_a_layer_merge_and_a_merge_plan_lead_each_cluster_by_its_most_frequent_member(method):
+    """LayerMerge.leaders, its `shrunk` router slots and `moejax merge`'s plan hold the leaders of
+    the definition; for M-SMoE each leader is its cluster's dominant expert (ties at the cut)."""
+    from moejax.merging.calibration import MergeStats
+    from moejax.merging.layer import merge_layer
+    from moejax.surgery.merge import plan_merge
+
+    rng = np.random.default_rng(12)
+    E, H, F = 10, 4, 3
+    counts = np.array([5, 9, 9, 1, 7, 0, 9, 3, 2, 7], np.float64)   # ties at the M-SMoE cut: 9, 9, 9 then 7, 7
+    logits = rng.normal(size=(40, E))
+    stats = MergeStats(counts_E=counts, output_sum_EH=rng.normal(size=(E, H)) * 40, logit_gram_EE=logits.T @ logits,
+                       n_tokens=40)
+    weights = {"gate": rng.normal(size=(E, H, F)), "up": rng.normal(size=(E, H, F)), "down": rng.normal(size=(E, F, H))}
+    for keep in (2, 4, 5):
+        lm = merge_layer(method, keep, stats, weights)
+        want = leaders_reference(lm.labels_E, counts)
+        assert lm.leaders.tolist() == want and np.flatnonzero(lm.kept_E("shrunk")).tolist() == sorted(want)
+        assert [c[0] for c in lm.clusters()] == want
+        if method == "m_smoe":
+            dominant = sorted(sorted(range(E), key=lambda e: (-counts[e], e))[:keep])
+            assert sorted(want) == dominant, keep
+        plan = plan_merge({3: stats}, method, keep, top_k=1)
+        assert plan.leaders[3].tolist() == want and plan.labels[3].tolist() == lm.labels_E.tolist()
