@@ -9,7 +9,7 @@ Writes a synthetic DeepSeek-V3-shaped checkpoint into a temporary folder (MOEJAX
 choose the disk): DeepSeek-V3's names, 256 routed experts in 8 groups, FP8 experts with their
 128x128 block scales (so shard headers list as many tensors per byte as V3's do), BF16 routers and
 F32 balance biases, a small hidden size so that it is a few hundred MB; and an l1-pruned copy
-(group-aware, half the experts). Serves both on 127.0.0.1 with `scripts/range_server.py` (optionally
+(group-aware, half the experts). Serves both on 127.0.0.1 with `tests/range_server.py` (optionally
 with a delay before each answer, a stand-in for a WAN round trip) and reports, per command: body
 bytes sent and requests (counted by the server), the share of the checkpoint that is, and the time
 against the local run. Then the header prefetch, measured: bytes and requests of `inspect` for
@@ -31,7 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # range_server: the tests' HTTP range server
 
 from _timing import best_of  # noqa: E402
 from range_server import serve  # noqa: E402

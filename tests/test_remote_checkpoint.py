@@ -19,7 +19,7 @@ pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
 from hf_fixtures import full_config, spec_shapes  # noqa: E402
-from range_server import serve  # noqa: E402 (scripts/, on sys.path by conftest)
+from range_server import serve
 
 from moejax.cli import main  # noqa: E402
 from moejax.errors import CheckpointError, ConfigError  # noqa: E402

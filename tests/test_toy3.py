@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bench_toy3 import np_keep_mask, np_route, np_routed_output, np_scores, numpy_toy3
+from toy3_reference import np_keep_mask, np_route, np_routed_output, np_scores, numpy_toy3
 from moejax.errors import ConfigError
 from moejax.experiments import toy3
 

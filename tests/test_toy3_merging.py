@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from bench_toy3 import np_balance, np_route
+from toy3_reference import np_balance, np_route
 from moejax.errors import ConfigError
 from moejax.experiments import toy3
 from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups
