@@ -6,7 +6,12 @@
 - `evaluate_pruning(merges=...)`: perplexities equal the whole model's forward under the same
   variant; keep=E gives the unpruned numbers exactly;
 - a `moejax merge` checkpoint loads in transformers and equals moejax's evaluation of the same
-  variant on the source; everything not merged is the source's bytes.
+  variant on the source; everything not merged is the source's bytes;
+- the statistics merging clusters on, from `moejax merge`'s streamed pass and the carried
+  evaluation, equal float64 numpy on transformers' own forward (hooks on the routers);
+- one layer at a time (cheap enough for the default run): `tied` equals transformers' block with
+  experts replaced in place, `shrunk` that block pruned to the leaders; an HC-SMoE checkpoint equals
+  the definitions tensor by tensor on transformers' numbers.
 """
 
 import json
@@ -171,6 +176,228 @@ def test_merged_checkpoint_loads_in_transformers_and_equals_the_shrunk_variant(m
                     for p in ("gate", "up", "down")}
     assert set(report["tensors"]["bytes_differ"]) == merged_names and merged_names
     assert failed_checks(report) == ["other_tensors_identical"]
+
+
+class _Captured(Exception):
+    """Raised by the patched planner: the pass is over, nothing needs writing."""
+
+
+def streamed_merge_stats(src, tokens, monkeypatch, batch_size=2) -> dict:
+    """{MoE layer: MergeStats} exactly as `moejax merge` gathers them (its streamed calibration
+    pass over `tokens`, batch by batch), caught at the planner before anything is written."""
+    import moejax.surgery.merge as surgery_merge
+
+    seen = {}
+
+    def capture(stats, *args, **kwargs):
+        seen.update(stats)
+        raise _Captured
+
+    monkeypatch.setattr(surgery_merge, "plan_merge", capture)
+    with pytest.raises(_Captured):
+        surgery_merge.merge_checkpoint(src, src.parent / "never_written", method="hc_smoe", keep=4, tokens=tokens,
+                                       batch_size=batch_size)
+    return seen
+
+
+def carried_merge_stats(src, calib, monkeypatch) -> dict:
+    """{MoE layer: MergeStats} as the carried evaluation (`evaluate_pruning(merges=...)`) gathers
+    them on its calibration stream, layer after layer (keep=E, one short held-out text, stopped once
+    the last MoE layer's statistics are in: the least to run)."""
+    import moejax.evaluate
+
+    ckpt = open_checkpoint(src)
+    layers, seen, merge_stats_of = list(ckpt.config.moe_layers), [], moejax.evaluate.merge_stats
+
+    def recording(moe, router_inputs, masks):
+        seen.append(merge_stats_of(moe, router_inputs, masks))
+        if len(seen) == len(layers):
+            raise _Captured
+        return seen[-1]
+
+    monkeypatch.setattr(moejax.evaluate, "merge_stats", recording)
+    with pytest.raises(_Captured):
+        moejax.evaluate.evaluate_pruning(ckpt, calib, {"t": calib[:1, :8]}, ["frequency"], [ckpt.config.n_experts],
+                                         merges=("hc_smoe",), batch_size=2)
+    return dict(zip(layers, seen))
+
+
+def reference_merge_stats(src, ids) -> dict:
+    """Merging's statistics from their definitions (SPEC section 8), float64 numpy, on what
+    transformers' own model computes for `ids` (hooks on each router: its input x and raw logits,
+    its chosen experts; expert outputs from its own fused weights, gate rows first):
+    counts_j = |X_j|, c_j = mean over *all* tokens of f_j(x), G = sum_x l(x) l(x)^T."""
+    import transformers
+
+    from hf_fixtures import hook_router
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager",
+                                                           experts_implementation="eager").eval()
+    _, seen = hook_router(hf, ids, np.ones(ids.shape, np.int32))
+    out = {}
+    for l, (x, logits, _, idx) in seen.items():
+        experts = hf.model.layers[l].mlp.experts
+        x, logits, idx = x.double().numpy(), logits.double().numpy(), idx.numpy()
+        gate_up, down = (p.detach().double().numpy() for p in (experts.gate_up_proj, experts.down_proj))
+        Im = gate_up.shape[1] // 2
+        g, u = np.einsum("th,efh->etf", x, gate_up[:, :Im]), np.einsum("th,efh->etf", x, gate_up[:, Im:])
+        f_ETH = np.einsum("etf,ehf->eth", g / (1 + np.exp(-g)) * u, down)   # every expert on every token
+        routed_TE = (idx[:, :, None] == np.arange(gate_up.shape[0])).any(1)
+        out[l] = {"counts": np.bincount(idx.reshape(-1), minlength=gate_up.shape[0]).astype(np.float64),
+                  "mean_output": f_ETH.mean(axis=1), "gram": logits.T @ logits, "n_tokens": len(x),
+                  "routed_mean_output": np.einsum("te,eth->eh", routed_TE, f_ETH)
+                  / np.maximum(routed_TE.sum(0), 1)[:, None]}
+    return out
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_merge_statistics_equal_numpy_on_transformers_hooks(dsv3, merged_qwen3, family, monkeypatch, tmp_path):
+    """The statistics merging clusters on (HC-SMoE: every expert's mean output over all calibration
+    tokens; M-SMoE: the router-logit Gram matrix; both: routing counts), as `moejax merge`'s streamed
+    pass and the carried evaluation gather them, equal float64 numpy recomputed from transformers'
+    forward, for a sigmoid router with balance bias and shared experts (DeepSeek-V3) and a softmax
+    GQA family (Qwen3-MoE); so do the clusters and leaders drawn from them."""
+    from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups_from_gram
+    from moejax.merging.layer import cluster_leaders
+
+    if family == "deepseek_v3":
+        src, _, calib = dsv3
+        tokens = tmp_path / "calib.npy"
+        np.save(tokens, calib)
+    else:
+        _, src, _, tokens = merged_qwen3
+    ids = np.load(tokens)
+    want = reference_merge_stats(src, ids)
+    for ref in want.values():  # the test can tell: c_j over the tokens routed to j alone is far from it
+        assert np.abs(ref["routed_mean_output"] - ref["mean_output"]).max() > 0.1 * np.abs(ref["mean_output"]).max()
+    paths = {"moejax merge": streamed_merge_stats(src, tokens, monkeypatch)}
+    if family == "deepseek_v3":  # the carried pass is family-agnostic: one family is enough
+        paths["evaluate_pruning"] = carried_merge_stats(src, ids, monkeypatch)
+    for path, got in paths.items():
+        assert sorted(got) == sorted(want) and len(got) >= 2, path
+        for l, ref in want.items():
+            st, where = got[l], f"{path}, layer {l}"
+            assert st.n_tokens == ref["n_tokens"] == ids.size, where
+            np.testing.assert_array_equal(st.counts_E, ref["counts"], err_msg=where)
+            for name, value, target in (("mean output", st.mean_output_EH, ref["mean_output"]),
+                                        ("logit Gram", st.logit_gram_EE, ref["gram"])):
+                np.testing.assert_allclose(value, target, rtol=1e-4, atol=1e-5 * np.abs(target).max(),
+                                           err_msg=f"{name}, {where}")
+            for keep in (3, 5):
+                hc = hc_smoe_clusters(ref["mean_output"], keep)
+                np.testing.assert_array_equal(hc_smoe_clusters(st.mean_output_EH, keep), hc, err_msg=where)
+                np.testing.assert_array_equal(m_smoe_groups_from_gram(st.logit_gram_EE, st.counts_E, keep),
+                                              m_smoe_groups_from_gram(ref["gram"], ref["counts"], keep), err_msg=where)
+                np.testing.assert_array_equal(cluster_leaders(hc, st.counts_E), cluster_leaders(hc, ref["counts"]))
+
+
+@pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
+def test_merged_layer_forms_equal_transformers_blocks_with_experts_replaced(dsv3, method):
+    """One MoE layer at a time, on the router inputs transformers computed (no whole-model compile,
+    so this runs by default beside the -m slow whole-model test): the `shrunk` form equals
+    transformers' block with every expert replaced in place by its cluster's merged expert and
+    every non-leader unreachable (pruned to the leaders); the `tied` form equals that block with
+    every expert reachable. Shared experts included, DeepSeek-V3's balance bias and scaling."""
+    import torch
+    import transformers
+
+    from hf_fixtures import hook_router, unreachable
+
+    path, model, calib = dsv3
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                           experts_implementation="eager").eval()
+    _, seen = hook_router(hf, calib, np.ones(calib.shape, np.int32))
+    not_lowest = 0
+    for l, (x, _, _, idx) in seen.items():
+        moe, block = model.model.layers[l].mlp, hf.model.layers[l].mlp
+        x_TH = jnp.asarray(x.numpy())
+        lm = merge_layer(method, 3, merge_stats(moe, [x_TH], [None]), moe.expert_weights())
+        assert np.bincount(lm.labels_E).max() > 1  # some cluster merges experts
+        # the leaders by definition: each cluster's most frequent member on transformers' routing
+        counts = np.bincount(idx.numpy().reshape(-1), minlength=E)
+        members = [np.flatnonzero(lm.labels_E == c).tolist() for c in range(lm.n_clusters)]
+        leaders = [min(m, key=lambda e: (-counts[e], e)) for m in members]
+        not_lowest += sum(lead != m[0] for lead, m in zip(leaders, members))
+        gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+        saved = gate_up.detach().clone(), down.detach().clone()
+        w = {k: torch.as_tensor(np.asarray(v)[lm.labels_E]) for k, v in lm.weights.items()}  # [E, ...] in place
+        try:
+            with torch.no_grad():
+                gate_up.copy_(torch.cat([w["gate"], w["up"]], dim=2).transpose(1, 2))   # [E, 2 Im, H]
+                down.copy_(w["down"].transpose(1, 2))                                  # [E, H, Im]
+                tied_ref = block(x[None]).numpy()[0]
+                with unreachable(hf, sorted(set(range(E)) - set(leaders))):
+                    shrunk_ref = block(x[None]).numpy()[0]
+                untouched = np.asarray(moe(x_TH[None])[0])[0]
+        finally:
+            with torch.no_grad():
+                gate_up.copy_(saved[0])
+                down.copy_(saved[1])
+        for form, want in (("tied", tied_ref), ("shrunk", shrunk_ref)):
+            got = np.asarray(moe(x_TH[None], lm.expert_map(form))[0])[0]
+            scale = np.abs(want).max()
+            np.testing.assert_allclose(got, want, atol=2e-5 * scale, rtol=1e-4, err_msg=f"{form}, layer {l}")
+            assert np.abs(got - untouched).max() > 1e-2 * scale  # the merge changed the layer: the test can fail
+        assert np.abs(tied_ref - shrunk_ref).max() > 1e-2 * np.abs(tied_ref).max()  # the two forms differ
+    assert not_lowest > 0  # a leader that is not its cluster's lowest member: the leader rule is seen
+
+
+def test_hc_smoe_checkpoint_equals_the_definitions_on_transformers_numbers(merged_qwen3):
+    """`moejax merge --method hc_smoe` (average linkage, no neuron alignment), checked without
+    moejax's forward: the clusters are average linkage on the mean outputs transformers' own
+    forward gives; each cluster's leader its most frequent member; every merged tensor the
+    frequency-weighted average of the source's (float64 numpy, written in the source dtype);
+    singletons, kept router rows and everything else the source's bytes; transformers loads it."""
+    import torch
+    import transformers
+
+    from moejax.cli import main
+    from moejax.merging.clusters import hc_smoe_clusters
+
+    root, src, _, tokens = merged_qwen3
+    dst = root / "hc_smoe_checked"
+    assert main(["merge", str(src), str(dst), "--method", "hc_smoe", "--keep", "4", "--tokens", str(tokens)]) == 0
+    record = json.loads((dst / "pruning.json").read_text())
+    config = json.loads((dst / "config.json").read_text())
+    assert (record["method"], record["router"], record["hc_method"]) == ("hc_smoe", "shrunk", "average")
+    assert config.get("num_experts", config.get("num_local_experts")) == 4
+    want = reference_merge_stats(src, np.load(tokens))
+    a, b = CheckpointReader(src), CheckpointReader(dst)
+    assert sorted(record["layers"]) == sorted(map(str, want))
+    for l, ref in want.items():
+        layer, stem = record["layers"][str(l)], f"model.layers.{l}.mlp."
+        labels = hc_smoe_clusters(ref["mean_output"], 4)
+        counts = ref["counts"]
+        clusters = [min(members, key=lambda e: (-counts[e], e)) for members in
+                    (np.flatnonzero(labels == c).tolist() for c in range(4))]   # leaders
+        clusters = sorted([[lead] + [e for e in np.flatnonzero(labels == labels[lead]).tolist() if e != lead]
+                           for lead in clusters])                                 # leader first, by leader
+        assert layer["clusters"] == clusters and layer["kept"] == [c[0] for c in clusters]
+        np.testing.assert_array_equal(layer["counts"], counts)
+        assert any(len(c) > 1 for c in clusters)
+        router = a.read(stem + "gate.weight")
+        assert [r.tobytes() for r in b.read(stem + "gate.weight")] == [router[c[0]].tobytes() for c in clusters]
+        for new, members in enumerate(clusters):
+            f = counts[members] / counts[members].sum() if counts[members].sum() > 0 else np.full(len(members),
+                                                                                                   1 / len(members))
+            for p in ("gate", "up", "down"):
+                name = f"experts.{{}}.{p}_proj.weight"
+                source = [a.read(stem + name.format(e)) for e in members]
+                merged = sum(share * w.astype(np.float64) for share, w in zip(f, source)).astype(source[0].dtype)
+                got = b.read(stem + name.format(new))
+                if len(members) == 1:
+                    assert b.read_bytes(stem + name.format(new)) == a.read_bytes(stem + name.format(members[0]))
+                else:
+                    np.testing.assert_allclose(got, merged, rtol=1e-6, atol=1e-7 * np.abs(merged).max(),
+                                               err_msg=f"layer {l} expert {new} {p}")
+    for name in a.keys():
+        if ".mlp.gate." not in name and ".mlp.experts." not in name:
+            assert a.read_bytes(name) == b.read_bytes(name), name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager").eval()
+    ids, mask = batch(96, seed=7)
+    with torch.no_grad():
+        logits = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    assert np.isfinite(logits).all() and hf.config.num_experts == 4
 
 
 def test_merge_refuses_before_the_pass(merged_qwen3, tmp_path):
