@@ -11,7 +11,9 @@
   config class);
 * the tensors: every tensor the config implies is present with the shape the config gives and a
   dtype moejax reads as what it claims to be (a router stored as I32 is refused, not ranked by
-  its bit patterns); a quantised weight has its companions; every other tensor is accounted for:
+  its bit patterns); transformers 5's fused expert tensors are checked as the per-expert tensors
+  they hold (`moejax.hf.fused_experts`, whose view every command then reads through, the layout
+  included); a quantised weight has its companions; every other tensor is accounted for:
   decoder layers beyond `num_hidden_layers + num_nextn_predict_layers` are an error, not
   silently taken for MTP layers.
 
@@ -48,12 +50,12 @@ class CheckedCheckpoint:
     path: Path                 # resolved (a remote checkpoint: its RemotePath, printed as its URL)
     config: object             # the family's config class
     family: Family
-    reader: FusedExpertsReader  # answers per-expert names for transformers-5 fused expert tensors too
+    reader: FusedExpertsReader  # the per-expert view: transformers-5 fused expert tensors under per-expert names too
     fmt: str | None             # quantisation format, or None
     specs: list[TensorSpec]     # every HF tensor the config implies, in file order
     stored: dict                # hf name -> the on-disk tensors holding it
     carried: list[str]          # tensors with no parameter: MTP layers, stray rotary buffers
-    layout: CheckpointLayout    # the MoE structure by tensor name (routers, biases, expert tensors)
+    layout: CheckpointLayout    # the MoE structure by tensor name in `reader`'s per-expert view
 
 
 def stored_as(reader, name: str, fmt: str | None) -> tuple[str, ...] | None:
@@ -184,11 +186,11 @@ def checkpoint_problems(path, *, uniform_experts: bool = False) -> list[str]:
     return audit_checkpoint(path, uniform_experts=uniform_experts)[0]
 
 
-def audit_checkpoint(path, *, uniform_experts: bool = False) -> tuple[list[str], CheckpointReader]:
-    """checkpoint_problems and the checkpoint's reader, so that an audit reads (a remote
-    checkpoint: fetches) the headers once."""
+def audit_checkpoint(path, *, uniform_experts: bool = False) -> tuple[list[str], FusedExpertsReader]:
+    """checkpoint_problems and the checkpoint's reader (its per-expert view), so that an audit
+    reads (a remote checkpoint: fetches) the headers once."""
     problems, checked = _checked(path, uniform_experts)
-    return problems, checked.reader.reader
+    return problems, checked.reader
 
 
 def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]:
@@ -204,6 +206,6 @@ def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]
     fmt = quant.detect_format(cfg.quantization_config)
     specs = tensor_specs(cfg)
     problems, stored, carried = check_tensors(cfg, reader, specs, fmt)
-    layout = checkpoint_layout(raw, family.moe_block) if not problems else None
+    layout = checkpoint_layout(reader, family.moe_block) if not problems else None  # fused experts as per-expert
     where = storage.root if storage.remote else storage.root.resolve()
     return problems, CheckedCheckpoint(where, cfg, family, reader, fmt, specs, stored, carried, layout)

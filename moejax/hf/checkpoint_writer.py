@@ -27,6 +27,17 @@ DEFAULT_METADATA = {"format": "pt"}  # transformers refuses to load a file witho
 
 
 @dataclass(frozen=True)
+class JoinedTensor:
+    """A tensor written as its pieces one after another (C order): each a tensor of another
+    safetensors file copied by byte range, or an array of the same dtype. How `moejax prune` and
+    `merge` rebuild a fused [E, ...] expert tensor from the kept experts' slabs without holding it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[TensorInfo | np.ndarray, ...]
+
+
+@dataclass(frozen=True)
 class _PendingTensor:
     """A tensor accepted for the current shard: its code, shape, and bytes-like payload."""
 
@@ -34,8 +45,8 @@ class _PendingTensor:
     dtype: str
     shape: tuple[int, ...]
     # raw bytes, a flat uint8 view of a little-endian C-contiguous array, or a tensor of another
-    # safetensors file copied by byte range
-    payload: bytes | np.ndarray | TensorInfo
+    # safetensors file copied by byte range; or a tuple of those last two written in turn
+    payload: bytes | np.ndarray | TensorInfo | tuple
     nbytes: int
 
 
@@ -137,10 +148,21 @@ def _pending_tensors(tensors: Iterable) -> Iterator[_PendingTensor]:
         yield _as_pending(name, value)
 
 
-def _as_pending(name: str, value: np.ndarray | RawTensor | TensorInfo) -> _PendingTensor:
+def _as_pending(name: str, value: np.ndarray | RawTensor | TensorInfo | JoinedTensor) -> _PendingTensor:
     where = f"tensor {name!r}"
     if isinstance(value, TensorInfo):
         return _PendingTensor(name, value.dtype, value.shape, value, value.nbytes)
+    if isinstance(value, JoinedTensor):
+        pieces = [piece if isinstance(piece, TensorInfo) else _as_pending(name, piece) for piece in value.pieces]
+        wrong = sorted({piece.dtype for piece in pieces} - {value.dtype})
+        if wrong:
+            raise CheckpointError(f"{where}: {value.dtype} tensor joined from pieces of dtype {wrong}")
+        expected, nbytes = tensor_nbytes(value.dtype, tuple(value.shape), where), sum(p.nbytes for p in pieces)
+        if nbytes != expected:
+            raise CheckpointError(f"{where}: pieces hold {nbytes} bytes, expected {expected} for "
+                                  f"{value.dtype} {list(value.shape)}")
+        payload = tuple(piece if isinstance(piece, TensorInfo) else piece.payload for piece in pieces)
+        return _PendingTensor(name, value.dtype, tuple(value.shape), payload, expected)
     if isinstance(value, RawTensor):
         shape = tuple(value.shape)
         if not all(is_natural(dim) for dim in shape):
@@ -190,21 +212,23 @@ def _write_safetensors(path: Path, tensors: list[_PendingTensor], metadata: dict
     with open(path, "wb") as handle:
         handle.write(encode_header(header))
         for tensor in ordered:
-            if isinstance(tensor.payload, TensorInfo):
-                handle.flush()
-                _copy_file_range(tensor.payload, handle.fileno())
-                handle.seek(0, os.SEEK_END)
-            else:
-                handle.write(tensor.payload)
+            for payload in (tensor.payload if isinstance(tensor.payload, tuple) else (tensor.payload,)):
+                if isinstance(payload, TensorInfo):
+                    handle.flush()
+                    _copy_file_range(payload, handle.fileno())
+                    handle.seek(0, os.SEEK_END)
+                else:
+                    handle.write(payload)
 
 
 def write_safetensors_file(path: str | os.PathLike,
-                           tensors: Iterable[tuple[str, np.ndarray | RawTensor | TensorInfo]],
+                           tensors: Iterable[tuple[str, np.ndarray | RawTensor | TensorInfo | JoinedTensor]],
                            metadata: dict[str, str] | None = None) -> int:
     """Write one safetensors file and return its tensor data bytes. A `TensorInfo` value (a tensor
     of another file, from `SafetensorsFile.info`) is copied by byte range, in the kernel where the
     platform allows, so carrying a tensor over costs no memory; this is how checkpoint surgery
-    streams a shard through with every untouched tensor byte-identical."""
+    streams a shard through with every untouched tensor byte-identical. A `JoinedTensor` is
+    written piece by piece the same way."""
     path = Path(path)
     pending = list(_pending_tensors(tensors))
     _write_safetensors(path, pending, _check_metadata({**DEFAULT_METADATA, **(metadata or {})}, path))

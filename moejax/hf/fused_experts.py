@@ -7,8 +7,12 @@
     model.layers.{l}.mlp.experts.down_proj     [E, H, Im]
 
 `FusedExpertsReader` wraps a CheckpointReader and answers for the per-expert names
-(`...experts.{e}.gate_proj.weight` etc.) by slicing those, so the name table, the checks and the
-loader need no second path. Only loading sees this; saving writes the canonical per-expert names.
+(`...experts.{e}.gate_proj.weight` etc.) by slicing those. It is the one per-expert view of every
+checkpoint: the checks, the layout (`moejax.hf.layout`), inspect, plan, data-free scores, diff and
+the loader read through it and need no second path. Each per-expert tensor is a contiguous byte
+range of its fused tensor (expert-major, rows of one expert adjacent), so `info` gives its exact
+bytes. `moejax prune` and `moejax merge` write the source's spelling back (`expert_slabs`: a fused
+tensor is rebuilt from the kept experts' slabs); `save_pretrained` writes the per-expert names.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import dataclasses
 import re
 
 from moejax.hf.checkpoint_reader import CheckpointReader
-from moejax.hf.safetensors_format import TensorInfo
+from moejax.hf.safetensors_format import TensorInfo, check_complete_read, tensor_nbytes
 
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # transformers 5 writes its own module names (`mlp.experts`) whatever the family's hub names are
@@ -45,6 +49,7 @@ class FusedExpertsReader:
         self.expert_names = expert_names
         self._virtual: dict[str, _Slice] = {}
         self._cache: tuple[str, object] | None = None  # one fused tensor at a time
+        self._by_stored: tuple[dict, dict] | None = None  # see _index
         for name in reader.keys():
             match = _FUSED.match(name)
             if match:
@@ -52,8 +57,11 @@ class FusedExpertsReader:
                 router, canonical = router_name.format(l=match.group(1)), CANONICAL_ROUTER.format(l=match.group(1))
                 if router != canonical and canonical in reader and router not in reader:
                     self._virtual[router] = _Slice(canonical, None, None)
+        self._fused_names = frozenset(s.fused for s in self._virtual.values())
 
     def _add(self, layer: int, kind: str, info: TensorInfo) -> None:
+        if len(info.shape) != 3:  # not presented: the check then names the missing experts and this tensor
+            return
         n_experts, rows = info.shape[0], info.shape[1]
         gate, up, down = self.expert_names
         for e in range(n_experts):
@@ -65,8 +73,42 @@ class FusedExpertsReader:
                 self._virtual[up.format(l=layer, e=e)] = _Slice(info.name, e, slice(half, rows))
 
     @property
-    def fused_names(self) -> set[str]:
-        return {s.fused for s in self._virtual.values()}
+    def fused_names(self) -> frozenset[str]:
+        """The stored tensors presented under other names (fused experts, a router beside them)."""
+        return self._fused_names
+
+    @property
+    def directory(self):
+        return self.reader.directory
+
+    @property
+    def storage(self):
+        return self.reader.storage
+
+    def view_name(self, stored: str) -> str:
+        """The name a stored tensor that is not a fused expert tensor goes by in this view: a
+        router beside fused experts under the family's router name, anything else its own."""
+        return self._index()[1].get(stored, stored)
+
+    def expert_slabs(self, stored: str) -> list[list[str]] | None:
+        """For a stored fused expert tensor [E, ...], per expert the presented names whose rows
+        tile that expert's slab, in row order (gate, up; or down alone); None for any other tensor."""
+        return self._index()[0].get(stored)
+
+    def _index(self) -> tuple[dict, dict]:
+        """({fused tensor: per-expert presented names in row order}, {stored router: its alias}), built once."""
+        if self._by_stored is None:
+            slabs, aliases = {}, {}
+            for name, part in sorted(self._virtual.items(), key=lambda item: (item[1].expert or 0,
+                                                                               item[1].rows.start if item[1].rows else 0)):
+                if part.expert is None:
+                    aliases[part.fused] = name
+                    continue
+                experts = slabs.setdefault(part.fused, [])
+                experts += [[] for _ in range(part.expert + 1 - len(experts))]
+                experts[part.expert].append(name)
+            self._by_stored = slabs, aliases
+        return self._by_stored
 
     def keys(self) -> list[str]:
         return sorted((set(self.reader.keys()) - self.fused_names) | set(self._virtual))
@@ -82,7 +124,9 @@ class FusedExpertsReader:
         if part.expert is None:
             return dataclasses.replace(fused, name=name)
         shape = (part.rows.stop - part.rows.start, fused.shape[2])
-        return dataclasses.replace(fused, name=name, shape=shape)
+        row = tensor_nbytes(fused.dtype, fused.shape[2:], f"{fused.file}: tensor {part.fused!r}")
+        begin = fused.begin + (part.expert * fused.shape[1] + part.rows.start) * row
+        return dataclasses.replace(fused, name=name, shape=shape, begin=begin, end=begin + shape[0] * row)
 
     def read(self, name: str):
         if name not in self._virtual:
@@ -104,4 +148,10 @@ class FusedExpertsReader:
         return self.reader.shard_of(self._virtual[name].fused if name in self._virtual else name)
 
     def read_bytes(self, name: str) -> bytes:
-        return self.read(name).tobytes() if name in self._virtual else self.reader.read_bytes(name)
+        """Exactly the tensor's bytes (a presented expert tensor: its byte range of the fused one)."""
+        if name not in self._virtual:
+            return self.reader.read_bytes(name)
+        info = self.info(name)
+        data = self.reader.storage.read_range(info.file, info.begin, info.nbytes)
+        check_complete_read(info, len(data))
+        return data

@@ -109,17 +109,18 @@ class CheckpointFacts:
     config: object  # the family's config, types and ranges checked (moejax.hf.check)
     fmt: str | None
     layout: CheckpointLayout
-    tensors: dict[str, TensorFacts]
+    tensors: dict[str, TensorFacts]  # per-expert view: transformers-5 fused experts as per-expert tensors
+    stored_tensors: int              # tensors on disk (a fused expert tensor counts once)
 
 
 def checkpoint_facts(path) -> CheckpointFacts:
     """`path`: a local folder or a remote location (https://, hf://; `moejax.hf.storage`)."""
     storage = open_location(path)
     checked = check_checkpoint(storage, uniform_experts=False)  # the check every command runs first
-    reader, layout, fmt = checked.reader.reader, checked.layout, checked.fmt
+    reader, layout, fmt = checked.reader, checked.layout, checked.fmt  # the per-expert view, as the layout's
     routed = layout.routed_names()
     tensors = {name: tensor_facts(reader.info(name), fmt, name in routed) for name in reader.keys()}
-    return CheckpointFacts(storage.root, checked.config, fmt, layout, tensors)
+    return CheckpointFacts(storage.root, checked.config, fmt, layout, tensors, len(reader.reader.keys()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,7 +135,10 @@ def inspect_checkpoint(path) -> dict:
     * ``parameters.total``: as Hugging Face counts it (module docstring): numel of every tensor,
       companions included, packed 4-bit tensors in logical values. MTP layers are included.
     * ``parameters.routed_experts`` / ``other``: tensors under ``mlp.experts.{e}.`` (their
-      companions included) against everything else; router rows and balance biases are "other".
+      companions included; transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj``
+      counted as the per-expert tensors they hold, so the numbers equal the per-expert
+      checkpoint's) against everything else; router rows and balance biases are "other".
+    * ``tensors``: the tensors stored (a fused expert tensor counts once).
     * ``parameters.active_per_token`` (SPEC section 6): per MoE layer of the main model,
       ``num_experts_per_tok`` times one expert's parameters, plus every non-routed tensor of the
       main model, except that the input embedding counts as one row (``hidden_size`` values): a
@@ -160,7 +164,7 @@ def inspect_checkpoint(path) -> dict:
     return {
         "checkpoint": str(checkpoint.path),
         "quantization": checkpoint.fmt,
-        "tensors": len(checkpoint.tensors),
+        "tensors": checkpoint.stored_tensors,
         "decoder_layers": {"count": len(decoder), "indices": decoder},
         "mtp_layers": {"count": len(mtp), "indices": mtp},
         "moe_layers": list(moe),

@@ -8,6 +8,10 @@ belong to routed expert `e` (`...{block}.experts.{e}.*`, quantisation companions
 `{block}` is the family's MoE block (`mlp`; Mixtral: `block_sparse_moe`). Everything else (attention, norms,
 shared experts, dense MLPs, embeddings) is "other". MTP layers (index >= num_hidden_layers) are MoE
 layers like any other here; callers decide what to do with them.
+
+`moejax.hf.check` builds the layout of a checkpoint's per-expert view (`FusedExpertsReader`), so
+a checkpoint with transformers 5's fused expert tensors has the same layout, tensor for tensor, as
+the same model saved per expert; writers map the names back to the stored ones.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import re
 
 from moejax.errors import CheckpointError
 from moejax.hf.checkpoint_reader import CheckpointReader
+from moejax.hf.fused_experts import FusedExpertsReader
 
 _DECODER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.")
 
@@ -69,7 +74,7 @@ def _patterns(block: str):
             re.compile(stem + r"gate\.e_score_correction_bias$"))
 
 
-def checkpoint_layout(reader: CheckpointReader, moe_block: str = "mlp") -> CheckpointLayout:
+def checkpoint_layout(reader: CheckpointReader | FusedExpertsReader, moe_block: str = "mlp") -> CheckpointLayout:
     """Group a checkpoint's tensors into MoE layers; every inconsistency (experts numbered with
     gaps, experts with different tensor sets, a router whose row count is not the expert count, a
     bias of the wrong length) is collected and raised together. Reads headers only."""

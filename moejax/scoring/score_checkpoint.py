@@ -109,7 +109,7 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     storage = open_location(checkpoint)
     checked = check_checkpoint(storage, uniform_experts=False)  # headers and config.json only
     names = scores_for(names, checked.config.HAS_BALANCE_BIAS, storage.describe())
-    df = score_table(((layer, router_stats(checked.reader.reader, ml, seed))
+    df = score_table(((layer, router_stats(checked.reader, ml, seed))
                       for layer, ml in checked.layout.moe_layers.items()), names)
     if out is not None:
         write_json_atomic(Path(out).with_suffix(".json"), {

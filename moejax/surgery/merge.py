@@ -13,7 +13,9 @@ Three steps:
 3. Writing, streamed shard by shard like `moejax prune` (`write_pruned`): every tensor of a
    singleton cluster's expert, every router row kept and every other tensor is the source's
    bytes; a merged cluster's leader tensors are replaced by the merged expert (computed one layer
-   at a time from the source tensors, in float64, written in the source dtype).
+   at a time from the source tensors, in float64, written in the source dtype). A source with
+   transformers 5's fused expert tensors is written back fused (the merged expert's gate, up and
+   down as its slab of `gate_up_proj` and `down_proj`).
 
 Quantised sources are refused: merging dequantised experts and writing them beside quantised
 ones would need a re-quantisation this command does not do. `pruning.json` records the method,
@@ -61,7 +63,7 @@ def _refuse_quantised(checked) -> None:
                               "does not re-quantise them, so it takes float checkpoints only (F32, BF16, F16)")
     for ml in checked.layout.moe_layers.values():
         for name in ml.experts[0]:
-            dtype = checked.reader.reader.info(name).dtype
+            dtype = checked.reader.info(name).dtype
             if dtype not in PLAIN_DTYPES:
                 raise CheckpointError(f"{checked.path}: {name} is {dtype}; moejax merge takes float expert "
                                       f"tensors only ({', '.join(PLAIN_DTYPES)})")
@@ -158,8 +160,8 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     _refuse_quantised(checked)
     ckpt, cfg = opened(checked), checked.config
     resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
-    reader, layout = checked.reader.reader, checked.layout
-    copied, file_notes = other_files(reader)
+    reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
+    copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress

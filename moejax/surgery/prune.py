@@ -10,6 +10,10 @@ Two steps, both explicit so each can be read and tested alone:
    (quantisation companions travel with them, since they are `experts.{e}.*` tensors too), router
    rows and bias entries are sliced as bytes, and every other tensor is copied by byte range. So
    every surviving byte is the source's byte, and memory stays at about one router tensor.
+   A checkpoint in transformers 5's fused form (`mlp.experts.gate_up_proj` [E, 2 Im, H],
+   `down_proj` [E, H, Im]) is planned through its per-expert view (`moejax.hf.fused_experts`)
+   and written back fused: each fused tensor under its own name, the kept experts' slabs copied
+   in order along the expert axis.
 
 The output is written to a hidden sibling folder and renamed at the end (never a half-written
 DST), beside a `pruning.json` recording the source, the score, the keep and the kept source
@@ -30,7 +34,8 @@ from tqdm import tqdm
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.checkpoint_reader import CheckpointReader, allowed_root, check_regular_file
-from moejax.hf.checkpoint_writer import write_safetensors_file
+from moejax.hf.checkpoint_writer import JoinedTensor, write_safetensors_file
+from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer, layer_of
 from moejax.hf.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
 from moejax.hf.staging import check_destination, staged_directory
@@ -158,7 +163,7 @@ def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
     return counts
 
 
-def plan_pruning(reader: CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
+def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
                  collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0,
                  layer_scores: dict | None = None, allocation: str = "uniform") -> PrunePlan:
@@ -272,37 +277,66 @@ def _row_slice(reader: CheckpointReader, name: str, kept: list[int]) -> RawTenso
                      b"".join(data[i * row:(i + 1) * row] for i in kept))
 
 
-def write_pruned(reader: CheckpointReader, layout: CheckpointLayout, plan: PrunePlan, staging: Path,
+def _fused_rows(reader: FusedExpertsReader, name: str, slabs: list[list[str]], kept: list[int],
+                replaced) -> JoinedTensor:
+    """The stored fused expert tensor `name` [E, ...] cut to the experts `kept`, in that order:
+    each kept expert's slab is the byte ranges of its per-expert tensors (`slabs`, in row order),
+    or what `replaced` gives for one of them (a merged expert, in the tensor's dtype and shape)."""
+    info = reader.reader.info(name)
+    pieces = []
+    for e in kept:
+        for part in slabs[e]:
+            value = None if replaced is None else replaced(part)
+            if value is not None and tuple(value.shape) != tuple(reader.info(part).shape):
+                raise CheckpointError(f"{part} (rows of {name}): replacement of shape {list(value.shape)}, "
+                                      f"expected {list(reader.info(part).shape)}")
+            pieces.append(reader.info(part) if value is None else value)
+    return JoinedTensor(info.dtype, (len(kept),) + tuple(info.shape[1:]), tuple(pieces))
+
+
+def write_pruned(reader: FusedExpertsReader, layout: CheckpointLayout, plan: PrunePlan, staging: Path,
                  progress: bool = False, replaced=None) -> dict[str, str]:
     """Write the pruned shards into `staging`; returns the new weight map (name -> shard file).
-    replaced: None, or a function of a source tensor name giving the array to write in its place
-    (under its pruned name), or None to keep the source's bytes (`moejax merge`'s merged experts)."""
+    reader: the checkpoint's per-expert view, whose names `layout` uses; every stored tensor is
+    written under its stored name (a fused expert tensor cut to the kept experts) or, for a
+    per-expert tensor, its pruned name. replaced: None, or a function of a per-expert view name
+    giving the array to write in its place (under its pruned name), or None to keep the source's
+    bytes (`moejax merge`'s merged experts)."""
     renames = _renames(layout, plan)
     sliced = {}
     for l, ml in layout.moe_layers.items():
         if l not in plan.dropped_layers:
             sliced.update({name: l for name in (ml.router, ml.bias) if name})
+    stored = reader.reader
     weight_map, total = {}, 0
-    files = reader.files()
+    files = stored.files()
     for path in tqdm(files, desc="shards", unit="shard", disable=not progress):
         tensors = []
-        for name in reader.names_in(path):
-            new_name = renames.get(name, name)
+        for name in stored.names_in(path):
+            slabs = reader.expert_slabs(name)
+            if slabs is not None:  # fused experts: written back fused, under the stored name
+                layer = layer_of(name)
+                if layer not in plan.dropped_layers:
+                    tensors.append((name, _fused_rows(reader, name, slabs, plan.kept[layer], replaced)))
+                continue
+            view = reader.view_name(name)  # a router beside fused experts goes by the family's name
+            new_name = renames.get(view, view)
             if new_name is None:
                 continue
-            value = None if replaced is None else replaced(name)
+            new_name = name if view != name else new_name  # stored names stay as stored
+            value = None if replaced is None else replaced(view)
             if value is not None:
                 tensors.append((new_name, value))
-            elif name in sliced:
-                tensors.append((name, _row_slice(reader, name, plan.kept[sliced[name]])))
+            elif view in sliced:
+                tensors.append((new_name, _row_slice(stored, name, plan.kept[sliced[view]])))
             else:
-                tensors.append((new_name, reader.info(name)))
+                tensors.append((new_name, stored.info(name)))
         if tensors:  # same relative path as in the source: shards in subfolders may share a file name
-            relative = path.relative_to(reader.directory)
+            relative = path.relative_to(stored.directory)
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            total += write_safetensors_file(staging / relative, tensors, reader.shard(path).metadata)
+            total += write_safetensors_file(staging / relative, tensors, stored.shard(path).metadata)
             weight_map.update({name: relative.as_posix() for name, _ in tensors})
-    if reader.has_index() or len(set(weight_map.values())) > 1:
+    if stored.has_index() or len(set(weight_map.values())) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return weight_map
@@ -357,8 +391,8 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, protect=src)
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
-    reader, layout = checked.reader.reader, checked.layout
-    copied, file_notes = other_files(reader)
+    reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
+    copied, file_notes = other_files(reader.reader)
     plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
                         layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
                         drop_mtp=drop_mtp, seed=seed, allocation=allocation)
@@ -374,7 +408,7 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     return record
 
 
-def write_folder(reader: CheckpointReader, layout: CheckpointLayout, plan: PrunePlan, src: Path, dst: Path,
+def write_folder(reader: FusedExpertsReader, layout: CheckpointLayout, plan: PrunePlan, src: Path, dst: Path,
                  copied: list[Path], record: dict, *, overwrite: bool, progress: bool | None, replaced=None) -> None:
     """DST written atomically (a staging folder renamed at the end, removed on any failure): the
     streamed shards (`write_pruned`), the source's other files, config.json and pruning.json."""
