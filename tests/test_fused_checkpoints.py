@@ -201,3 +201,19 @@ def test_merged_fused_checkpoint_stays_fused_and_equals_the_shrunk_variant(fused
     assert {int(l): e["kept"] for l, e in report["layers"].items()} == kept
     assert failed_checks(report) == ["other_tensors_identical"]
     assert len(report["tensors"]["bytes_differ"]) == 3 * merged  # gate, up and down of each merged expert
+
+
+def test_a_fused_tensor_of_the_wrong_rank_is_refused_by_name(fused, tmp_path):
+    """A fused expert tensor that is not [E, rows, cols] is not presented as experts: the check names
+    it and the expert tensors it should hold (no traceback from slicing it)."""
+    from hf_fixtures import rewrite
+
+    from moejax.errors import CheckpointError
+    from moejax.hf.check import check_checkpoint
+
+    root, _ = source(fused, "mixtral")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    bad = rewrite(root / "fused", tmp_path / "bad", lambda n, r: [(n, r.read(n).reshape(E, -1) if n == name else r.read(n))])
+    with pytest.raises(CheckpointError, match=rf"{2 * E} tensor\(s\) missing.*layers\.1\.block_sparse_moe\.experts\.0\."
+                                              rf"(?s:.*)unexpected tensor\(s\), e\.g\. \['{name}'\]"):
+        check_checkpoint(bad)
