@@ -52,15 +52,21 @@ def responses(out, task):
 
 
 @pytest.fixture(scope="module")
-def both(setup):
+def backends(setup):
+    """lm-eval's `hf` backend and `moejax` on the same checkpoint (loaded once for the module)."""
     from lm_eval.models.huggingface import HFLM
 
     from moejax.lm_eval import MoejaxLM
 
-    ckpt, tasks = setup
-    hf = evaluate(HFLM(pretrained=str(ckpt), dtype="float32", batch_size=4, device="cpu"), tasks)
-    mj = evaluate(MoejaxLM(pretrained=str(ckpt), dtype="float32", batch_size=4), tasks)
-    return hf, mj
+    ckpt, _ = setup
+    return (HFLM(pretrained=str(ckpt), dtype="float32", batch_size=4, device="cpu"),
+            MoejaxLM(pretrained=str(ckpt), dtype="float32", batch_size=4))
+
+
+@pytest.fixture(scope="module")
+def both(setup, backends):
+    hf_lm, mj_lm = backends
+    return evaluate(hf_lm, setup[1]), evaluate(mj_lm, setup[1])
 
 
 def test_loglikelihoods_and_greedy_flags_equal_the_hf_backend(both):
@@ -75,6 +81,44 @@ def test_loglikelihoods_and_greedy_flags_equal_the_hf_backend(both):
                 assert abs(w_ll - g_ll) <= 1e-4 + 1e-6 * abs(w_ll), (task, w, g)
                 if task == "stdlib_mc":
                     assert w[0][1] == g[0][1]
+
+
+def test_greedy_flags_true_and_false_equal_the_hf_backend(backends):
+    """Continuations made of the model's own greedy tokens (transformers' generate), whole or cut,
+    and the same with one token changed (first, middle or last): lm-eval's `hf` backend flags some
+    True and some False, and moejax's flags and log-likelihoods equal its own, request by request.
+    (On the tasks' text a random model's flags are all False, so a flag read at the wrong position
+    would agree there.) Token-level requests, as lm-eval hands them to `_loglikelihood_tokens`."""
+    import torch
+
+    hf_lm, mj_lm = backends
+    rng = np.random.default_rng(9)
+    requests, expected = [], []
+    for n_ctx in (3, 9, 17, 30, 41):
+        ctx = rng.integers(1, 256, size=n_ctx).tolist()
+        with torch.no_grad():
+            greedy = hf_lm.model.generate(torch.tensor([ctx]), attention_mask=torch.ones(1, n_ctx, dtype=torch.long),
+                                          max_new_tokens=4, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0)[0, n_ctx:].tolist()
+        for cont, is_greedy in ((greedy, True), (greedy[:1], True), (greedy[:2], True)):
+            requests.append((ctx, cont))
+            expected.append(is_greedy)
+        for at in (0, 1, 3):  # one token changed: not greedy
+            changed = list(greedy)
+            changed[at] = (changed[at] + 1 + int(rng.integers(0, 254))) % 256
+            requests.append((ctx, changed))
+            expected.append(False)
+    requests.append((requests[0][0], requests[0][1][1:]))  # greedy tokens one position early
+    expected.append(None)
+    token_requests = [(("", ""), ctx, cont) for ctx, cont in requests]
+    want = hf_lm._loglikelihood_tokens(token_requests, disable_tqdm=True)
+    got = mj_lm._loglikelihood_tokens(token_requests, disable_tqdm=True)
+    flags = [w[1] for w in want]
+    assert [f for f, e in zip(flags, expected) if e is not None] == [e for e in expected if e is not None]
+    assert True in flags and False in flags
+    assert [g[1] for g in got] == flags
+    for (w_ll, _), (g_ll, _) in zip(want, got):
+        assert abs(w_ll - g_ll) <= 1e-4 + 1e-6 * abs(w_ll), (w_ll, g_ll)
 
 
 def test_generated_strings_equal_the_hf_backend(both):
