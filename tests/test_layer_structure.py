@@ -10,8 +10,9 @@ chosen experts, and the logits agree on a padded batch.
 
 (DeepSeek-V3's `moe_layer_freq` other than 1 is refused by name: tests/test_deepseek_v3_config.py;
 transformers 5 ignores the key. n_shared_experts=0 is not a case here: transformers then writes
-zero-width shared-expert tensors, which moejax's checkpoint check refuses by name.) Each case is a tiny checkpoint of 2-4 layers; the fixtures'
-own settings are compared in tests/test_families.py and tests/test_deepseek_v3.py."""
+zero-width shared-expert tensors, which moejax's checkpoint check refuses by name.) Each case is
+a tiny checkpoint of 2-4 layers, run eagerly (no whole-model compile per case); the fixtures' own
+settings are compared in tests/test_families.py and tests/test_deepseek_v3.py."""
 
 import jax.numpy as jnp
 import numpy as np
