@@ -111,8 +111,10 @@ class MoejaxLM(TemplateLM):
     dtype: float32 | bfloat16; batch_size: requests per forward (an integer; not "auto")
     max_length: context length (default config.json max_position_embeddings)
     max_gen_toks: default new tokens for generate_until (tasks usually set their own)
-    pruning: a `pruning.json` (or the folder holding it) of `moejax prune` on this checkpoint
+    pruning: a `pruning.json` (or the folder holding it) of `moejax prune` on this checkpoint (a
+        merge's record is refused: evaluate the merged checkpoint as pretrained=)
     scores + score + keep: a `moejax score` parquet, a score name in it, a count or ratio of E
+    (a record or scores file made from another checkpoint is refused: `moejax.hf.provenance`)
     seed: for tasks that sample
     """
 
@@ -143,7 +145,7 @@ class MoejaxLM(TemplateLM):
         config = read_config(path / "config.json")
         # the variant, checked before the model is loaded
         if variant is None:
-            variant = self._variant_masks(config, pruning, scores, score, keep)
+            variant = self._variant_masks(config, pruning, scores, score, keep, path)
         self.expert_variant = check_variant(variant, config)
         self.tokenizer = Tokenizer(path, config.raw)
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true")
@@ -171,19 +173,19 @@ class MoejaxLM(TemplateLM):
         return other
 
     @staticmethod
-    def _variant_masks(config, pruning, scores, score, keep):
+    def _variant_masks(config, pruning, scores, score, keep, checkpoint):
         from moejax import variant
 
         if pruning is not None and (scores is not None or score is not None or keep is not None):
             raise ConfigError("moejax lm-eval model: give either pruning= or scores=/score=/keep=, not both")
         if pruning is not None:
-            return variant.masks_from_pruning_record(pruning, config)
+            return variant.masks_from_pruning_record(pruning, config, checkpoint)
         if scores is None and score is None and keep is None:
             return None
         if scores is None or score is None or keep is None:
             raise ConfigError(f"moejax lm-eval model: a scored variant needs scores=FILE, score=NAME and keep=N "
                               f"together; got scores={scores!r}, score={score!r}, keep={keep!r}")
-        return variant.masks_from_scores(scores, str(score), keep, config)
+        return variant.masks_from_scores(scores, str(score), keep, config, checkpoint)
 
     # --- what TemplateLM asks for ------------------------------------------------------------
 

@@ -111,14 +111,18 @@ def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:
     return masks
 
 
-def masks_from_pruning_record(path, config) -> np.ndarray:
-    """bool [L, E] from a `pruning.json` of `moejax prune` made from this checkpoint."""
+def masks_from_pruning_record(path, config, checkpoint=None) -> np.ndarray:
+    """bool [L, E] from a `pruning.json` of `moejax prune` made from this checkpoint (the folder
+    `checkpoint`, when given, is checked to be the one the record names: `moejax.hf.provenance`).
+    A merge's record is refused: its merged experts are in the checkpoint written beside it, and
+    the kept (leader) experts alone would evaluate a pruning, not the merge."""
     path = Path(path)
     if path.is_dir():
         path = path / "pruning.json"
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         layers = record["layers"]
+        merged = "method" in record or any(isinstance(layer, dict) and "clusters" in layer for layer in layers.values())
         kept = {int(l): layer["kept"] for l, layer in layers.items()}
         sizes = {int(l): layer.get("n_experts") for l, layer in layers.items()}
     except FileNotFoundError:
@@ -126,6 +130,13 @@ def masks_from_pruning_record(path, config) -> np.ndarray:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{path}: not a pruning record (expected {{'layers': {{layer: {{'kept': [...]}}}}}}): "
                           f"{type(e).__name__}: {e}") from None
+    if merged:
+        raise ConfigError(f"{path}: the record of a merge (`moejax merge --method {record.get('method')}`), not of a "
+                          "pruning: its merged experts are in the checkpoint it was written with, and applying its "
+                          "kept (leader) experts to the source would evaluate a pruning. Evaluate the merged "
+                          f"checkpoint itself: pretrained={path.parent} without pruning=")
+    if checkpoint is not None:
+        check_source(record, path, "source", checkpoint, "pruning record")
     wrong = {l: n for l, n in sizes.items() if n is not None and n != config.n_experts}
     if wrong:
         raise ConfigError(f"{path}: made from a checkpoint with {wrong} experts per layer, but this one has "
@@ -133,9 +144,20 @@ def masks_from_pruning_record(path, config) -> np.ndarray:
     return masks_from_kept(kept, config, str(path))
 
 
-def masks_from_scores(path, score: str, keep, config) -> np.ndarray:
+def check_source(record: dict, record_path, source_key: str, checkpoint, what: str) -> None:
+    """`moejax.hf.provenance.check_made_from` against the local checkpoint folder `checkpoint`
+    (its router fingerprint read only when the record has one to compare)."""
+    from moejax.hf.check import check_checkpoint
+    from moejax.hf.provenance import check_made_from, checkpoint_fingerprint
+
+    check_made_from(record, record_path, source_key, checkpoint,
+                    lambda: checkpoint_fingerprint(check_checkpoint(checkpoint, uniform_experts=False)), what)
+
+
+def masks_from_scores(path, score: str, keep, config, checkpoint=None) -> np.ndarray:
     """bool [L, E] keeping, in every MoE layer, the `keep` experts with the highest `score` in a
-    scores file of `moejax score` (float64 ranking, ties to the lower index)."""
+    scores file of `moejax score` (float64 ranking, ties to the lower index). The folder
+    `checkpoint`, when given, is checked to be the one the file's sidecar names."""
     import pandas as pd
 
     E, top_k = config.n_experts, config.num_experts_per_tok
@@ -149,6 +171,11 @@ def masks_from_scores(path, score: str, keep, config) -> np.ndarray:
         raise ConfigError(f"{path}: cannot be read as a scores parquet ({type(e).__name__}: {e})") from None
     if not {"layer", "expert", "score", "value"} <= set(df.columns):
         raise ConfigError(f"{path}: expected columns layer, expert, score, value; got {list(df.columns)}")
+    if checkpoint is not None:
+        from moejax.hf.provenance import scores_sidecar
+
+        sidecar, where = scores_sidecar(path)
+        check_source(sidecar or {}, where, "checkpoint", checkpoint, "scores file")
     names = sorted(df.score.unique())
     if score not in names:
         raise ConfigError(f"{path}: no score {score!r}; it holds {names}")

@@ -40,6 +40,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
 
     from moejax import __version__
     from moejax.hf.model_io import open_checkpoint
+    from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
     from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.observe import calibrate_streamed
 
@@ -68,7 +69,8 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     if out is not None:
         out = Path(out)
         sidecar = {
-            "checkpoint": str(Path(checkpoint).resolve()), "tokens": int(ids.size), "sequences": int(len(ids)),
+            "checkpoint": str(Path(checkpoint).resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(ckpt),
+            "tokens": int(ids.size), "sequences": int(len(ids)),
             "seq_len": int(ids.shape[1]), "tokenizer": tokenizer, "scores": scores, "batch_size": batch_size, "dtype": dtype,
             "mesh": {"data": mesh.data, "expert": mesh.expert},
             "seconds": round(seconds, 3),
@@ -93,6 +95,7 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     router and bias tensors are read. seed: the `random` score's."""
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
+    from moejax.hf.provenance import FINGERPRINT_KEY, router_fingerprint
     from moejax.hf.storage import open_location
     from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.scores import DATA_FREE_SCORES
@@ -109,11 +112,13 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     storage = open_location(checkpoint)
     checked = check_checkpoint(storage, uniform_experts=False)  # headers and config.json only
     names = scores_for(names, checked.config.HAS_BALANCE_BIAS, storage.describe())
-    df = score_table(((layer, router_stats(checked.reader, ml, seed))
-                      for layer, ml in checked.layout.moe_layers.items()), names)
-    if out is not None:
+    stats = [(layer, router_stats(checked.reader, ml, seed)) for layer, ml in checked.layout.moe_layers.items()]
+    df = score_table(stats, names)
+    if out is not None:  # the fingerprint from the routers just read (a remote one is not fetched twice)
+        fingerprint = router_fingerprint({l: st.router_ED for l, st in stats if l < checked.config.num_hidden_layers})
         write_json_atomic(Path(out).with_suffix(".json"), {
-            "checkpoint": storage.describe(), "data_free": True, "scores": names, "seed": seed,
+            "checkpoint": storage.describe(), FINGERPRINT_KEY: fingerprint, "data_free": True, "scores": names,
+            "seed": seed,
             "layers": sorted(checked.layout.moe_layers),
             "versions": {"moejax": __version__, "python": platform.python_version()}})
         write_parquet_atomic(df, Path(out))  # last: its presence means the run completed

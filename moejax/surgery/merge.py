@@ -137,6 +137,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
     from moejax.hf.model_io import opened
+    from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
     from moejax.hf.staging import check_destination
     from moejax.merging.allocation import ALLOCATIONS
     from moejax.merging.calibration import merge_stats
@@ -175,7 +176,8 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
                               collapse_groups=collapse_groups, layer_scores=leader_scores)
     prune_plan = dataclasses.replace(prune_plan, notes=prune_plan.notes + tuple(file_notes))
     record = {
-        "moejax_version": __version__, "source": str(src.resolve()), "method": method, "router": "shrunk",
+        "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
+        "method": method, "router": "shrunk",
         "hc_method": hc_method if method == "hc_smoe" else None, "keep": keep, "allocation": allocation,
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},

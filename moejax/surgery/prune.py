@@ -37,6 +37,7 @@ from moejax.hf.checkpoint_reader import CheckpointReader, allowed_root, check_re
 from moejax.hf.checkpoint_writer import JoinedTensor, write_safetensors_file
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer, layer_of
+from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
 from moejax.hf.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
 from moejax.hf.staging import check_destination, staged_directory
 from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, LayerStats, compute_scores
@@ -393,12 +394,16 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
+    fingerprint = checkpoint_fingerprint(checked)  # recorded, and the scores file's checked against it
+    if scores_file is not None:
+        sidecar, where = scores_sidecar(scores_file)
+        check_made_from(sidecar or {}, where, "checkpoint", src, lambda: fingerprint, "scores file")
     plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
                         layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
                         drop_mtp=drop_mtp, seed=seed, allocation=allocation)
     plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))
     record = {
-        "moejax_version": __version__, "source": str(src.resolve()), "score": score,
+        "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: fingerprint, "score": score,
         "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "keep": keep,
         "layers_keep": layers_keep, "allocation": allocation, "seed": seed, "group_aware": group_aware, "groups": plan.groups,
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
