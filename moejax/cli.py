@@ -8,7 +8,8 @@
                  [--layers-keep FILE.json] [--allocation uniform|global] [--group-aware | --collapse-groups]
                  [--drop-mtp] [--overwrite]
     moejax merge SRC DST --method hc_smoe|m_smoe --keep K (--text PATH... | --tokens FILE.npy)
-                 [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--overwrite]
+                 [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--drop-mtp]
+                 [--overwrite]
     moejax inspect CKPT [--json]
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
     moejax diff SRC PRUNED [--hash] [--json]       (exit 1 when a check fails)
@@ -130,8 +131,8 @@ def _merge(args) -> None:
     record = merge_checkpoint(
         args.src, args.dst, method=args.method, keep=parse_keep(args.keep), text=args.text, tokens=args.tokens,
         seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size, allocation=args.allocation,
-        hc_method=args.hc_method, collapse_groups=args.collapse_groups, dtype=args.dtype, seed=args.seed,
-        overwrite=args.overwrite)
+        hc_method=args.hc_method, collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, dtype=args.dtype,
+        seed=args.seed, overwrite=args.overwrite)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers merged by {args.method} into {counts} experts "
           f"({args.allocation} allocation, router shrunk, groups: {record['groups']}); clusters in "
@@ -213,7 +214,9 @@ def main(argv=None) -> int:
                    help="HC-SMoE clustering: average linkage (the paper) or k-means (its public scripts' fallback)")
     p.add_argument("--collapse-groups", action="store_true",
                    help="allow uneven routing groups by routing over all kept experts (n_group=1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of k-means")
+    p.add_argument("--drop-mtp", action="store_true",
+                   help="remove the MTP layer(s), which the calibration pass does not run (as prune --drop-mtp)")
+    p.add_argument("--seed", type=int, default=0, help="seed of k-means (>= 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_merge)
 

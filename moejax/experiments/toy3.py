@@ -145,6 +145,10 @@ class Toy3Config:
         if not 0 <= self.eq6_pairs <= n_pairs:
             raise ConfigError(f"toy3: eq6_pairs={self.eq6_pairs}; expected 0 (no Eq. 6 check) to {n_pairs} "
                               f"(every pair of the {self.n_experts} experts)")
+        if self.eq6_pairs and not self.merges:
+            raise ConfigError(f"toy3: eq6_pairs={self.eq6_pairs} with merges=[]: the Eq. 6 check merges its pairs in "
+                              "the merges' program, which merges=[] turns off; set toy.eq6_pairs=0 as well (or "
+                              "keep a merge)")
         if "reap_code" in self.scores:
             raise ConfigError("toy3: the reap_code score needs expert outputs for pairs the layer did not "
                               "route, which the toy does not compute; use reap")

@@ -125,13 +125,39 @@ class MergedTensors:
         return np.ascontiguousarray(value.T if transpose else value)
 
 
+def _check_before_pass(checked, count: int, keep, allocation: str, collapse_groups: bool, drop_mtp: bool) -> None:
+    """What the plan would refuse after the calibration pass, when the settings alone decide it:
+    MTP layers without drop_mtp (the pass has no statistics for them), and a uniform cluster
+    count that no choice of leaders can spread over the routing groups as group-limited routing
+    needs (equal counts per group, at least 2, topk_group x per-group >= top_k) without
+    collapse_groups. Whether the leaders actually fall evenly into the groups is known only after."""
+    cfg = checked.config
+    mtp = sorted(l for l in checked.layout.moe_layers if l >= cfg.num_hidden_layers)
+    if mtp and not drop_mtp:
+        raise ConfigError(f"{checked.path}: MTP layer(s) {mtp} (num_nextn_predict_layers={cfg.num_nextn_predict_layers}) "
+                          "cannot be merged: the calibration pass runs the decoder layers only, so they have no "
+                          "merge statistics, and every MoE layer must keep the same expert count. Pass --drop-mtp "
+                          "(drop_mtp=True) to remove them (num_nextn_predict_layers=0), as `moejax prune --drop-mtp` does")
+    routing = cfg.router_settings()
+    n_group, topk_group, top_k = routing.get("n_group", 1), routing.get("topk_group", 1), cfg.num_experts_per_tok
+    if n_group > 1 and not collapse_groups and allocation == "uniform" and (
+            count % n_group or count // n_group < 2 or topk_group * (count // n_group) < top_k):
+        raise ConfigError(f"--keep {keep} ({count} clusters per MoE layer) cannot keep group-limited routing "
+                          f"(n_group={n_group}, topk_group={topk_group}, top_k={top_k}): the groups must keep equal "
+                          "counts of at least 2 with topk_group x per-group >= top_k. Pass --collapse-groups to route "
+                          "over all kept experts without groups, or a keep that divides into the groups")
+
+
 def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq_len: int | None = None,
                      max_tokens: int | None = None, batch_size: int = 8, allocation: str = "uniform",
-                     hc_method: str = "average", collapse_groups: bool = False, dtype: str = "float32", seed: int = 0,
-                     overwrite: bool = False, progress: bool | None = None) -> dict:
+                     hc_method: str = "average", collapse_groups: bool = False, drop_mtp: bool = False,
+                     dtype: str = "float32", seed: int = 0, overwrite: bool = False, progress: bool | None = None) -> dict:
     """Write the merged checkpoint of `src` to `dst` (shrunk router form) and return its record
     (also dst/pruning.json). The destination, the checkpoint, the arguments and the calibration
-    data are checked before the pass; the plan (groups, counts) before the first byte is written."""
+    data are checked before the pass; the plan (groups, counts) before the first byte is written.
+    MTP layers (DeepSeek-V3's, after the decoder layers) are not run by the calibration pass, so
+    they have no merge statistics: drop_mtp removes them as `moejax prune --drop-mtp` does
+    (num_nextn_predict_layers = 0); without it a checkpoint that has them is refused."""
     import jax.numpy as jnp
 
     from moejax import __version__
@@ -155,12 +181,15 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
         raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1 (--batch-size)")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 (k-means++ seeds numpy's generator)")
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, protect=src)
     checked = check_checkpoint(src)
     _refuse_quantised(checked)
     ckpt, cfg = opened(checked), checked.config
-    resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
+    count = resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
+    _check_before_pass(checked, count, keep, allocation, collapse_groups, drop_mtp)
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
@@ -173,7 +202,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
                      for l, lab in plan.labels.items()}
     prune_plan = plan_pruning(reader, layout, cfg, score=f"{method} cluster leaders", layers_keep=plan.counts,
-                              collapse_groups=collapse_groups, layer_scores=leader_scores)
+                              collapse_groups=collapse_groups, drop_mtp=drop_mtp, layer_scores=leader_scores)
     prune_plan = dataclasses.replace(prune_plan, notes=prune_plan.notes + tuple(file_notes))
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
@@ -181,7 +210,8 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
         "hc_method": hc_method if method == "hc_smoe" else None, "keep": keep, "allocation": allocation,
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
-        "seed": seed, "groups": prune_plan.groups, "dropped_layers": [], "notes": list(prune_plan.notes),
+        "seed": seed, "groups": prune_plan.groups, "dropped_layers": list(prune_plan.dropped_layers),
+        "notes": list(prune_plan.notes),
         "layers": plan.record_layers(),
     }
     write_folder(reader, layout, prune_plan, src, dst, copied, record, overwrite=overwrite, progress=show,
