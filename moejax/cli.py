@@ -250,12 +250,12 @@ def run_command(prog: str, command) -> int:
 
     try:
         status = command()
+    except OSError as e:  # before MoejaxError: a WriteError (disk full, naming the output) is both
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     except MoejaxError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # Ctrl-C outside a write (inside one, KillSwitch raises Killed)
         print(f"{prog}: interrupted (SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT

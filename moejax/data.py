@@ -134,9 +134,12 @@ def npy_tokens(path, vocab_size: int, max_tokens: int | None = None) -> np.ndarr
         raise ConfigError(f"tokens file {path}: not a numpy array file ({e})") from None
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise ConfigError(f"tokens file {path}: expected an integer array [n_seq, seq_len], got {ids.dtype} {ids.shape}")
-    if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab_size:
+    if ids.size == 0:
+        raise ConfigError(f"tokens file {path}: holds no tokens (shape {list(ids.shape)}); expected at least one "
+                          "sequence [n_seq >= 1, seq_len >= 1]")
+    if ids.min() < 0 or ids.max() >= vocab_size:
         raise ConfigError(f"tokens file {path}: ids must lie in [0, vocab_size={vocab_size}), "
-                          f"got [{ids.min() if ids.size else '-'}, {ids.max() if ids.size else '-'}]")
+                          f"got [{ids.min()}, {ids.max()}]")
     if max_tokens is not None:
         ids = ids[: max(1, max_tokens // ids.shape[1])]
     return ids.astype(np.int32)

@@ -43,8 +43,8 @@ class Sampling(NamedTuple):
     def validate(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ConfigError(f"temperature={self.temperature!r}; expected a number >= 0 (0 = greedy)")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 1):
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer))
+                                       or self.top_k < 1):  # numpy integers too (np.bool_ is not one)
             raise ConfigError(f"top_k={self.top_k!r}; expected None or an integer >= 1")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p={self.top_p!r}; expected None or a number in (0, 1]")

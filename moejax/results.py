@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moejax.errors import MoejaxError
+from moejax.errors import MoejaxError, write_error
 
 if TYPE_CHECKING:  # pandas is imported where it is used: a job imports it while its JAX compiles
     import pandas as pd
@@ -54,6 +54,10 @@ def _atomic_write(path: Path, write) -> None:
         write(tmp)
         os.replace(tmp, path)
         tmp = None
+    except OSError as error:
+        if isinstance(error, MoejaxError):
+            raise
+        raise write_error(path, error) from error  # disk full: name the output, not (or not only) the temporary
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)

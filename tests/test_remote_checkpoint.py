@@ -190,18 +190,19 @@ def test_server_ignoring_ranges_is_refused_before_reading(checkpoints, server, s
     with pytest.raises(CheckpointError, match=rf"{shard}: the server ignored the Range request for bytes 0-1023 "
                                               r"and began sending the whole file \(HTTP 200, \d+ bytes"):
         inspect_checkpoint(storage)
-    assert storage.stats.bytes == (checkpoints / "src" / INDEX_NAME).stat().st_size  # no shard byte was taken
+    # config.json and the index, read whole; no shard byte was taken
+    assert storage.stats.bytes == sum((checkpoints / "src" / name).stat().st_size for name in (CONFIG_NAME, INDEX_NAME))
 
 
 def test_transient_503_is_retried(checkpoints, server, served, quick_retries):
-    served.fail_next = 2  # the index request fails twice, the third attempt succeeds
+    served.fail_next = 2  # the first request (config.json) fails twice, the third attempt succeeds
     local = inspect_checkpoint(checkpoints / "src")
     there = inspect_checkpoint(url(server, "src"))
     assert [r.status for r in served.log[:3]] == [503, 503, 200]
     assert {k: v for k, v in there.items() if k != "checkpoint"} == {k: v for k, v in local.items() if k != "checkpoint"}
     served.reset()
     served.fail_next = 4  # every attempt fails: a clear error naming the file
-    with pytest.raises(CheckpointError, match=rf"{INDEX_NAME}: HTTP 503 .*gave up after 4 attempts"):
+    with pytest.raises(CheckpointError, match=rf"{CONFIG_NAME}: HTTP 503 .*gave up after 4 attempts"):
         inspect_checkpoint(url(server, "src"))
 
 
@@ -284,3 +285,15 @@ def test_remote_paths_behave_like_the_paths_the_reader_uses():
     assert not hasattr(shard, "__fspath__")  # never opened as a local file by mistake
     with pytest.raises(ConfigError, match="unsupported location"):
         open_location("s3://bucket/ckpt")
+
+
+def test_location_without_config_is_named_by_its_config(server, served, capsys):
+    """A URL that is not a checkpoint folder (a typo, the parent folder) is refused naming the
+    config.json it lacks, not the weights (an https:// server cannot be listed)."""
+    with pytest.raises(MissingFile, match=rf"{url(server, 'nothing')}/{CONFIG_NAME}: file is missing; a checkpoint "
+                                          "location is the folder that holds config.json"):
+        inspect_checkpoint(url(server, "nothing"))
+    served.hidden = {CONFIG_NAME}  # the weights are there, config.json is not
+    assert main(["inspect", url(server, "src")]) == 2
+    err = capsys.readouterr().err
+    assert f"src/{CONFIG_NAME}: file is missing" in err and "safetensors" not in err

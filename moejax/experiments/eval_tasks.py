@@ -20,6 +20,7 @@ the unpruned model); `moejax.results.load` reads it; experiments/eval_tasks/ has
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -90,7 +91,8 @@ class EvalTasksConfig:
         from moejax.models.registry import read_config
         from moejax.scoring.select import resolve_keep
 
-        self.prune_real().validate()
+        with prune_real_as_eval_tasks():
+            self.prune_real().validate()
         if not self.tasks:
             raise ConfigError("eval_tasks: tasks is empty; name lm-eval tasks, e.g. tasks=[stdlib_mc]")
         for name in ("eval_batch_size", "n_nextline", "n_mc", "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll",
@@ -126,6 +128,19 @@ class EvalTasksConfig:
 
 
 Config = EvalTasksConfig
+
+
+@contextlib.contextmanager
+def prune_real_as_eval_tasks():
+    """prune_real's checks and pass, run for eval_tasks, report under the name of the experiment
+    that was run: its 'prune_real: ...' messages become 'eval_tasks: ...'."""
+    try:
+        yield
+    except ConfigError as error:
+        text = str(error)
+        if not text.startswith("prune_real: "):
+            raise
+        raise ConfigError("eval_tasks: " + text[len("prune_real: "):]) from None
 
 
 def settings_from(cfg: dict) -> dict:
@@ -227,7 +242,8 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     for task in loaded["tasks"].values():
         task.set_fewshot_seed(seed=cfg.seed)  # as simple_evaluate does
 
-    ppl_df, info, timings = prune_real.evaluate(cfg.prune_real(), progress)
+    with prune_real_as_eval_tasks():
+        ppl_df, info, timings = prune_real.evaluate(cfg.prune_real(), progress)
     info_kept = info["kept"]
     model_cfg = read_config(Path(cfg.path) / "config.json")
     keeps = sorted({int(k) for k in ppl_df.keep.dropna()}, reverse=True)

@@ -28,12 +28,12 @@ from pathlib import Path
 
 from moejax.errors import CheckpointError
 from moejax.hf import quant
-from moejax.hf.checkpoint_reader import CheckpointReader
+from moejax.hf.checkpoint_reader import CheckpointReader, parse_json_object
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
 from moejax.hf.safetensors_format import CONFIG_NAME
-from moejax.hf.storage import Storage, open_location
+from moejax.hf.storage import MissingFile, Storage, open_location
 from moejax.models.family import Family
 from moejax.models.registry import config_from_dict, family_of, read_config
 
@@ -195,11 +195,17 @@ def audit_checkpoint(path, *, uniform_experts: bool = False) -> tuple[list[str],
 
 def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]:
     storage = open_location(path)
-    raw = CheckpointReader(storage)
+    config_path = storage.root / CONFIG_NAME
+    # config.json first: a location that is not a checkpoint folder is named by it, not by its weights
     if storage.remote:  # the same strict config parsing, on the bytes fetched
-        cfg = config_from_dict(raw.config(), str(storage.root / CONFIG_NAME), uniform_experts=uniform_experts)
+        data = storage.read_file(config_path)
+        if data is None:
+            raise MissingFile(f"{config_path}: file is missing; a checkpoint location is the folder that holds "
+                              "config.json (and the weights)")
+        cfg = config_from_dict(parse_json_object(data, config_path), str(config_path), uniform_experts=uniform_experts)
     else:
-        cfg = read_config(storage.root / CONFIG_NAME, uniform_experts=uniform_experts)
+        cfg = read_config(config_path, uniform_experts=uniform_experts)
+    raw = CheckpointReader(storage)
     family = family_of(cfg)
     reader = FusedExpertsReader(raw, tuple(family.rule(n).hf for n in ("expert_gate", "expert_up", "expert_down")),
                                 family.rule("router").hf)

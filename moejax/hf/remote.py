@@ -286,6 +286,7 @@ def _content_range(header: str) -> tuple[int | None, int | None, int | None]:
 # hf:// through huggingface_hub's HfFileSystem
 # --------------------------------------------------------------------------------------------
 
+_HF_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?")  # the hub's rule for an owner or repository name
 _HF_LOCATION = re.compile(r"^hf://(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>refs/pr/\d+|[^/]+))?(?:/(?P<sub>.*))?$")
 
 
@@ -295,7 +296,16 @@ def parse_hf_location(location: str) -> tuple[str, str | None, str]:
     match = _HF_LOCATION.match(location.rstrip("/"))
     if not match or match["repo"].split("/")[0] in ("datasets", "spaces", "buckets"):
         raise ConfigError(f"{location}: expected hf://org/name[@revision][/subfolder], a model repository")
-    return match["repo"], match["revision"], match["sub"] or ""
+    bad = [part for part in match["repo"].split("/") if not _HF_NAME.fullmatch(part) or ".." in part or "--" in part]
+    if bad:
+        raise ConfigError(f"{location}: {bad[0]!r} is not a Hugging Face owner or repository name (letters, digits, "
+                          "'-', '_' and '.', not starting or ending with '-' or '.', no '--' or '..', at most 96 "
+                          "characters); expected hf://org/name[@revision][/subfolder]")
+    sub = match["sub"] or ""
+    if any(part in ("", ".", "..") for part in sub.split("/")) and sub:
+        raise ConfigError(f"{location}: subfolder {sub!r} has an empty, '.' or '..' part; expected a path inside "
+                          "the repository")
+    return match["repo"], match["revision"], sub
 
 
 def hub_path(location: str) -> str:

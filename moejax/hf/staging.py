@@ -16,7 +16,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from moejax.errors import CheckpointError
+from moejax.errors import CheckpointError, MoejaxError, write_error
 from moejax.signals import KillSwitch
 
 STAGING_MARKER = ".moejax-staging"  # inside every staging folder: who made it, so a later run may remove it
@@ -27,7 +27,8 @@ def staged_directory(out_dir: Path, overwrite: bool) -> Iterator[Path]:
     """A hidden sibling folder to write into; renamed to out_dir when the block completes, removed
     when it raises, is interrupted (Ctrl-C) or terminated (SIGTERM: `moejax.signals.KillSwitch`
     turns both into `Killed`), so out_dir is either complete or untouched. A SIGKILL cannot be caught: the folder's marker file lets the next run for the same
-    out_dir (or `moejax clean`) remove it once its process is gone."""
+    out_dir (or `moejax clean`) remove it once its process is gone. An OSError inside (disk full)
+    is raised as a `moejax.errors.WriteError` naming out_dir (errno kept)."""
     out_dir = Path(out_dir)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -44,9 +45,11 @@ def staged_directory(out_dir: Path, overwrite: bool) -> Iterator[Path]:
             switch.check()
             (staging / STAGING_MARKER).unlink()
             _move_into_place(staging, out_dir, overwrite)
-        except BaseException:
+        except BaseException as error:
             switch.stopped = True  # a second signal must not interrupt the clean-up
             shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(error, OSError) and not isinstance(error, MoejaxError):  # disk full: name the output
+                raise write_error(out_dir, error) from error
             raise
 
 

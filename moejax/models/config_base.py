@@ -27,6 +27,7 @@ class MoeConfig:
 
     EXPERTS_FIELD: ClassVar[str] = "n_routed_experts"   # the field holding the routed-expert count
     EXPERTS_KEYS: ClassVar[tuple] = ("n_routed_experts",)  # config.json spellings of it, preferred first
+    ALIASES: ClassVar[dict] = {}                        # other config.json spellings -> field (transformers' attribute_map)
     HAS_BALANCE_BIAS: ClassVar[bool] = False            # e_score_correction_bias beside the router
     num_nextn_predict_layers: int = 0                   # MTP layers on disk after the decoder layers
     layer_num_experts: tuple | None = None              # moe_sparsity_config.num_experts (per-layer prune)
@@ -43,6 +44,14 @@ class MoeConfig:
         checkpoint updates that key, so it keeps the source's spelling)."""
         raw = getattr(self, "raw", None) or {}
         return next((k for k in self.EXPERTS_KEYS if k in raw), self.EXPERTS_KEYS[0])
+
+    def keys_of(self, field: str) -> list[str]:
+        """The config.json keys spelling `field` in this config's source (its own name and its
+        aliases; at least its own name): a copy that changes the setting updates every one, or
+        the spellings would disagree."""
+        raw = getattr(self, "raw", None) or {}
+        keys = [field] + [key for key, target in self.ALIASES.items() if target == field]
+        return [key for key in keys if key in raw] or [field]
 
     @property
     def moe_layers(self) -> list[int]:
@@ -214,7 +223,10 @@ def check_family(d, source: str, model_types: tuple, architecture: str, family: 
     archs = d.get("architectures") or [architecture]
     if not isinstance(archs, list):
         raise ConfigError(f"{source}: architectures={show(archs)}, expected a list of class names")
-    if d.get("model_type") not in model_types or architecture not in archs:
+    # the family comes from model_type, else from architectures (moejax.models.registry.family_for):
+    # a config that names only its architecture is read as that architecture's
+    named_by_architecture = d.get("model_type") is None and "architectures" in d
+    if (d.get("model_type") not in model_types and not named_by_architecture) or architecture not in archs:
         raise ConfigError(f"{source}: model_type={d.get('model_type')!r}, architectures={archs}; expected model_type "
                           f"in {list(model_types)} with architecture {architecture}")
     return archs

@@ -156,9 +156,11 @@ def calibration_ids(checkpoint, config, text=None, tokens=None, seq_len: int | N
     """(token ids [n_seq, seq_len], what tokenised them) for a calibration pass over `checkpoint`:
     text files (folders, globs) packed into sequences of seq_len (default 512, or the model's
     max_position_embeddings if shorter) by the checkpoint's tokenizer, or a pre-tokenised .npy."""
-    from moejax.data import Tokenizer, npy_tokens, text_tokens
+    from moejax.data import Tokenizer, npy_tokens, text_files, text_tokens
 
     check_calibration_args(text, tokens, seq_len, max_tokens)
+    if text is not None:  # a missing file is named as such, before the tokenizer is looked for
+        text = text_files(text if isinstance(text, (list, tuple)) else [text])
     vocab, max_positions = config.vocab_size, config.max_position_embeddings
     seq_len = min(DEFAULT_SEQ_LEN, max_positions) if seq_len is None else seq_len
     if text is not None and seq_len > max_positions:
@@ -171,7 +173,7 @@ def calibration_ids(checkpoint, config, text=None, tokens=None, seq_len: int | N
                               f"max_position_embeddings={max_positions} (config.json)")
         return ids, f"pre-tokenised ({tokens})"
     tok = Tokenizer(checkpoint, vocab)
-    ids = text_tokens(text if isinstance(text, (list, tuple)) else [text], tok, seq_len, max_tokens)
+    ids = text_tokens(text, tok, seq_len, max_tokens)
     if ids.max() >= vocab:
         raise ConfigError(f"tokenizer produced id {ids.max()} >= vocab_size={vocab}")
     return ids, tok.name

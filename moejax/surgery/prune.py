@@ -231,7 +231,8 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
                 f"Pass --group-aware to keep an equal number per group, or --collapse-groups to route "
                 f"over all kept experts without groups ({len(unusable)} layer(s) affected)")
     kept_counts = {l: int(m.sum()) for l, m in kept.items()}
-    new_config[experts_key] = max(kept_counts.values())
+    for key in cfg.keys_of(cfg.EXPERTS_FIELD):  # every spelling the source has (they must agree)
+        new_config[key] = max(kept_counts.values())
     if len(set(kept_counts.values())) > 1:
         new_config["moe_sparsity_config"] = {
             "method": "prune", "num_experts": [kept_counts.get(l) for l in range(n_layers)]}
@@ -239,7 +240,8 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
                      "moe_sparsity_config.num_experts lists each layer's count (stock transformers and "
                      f"vLLM build every layer with {experts_key} experts and will not load it)")
     if dropped:
-        new_config["num_nextn_predict_layers"] = 0
+        for key in cfg.keys_of("num_nextn_predict_layers"):
+            new_config[key] = 0
         notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
     return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
                      n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,

@@ -43,6 +43,8 @@ class RopeConfig:
 class DeepseekV3Config(SigmoidGroupRouter, MoeConfig):
     MODEL_TYPES = MODEL_TYPES
     ARCHITECTURE = ARCHITECTURE
+    EXPERTS_KEYS = ("n_routed_experts", "num_local_experts")
+    ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}  # attribute_map
     vocab_size: int = 129280
     hidden_size: int = 7168
     intermediate_size: int = 18432
@@ -101,6 +103,14 @@ class DeepseekV3Config(SigmoidGroupRouter, MoeConfig):
         problems: list[str] = []        # wrong types, ranges and inconsistencies
         unimplemented: list[str] = []   # valid settings moejax does not implement
         given = {k: d[k] for k in _FIELD_RULES if k in d}
+        for alias, field in cls.ALIASES.items():  # transformers reads these spellings as the field
+            if alias not in d:
+                continue
+            if field in given and d[alias] != given[field]:
+                problems.append(f"{alias}={_show(d[alias])} disagrees with {field}={_show(given[field])} "
+                                "(two spellings of one setting)")
+            elif field not in given and _check(alias, d[alias], _FIELD_RULES[field], problems):
+                given[field] = d[alias]
         valid = _check_fields(given, problems)
         for key in ("num_key_value_heads", "head_dim", "qk_head_dim", "moe_layer_freq"):
             if d.get(key) is not None and _check(key, d[key], _POS_INT, problems):

@@ -48,7 +48,7 @@ class Glm4MoeConfig(SigmoidGroupRouter, GqaMoeConfig):
     EXPERTS_FIELD = "n_routed_experts"
     EXPERTS_KEYS = ("n_routed_experts", "num_local_experts")
     O_BIAS_FOLLOWS_ATTENTION_BIAS = False  # o_proj never has a bias
-    ALIASES = {"num_local_experts": "n_routed_experts"}
+    ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}  # attribute_map
     FIELD_RULES = {
         "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT,
         "moe_intermediate_size": POS_INT, "num_hidden_layers": POS_INT, "num_attention_heads": POS_INT,

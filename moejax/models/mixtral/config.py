@@ -35,7 +35,8 @@ class MixtralConfig(EveryLayerMoe, GqaMoeConfig):
     MODEL_TYPES = ("mixtral",)
     ARCHITECTURE = "MixtralForCausalLM"
     EXPERTS_FIELD = "num_local_experts"
-    EXPERTS_KEYS = ("num_local_experts",)
+    EXPERTS_KEYS = ("num_local_experts", "num_experts")
+    ALIASES = {"num_experts": "num_local_experts"}  # transformers' MixtralConfig.attribute_map
     FIELD_RULES = {
         "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT, "num_hidden_layers": POS_INT,
         "num_attention_heads": POS_INT, "num_key_value_heads": POS_INT, "head_dim": POS_INT_OR_NULL,

@@ -35,7 +35,8 @@ class OlmoeConfig(EveryLayerMoe, GqaMoeConfig):
     MODEL_TYPES = ("olmoe",)
     ARCHITECTURE = "OlmoeForCausalLM"
     EXPERTS_FIELD = "num_experts"
-    EXPERTS_KEYS = ("num_experts",)
+    EXPERTS_KEYS = ("num_experts", "num_local_experts")
+    ALIASES = {"num_local_experts": "num_experts"}  # transformers' OlmoeConfig.attribute_map
     QK_NORM = "full"
     FIELD_RULES = {
         "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT, "num_hidden_layers": POS_INT,
