@@ -76,7 +76,10 @@ def logits(model, ids, mask, variant=None):
     return np.asarray(forward(jnp.asarray(ids), jnp.asarray(mask), variant).logits_BSV)
 
 
-@pytest.mark.slow  # the default run covers both forms against transformers (lm-eval backend test, moejax merge test)
+# -m slow: the default run checks both forms one layer at a time against transformers' blocks
+# (test_merged_layer_forms_equal_transformers_blocks_with_experts_replaced), and HC-SMoE checkpoints
+# tensor by tensor (test_hc_smoe_checkpoint_equals_the_definitions_on_transformers_numbers)
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
 def test_tied_equals_experts_replaced_in_place_and_shrunk_equals_pruning_to_leaders(dsv3, method):
     _, model, calib = dsv3
