@@ -52,6 +52,7 @@ from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.stream import batch_geometry, embed, vocab_chunks
+from moejax.variant import check_routable
 
 # Held-out tokens a decoder layer runs in one call (all streams of a batch together would hold
 # several [streams x tokens, width] intermediates: 17 streams of 1,024 Moonlight tokens need 0.9 GB
@@ -475,6 +476,9 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
                             for m in merges for k in keeps}
             clusters = {"counts": m_stats.counts_E.tolist(),
                         **{f"{m}@{k}": lm.clusters() for (m, k), lm in layer_merges.items()}}
+        for v in streams.order[1:]:  # the rule every variant meets, before this layer computes under it
+            check_routable(masks[v] if not v.merged else layer_merges[v.score, v.keep].kept_E(v.mode), layer_idx,
+                           cfg, v.name)
     # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
     # MoE layer, by its own mask) leaves its group for one of its own, keyed by itself; the streams
     # it does not prune move on together. (A group keyed by a variant holds that variant alone, so

@@ -41,13 +41,49 @@ class Sampling(NamedTuple):
     top_p: float | None = None    # keep the smallest set of tokens whose probability exceeds top_p
 
     def validate(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ConfigError(f"temperature={self.temperature!r}; expected a number >= 0 (0 = greedy)")
+        if not (_is_number(self.temperature) and np.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature={self.temperature!r}; expected a finite number >= 0 (0 = greedy)")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer))
                                        or self.top_k < 1):  # numpy integers too (np.bool_ is not one)
             raise ConfigError(f"top_k={self.top_k!r}; expected None or an integer >= 1")
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if self.top_p is not None and not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p={self.top_p!r}; expected None or a number in (0, 1]")
+
+    def checked(self) -> "Sampling":
+        """Validated, as plain Python numbers (it is a static argument of the compiled loop)."""
+        self.validate()
+        return Sampling(float(self.temperature), None if self.top_k is None else int(self.top_k),
+                        None if self.top_p is None else float(self.top_p))
+
+
+def _is_number(x) -> bool:
+    """A real number, numpy's included; not a bool (True is no temperature) and not a string."""
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, float, np.integer, np.floating))
+
+
+def _is_integer(x) -> bool:
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, np.integer))
+
+
+SEEDS = 2 ** 32  # a JAX PRNG key keeps 32 bits of an integer seed (without x64): 2**32 draws as 0 does
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """`seed` as an int, or a ConfigError: an integer in [0, 2**32), since a larger one (or a
+    negative one) would silently repeat another seed's draws, and past 2**63 fails inside JAX."""
+    if not _is_integer(seed) or not 0 <= seed < SEEDS:
+        raise ConfigError(f"{name}={seed!r}; expected an integer in [0, 2**32) (a JAX PRNG key keeps 32 bits: "
+                          "other seeds would repeat these seeds' draws)")
+    return int(seed)
+
+
+def check_token_ids(values, name: str, vocab_size: int) -> list[int]:
+    """A token id or a sequence of them, as ints, each in [0, vocab_size); else a ConfigError
+    naming the setting (an id the model cannot emit never stops a row)."""
+    ids = [values] if _is_integer(values) else values
+    if not isinstance(ids, (list, tuple, np.ndarray)) or not all(_is_integer(v) and 0 <= v < vocab_size for v in ids):
+        raise ConfigError(f"{name}={values!r}; expected token ids (integers) in [0, vocab_size={vocab_size})")
+    return [int(v) for v in ids]
 
 
 def filtered_logits(logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
@@ -85,8 +121,8 @@ def check_prompts(input_ids, attention_mask, max_new_tokens, vocab_size: int, ma
     padding on the left (the last column real in every row), max_new_tokens >= 1, and the longest
     prompt plus max_new_tokens within max_position_embeddings."""
     ids = np.asarray(input_ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] == 0:
-        raise ConfigError(f"input_ids: expected integer token ids [batch, prompt_len >= 1], got {ids.dtype} "
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or 0 in ids.shape:
+        raise ConfigError(f"input_ids: expected integer token ids [batch >= 1, prompt_len >= 1], got {ids.dtype} "
                           f"{list(ids.shape)}")
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ConfigError(f"input_ids: token ids must lie in [0, vocab_size={vocab_size}); got "
@@ -157,22 +193,27 @@ class Generator:
 
         variant: a pruning as bool [num_hidden_layers, E] (True = kept; pruned experts are never
         routed to) or {MoE layer: ExpertMap} (pruned or merged experts; moejax.variant.check_variant).
-        stop_token_ids: a row ends after it emits one of them (it is kept).
+        stop_token_ids: a row ends after it emits one of them (it is kept); ids in [0, vocab_size).
+        seed: an integer in [0, 2**32) (`check_seed`).
         pad_token_id: fills every position after a row stops (default: config pad_token_id, else
         the first stop token id, else 0). stop_sequences + decode (token ids -> text): a row also
         ends once its decoded continuation contains one of the strings; the tokens after the
         shortest prefix that contains it become pad."""
         cfg = self.model.config
-        sampling = Sampling(float(temperature), top_k, top_p)
-        sampling.validate()
+        sampling = Sampling(temperature, top_k, top_p).checked()
+        seed = check_seed(seed)
         ids, mask = check_prompts(input_ids, attention_mask, max_new_tokens, cfg.vocab_size,
                                   cfg.max_position_embeddings)
         if stop_sequences and decode is None:
             raise ConfigError("stop_sequences need `decode` (token ids -> text) to be checked")
-        stops = [int(t) for t in (stop_token_ids or [])]
+        stops = [] if stop_token_ids is None else check_token_ids(stop_token_ids, "stop_token_ids", cfg.vocab_size)
         if pad_token_id is None:
             pad_token_id = cfg.raw.get("pad_token_id")
             pad_token_id = pad_token_id if isinstance(pad_token_id, int) else (stops[0] if stops else 0)
+        elif not _is_integer(pad_token_id):
+            raise ConfigError(f"pad_token_id={pad_token_id!r}; expected one token id (an integer)")
+        else:
+            pad_token_id = check_token_ids(pad_token_id, "pad_token_id", cfg.vocab_size)[0]
         masks = check_variant(variant, cfg)
 
         B, P = ids.shape

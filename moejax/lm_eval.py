@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.errors import ConfigError
-from moejax.generate import Generator
+from moejax.errors import ConfigError, MoejaxError
+from moejax.generate import SEEDS, Generator, Sampling, check_seed
 from moejax.variant import check_variant
 from moejax.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
@@ -115,7 +115,9 @@ class MoejaxLM(TemplateLM):
         merge's record is refused: evaluate the merged checkpoint as pretrained=)
     scores + score + keep: a `moejax score` parquet, a score name in it, a count or ratio of E
     (a record or scores file made from another checkpoint is refused: `moejax.hf.provenance`)
-    seed: for tasks that sample
+    seed: for tasks that sample (an integer in [0, 2**32))
+    Integers are refused out of range (max_length, batch_size, max_gen_toks >= 1), as is a task
+    asking to sample (do_sample=True) at a temperature <= 0, before any request runs.
     """
 
     def __init__(self, pretrained: str, dtype: str = "float32", batch_size: int | str = 8, max_length=None,
@@ -133,12 +135,8 @@ class MoejaxLM(TemplateLM):
                               "checkpoint folder)")
         if dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"moejax lm-eval model: dtype={dtype!r}; expected float32 or bfloat16")
-        try:
-            self._batch_size = int(batch_size)
-            assert self._batch_size >= 1
-        except (ValueError, TypeError, AssertionError):
-            raise ConfigError(f"moejax lm-eval model: batch_size={batch_size!r}; expected an integer >= 1 "
-                              "(compiled shapes are fixed, so 'auto' is not offered)") from None
+        self._batch_size = _int_arg("batch_size", batch_size, 1, " (compiled shapes are fixed, so 'auto' is not "
+                                    "offered)")
         if device not in (None, "cpu", "cuda", "gpu", "tpu") and not str(device).startswith("cuda"):
             raise ConfigError(f"moejax lm-eval model: device={device!r}; JAX places the model on its default "
                               "backend (set JAX_PLATFORMS to choose)")
@@ -149,9 +147,11 @@ class MoejaxLM(TemplateLM):
         self.expert_variant = check_variant(variant, config)
         self.tokenizer = Tokenizer(path, config.raw)
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true")
-        self._max_length = int(max_length) if max_length else config.max_position_embeddings
-        self._max_gen_toks = int(max_gen_toks)
-        self.seed = int(seed)
+        self._max_length = config.max_position_embeddings if max_length is None else _int_arg(
+            "max_length", max_length, 1, " (the context length inputs are truncated to; default "
+            "max_position_embeddings)")
+        self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
+        self.seed = check_seed(_int_arg("seed", seed, 0), "moejax lm-eval model: seed")
         self.path = path
         self.model = model or load_pretrained(path, dtype=jnp.dtype(dtype))
         self._score_fn = _compiled_scorer(self.model)
@@ -283,6 +283,34 @@ class MoejaxLM(TemplateLM):
 
     # --- generation --------------------------------------------------------------------------
 
+    def _generation_settings(self, gen_kwargs: dict, eos: str) -> tuple[list[str], int, dict]:
+        """(stop strings, new tokens, the generator's sampling arguments) of a request's
+        generation kwargs, read as lm-eval's `hf` backend reads them, or a ConfigError for a
+        setting it refuses: sampling (do_sample=True) needs a temperature > 0 (transformers
+        refuses any other; moejax would otherwise decode greedily without a word)."""
+        try:
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"generate_until: generation kwargs {gen_kwargs!r}: {e}") from None
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        max_new = kwargs.pop("max_gen_toks")
+        if max_new < 1:
+            raise ConfigError(f"generate_until: max_gen_toks={max_new} (the task's generation kwargs, else the "
+                              "model's max_gen_toks); expected an integer >= 1")
+        if self.max_length - max_new < 1:
+            raise ConfigError(f"generate_until: max_gen_toks={max_new} leaves no room for a prompt within "
+                              f"max_length={self.max_length}")
+        if not kwargs.get("do_sample"):
+            return until, max_new, dict(temperature=0.0, top_k=None, top_p=None)
+        temperature = float(kwargs.get("temperature", 0.0))  # (the hf backend's default too)
+        if not temperature > 0:
+            raise ConfigError(f"generate_until: do_sample=True with temperature={temperature}; sampling needs a "
+                              "temperature > 0 (lm-eval's hf backend refuses it too, through transformers); set "
+                              "do_sample=False for greedy decoding")
+        sampling = dict(temperature=temperature, top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"))
+        Sampling(**sampling).checked()
+        return until, max_new, sampling
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or the task's sampling) continuations with the KV-cached generator, cut at the
         first stop string; the EOS token id always stops a row."""
@@ -291,17 +319,14 @@ class MoejaxLM(TemplateLM):
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        for req in requests:  # every request's settings, before the first batch runs
+            self._generation_settings(req.args[1], eos)
         results = []
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="moejax generate_until")
         for batch_index, chunk in enumerate(order.get_batched(n=self.batch_size)):
             contexts, all_kwargs = zip(*chunk)
-            kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            max_new = kwargs.pop("max_gen_toks")
+            until, max_new, sampling = self._generation_settings(all_kwargs[0], eos)
             max_context = self.max_length - max_new
-            if max_context < 1:
-                raise ConfigError(f"generate_until: max_gen_toks={max_new} leaves no room for a prompt within "
-                                  f"max_length={self.max_length}")
             encoded = [self.tok_encode(c)[-max_context:] for c in contexts]
             P = bucket(max(len(e) for e in encoded), self.max_length)
             B = self.batch_size
@@ -309,12 +334,8 @@ class MoejaxLM(TemplateLM):
             for b in range(B):
                 e = encoded[b] if b < len(encoded) else encoded[0]  # a full batch: one compiled shape
                 ids[b, P - len(e):], mask[b, P - len(e):] = e, 1
-            sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0.0)) > 0
-            out = self._generator(ids, mask, max_new_tokens=max_new, variant=self.expert_variant,
-                                  temperature=float(kwargs.get("temperature", 0.0)) if sample else 0.0,
-                                  top_k=kwargs.get("top_k") if sample else None,
-                                  top_p=kwargs.get("top_p") if sample else None,
-                                  seed=self.seed * 1_000_003 + batch_index,  # its own draws per batch
+            out = self._generator(ids, mask, max_new_tokens=max_new, variant=self.expert_variant, **sampling,
+                                  seed=(self.seed * 1_000_003 + batch_index) % SEEDS,  # its own draws per batch
                                   stop_token_ids=[self.eot_token_id],
                                   pad_token_id=self.tokenizer.pad_id if self.tokenizer.pad_id is not None
                                   else self.eot_token_id,
@@ -326,6 +347,17 @@ class MoejaxLM(TemplateLM):
             bar.update(len(contexts))
         bar.close()
         return order.get_original(results)
+
+
+def _int_arg(name: str, value, low: int, why: str = "") -> int:
+    """A model_arg as an int >= low, or a ConfigError naming it. lm-eval's command line passes
+    "-5" as -5.0, the Python API may pass strings."""
+    if (isinstance(value, str) and value.strip().lstrip("-").isdigit()) or (isinstance(value, float)
+                                                                            and value.is_integer()):
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ConfigError(f"moejax lm-eval model: {name}={value!r}; expected an integer >= {low}{why}")
+    return int(value)
 
 
 def _compiled_scorer(model):
@@ -341,8 +373,28 @@ def _compiled_scorer(model):
     return lambda ids, targets, variant: score(state, ids, targets, variant)
 
 
+# How lm-eval words its refusal of a task list (its command line: unknown names; simple_evaluate:
+# an empty list; TaskManager.load: a name it cannot resolve), for `cli` to report in one line.
+TASK_LIST_REFUSALS = ("Tasks not found", "No tasks specified", "Spec ")
+
+
 def cli() -> None:
-    """`moejax-lm-eval ...`: lm-eval's own command line with the `moejax` model registered."""
+    """`moejax-lm-eval ...`: lm-eval's own command line with the `moejax` model registered. A task
+    list lm-eval refuses (unknown or empty) and moejax's own errors (model_args) end in one line
+    on stderr and exit status 2, as `moejax`'s commands do, rather than in a traceback."""
+    import sys
+
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except MoejaxError as e:
+        print(f"moejax-lm-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (ValueError, KeyError) as e:
+        message = str(e.args[0]) if e.args else ""
+        if not message.startswith(TASK_LIST_REFUSALS):
+            raise
+        print(f"moejax-lm-eval: error: {message} (`lm_eval ls tasks` lists lm-eval's tasks; --include_path "
+              "adds a folder of YAML tasks)", file=sys.stderr)
+        sys.exit(2)

@@ -25,9 +25,11 @@ from moejax.scoring.select import resolve_keep, select_kept
 
 def check_variant(variant, config):
     """The variant as JAX arrays, or a ConfigError naming what is wrong: masks must be bool
-    [num_hidden_layers, E]; an expert map must name MoE layers only, with a bool mask [E] keeping
-    at least top_k slots, int rows [E] inside its table (or none), and a table of the layer's
-    expert shapes (gate/up [R, H, F], down [R, F, H]). None stays None."""
+    [num_hidden_layers, E]; an expert map must name MoE layers only, with a bool mask [E], int rows
+    [E] inside its table (or none), and a table of the layer's expert shapes (gate/up [R, H, F],
+    down [R, F, H]); every MoE layer's mask must let each token be routed to top_k kept experts
+    (`check_routable`). None stays None. The forward, `generate` and the lm-eval backend call it
+    before any compute."""
     import jax.numpy as jnp
 
     from moejax.moe.expert_map import ExpertMap
@@ -40,6 +42,8 @@ def check_variant(variant, config):
         if masks.shape != (n_layers, E) or masks.dtype != bool:
             raise ConfigError(f"expert masks: expected bool [{n_layers}, {E}] (layers x routed experts, "
                               f"True = kept), got {masks.dtype} {list(masks.shape)}")
+        for layer in config.moe_layers:
+            check_routable(masks[layer], layer, config, "expert masks")
         return jnp.asarray(masks)
     H, F = config.hidden_size, config.moe_intermediate_size
     out = {}
@@ -50,9 +54,10 @@ def check_variant(variant, config):
         if not isinstance(em, ExpertMap):
             raise ConfigError(f"{where}: expected an ExpertMap, got {type(em).__name__}")
         mask = np.asarray(em.mask_E)
-        if mask.shape != (E,) or mask.dtype != bool or mask.sum() < config.num_experts_per_tok:
-            raise ConfigError(f"{where}: mask must be bool [{E}] keeping at least num_experts_per_tok="
-                              f"{config.num_experts_per_tok} slots, got {mask.dtype} {list(mask.shape)}")
+        if mask.shape != (E,) or mask.dtype != bool:
+            raise ConfigError(f"{where}: mask must be bool [{E}] (router slots, True = kept), got {mask.dtype} "
+                              f"{list(mask.shape)}")
+        check_routable(mask, layer, config, "variant")
         table = em.weights
         if table is not None:
             R = np.shape(table.get("gate"))[0] if "gate" in table else -1
@@ -68,6 +73,18 @@ def check_variant(variant, config):
         out[layer] = ExpertMap(jnp.asarray(mask), None if rows is None else jnp.asarray(rows, jnp.int32),
                                None if table is None else {k: jnp.asarray(v) for k, v in table.items()})
     return out
+
+
+def check_routable(mask_E, layer: int, config, where: str) -> None:
+    """The one rule every form of variant meets at each MoE layer (expert masks, expert maps, kept
+    sets, the experiments' own selections): routing under the mask gives every token top_k kept
+    experts (`moejax.moe.routing.RouterConfig.check_mask`: at least num_experts_per_tok kept, and
+    under group-limited routing enough in whichever groups a token can be given). The mask is
+    n_experts wide; the layer reads its own first experts_in_layer(layer) columns."""
+    from moejax.moe.routing import RouterConfig
+
+    n = config.experts_in_layer(layer)
+    RouterConfig(**config.router_settings()).check_mask(np.asarray(mask_E)[:n], f"{where}: layer {layer}")
 
 
 def merged_variant(model, clusters_by_layer: dict, name: str, router: str) -> dict:
@@ -91,7 +108,7 @@ def merged_variant(model, clusters_by_layer: dict, name: str, router: str) -> di
 def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:
     """bool [L, E] from {MoE layer: kept expert indices}; every MoE layer must be named.
     config: the model's typed config (any family)."""
-    n_layers, E, top_k = config.num_hidden_layers, config.n_experts, config.num_experts_per_tok
+    n_layers, E = config.num_hidden_layers, config.n_experts
     moe = config.moe_layers
     kept = {int(l): v for l, v in kept.items()}
     missing, extra = sorted(set(moe) - set(kept)), sorted(set(kept) - set(moe))
@@ -104,10 +121,9 @@ def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:
                 or (idx.size and (idx.min() < 0 or idx.max() >= E)):
             raise ConfigError(f"{where}: layer {l}: kept experts must be distinct integers in [0, {E}), got "
                               f"{list(experts)[:8]}")
-        if idx.size < top_k:
-            raise ConfigError(f"{where}: layer {l} keeps {idx.size} experts, below num_experts_per_tok={top_k}")
         masks[l] = False
         masks[l, idx] = True
+        check_routable(masks[l], l, config, where)
     return masks
 
 

@@ -136,6 +136,76 @@ def test_prompt_past_the_context_limit_is_refused_before_compute(checkpoints):
         model.generate(ids[:, :5], max_new_tokens=2, temperature=1.0, top_p=1.5)
 
 
+def test_variants_below_top_k_are_refused_by_the_forward_and_generate(checkpoints):
+    """One rule (moejax.variant.check_variant) for every form of variant and every entry point:
+    a MoE layer keeping fewer than num_experts_per_tok=2 experts, none, or 2 that group-limited
+    routing (4 groups of 2, 2 chosen) cannot always reach (experts 0 and 7: a token is given
+    groups 0 and 1 and routed to expert 1, pruned) is refused before any compute. A dense layer's
+    row is ignored."""
+    from moejax.moe.expert_map import ExpertMap
+
+    hf, model, gen = checkpoints["qlora-groups-yarn"]
+    ids, mask = prompts(hf.config.vocab_size)
+    L, E = hf.config.num_hidden_layers, hf.config.n_routed_experts
+
+    def masks(layer, kept):
+        m = np.ones((L, E), bool)
+        m[0] = False  # layer 0 is dense: ignored
+        m[layer] = np.isin(np.arange(E), kept)
+        return m
+
+    cases = [(masks(2, [3]), r"expert masks: layer 2: keeps 1 experts, below num_experts_per_tok=2"),
+             (masks(1, []), r"expert masks: layer 1: keeps 0 experts"),
+             (masks(1, [0, 7]), r"expert masks: layer 1: keeps \[1, 0, 0, 1\] experts per routing group"),
+             ({2: ExpertMap(np.isin(np.arange(E), [0, 7]))}, r"variant: layer 2: keeps \[1, 0, 0, 1\] experts per "),
+             ({1: ExpertMap(np.isin(np.arange(E), [5]))}, r"variant: layer 1: keeps 1 experts")]
+    forward = model.jitted()
+    for variant, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            model(jnp.asarray(ids), jnp.asarray(mask), variant)
+        with pytest.raises(ConfigError, match=match):
+            forward(jnp.asarray(ids), jnp.asarray(mask), variant)
+        with pytest.raises(ConfigError, match=match):
+            gen(ids, mask, max_new_tokens=N, variant=variant)
+        with pytest.raises(ConfigError, match=match):
+            model.generate(ids, mask, max_new_tokens=N, variant=variant)
+    assert gen(ids, mask, max_new_tokens=N, variant=masks(1, [6, 7])).shape == (4, 9 + N)  # one full group routes
+
+
+def test_generate_settings_are_refused_by_name_before_compute(checkpoints, monkeypatch):
+    import moejax.hf.model_io
+    from moejax import AutoModelForCausalLM
+
+    hf, model, gen = checkpoints["qlora-groups-yarn"]
+    ids, mask = prompts(hf.config.vocab_size)
+    V = hf.config.vocab_size
+    for kw, match in [(dict(input_ids=np.zeros((0, 9), np.int32), attention_mask=None),
+                       r"input_ids: expected integer token ids \[batch >= 1, prompt_len >= 1\], got int32 \[0, 9\]"),
+                      (dict(stop_token_ids=[2 ** 40]), rf"stop_token_ids=\[1099511627776\]; expected token ids "
+                                                       rf"\(integers\) in \[0, vocab_size={V}\)"),
+                      (dict(stop_token_ids=["a"]), r"stop_token_ids=\['a'\]; expected token ids"),
+                      (dict(stop_token_ids="a"), r"stop_token_ids='a'; expected token ids"),
+                      (dict(pad_token_id=V), rf"pad_token_id={V}; expected token ids"),
+                      (dict(temperature="hot"), r"temperature='hot'; expected a finite number >= 0"),
+                      (dict(temperature=True), r"temperature=True; expected a finite number"),
+                      (dict(seed=2 ** 70), r"seed=1180591620717411303424; expected an integer in \[0, 2\*\*32\)"),
+                      (dict(seed=2 ** 32), r"seed=4294967296; expected an integer in \[0, 2\*\*32\)"),
+                      (dict(seed=-1), r"seed=-1; expected")]:
+        call = dict(input_ids=ids, attention_mask=mask, max_new_tokens=N) | kw
+        with pytest.raises(ConfigError, match=match):
+            gen(**call)
+    assert gen(ids, mask, max_new_tokens=2, stop_token_ids=np.int64(STOP), seed=2 ** 32 - 1).shape == (4, 11)
+    # a dtype no model computes in: refused at load, before the checkpoint is read
+    path = model.hf_source.path
+    monkeypatch.setattr(moejax.hf.model_io, "open_checkpoint", lambda *a: pytest.fail("read the checkpoint"))
+    for dtype, shown in [(jnp.int8, "int8"), ("hot", "'hot'"), (jnp.float64, "float64")]:
+        with pytest.raises(ConfigError, match=rf"dtype={shown}; expected a floating dtype the model computes in: "
+                                              "float32, bfloat16, float16"):
+            DeepseekV3ForCausalLM.from_pretrained(path, dtype=dtype)
+        with pytest.raises(ConfigError, match="expected a floating dtype"):
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
 def test_sampling_is_reproducible_and_seeded(checkpoints):
     hf, model, gen = checkpoints["qlora-groups-yarn"]
     ids, mask = prompts(hf.config.vocab_size)

@@ -82,6 +82,30 @@ def test_no_experiment_or_bad_keep_is_refused():
         typed(["experiment=toy3", "keep=2"])
 
 
+@pytest.mark.parametrize("experiment,override,match", [
+    ("toy3", "toy.merges=[hc_smoe,hc_smoe]", r"toy3: merges=\['hc_smoe', 'hc_smoe'\] names \['hc_smoe'\] more "
+                                             "than once; give each at most once"),
+    ("toy3", "toy.scores=[l1,reap,l1]", r"toy3: scores=\['l1', 'reap', 'l1'\] names \['l1'\]"),
+    ("toy3", "keep=[8,0.125]", r"toy3: keep=\[8, 0.125\] names \[8\] \(as expert counts\) more than once"),
+    ("toy3", "toy.offsets=[ones,ones]", r"toy3: offsets=\['ones', 'ones'\] names"),
+    ("prune_real", "merges=[hc_smoe,hc_smoe]", r"prune_real: merges=\['hc_smoe', 'hc_smoe'\] names \['hc_smoe'\]"),
+    ("prune_real", "scores=[l1,l1]", r"prune_real: scores=\['l1', 'l1'\] names \['l1'\]"),
+    ("prune_real", "keep=[4,0.5]", r"prune_real: keep=\[4, 0.5\] names \[4\] \(as expert counts\)"),
+    ("eval_tasks", "merges=[m_smoe,m_smoe]", r"eval_tasks: merges=\['m_smoe', 'm_smoe'\] names"),
+    ("eval_tasks", "tasks=[stdlib_mc,stdlib_mc]", r"eval_tasks: tasks=\['stdlib_mc', 'stdlib_mc'\] names"),
+    ("score", "scores=[l1,l1]", r"score: scores=\['l1', 'l1'\] names \['l1'\]"),
+])
+def test_every_experiment_refuses_a_list_setting_naming_something_twice(tmp_path, experiment, override, match):
+    """A repeated score, merge method, keep (as an expert count) or task would run the same variant
+    again and write its result rows twice: refused by name in every experiment, before any work."""
+    from hf_fixtures import full_config
+
+    (tmp_path / "config.json").write_text(json.dumps(full_config()))  # E = 8, top-2
+    path = [] if experiment == "toy3" else [f"++model.path={tmp_path}"]
+    with pytest.raises(ConfigError, match=match):
+        typed([f"experiment={experiment}", *path, override])
+
+
 def run_cli(args, cwd, env_extra=None, check=True):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     out = subprocess.run([sys.executable, "-m", "moejax.run", *args], cwd=cwd, env=env,

@@ -260,3 +260,90 @@ def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(set
     assert len(flat(got)) == len(flat(want)) > 0
     np.testing.assert_allclose(flat(got), flat(want), atol=1e-4, rtol=1e-6)
     assert np.abs(flat(got) - flat(responses(full, "stdlib_mc"))).max() > 1e-2  # the merge changed the model
+
+
+def test_settings_and_variants_below_top_k_fail_before_the_model_is_loaded(setup, monkeypatch):
+    """model_args out of range, and a variant keeping fewer than top_k=4 experts in a layer (or 4
+    that group-limited routing, 4 groups of 4 with 2 chosen, cannot always reach), are refused by
+    name before loading; the same rule as the forward's (moejax.variant.check_variant)."""
+    import moejax.lm_eval
+    from moejax.lm_eval import MoejaxLM
+
+    ckpt, _ = setup
+    monkeypatch.setattr(moejax.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+    for kw, match in [(dict(max_length=-5), r"max_length=-5; expected an integer >= 1 \(the context length"),
+                      (dict(max_length="512x"), r"max_length='512x'; expected an integer >= 1"),
+                      (dict(max_length=0), r"max_length=0; expected an integer >= 1"),
+                      (dict(max_gen_toks=0), r"max_gen_toks=0; expected an integer >= 1"),
+                      (dict(max_gen_toks="-3"), r"max_gen_toks=-3; expected an integer >= 1"),
+                      (dict(batch_size="auto"), r"batch_size='auto'; expected an integer >= 1 \(compiled shapes"),
+                      (dict(seed=2 ** 70), r"seed=1180591620717411303424; expected an integer in \[0, 2\*\*32\)")]:
+        with pytest.raises(ConfigError, match="moejax lm-eval model: " + match):
+            MoejaxLM(pretrained=str(ckpt), **kw)
+    masks = np.ones((3, 16), bool)
+    masks[2] = np.arange(16) < 3
+    with pytest.raises(ConfigError, match=r"expert masks: layer 2: keeps 3 experts, below num_experts_per_tok=4"):
+        MoejaxLM(pretrained=str(ckpt), variant=masks)
+    masks[2] = np.isin(np.arange(16), [0, 4, 8, 12])  # one per group: a token's 2 groups hold 2
+    with pytest.raises(ConfigError, match=r"layer 2: keeps \[1, 1, 1, 1\] experts per routing group.*only 2 kept"):
+        MoejaxLM(pretrained=str(ckpt), variant=masks)
+
+
+def test_variant_and_generation_settings_are_refused_before_any_request_runs(setup):
+    """MoejaxLM.variant applies the same rule; generate_until refuses, before its first batch, a
+    request that samples (do_sample=True) at a temperature <= 0 (lm-eval's hf backend: transformers
+    refuses it; it was decoded greedily) or asks for max_gen_toks < 1."""
+    from lm_eval.api.instance import Instance
+
+    from moejax.lm_eval import MoejaxLM
+    from moejax.moe.expert_map import ExpertMap
+
+    ckpt, _ = setup
+    lm = MoejaxLM(pretrained=str(ckpt), batch_size=2)
+    masks = np.ones((3, 16), bool)
+    masks[1] = False
+    with pytest.raises(ConfigError, match=r"expert masks: layer 1: keeps 0 experts, below num_experts_per_tok=4"):
+        lm.variant(masks)
+    with pytest.raises(ConfigError, match=r"variant: layer 2: keeps 2 experts, below num_experts_per_tok=4"):
+        lm.variant({2: ExpertMap(np.arange(16) < 2)})
+    lm._generator = lambda *a, **k: pytest.fail("generated before every request was checked")
+
+    def request(i, **gen_kwargs):
+        return Instance("generate_until", doc={}, arguments=("def f(x):", {"until": ["\n"], **gen_kwargs}), idx=i)
+
+    for kwargs, match in [(dict(do_sample=True, temperature=-1), r"do_sample=True with temperature=-1.0; sampling "
+                                                                 r"needs a temperature > 0"),
+                          (dict(do_sample=True, temperature=0.0), r"do_sample=True with temperature=0.0"),
+                          (dict(max_gen_toks=0), r"max_gen_toks=0 \(the task's generation kwargs"),
+                          (dict(do_sample=True, temperature=0.5, top_p=2), r"top_p=2"),
+                          (dict(temperature="hot"), r"generation kwargs .*'hot'")]:
+        with pytest.raises(ConfigError, match=match):
+            lm.generate_until([request(0), request(1, **kwargs)], disable_tqdm=True)
+
+
+def test_moejax_lm_eval_refuses_a_task_list_and_model_args_in_one_line(setup, monkeypatch, capsys):
+    """`moejax-lm-eval run`: an unknown or empty task list (lm-eval's refusal) and a model_arg
+    moejax refuses end in one line and exit status 2, not a traceback, and before a model loads."""
+    import sys
+
+    import lm_eval.tasks
+
+    import moejax.lm_eval
+
+    ckpt, tasks = setup
+    monkeypatch.setattr(moejax.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+
+    class Local(lm_eval.tasks.TaskManager):  # the local tasks only (indexing lm-eval's own takes ~20 s)
+        def __init__(self, *a, **kw):
+            super().__init__(include_path=str(tasks), include_defaults=False, metadata=kw.get("metadata"))
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Local)
+    for names, model_args, said in [("nope_task", "", "Tasks not found: nope_task"),
+                                    ("", "", "No tasks specified"),
+                                    ("stdlib_mc", ",max_length=-5", "moejax lm-eval model: max_length=-5; expected")]:
+        monkeypatch.setattr(sys, "argv", ["moejax-lm-eval", "run", "--model", "moejax", "--model_args",
+                                          f"pretrained={ckpt}{model_args}", "--tasks", names])
+        with pytest.raises(SystemExit) as exit_:
+            moejax.lm_eval.cli()
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"moejax-lm-eval: error: {said}" in err and "Traceback" not in err, err

@@ -14,7 +14,7 @@ from moejax.evaluate import evaluate_pruning  # noqa: E402
 from moejax.hf.model_io import open_checkpoint  # noqa: E402
 from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 
-E, K, SEQ = 16, 4, 24
+E, K, SEQ = 16, 2, 24  # top-2 of 4 groups of 4, 2 chosen: every keep >= 4 routes each token to 2 kept experts
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +287,19 @@ def test_notebook_code_runs_on_a_run(tmp_path, setup):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "heat.png").stat().st_size > 5_000 and (tmp_path / "ppl.png").stat().st_size > 5_000
+
+
+def test_a_selection_leaving_a_token_short_of_top_k_kept_experts_is_refused(tmp_path):
+    """Group-limited routing (4 groups of 4, 2 chosen, top-4): l1's 4 kept experts of the first MoE
+    layer lie one per group, so a token is given 2 groups holding 2 kept experts and would be
+    routed to 2 pruned ones at their full gates. The pass refuses it at that layer, by the rule of
+    every variant (moejax.variant.check_routable), instead of reporting that model's numbers."""
+    from moejax.errors import ConfigError
+
+    path = tmp_path / "src"
+    make_checkpoint(path, seed=31, vocab_size=256, n_routed_experts=E, n_group=4, topk_group=2, num_experts_per_tok=4)
+    ids = np.random.default_rng(0).integers(0, 256, size=(2, SEQ)).astype(np.int32)
+    with pytest.raises(ConfigError, match=r"l1@4: layer 1: keeps \[1, 1, 1, 1\] experts per routing group; "
+                                          r"group-limited routing \(n_group=4, topk_group=2\) can give a token groups "
+                                          r"holding only 2 kept experts, below num_experts_per_tok=4"):
+        evaluate_pruning(open_checkpoint(path), ids, {"a": ids}, ["l1"], [E, 4], batch_size=2)

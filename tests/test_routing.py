@@ -135,3 +135,43 @@ def test_bad_router_settings_are_refused():
         RouterConfig(top_k=2, scoring_func="relu")
     with pytest.raises(ConfigError, match="divisible"):
         route(jnp.zeros((1, 10)), RouterConfig(top_k=2, n_group=4, topk_group=1))
+
+
+@pytest.mark.parametrize("cfg", [RouterConfig(top_k=2, n_group=4, topk_group=2),
+                                 RouterConfig(top_k=3, n_group=4, topk_group=2),
+                                 RouterConfig(top_k=2, n_group=2, topk_group=1),
+                                 RouterConfig(top_k=3, scoring_func="softmax")])
+def test_check_mask_refuses_exactly_the_masks_that_route_a_token_to_a_pruned_expert(cfg):
+    """`RouterConfig.check_mask`, the rule every variant is checked by, against `route` itself on
+    every mask of 8 experts: a mask passes iff no token (of 3,000 with widely spread logits and
+    biases, so every choice of groups occurs) is routed to a pruned expert. The group-short masks
+    pass a plain count (e.g. experts 0 and 7 of 4 groups of 2, top-2 of 2 groups: both groups
+    score -inf, groups 0 and 1 are chosen, and expert 1, pruned, is routed to at its full gate)."""
+    E = 8
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3000, E)) * 6, jnp.float32)
+    bias = jnp.asarray(rng.normal(size=E), jnp.float32) if cfg.scoring_func == "sigmoid" else None
+    masks = np.array([[(m >> e) & 1 for e in range(E)] for m in range(1, 2 ** E)], bool)  # [255, E]
+    idx = np.asarray(route(logits, cfg, bias, jnp.asarray(masks)[:, None, :]).expert_idx_TK)  # [255, T, K]
+    reaches_pruned = ~np.take_along_axis(masks[:, None, :], idx.reshape(len(masks), 1, -1), -1).reshape(idx.shape)
+    refused = []
+    for m in masks:
+        try:
+            cfg.check_mask(m, "m")
+            refused.append(False)
+        except ConfigError:
+            refused.append(True)
+    np.testing.assert_array_equal(np.array(refused), reaches_pruned.any(axis=(1, 2)))
+    assert not all(refused) and any(refused)
+
+
+def test_check_mask_names_the_count_or_the_groups():
+    with pytest.raises(ConfigError, match=r"layer 3: keeps 1 experts, below num_experts_per_tok=2"):
+        RouterConfig(top_k=2).check_mask(np.eye(8, dtype=bool)[0], "layer 3")
+    with pytest.raises(ConfigError, match=r"keeps 0 experts"):
+        RouterConfig(top_k=2).check_mask(np.zeros(8, bool), "x")
+    short = np.isin(np.arange(8), [0, 7])  # 2 kept, but in groups of fewer than 2
+    with pytest.raises(ConfigError, match=r"keeps \[1, 0, 0, 1\] experts per routing group; group-limited routing "
+                                          r"\(n_group=4, topk_group=2\) can give a token groups holding only 1"):
+        RouterConfig(top_k=2, n_group=4, topk_group=2).check_mask(short, "x")
+    RouterConfig(top_k=2, n_group=4, topk_group=2).check_mask(np.isin(np.arange(8), [6, 7]), "x")  # one full group

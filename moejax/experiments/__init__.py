@@ -32,6 +32,19 @@ def refuse_unknown_settings(cls, settings: dict, experiment: str) -> None:
         raise ConfigError(f"{experiment}: unknown setting(s) {unknown}; valid: {sorted(fields)}")
 
 
+def refuse_repeats(experiment: str, name: str, values, given=None) -> None:
+    """Every experiment's list settings (scores, merges, keeps, tasks) name each thing at most once:
+    a repeat would run the same variant again and write its result rows twice. values: what is
+    compared (keeps as expert counts); given: the setting as written, for the message."""
+    values = list(values)
+    repeated = [v for i, v in enumerate(values) if v in values[:i] and v not in values[i + 1:]]
+    if repeated:
+        shown = list(values if given is None else given)
+        counted = "" if given is None else " (as expert counts)"
+        raise ConfigError(f"{experiment}: {name}={shown} names {repeated}{counted} more than once; give each at "
+                          "most once")
+
+
 def get(name: str):
     """The experiment module for `name`, or a ConfigError listing the valid names."""
     if name not in EXPERIMENTS:

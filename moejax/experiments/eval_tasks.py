@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_unknown_settings
+from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.experiments.prune_real import PruneRealConfig
 from moejax.skills_tasks import skill_of, task_names
 
@@ -95,6 +95,7 @@ class EvalTasksConfig:
             self.prune_real().validate()
         if not self.tasks:
             raise ConfigError("eval_tasks: tasks is empty; name lm-eval tasks, e.g. tasks=[stdlib_mc]")
+        refuse_repeats("eval_tasks", "tasks", self.tasks)
         for name in ("eval_batch_size", "n_nextline", "n_mc", "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll",
                      "n_degen", "routing_docs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

@@ -22,7 +22,7 @@ import sysconfig
 from pathlib import Path
 
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_unknown_settings
+from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.scoring.scores import check_score_names, scores_for
 
 DEFAULT_HELDOUT = ("difflib.py", "textwrap.py", "fractions.py")  # when the model lists none of its own
@@ -76,10 +76,18 @@ class PruneRealConfig:
         from moejax.merging.allocation import ALLOCATIONS
 
         check_merge_names(self.merges, "prune_real: merges")
+        refuse_repeats("prune_real", "merges", self.merges)
+        if self.scores is not None:
+            refuse_repeats("prune_real", "scores", self.scores)
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(f"prune_real: allocation={self.allocation!r}; expected one of {list(ALLOCATIONS)}")
         if not self.keep:
             raise ConfigError("prune_real: keep is empty; give counts or ratios of E, e.g. keep=[0.5,0.25]")
+        from moejax.scoring.select import resolve_keep
+
+        config = read_config(Path(self.path) / "config.json")
+        refuse_repeats("prune_real", "keep", [resolve_keep(k, config.n_experts, config.num_experts_per_tok)
+                                              for k in self.keep], self.keep)
         for name in ("seq_len", "calib_tokens", "heldout_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"prune_real: {name}={getattr(self, name)} must be >= 1")

@@ -7,7 +7,7 @@ import dataclasses
 import time
 
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_unknown_settings
+from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig
 
 
@@ -30,6 +30,8 @@ class ScoreConfig:
         cfg = cls(**d)
         if not cfg.path:
             raise ConfigError("score: set model.path=CHECKPOINT_FOLDER")
+        if cfg.scores is not None:
+            refuse_repeats("score", "scores", cfg.scores)
         return cfg
 
 

@@ -64,7 +64,7 @@ from typing import NamedTuple
 import numpy as np
 
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_unknown_settings
+from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig, mesh_context
 from moejax.scoring.scores import scores_for
 from moejax.scoring.select import resolve_keep
@@ -137,10 +137,13 @@ class Toy3Config:
             bad = [v for v in value if v not in valid]
             if bad or not value:
                 raise ConfigError(f"toy3: {name}={list(value)}; valid values: {list(valid)}")
+            refuse_repeats("toy3", name, value)
         self.check_router()
-        if [m for m in self.merges if m not in MERGES] or len(set(self.merges)) < len(self.merges):
+        if [m for m in self.merges if m not in MERGES]:
             raise ConfigError(f"toy3: merges={list(self.merges)}; valid merges: {list(MERGES)}, each at most "
                               "once (toy.merges=[] for none)")
+        refuse_repeats("toy3", "merges", self.merges)
+        refuse_repeats("toy3", "scores", self.scores)
         n_pairs = self.n_experts * (self.n_experts - 1) // 2
         if not 0 <= self.eq6_pairs <= n_pairs:
             raise ConfigError(f"toy3: eq6_pairs={self.eq6_pairs}; expected 0 (no Eq. 6 check) to {n_pairs} "
@@ -154,7 +157,7 @@ class Toy3Config:
                               "route, which the toy does not compute; use reap")
         if not self.keep:
             raise ConfigError("toy3: keep is empty; give a count, a ratio of E, or a list of them")
-        self.keep_counts()
+        refuse_repeats("toy3", "keep", self.keep_counts(), self.keep)
         if self.n_calib < 1 or self.n_heldout < 1 or self.seed_batch < 1:
             raise ConfigError("toy3: n_calib, n_heldout and seed_batch must be >= 1")
         mesh = MeshConfig(self.mesh_data, self.mesh_expert)

@@ -228,6 +228,21 @@ def opened(checked) -> OpenCheckpoint:
 
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # what a model computes in (and save_pretrained writes)
+
+
+def check_compute_dtype(dtype) -> None:
+    """Refuse, before anything is read, a dtype no model computes in (an integer dtype would load,
+    then fail in the first forward): float32, bfloat16 or float16."""
+    try:
+        name = jnp.dtype(dtype).name if dtype is not None else None
+    except (TypeError, ValueError):
+        name = None
+    if name not in COMPUTE_DTYPES:
+        raise ConfigError(f"dtype={name or repr(dtype)}; expected a floating dtype the model computes in: "
+                          f"{', '.join(COMPUTE_DTYPES)}")
+
+
 def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=None, model_class=None):
     """Build the model of a checkpoint folder (config.json + safetensors), of the family its
     config.json names (`moejax.models.registry`); model_class: refuse any other family's checkpoint.
@@ -235,6 +250,7 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=No
     mesh: a `moejax.parallel.make_mesh` mesh; routed experts are loaded split over its expert axis
     (each device's experts read for it alone) and the MoE layers use the "ep" dispatch backend
     (run the model under `jax.set_mesh(mesh)`). backend: default "ep" with a mesh, else "sorted"."""
+    check_compute_dtype(dtype)
     ckpt = open_checkpoint(path)
     backend = backend or ("ep" if mesh is not None else "sorted")
     quantized = {n: on_disk for n, on_disk in ckpt.stored.items() if on_disk != (n,)}

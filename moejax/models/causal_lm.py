@@ -23,6 +23,15 @@ from flax import nnx
 from moejax import generate as generate_lib
 from moejax.models.layers import MLP, RMSNorm, causal_allowed, linear, param
 from moejax.models.moe_block import MoE
+from moejax.variant import check_variant
+
+
+def _checked(variant, config):
+    """`check_variant` before any compute; a variant traced inside a caller's jit (the lm-eval
+    scorer, the generator) was checked by that caller before tracing."""
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(variant)):
+        return variant
+    return check_variant(variant, config)
 
 
 class CausalLMOutput(NamedTuple):
@@ -126,6 +135,7 @@ class CausalLM(nnx.Module):
         taken (the routed experts then skip block padding; `jitted()` sets it); positions_BS: rope
         positions per token (default 0..S-1 in every row; generation uses the count of real tokens
         before each one, as transformers' `generate`)."""
+        variant = _checked(variant, self.config)
         B, S = input_ids_BS.shape
         x = self.model.embed_tokens[...][input_ids_BS]
         cos, sin = self.rope_tables(self.config, jnp.arange(S) if positions_BS is None else positions_BS, x.dtype)
@@ -211,7 +221,12 @@ class CausalLM(nnx.Module):
             return nnx.merge(graphdef, state)(input_ids, attention_mask, variant, return_routing,
                                               return_moe_inputs, forward_only=True, positions_BS=positions)
 
-        return functools.partial(forward, state)
+        def checked(input_ids, attention_mask=None, variant=None, return_routing=False, return_moe_inputs=False,
+                    positions=None):
+            return forward(state, input_ids, attention_mask, _checked(variant, self.config),
+                           return_routing=return_routing, return_moe_inputs=return_moe_inputs, positions=positions)
+
+        return checked
 
     # thin forwards to the checkpoint code, so the API is where researchers expect it
     @classmethod

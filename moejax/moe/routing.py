@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.errors import ConfigError
 
@@ -57,6 +58,40 @@ class RouterConfig:
             raise ConfigError(
                 f"top_k={self.top_k} exceeds the experts in the chosen groups "
                 f"({self.topk_group} groups x {n_experts // self.n_group} experts)")
+
+    def fewest_routable(self, mask_E) -> int:
+        """The fewest kept experts (mask_E True, a concrete bool [E]) that `route` can let a token
+        choose among: every kept one without groups; with group-limited routing, those in the
+        `topk_group` groups it gives the token. A group keeping at least 2 (its score sums its two
+        best) scores finitely and is preferred; one keeping fewer scores -inf and is chosen only when
+        too few groups score finitely, the lower group index first (top-k's ties)."""
+        keep = np.asarray(mask_E, bool)
+        if self.n_group == 1:
+            return int(keep.sum())
+        counts = keep.reshape(self.n_group, -1).sum(axis=1)
+        need = min(2, keep.size // self.n_group)
+        scored = sorted(int(c) for c in counts if c >= need)
+        if len(scored) >= self.topk_group:
+            return sum(scored[:self.topk_group])  # the groups a token can be given that keep the fewest
+        return sum(scored) + sum(int(c) for c in counts[counts < need][:self.topk_group - len(scored)])
+
+    def check_mask(self, mask_E, where: str) -> None:
+        """Refuse (before any compute) a pruning mask [E] under which some token would be routed to
+        fewer than top_k kept experts: `route` would then fill its top-k with pruned experts
+        (with a sigmoid router, at their full gate), a model no checkpoint represents."""
+        fewest = self.fewest_routable(mask_E)
+        if fewest >= self.top_k:
+            return
+        kept = int(np.sum(mask_E))
+        if self.n_group == 1 or kept < self.top_k:
+            raise ConfigError(f"{where}: keeps {kept} experts, below num_experts_per_tok={self.top_k} (every "
+                              f"token is routed to {self.top_k} experts)")
+        per_group = np.asarray(mask_E, bool).reshape(self.n_group, -1).sum(axis=1).tolist()
+        raise ConfigError(
+            f"{where}: keeps {per_group} experts per routing group; group-limited routing (n_group={self.n_group}, "
+            f"topk_group={self.topk_group}) can give a token groups holding only {fewest} kept experts, below "
+            f"num_experts_per_tok={self.top_k} (a group keeping fewer than 2 is chosen last); keep more experts "
+            f"per group, e.g. an equal number (group-aware selection)")
 
 
 class Routing(NamedTuple):
