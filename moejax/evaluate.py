@@ -315,6 +315,10 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     statistics pass over the calibration tokens first (each layer's weights are then read twice);
     info["layer_counts"][variant name][layer] and the `experts` rows record the counts."""
     cfg = ckpt.config
+    if cfg.per_layer_experts:  # the carried pass sizes every layer's statistics and masks by n_experts
+        raise ConfigError(f"{ckpt.path}: MoE layers hold different expert counts (moe_sparsity_config.num_experts "
+                          f"{list(cfg.layer_num_experts)}); evaluate_pruning (the prune_real experiment) needs one "
+                          "count in every layer: evaluate it with the model's forward, generate or the lm-eval backend")
     keeps = sorted({resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
     one_shot = [Variant(s, k) for s in scores for k in keeps]
     merged = [Variant(m, k, form) for m in merges for k in keeps for form in ROUTER_FORMS]

@@ -140,7 +140,7 @@ class MoejaxLM(TemplateLM):
         if device not in (None, "cpu", "cuda", "gpu", "tpu") and not str(device).startswith("cuda"):
             raise ConfigError(f"moejax lm-eval model: device={device!r}; JAX places the model on its default "
                               "backend (set JAX_PLATFORMS to choose)")
-        config = read_config(path / "config.json")
+        config = read_config(path / "config.json", uniform_experts=False)  # per-layer counts: as the loader reads them
         # the variant, checked before the model is loaded
         if variant is None:
             variant = self._variant_masks(config, pruning, scores, score, keep, path)

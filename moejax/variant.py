@@ -42,6 +42,10 @@ def check_variant(variant, config):
         if masks.shape != (n_layers, E) or masks.dtype != bool:
             raise ConfigError(f"expert masks: expected bool [{n_layers}, {E}] (layers x routed experts, "
                               f"True = kept), got {masks.dtype} {list(masks.shape)}")
+        for l, n in ((l, config.experts_in_layer(l)) for l in config.moe_layers):
+            if masks[l, n:].any():  # a checkpoint pruned per layer: no expert there to keep
+                raise ConfigError(f"expert masks: layer {l} holds {n} experts (moe_sparsity_config.num_experts) "
+                                  f"but the mask keeps experts {(np.flatnonzero(masks[l, n:]) + n).tolist()[:8]}")
         for layer in config.moe_layers:
             check_routable(masks[layer], layer, config, "expert masks")
         return jnp.asarray(masks)
@@ -53,6 +57,7 @@ def check_variant(variant, config):
             raise ConfigError(f"{where} is not a MoE layer (MoE layers: {config.moe_layers})")
         if not isinstance(em, ExpertMap):
             raise ConfigError(f"{where}: expected an ExpertMap, got {type(em).__name__}")
+        E = config.experts_in_layer(layer)  # the layer's own count (a checkpoint pruned per layer)
         mask = np.asarray(em.mask_E)
         if mask.shape != (E,) or mask.dtype != bool:
             raise ConfigError(f"{where}: mask must be bool [{E}] (router slots, True = kept), got {mask.dtype} "
@@ -116,10 +121,10 @@ def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:
         raise ConfigError(f"{where}: MoE layers {moe} need kept sets; missing {missing}, not MoE layers {extra}")
     masks = np.ones((n_layers, E), bool)
     for l, experts in kept.items():
-        idx = np.asarray(experts)
+        idx, E_l = np.asarray(experts), config.experts_in_layer(l)  # the layer's own count (pruned per layer)
         if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer) or len(set(idx.tolist())) != idx.size \
-                or (idx.size and (idx.min() < 0 or idx.max() >= E)):
-            raise ConfigError(f"{where}: layer {l}: kept experts must be distinct integers in [0, {E}), got "
+                or (idx.size and (idx.min() < 0 or idx.max() >= E_l)):
+            raise ConfigError(f"{where}: layer {l}: kept experts must be distinct integers in [0, {E_l}), got "
                               f"{list(experts)[:8]}")
         masks[l] = False
         masks[l, idx] = True
@@ -153,10 +158,12 @@ def masks_from_pruning_record(path, config, checkpoint=None) -> np.ndarray:
                           f"checkpoint itself: pretrained={path.parent} without pruning=")
     if checkpoint is not None:
         check_source(record, path, "source", checkpoint, "pruning record")
-    wrong = {l: n for l, n in sizes.items() if n is not None and n != config.n_experts}
+    wrong = {l: n for l, n in sizes.items()
+             if n is not None and l in config.moe_layers and n != config.experts_in_layer(l)}
     if wrong:
         raise ConfigError(f"{path}: made from a checkpoint with {wrong} experts per layer, but this one has "
-                          f"{config.experts_key}={config.n_experts}")
+                          f"{ {l: config.experts_in_layer(l) for l in wrong} } ({config.experts_key}="
+                          f"{config.n_experts})")
     return masks_from_kept(kept, config, str(path))
 
 
@@ -198,9 +205,11 @@ def masks_from_scores(path, score: str, keep, config, checkpoint=None) -> np.nda
     kept = {}
     for l, rows in df[df.score == score].groupby("layer"):
         rows = rows.sort_values("expert")
-        if rows.expert.tolist() != list(range(E)):
-            raise ConfigError(f"{path}: layer {l}, score {score}: expected experts 0..{E - 1}, got "
+        E_l = config.experts_in_layer(int(l)) if int(l) in config.moe_layers else E  # own count (pruned per layer)
+        if rows.expert.tolist() != list(range(E_l)):
+            raise ConfigError(f"{path}: layer {l}, score {score}: expected experts 0..{E_l - 1}, got "
                               f"{len(rows)} rows")
         values = rows.value.to_numpy(np.float64)
-        kept[int(l)] = np.flatnonzero(select_kept(values, count, f"{path}: layer {l}: score {score!r}")).tolist()
+        count_l = count if E_l == E else resolve_keep(keep, E_l, top_k)
+        kept[int(l)] = np.flatnonzero(select_kept(values, count_l, f"{path}: layer {l}: score {score!r}")).tolist()
     return masks_from_kept(kept, config, f"{path} ({score}, keep={keep})")

@@ -172,7 +172,8 @@ def check_checkpoint(path, *, uniform_experts: bool = True) -> CheckedCheckpoint
     once as a `CheckpointError` (or the config's `ConfigError`), before any tensor data is read.
 
     uniform_experts=False accepts a checkpoint pruned to different expert counts per layer
-    (`moe_sparsity_config`), which the checkpoint tools read but the model does not build."""
+    (`moe_sparsity_config.num_experts`), which the loader, scoring and prune read layer by layer;
+    the default refuses it by name, for a command that needs one count in every layer."""
     problems, checked = _checked(path, uniform_experts)
     if problems:
         where = path.describe() if isinstance(path, Storage) else path

@@ -213,9 +213,10 @@ class OpenCheckpoint:
 def open_checkpoint(path) -> OpenCheckpoint:
     """Read config.json and every safetensors header (`moejax.hf.check.check_checkpoint`, the
     check every command runs); raise every mismatch at once. A local folder only: loading reads
-    every weight, and saving copies the source's other files."""
+    every weight, and saving copies the source's other files. A checkpoint pruned to different
+    expert counts per layer (`moe_sparsity_config.num_experts`) is read with each layer's count."""
     require_local(path, "loading a model")
-    return opened(check_checkpoint(path))
+    return opened(check_checkpoint(path, uniform_experts=False))
 
 
 def opened(checked) -> OpenCheckpoint:

@@ -31,10 +31,20 @@ def normalised_shares(score_E) -> np.ndarray:
     return shifted / total if total > 0 else np.full(len(s), 1.0 / len(s))
 
 
-def _check(scores_by_layer: dict, keep: int, top_k: int) -> dict[int, np.ndarray]:
+def _is_count(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer))
+
+
+def _check(scores_by_layer: dict, keep, top_k: int) -> dict[int, np.ndarray]:
+    """keep: a per-layer count, or {layer: count} (layers of different sizes: each layer's share
+    of the budget, e.g. a keep ratio resolved against each layer's own E)."""
     if not scores_by_layer:
         raise ConfigError("allocation: no MoE layers to allocate a budget over")
-    if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)):
+    per_layer = isinstance(keep, dict)
+    if per_layer and (set(keep) != set(scores_by_layer) or not all(map(_is_count, keep.values()))):
+        raise ConfigError(f"allocation: keep={keep!r} must give a count (int) for each of the layers "
+                          f"{sorted(scores_by_layer)}")
+    if not per_layer and not _is_count(keep):
         raise ConfigError(f"allocation: keep={keep!r} must be a per-layer count (int)")
     scores = {}
     for layer, s in sorted(scores_by_layer.items()):
@@ -44,15 +54,17 @@ def _check(scores_by_layer: dict, keep: int, top_k: int) -> dict[int, np.ndarray
         if not np.isfinite(s).all():
             raise ConfigError(f"allocation: layer {layer}'s scores hold NaN or infinity at experts "
                               f"{np.flatnonzero(~np.isfinite(s)).tolist()[:16]}")
-        if not top_k <= keep <= len(s):
-            raise ConfigError(f"allocation: keep={keep} per layer must lie in [top_k, E] = [{top_k}, {len(s)}] "
+        k = keep[layer] if per_layer else keep
+        if not top_k <= k <= len(s):
+            raise ConfigError(f"allocation: keep={k} per layer must lie in [top_k, E] = [{top_k}, {len(s)}] "
                               f"(layer {layer}: every token routes to top_k={top_k} experts)")
         scores[layer] = s
     return scores
 
 
-def global_counts(scores_by_layer: dict[int, np.ndarray], keep: int, top_k: int) -> dict[int, int]:
-    """{layer: count} from one global threshold, the counts summing to keep x L (L layers).
+def global_counts(scores_by_layer: dict[int, np.ndarray], keep, top_k: int) -> dict[int, int]:
+    """{layer: count} from one global threshold, the counts summing to keep x L (L layers; keep
+    given per layer as {layer: count}: their sum, layers of different sizes E_l).
 
     Each layer's scores become shares (`normalised_shares`). Every layer first gets its top_k floor
     (its top_k largest shares, ties to the lower expert index); the remaining keep x L - top_k x L
@@ -74,16 +86,19 @@ def global_counts(scores_by_layer: dict[int, np.ndarray], keep: int, top_k: int)
         layer_idx.append(np.full(len(rest), i))
         expert.append(rest)
     share, layer_idx, expert = map(np.concatenate, (share, layer_idx, expert))
-    order = np.lexsort((expert, layer_idx, -share))[:(keep - top_k) * len(layers)]
+    budget = sum(keep.values()) if isinstance(keep, dict) else keep * len(layers)
+    order = np.lexsort((expert, layer_idx, -share))[:budget - top_k * len(layers)]
     for i, n in zip(*np.unique(layer_idx[order], return_counts=True)):
         counts[layers[i]] += int(n)
     return counts
 
 
 def layer_counts(scores_by_layer: dict[int, np.ndarray], keep: int, top_k: int, allocation: str) -> dict[int, int]:
-    """{layer: count} under `allocation`: "uniform" keep in every layer; "global" `global_counts`."""
+    """{layer: count} under `allocation`: "uniform" keep in every layer (or keep[layer]); "global"
+    `global_counts`."""
     if allocation == "uniform":
-        return dict.fromkeys(_check(scores_by_layer, keep, top_k), int(keep))
+        layers = _check(scores_by_layer, keep, top_k)
+        return {l: int(keep[l]) for l in layers} if isinstance(keep, dict) else dict.fromkeys(layers, int(keep))
     if allocation == "global":
         return global_counts(scores_by_layer, keep, top_k)
     raise ConfigError(f"allocation={allocation!r}: expected one of {list(ALLOCATIONS)}")

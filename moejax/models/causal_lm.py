@@ -64,8 +64,8 @@ class DecoderLayer(nnx.Module):
         self.self_attn = attention_class(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = MoE(cfg, dtype, rngs, backend) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size,
-                                                                          dtype, rngs)
+        self.mlp = MoE(cfg, dtype, rngs, backend, cfg.experts_in_layer(layer)) if self.is_moe else MLP(
+            cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
     def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False):
         """(output, routing or None for a dense layer, the MLP's input)."""
@@ -193,10 +193,14 @@ class CausalLM(nnx.Module):
         return CachedOutput(self._logits(x).astype(jnp.float32), KVCache(tuple(layers), valid))
 
     def _layer_variant(self, variant, layer: int):
-        """Layer `layer`'s part of a variant: None, a mask row [E] or an ExpertMap."""
+        """Layer `layer`'s part of a variant: None, a mask row [E] or an ExpertMap. Masks are
+        n_experts wide; a layer of fewer experts (a checkpoint pruned per layer) reads its own
+        first columns (`moejax.variant.check_variant` refuses a mask keeping a column beyond them)."""
         if variant is None or not self.model.layers[layer].is_moe:
             return None
-        return variant.get(layer) if isinstance(variant, dict) else variant[layer]
+        if isinstance(variant, dict):
+            return variant.get(layer)
+        return variant[layer][..., :self.config.experts_in_layer(layer)]
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, variant=None,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,

@@ -77,6 +77,12 @@ class MoeConfig:
             return self.layer_num_experts[index]
         return self.n_experts
 
+    @property
+    def per_layer_experts(self) -> bool:
+        """True when MoE layers hold different expert counts (a checkpoint pruned per layer: each
+        layer is built with its own count, `experts_in_layer`; variant masks stay n_experts wide)."""
+        return len({self.experts_in_layer(l) for l in self.moe_layers}) > 1
+
     # --- the router and the MoE block ---------------------------------------------------------
     @property
     def n_group(self) -> int:
@@ -233,10 +239,15 @@ def check_family(d, source: str, model_types: tuple, architecture: str, family: 
 
 
 def layer_num_experts(d: dict, n_layers, n_mtp, n_experts, experts_key: str, is_dense, problems: list,
-                      unimplemented: list, uniform: bool) -> tuple | None:
+                      unimplemented: list, uniform: bool, router: dict | None = None) -> tuple | None:
     """moe_sparsity_config.num_experts, checked: one entry per decoder layer (MTP layers optional),
-    null for a dense layer, a positive integer <= the expert count for a MoE layer. is_dense(layer):
-    None when the config's own fields were wrong (already reported)."""
+    null for a dense layer, a positive integer <= the expert count for a MoE layer, the largest
+    equal to the expert count (`experts_key`, what the model's variant masks are as wide as), and
+    each a count the router can route over (router: the `router_settings()` keys top_k, n_group,
+    topk_group; at least top_k experts, and with routing groups a multiple of n_group with at least
+    2 per group and top_k within topk_group groups). is_dense(layer): None when the config's own
+    fields were wrong (already reported). uniform: refuse different counts in different layers (a
+    caller that needs one count everywhere)."""
     sparsity = d.get("moe_sparsity_config")
     if sparsity is None:
         return None
@@ -269,12 +280,34 @@ def layer_num_experts(d: dict, n_layers, n_mtp, n_experts, experts_key: str, is_
         elif n_experts is not None and n > n_experts:
             problems.append(f"{key}[{layer}]={n} exceeds {experts_key}={n_experts}")
             ok = False
+        elif router is not None and (wrong := _unroutable(n, **router)):
+            problems.append(f"{key}[{layer}]={n}: {wrong}")
+            ok = False
     distinct = sorted({n for n in counts if is_int(n)})
     if uniform and len(distinct) > 1:
-        unimplemented.append(f"{key} gives layers different expert counts {distinct} (per-layer expert counts "
-                             "are not implemented; prune with one keep for every layer)")
+        unimplemented.append(f"{key} gives layers different expert counts {distinct} (this command needs one "
+                             "expert count in every layer; moejax loads, scores, evaluates and prunes such a "
+                             "checkpoint, `moejax merge` and the prune_real and eval_tasks experiments do not)")
         ok = False
-    elif uniform and ok and n_experts is not None and distinct and distinct != [n_experts]:
-        problems.append(f"{key} gives every MoE layer {distinct[0]} experts but {experts_key}={n_experts}")
+    elif ok and n_experts is not None and distinct and distinct[-1] != n_experts:
+        spread = f"every MoE layer {distinct[0]}" if len(distinct) == 1 else f"at most {distinct[-1]}"
+        problems.append(f"{key} gives {spread} experts but {experts_key}={n_experts} (expected the largest count)")
         ok = False
     return tuple(counts) if ok else None
+
+
+def _unroutable(n: int, top_k: int, n_group: int = 1, topk_group: int = 1, **_) -> str | None:
+    """Why a MoE layer of n routed experts cannot route (None when it can): fewer than top_k
+    experts, or (routing groups) n not a multiple of n_group, fewer than 2 per group (the group
+    score sums each group's best 2), or top_k beyond the topk_group groups chosen."""
+    if n < top_k:
+        return f"fewer experts than num_experts_per_tok={top_k}"
+    if n_group > 1:
+        if n % n_group:
+            return f"not divisible by n_group={n_group} (each routing group keeps an equal share)"
+        if n // n_group < 2:
+            return f"{n // n_group} expert(s) per routing group (n_group={n_group}); group-limited routing needs 2"
+        if top_k > topk_group * (n // n_group):
+            return (f"num_experts_per_tok={top_k} exceeds the experts of the chosen groups "
+                    f"(topk_group={topk_group} x {n // n_group})")
+    return None

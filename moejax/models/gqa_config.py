@@ -90,7 +90,7 @@ class GqaMoeConfig(MoeConfig):
             probe = cls(**valid, rope_theta=theta, partial_rotary_factor=partial)
             counts = layer_num_experts(d, probe.num_hidden_layers, probe.num_nextn_predict_layers, probe.n_experts,
                                        probe.experts_key, lambda layer: not probe.is_moe_layer(layer), problems,
-                                       unimplemented, uniform_experts)
+                                       unimplemented, uniform_experts, router=probe.router_settings())
         if problems or unimplemented:
             raise ConfigError(message(source, problems, unimplemented))
         return cls(**valid, rope_theta=theta, partial_rotary_factor=partial, layer_num_experts=counts, raw=d)

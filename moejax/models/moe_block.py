@@ -13,7 +13,11 @@
 
 A family config supplies what the block is built from: `n_experts`, `hidden_size`,
 `moe_intermediate_size`, `router_settings()`, `HAS_BALANCE_BIAS`, `shared_intermediate_size`
-(and `shared_expert_gate`, default False).
+(and `shared_expert_gate`, default False). A checkpoint pruned per layer (`moe_sparsity_config.
+num_experts`) builds each block with its own layer's count (`n_experts=cfg.experts_in_layer(l)`):
+the block is then exactly that checkpoint's layer, its expert index e the tensor `experts.{e}`
+(with routing groups, groups of n_experts / n_group consecutive experts, as transformers reads a
+checkpoint of that count).
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ class MoE(nnx.Module):
 
     expert_fn = staticmethod(dispatch_lib.swiglu)
 
-    def __init__(self, cfg, dtype, rngs: nnx.Rngs, backend: str = "sorted"):
-        H, Im, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_experts
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs, backend: str = "sorted", n_experts: int | None = None):
+        """n_experts: the routed experts of this layer (default cfg.n_experts; a checkpoint pruned
+        per layer: `cfg.experts_in_layer(layer)`)."""
+        H, Im, E = cfg.hidden_size, cfg.moe_intermediate_size, n_experts or cfg.n_experts
         self.router_cfg = RouterConfig(**cfg.router_settings())
+        self.router_cfg.check_experts(E)  # a count the router cannot route over fails here, not in a trace
         self.router = param(rngs, (E, H), jnp.float32)                 # HF gate.weight layout, float32
         self.bias = BalanceBias(jnp.zeros((E,), jnp.float32)) if cfg.HAS_BALANCE_BIAS else None
         self.experts_gate = param(rngs, (E, H, Im), dtype)

@@ -77,7 +77,7 @@ def calibrate(model, batches) -> dict[int, LayerStats]:
     stats = {}
     for l, router_inputs in per_layer.items():
         moe = model.model.layers[l].mlp
-        acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
+        acc = StatsAccumulator(moe.router.shape[0], cfg.hidden_size)  # the layer's own count (pruned per layer)
         accumulate_layer(moe, router_inputs, masks, acc)
         stats[l] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), layer=l)
     return stats

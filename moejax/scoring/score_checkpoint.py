@@ -56,7 +56,8 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     if out is not None:  # before the pass, not after hours of it
         check_output_file(out)
         check_output_file(Path(out).with_suffix(".json"))
-    (mesh or MeshConfig()).check_experts(ckpt.config.n_experts, str(checkpoint))
+    for count in sorted({ckpt.config.experts_in_layer(l) for l in ckpt.config.moe_layers}):  # per layer when pruned so
+        (mesh or MeshConfig()).check_experts(count, str(checkpoint))
     ids, tokenizer = calibration_ids(checkpoint, ckpt.config, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     mesh = mesh or MeshConfig()

@@ -179,10 +179,11 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     E_cfg, top_k, n_layers = cfg.n_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers
     if not layout.moe_layers:
         raise CheckpointError(f"{reader.directory}: no MoE layers (no routed-expert tensors `layers.N.*.experts.E.*`)")
-    wrong_E = {l: ml.n_experts for l, ml in layout.moe_layers.items() if ml.n_experts != E_cfg}
-    if wrong_E:
-        raise CheckpointError(f"{reader.directory}: config.json says {experts_key}={E_cfg}, but layers have "
-                              f"{wrong_E} experts (already pruned per layer? per-layer counts are not re-pruned)")
+    wrong_E = {l: ml.n_experts for l, ml in layout.moe_layers.items() if ml.n_experts != cfg.experts_in_layer(l)}
+    if wrong_E:  # (check_checkpoint refuses these; a layout from elsewhere might not agree)
+        raise CheckpointError(f"{reader.directory}: layers have {wrong_E} experts, but config.json gives them "
+                              f"{ {l: cfg.experts_in_layer(l) for l in wrong_E} } ({experts_key}={E_cfg}"
+                              f"{', moe_sparsity_config.num_experts' if cfg.layer_num_experts else ''})")
     dropped = tuple(l for l in layout.moe_layers if l >= n_layers) if drop_mtp else ()
     layers = {l: ml for l, ml in layout.moe_layers.items() if l not in dropped}
     if not layers:
@@ -195,7 +196,9 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
 
         if layers_keep:
             raise ConfigError("--allocation global spreads one --keep over the layers; it takes no --layers-keep")
-        counts = layer_counts(scores, next(iter(counts.values())), top_k, allocation)
+        # the budget: `keep` per layer (resolved against each layer's own count when they differ)
+        budget = next(iter(counts.values())) if len(set(counts.values())) == 1 else counts
+        counts = layer_counts(scores, budget, top_k, allocation)
     routing = cfg.router_settings()
     n_group, topk_group = routing.get("n_group", 1), routing.get("topk_group", 1)
     notes, new_config = [], dict(config)
@@ -205,7 +208,10 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
             try:
                 kept[l] = select_kept_grouped(scores[l], counts[l], n_group)
             except ConfigError as error:
-                raise ConfigError(f"layer {l}: {error}") from None
+                hint = ("" if allocation == "uniform" else f" (keep={counts[l]} is the count --allocation "
+                        f"{allocation} gave layer {l}; it does not allocate whole groups: prune with "
+                        "--collapse-groups instead of --group-aware, or with a uniform allocation)")
+                raise ConfigError(f"layer {l}: {error}{hint}") from None
     else:
         kept = {l: select_kept(scores[l], counts[l], f"layer {l}: score {score!r}") for l in layers}
     groups = "none"
@@ -233,12 +239,14 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     kept_counts = {l: int(m.sum()) for l, m in kept.items()}
     for key in cfg.keys_of(cfg.EXPERTS_FIELD):  # every spelling the source has (they must agree)
         new_config[key] = max(kept_counts.values())
+    new_config.pop("moe_sparsity_config", None)  # a source pruned per layer: its counts are the source's
     if len(set(kept_counts.values())) > 1:
         new_config["moe_sparsity_config"] = {
-            "method": "prune", "num_experts": [kept_counts.get(l) for l in range(n_layers)]}
+            "method": "prune", "num_experts": [kept_counts.get(l) for l in _listed_layers(cfg, kept_counts, dropped)]}
         notes.append(f"expert counts differ between layers: {experts_key} is the largest and "
-                     "moe_sparsity_config.num_experts lists each layer's count (stock transformers and "
-                     f"vLLM build every layer with {experts_key} experts and will not load it)")
+                     "moe_sparsity_config.num_experts lists each layer's count; moejax loads, scores, evaluates "
+                     f"and prunes it (stock transformers and vLLM build every layer with {experts_key} experts "
+                     "and will not load it)")
     if dropped:
         for key in cfg.keys_of("num_nextn_predict_layers"):
             new_config[key] = 0
@@ -246,6 +254,22 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
                      n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,
                      config=new_config, groups=groups, notes=tuple(notes))
+
+
+def _listed_layers(cfg, kept_counts: dict, dropped: tuple) -> range:
+    """The layers moe_sparsity_config.num_experts lists: the decoder layers, and the MTP layers
+    when they are kept (an unlisted layer is read with the largest count, so an MTP layer kept with
+    fewer experts must be listed: all of them, as the config reader expects)."""
+    n_layers = cfg.num_hidden_layers
+    mtp = range(n_layers, n_layers + (0 if dropped else cfg.num_nextn_predict_layers))
+    if mtp and all(l in kept_counts for l in mtp):
+        return range(mtp.stop)
+    largest = max(kept_counts.values())
+    unlisted = {l: c for l, c in kept_counts.items() if l >= n_layers and c != largest}
+    if unlisted:
+        raise ConfigError(f"MTP layer(s) {sorted(unlisted)} would keep {unlisted} experts, which config.json cannot "
+                          f"record while other MTP layers are absent from the checkpoint; prune with --drop-mtp")
+    return range(n_layers)
 
 
 # --------------------------------------------------------------------------------------------

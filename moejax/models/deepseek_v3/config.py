@@ -96,8 +96,8 @@ class DeepseekV3Config(SigmoidGroupRouter, MoeConfig):
         moejax does not implement are all collected and raised as one ConfigError.
 
         uniform_experts: refuse (the default) a moe_sparsity_config.num_experts that gives layers
-        different expert counts, as the model builds every MoE layer with n_routed_experts. Tools that
-        only read a per-layer-pruned checkpoint pass False and ask `experts_in_layer`."""
+        different expert counts, for a caller that needs one count in every layer. The loader, scoring
+        and prune pass False and ask `experts_in_layer` (the model builds each layer with its count)."""
         check_family(d, source, MODEL_TYPES, ARCHITECTURE, "DeepSeek-V3")
         d = dict(d)
         problems: list[str] = []        # wrong types, ranges and inconsistencies
@@ -225,9 +225,11 @@ def _relations(v: dict) -> list[str]:
 
 def _layer_num_experts(d: dict, v: dict, problems: list, unimplemented: list, uniform: bool) -> tuple | None:
     k0 = v.get("first_k_dense_replace")
+    router = dict(top_k=v.get("num_experts_per_tok"), n_group=v.get("n_group"), topk_group=v.get("topk_group"))
     return layer_num_experts(d, v.get("num_hidden_layers"), v.get("num_nextn_predict_layers"),
                              v.get("n_routed_experts"), "n_routed_experts",
-                             lambda layer: None if k0 is None else layer < k0, problems, unimplemented, uniform)
+                             lambda layer: None if k0 is None else layer < k0, problems, unimplemented, uniform,
+                             router=None if None in router.values() else router)
 
 
 def _rope_from_dict(d: dict, v: dict, problems: list, unimplemented: list) -> RopeConfig:
