@@ -56,8 +56,14 @@ def _score(args) -> None:
     df = score_checkpoint(args.checkpoint, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
                           max_tokens=args.max_tokens, scores=scores, batch_size=args.batch_size, out=args.out,
                           dtype=args.dtype, mesh=mesh)
-    print(f"{df.layer.nunique()} MoE layers x {df.expert.nunique()} experts x {df.score.nunique()} scores "
+    print(f"{df.layer.nunique()} MoE layers x {_experts(df)} x {df.score.nunique()} scores "
           f"-> {args.out} (+ {args.out.rsplit('.', 1)[0]}.json)")
+
+
+def _experts(df) -> str:
+    """'8 experts', or each layer's count when they differ (a checkpoint pruned per layer)."""
+    counts = df.groupby("layer").expert.nunique().tolist()
+    return f"{counts[0]} experts" if len(set(counts)) == 1 else f"{counts} experts"
 
 
 def _score_data_free(args) -> None:
@@ -70,7 +76,7 @@ def _score_data_free(args) -> None:
         raise ConfigError("give calibration data (--text or --tokens), or --scores naming only data-free scores "
                           "(e.g. --scores bias,signed,l1) to score from the router weights alone")
     df = score_data_free(args.checkpoint, scores=args.scores.split(","), out=args.out, seed=args.seed)
-    print(f"{df.layer.nunique()} MoE layers x {df.expert.nunique()} experts x {df.score.nunique()} data-free scores "
+    print(f"{df.layer.nunique()} MoE layers x {_experts(df)} x {df.score.nunique()} data-free scores "
           f"-> {args.out} (+ {args.out.rsplit('.', 1)[0]}.json)")
 
 

@@ -19,6 +19,7 @@ from family_fixtures import make_family_checkpoint  # noqa: E402
 from hf_fixtures import batch, make_checkpoint, rewrite  # noqa: E402
 
 from moejax import AutoModelForCausalLM, DeepseekV3ForCausalLM  # noqa: E402
+from moejax.cli import main  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
 from moejax.hf.check import check_checkpoint  # noqa: E402
 from moejax.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
@@ -138,7 +139,7 @@ def test_lm_eval_backend_reads_it(source):
     assert np.abs(np.subtract(pruned, full)).max() > 1e-2
 
 
-def test_scores_have_each_layers_length(source, tmp_path):
+def test_scores_have_each_layers_length(source, tmp_path, capsys):
     """Data-free and calibration scores of the pruned checkpoint: one row per expert of each layer;
     l1 equals the source's at the kept experts, and the calibration routing counts equal the
     source's under the same masks."""
@@ -152,6 +153,8 @@ def test_scores_have_each_layers_length(source, tmp_path):
         assert rows.expert.tolist() == list(range(len(kept)))
         want = source_free[source_free.layer == layer].set_index("expert").value[kept]
         np.testing.assert_array_equal(rows.value.to_numpy(), want.to_numpy())
+    assert main(["score", str(dst), "--scores", "l1", "--out", str(tmp_path / "free.parquet")]) == 0
+    assert "2 MoE layers x [5, 3] experts x 1 data-free scores" in capsys.readouterr().out
     ids = np.random.default_rng(0).integers(1, 256, (2, 12))
     np.save(tmp_path / "ids.npy", ids)
     df = score_checkpoint(dst, tokens=tmp_path / "ids.npy", scores=["frequency", "reap"],
