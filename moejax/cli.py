@@ -63,7 +63,7 @@ def _score(args) -> None:
 def _experts(df) -> str:
     """'8 experts', or each layer's count when they differ (a checkpoint pruned per layer)."""
     counts = df.groupby("layer").expert.nunique().tolist()
-    return f"{counts[0]} experts" if len(set(counts)) == 1 else f"{counts} experts"
+    return f"{counts} experts" if len(set(counts)) > 1 else f"{counts[0] if counts else 0} experts"
 
 
 def _score_data_free(args) -> None:
