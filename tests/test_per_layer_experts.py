@@ -122,6 +122,16 @@ def test_variants_of_a_per_layer_model(source):
     beyond[2, 4] = True  # layer 2 holds 3 experts
     with pytest.raises(ConfigError, match=r"layer 2 holds 3 experts .* keeps experts \[4\]"):
         check_variant(beyond, cfg)
+    # a scores file of the per-layer checkpoint, a keep ratio resolved against each layer's count
+    from moejax.scoring.score_checkpoint import score_data_free
+    from moejax.variant import masks_from_scores
+
+    free = score_data_free(dst, scores=["l1"], out=dst.parent / "free_l1.parquet")
+    masks = masks_from_scores(dst.parent / "free_l1.parquet", "l1", 0.6, cfg)
+    for layer, n, keep in ((1, 5, 3), (2, 3, 2)):
+        values = free[free.layer == layer].sort_values("expert").value.to_numpy()
+        assert masks[layer].tolist() == [e in np.argsort(-values, kind="stable")[:keep] for e in range(5)]
+        assert not masks[layer, n:].any()
 
 
 def test_lm_eval_backend_reads_it(source):
