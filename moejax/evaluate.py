@@ -46,6 +46,7 @@ from moejax.moe.dispatch import pair_outputs
 from moejax.moe.expert_map import ExpertMap
 from moejax.moe.grouped import exact_expert_loop_combined, large_experts
 from moejax.moe.routing import route
+from moejax.models.causal_lm import Attended
 from moejax.models.layers import linear, rms_norm
 from moejax.nll import chunked_nll, chunked_nll_init, chunked_nll_update
 from moejax.scoring.observe import accumulate_layer
@@ -95,17 +96,12 @@ class Variant:
 @functools.partial(jax.jit, static_argnums=0)
 def _attention(graphdef, state, x_BSH, cos, sin, allowed):
     """h = x + attn(norm(x)), and z = the MLP's (router's) input."""
-    layer = nnx.merge(graphdef, state)
-    h = x_BSH + layer.self_attn(layer.input_layernorm(x_BSH), cos, sin, allowed)
-    return h, layer.post_attention_layernorm(h)
+    return nnx.merge(graphdef, state).attend(x_BSH, cos, sin, allowed)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _mlp(graphdef, state, h_BSH, z_BSH, mask_E):
-    layer = nnx.merge(graphdef, state)
-    if not layer.is_moe:
-        return h_BSH + layer.mlp(z_BSH)
-    return h_BSH + layer.mlp(z_BSH, mask_E, forward_only=True)[0]
+    return nnx.merge(graphdef, state).feed(Attended(h_BSH, z_BSH), mask_E, forward_only=True).out_BSH
 
 
 def _streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
@@ -197,8 +193,7 @@ def _stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed_BSS):
     layer = nnx.merge(graphdef, state)
     x = x_ABSH.reshape(A * B, S, H)
     allowed = jnp.broadcast_to(allowed_BSS[None], (A, B, S, S)).reshape(A * B, S, S)
-    h = x + layer.self_attn(layer.input_layernorm(x), cos, sin, allowed)
-    return h.reshape(A, B, S, H), layer.post_attention_layernorm(h).reshape(A, B, S, H)
+    return jax.tree.map(lambda a: a.reshape(A, B, S, H), layer.attend(x, cos, sin, allowed))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -209,12 +204,11 @@ def _stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | N
     _, B, S, H = h_ABSH.shape
     layer = nnx.merge(graphdef, state)
     h, z = (jnp.broadcast_to(a, (n_streams, B, S, H)).reshape(n_streams * B, S, H) for a in (h_ABSH, z_ABSH))
-    if em_A is None:
-        out = h + layer.mlp(z)
-    else:  # stream n's mask and rows on each of its tokens
+    variant = None
+    if em_A is not None:  # stream n's mask and rows on each of its tokens
         per_token = jax.tree.map(lambda a: jnp.repeat(a, B * S, axis=0), (em_A.mask_E, em_A.rows_E))
-        out = h + layer.mlp(z, ExpertMap(*per_token, em_A.weights), forward_only=True)[0]
-    return out.reshape(n_streams, B, S, H)
+        variant = ExpertMap(*per_token, em_A.weights)
+    return layer.feed(Attended(h, z), variant, forward_only=True).out_BSH.reshape(n_streams, B, S, H)
 
 
 @jax.jit

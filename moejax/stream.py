@@ -25,8 +25,8 @@ from moejax.models.layers import causal_allowed
 
 @functools.partial(jax.jit, static_argnums=0)
 def _layer_forward(graphdef, state, x_BSH, cos, sin, allowed_BSS):
-    out, _, z = nnx.merge(graphdef, state)(x_BSH, cos, sin, allowed_BSS)
-    return out, z
+    out = nnx.merge(graphdef, state)(x_BSH, cos, sin, allowed_BSS)
+    return out.out_BSH, out.z_BSH
 
 
 def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype):

@@ -56,8 +56,27 @@ class CachedOutput(NamedTuple):
     cache: KVCache
 
 
+class Attended(NamedTuple):
+    """A decoder layer's first half: the residual after attention and the MLP's (router's) input."""
+
+    h_BSH: jax.Array  # x + attn(input_layernorm(x))
+    z_BSH: jax.Array  # post_attention_layernorm(h): what the MLP (and the router) read
+
+
+class LayerOutput(NamedTuple):
+    """A decoder layer's second half: its output, the MoE routing (None for a dense layer) and the
+    MLP's input it was computed from."""
+
+    out_BSH: jax.Array  # h + mlp(z)
+    routing: object     # Routing of a MoE layer's tokens (flattened); None for a dense layer
+    z_BSH: jax.Array
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual layer: x + attn(norm(x)), then + mlp(norm(.)) with the MoE block in MoE layers."""
+    """Pre-norm residual layer in two named halves: `attend` (x + attn(norm(x)), and the MLP's
+    input) then `feed` (h + mlp(z), the MoE block in MoE layers). The forward, prefill and decode,
+    the streamed executor and the carried pass all go through them, so no caller repeats the
+    residual wiring."""
 
     def __init__(self, cfg, layer: int, dtype, rngs: nnx.Rngs, backend: str, attention_class):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -67,27 +86,35 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, dtype, rngs, backend, cfg.experts_in_layer(layer)) if self.is_moe else MLP(
             cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False):
-        """(output, routing or None for a dense layer, the MLP's input)."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, allowed)
-        return self._mlp_block(h, variant, forward_only)
+    def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False) -> LayerOutput:
+        return self.feed(self.attend(x, cos, sin, allowed), variant, forward_only)
+
+    def attend(self, x, cos, sin, allowed) -> Attended:
+        """The first half on the whole sequence (no cache)."""
+        return self._residual(x, self.self_attn(self.input_layernorm(x), cos, sin, allowed))
+
+    def feed(self, attended: Attended, variant=None, forward_only: bool = False) -> LayerOutput:
+        """The second half: h + mlp(z); a MoE layer under `variant` (None, a mask [E] or an
+        ExpertMap), which a dense layer ignores."""
+        h, z = attended
+        if not self.is_moe:
+            return LayerOutput(h + self.mlp(z), None, z)
+        y, routing = self.mlp(z, variant, forward_only)
+        return LayerOutput(h + y, routing, z)
 
     def prefill(self, x, cos, sin, allowed_BSS, cache, variant=None):
         """The layer on a prompt, its keys (or latents) written into the cache: (output, cache)."""
         a, cache = self.self_attn.prefill(self.input_layernorm(x), cos, sin, allowed_BSS, cache)
-        return self._mlp_block(x + a, variant, True)[0], cache
+        return self.feed(self._residual(x, a), variant, True).out_BSH, cache
 
     def decode(self, x, cos, sin, cache, column, allowed_B1C, variant=None):
         """The layer on one new token per row against its cache: (output, cache)."""
         a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1C)
-        return self._mlp_block(x + a, variant, True)[0], cache
+        return self.feed(self._residual(x, a), variant, True).out_BSH, cache
 
-    def _mlp_block(self, h, variant, forward_only):
-        z = self.post_attention_layernorm(h)
-        if not self.is_moe:
-            return h + self.mlp(z), None, z
-        y, routing = self.mlp(z, variant, forward_only)
-        return h + y, routing, z
+    def _residual(self, x, attention_out) -> Attended:
+        h = x + attention_out
+        return Attended(h, self.post_attention_layernorm(h))
 
 
 class Decoder(nnx.Module):
@@ -142,9 +169,10 @@ class CausalLM(nnx.Module):
         allowed = causal_allowed(attention_mask_BS, B, S)
         routings, moe_inputs = {}, {}
         for l, layer in enumerate(self.model.layers):
-            x, routing, z = layer(x, cos, sin, allowed, self._layer_variant(variant, l), forward_only)
-            if routing is not None:
-                routings[l], moe_inputs[l] = routing, z.reshape(B * S, -1)
+            out = layer(x, cos, sin, allowed, self._layer_variant(variant, l), forward_only)
+            x = out.out_BSH
+            if out.routing is not None:
+                routings[l], moe_inputs[l] = out.routing, out.z_BSH.reshape(B * S, -1)
         return CausalLMOutput(self._logits(x), routings if return_routing else None,
                               moe_inputs if return_moe_inputs else None)
 
