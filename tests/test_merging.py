@@ -10,7 +10,7 @@ import pytest
 
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, global_counts, layer_counts
-from moejax.merging.average import align_layer, align_neurons, merge_cluster, merge_layer, permute_neurons
+from moejax.merging.average import align_layer, align_neurons, merge_cluster, merge_weights, permute_neurons
 from moejax.merging.clusters import canonical_labels, hc_smoe_clusters, m_smoe_groups
 
 
@@ -135,7 +135,7 @@ def test_bad_requests_are_refused():
         m_smoe_groups(np.ones((3, 4)), np.ones(4), 0)
 
 
-# --- a whole layer at once: align_layer and merge_layer -------------------------------------------------
+# --- a whole layer at once: align_layer and merge_weights -------------------------------------------------
 
 def best_perm(dom, mem):
     """The best permutation by brute force over all of them (the definition of the alignment)."""
@@ -199,11 +199,11 @@ def merge_reference(experts, labels, freq, leaders=None):
 
 
 @pytest.mark.parametrize("align", [False, True])
-def test_merge_layer_from_the_definition(align):
+def test_merge_weights_from_the_definition(align):
     rng = np.random.default_rng(8)
     experts = near_copies(rng, 4, 5, LABELS, LEADERS)
     freq = np.array([3, 0, 1, 5, 0, 0, 2, 4])   # cluster {1, 4, 5} never routed: uniform weights
-    merged = merge_layer(layer_of(experts), LABELS, freq, align=align, leaders=LEADERS if align else None)
+    merged = merge_weights(layer_of(experts), LABELS, freq, align=align, leaders=LEADERS if align else None)
     want = merge_reference(experts, LABELS, freq, LEADERS if align else None)
     assert set(merged) == {"gate", "up", "down"}
     for k in merged:
@@ -214,43 +214,43 @@ def test_merge_layer_from_the_definition(align):
     assert gap < 0.5 if align else gap > 0.5
 
 
-def test_merge_layer_precision_singletons_and_the_toy_layout():
+def test_merge_weights_precision_singletons_and_the_toy_layout():
     rng = np.random.default_rng(9)
     experts = near_copies(rng, 4, 5, LABELS, LEADERS, dtype=np.float32)
     freq = np.arange(8.0)
     for dtype, want in ((np.float32, np.float32), (ml_dtypes.bfloat16, np.float32), (np.float64, np.float64)):
         layer = {k: v.astype(dtype) for k, v in layer_of(experts).items()}
-        merged = merge_layer(layer, LABELS, freq, align=True, leaders=LEADERS)
+        merged = merge_weights(layer, LABELS, freq, align=True, leaders=LEADERS)
         assert all(m.dtype == want for m in merged.values()), dtype
         for c, j in ((2, 3), (3, 6)):           # singletons: the expert exactly
             np.testing.assert_array_equal(merged["down"][c], layer["down"][j].astype(want))
         # every expert its own cluster: the layer exactly
-        alone = merge_layer(layer, np.arange(8), freq, align=True, leaders=np.arange(8))
+        alone = merge_weights(layer, np.arange(8), freq, align=True, leaders=np.arange(8))
         for k in layer:
             np.testing.assert_array_equal(alone[k], layer[k].astype(want))
-    np.testing.assert_allclose(merge_layer(layer_of(experts), LABELS, freq)["up"],
+    np.testing.assert_allclose(merge_weights(layer_of(experts), LABELS, freq)["up"],
                                merge_reference(experts, LABELS, freq)["up"], rtol=1e-6, atol=1e-6)
     toy = {"w1": rng.normal(size=(3, 4, 6)), "w2": rng.normal(size=(3, 6, 4))}   # relu_mlp: w1 [d, F], w2 [F, d]
     toy["w1"][2], toy["w2"][2] = toy["w1"][0][:, ::-1], toy["w2"][0][::-1]       # expert 2: expert 0 reversed
-    merged = merge_layer(toy, np.array([0, 1, 0]), np.array([1.0, 1.0, 1.0]), align=True, leaders=np.array([0, 1]))
+    merged = merge_weights(toy, np.array([0, 1, 0]), np.array([1.0, 1.0, 1.0]), align=True, leaders=np.array([0, 1]))
     np.testing.assert_allclose(merged["w1"][0], toy["w1"][0])   # aligned, the two are one expert
     np.testing.assert_allclose(merged["w2"][1], toy["w2"][1])
 
 
-def test_merge_layer_refuses_bad_requests():
+def test_merge_weights_refuses_bad_requests():
     rng = np.random.default_rng(10)
     layer = layer_of(near_copies(rng, 4, 5, LABELS, LEADERS))
     freq = np.ones(8)
     with pytest.raises(ConfigError, match="number the clusters 0, 1, ..., C - 1"):
-        merge_layer(layer, np.array([0, 1, 0, 3, 1, 1, 3, 0]), freq)          # cluster 2 missing
+        merge_weights(layer, np.array([0, 1, 0, 3, 1, 1, 3, 0]), freq)          # cluster 2 missing
     with pytest.raises(ConfigError, match="needs each cluster's leader"):
-        merge_layer(layer, LABELS, freq, align=True)
+        merge_weights(layer, LABELS, freq, align=True)
     with pytest.raises(ConfigError, match=r"leaders\[c\] an expert of cluster c"):
-        merge_layer(layer, LABELS, freq, align=True, leaders=np.array([2, 1, 6, 3]))
+        merge_weights(layer, LABELS, freq, align=True, leaders=np.array([2, 1, 6, 3]))
     with pytest.raises(ConfigError, match="finite and non-negative"):
-        merge_layer(layer, LABELS, -freq)
+        merge_weights(layer, LABELS, -freq)
     with pytest.raises(ConfigError, match="match no layout"):
-        merge_layer({"gate": layer["gate"], "up": layer["up"]}, LABELS, freq)
+        merge_weights({"gate": layer["gate"], "up": layer["up"]}, LABELS, freq)
 
 
 # --- per-layer budgets: moejax.merging.allocation --------------------------------------------------------
@@ -368,7 +368,7 @@ def test_a_layer_merge_and_a_merge_plan_lead_each_cluster_by_its_most_frequent_m
                        n_tokens=40)
     weights = {"gate": rng.normal(size=(E, H, F)), "up": rng.normal(size=(E, H, F)), "down": rng.normal(size=(E, F, H))}
     for keep in (2, 4, 5):
-        lm = merge_layer(method, keep, stats, weights)
+        lm = merge_weights(method, keep, stats, weights)
         want = leaders_reference(lm.labels_E, counts)
         assert lm.leaders.tolist() == want and np.flatnonzero(lm.kept_E("shrunk")).tolist() == sorted(want)
         assert [c[0] for c in lm.clusters()] == want

@@ -7,7 +7,7 @@ as variants beside the pruning scores and written as checkpoints.
   `keep` most frequent experts dominate, every other expert joins the dominant one whose
   router-logit column is most similar by cosine).
 - `average`: how a cluster becomes one expert. `align_neurons` / `align_layer` (M-SMoE's Hungarian
-  alignment of a member's intermediate neurons onto its leader's), `merge_layer` /
+  alignment of a member's intermediate neurons onto its leader's), `merge_weights` /
   `merge_cluster` (the frequency-weighted average of every matrix).
 - `allocation`: per-layer counts, uniform or from one global threshold (`layer_counts`).
 - `calibration`: `MergeStats` of a MoE layer from a calibration pass (counts, every expert's output

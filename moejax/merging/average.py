@@ -170,7 +170,7 @@ def align_layer(weights: dict, labels_E, leaders) -> dict[int, np.ndarray]:
     return perms
 
 
-def merge_layer(weights: dict, labels_E, freq_E, align: bool = False, leaders=None) -> dict:
+def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=None) -> dict:
     """A layer's clusters merged: {"gate": [C, H, F], ...}, row c the merged expert of the cluster
     labelled c (labels_E: int [E] numbering the C clusters 0..C-1; `canonical_labels` numbers them by
     lowest member, as the clusterings do):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.errors import ConfigError
-from moejax.merging.average import merge_layer as merge_weights
+from moejax.merging.average import merge_weights
 from moejax.merging.calibration import MergeStats
 from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups_from_gram
 from moejax.moe.expert_map import ExpertMap
