@@ -368,7 +368,7 @@ def test_a_layer_merge_and_a_merge_plan_lead_each_cluster_by_its_most_frequent_m
                        n_tokens=40)
     weights = {"gate": rng.normal(size=(E, H, F)), "up": rng.normal(size=(E, H, F)), "down": rng.normal(size=(E, F, H))}
     for keep in (2, 4, 5):
-        lm = merge_weights(method, keep, stats, weights)
+        lm = merge_layer(method, keep, stats, weights)
         want = leaders_reference(lm.labels_E, counts)
         assert lm.leaders.tolist() == want and np.flatnonzero(lm.kept_E("shrunk")).tolist() == sorted(want)
         assert [c[0] for c in lm.clusters()] == want
