@@ -181,9 +181,9 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="a local folder; for data-free scores also an https:// base URL or "
                    "hf://org/name[@revision]")
     _calibration_arguments(p, required=False)
-    p.add_argument("--scores", default=None, help="comma-separated; default: every score the model supports (all nine; "
-                   "without `bias` for routers with no balance bias); without calibration data: data-free "
-                   "scores only (bias, signed, l1, random)")
+    p.add_argument("--scores", default=None, help="comma-separated; default: every score the model supports (all "
+                   "thirteen; without `bias` for routers with no balance bias); without calibration data: data-free "
+                   "scores only (bias, signed, l1, random from the routers; aimer from the experts' weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random score (data-free scoring)")
     p.add_argument("--mesh-expert", type=int, default=1, help="devices the routed experts are split over")
     p.add_argument("--mesh-data", type=int, default=1, help="data-parallel devices (tokens split)")
@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("prune", help="write a pruned HF checkpoint, streamed shard by shard")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--score", required=True, help="data-free (bias, signed, l1, random) or a score in --scores-file")
+    p.add_argument("--score", required=True, help="data-free (bias, signed, l1, random, aimer) or a score in "
+                   "--scores-file")
     p.add_argument("--scores-file", help="scores.parquet from `moejax score`")
     p.add_argument("--keep", help="experts kept per MoE layer: a count (32) or a ratio of E (0.5)")
     p.add_argument("--layers-keep", help="JSON file of layer -> keep count, overriding --keep per layer")

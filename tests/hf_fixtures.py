@@ -87,7 +87,8 @@ def reference_scores(hf, seen, mask) -> dict:
     """Every score from its definition (SPEC section 2), float64 numpy, on what transformers' model
     routed and computed (`hook_router`): its router input, logits, real gates (sigmoid or softmax,
     as the family routes) and chosen experts; expert outputs from its own weights (transformers 5's
-    fused `experts.gate_up_proj` [E, 2 Im, H], gate rows first, and `experts.down_proj` [E, H, Im])."""
+    fused `experts.gate_up_proj` [E, 2 Im, H], gate rows first, and `experts.down_proj` [E, H, Im]),
+    which `aimer` also reads (minus AIMER's ratio over the expert's gate, up and down entries)."""
     valid = mask.reshape(-1).astype(bool)
     out = {}
     for l, (x, logits, gates, idx) in seen.items():
@@ -103,26 +104,35 @@ def reference_scores(hf, seen, mask) -> dict:
             return (g / (1 + np.exp(-g)) * u) @ down[j].T
 
         def reap(idx_TK, gate_TK):
-            freq, gate_norm, norm = np.zeros(E), np.zeros(E), np.zeros(E)
+            freq, gate_norm, norm, norm_sq, norm_max = (np.zeros(E) for _ in range(5))
             for j in range(E):
                 t, k = np.nonzero(idx_TK == j)
                 n = np.linalg.norm(f(j, x[t]), axis=1)
-                freq[j], gate_norm[j], norm[j] = len(t), (gate_TK[t, k] * n).sum(), n.sum()
-            return freq, np.where(freq > 0, gate_norm / np.maximum(freq, 1), 0.0), norm
+                freq[j], gate_norm[j], norm[j], norm_sq[j] = len(t), (gate_TK[t, k] * n).sum(), n.sum(), (n ** 2).sum()
+                norm_max[j] = n.max() if len(t) else 0.0
+            per_token = lambda v: np.where(freq > 0, v / np.maximum(freq, 1), 0.0)  # noqa: E731
+            return freq, per_token(gate_norm), norm, per_token(norm), per_token(norm_sq), norm_max
 
-        freq, reap_real, ean = reap(idx, gates)
+        freq, reap_real, ean, man, msan, max_act = reap(idx, gates)
         code_idx = np.argsort(-logits, axis=1, kind="stable")[:, :idx.shape[1]]
         p = np.exp(logits - logits.max(1, keepdims=True))
         p /= p.sum(1, keepdims=True)
         code_gate = np.take_along_axis(p, code_idx, 1)
         code_gate /= code_gate.sum(1, keepdims=True)
-        _, reap_code, _ = reap(code_idx, code_gate)
+        reap_code = reap(code_idx, code_gate)[1]
         W = block.gate.weight.detach().double().numpy()
         out[l] = {"frequency": freq, "reap": reap_real, "reap_code": reap_code, "ean": ean, "w_mean": W @ x.mean(0),
-                  "signed": W.sum(1), "l1": np.abs(W).sum(1)}
+                  "signed": W.sum(1), "l1": np.abs(W).sum(1), "man": man, "msan": msan, "max_act": max_act,
+                  "aimer": -np.array([aimer_ratio(gate_up[j], down[j]) for j in range(E)])}
         if hasattr(block.gate, "e_score_correction_bias"):
             out[l]["bias"] = -block.gate.e_score_correction_bias.detach().double().numpy()
     return out
+
+
+def aimer_ratio(*matrices) -> float:
+    """AIMER's ratio of one expert: mean |w| over root mean square w, w every entry of its matrices."""
+    w = np.concatenate([np.asarray(m, np.float64).ravel() for m in matrices])
+    return np.abs(w).mean() / np.sqrt(np.square(w).mean())
 
 
 def batch(vocab, seed=0, B=3, S=14):

@@ -9,12 +9,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_fixtures import QUANT_CONFIGS, make_checkpoint, quantize, rewrite  # noqa: E402
+from hf_fixtures import QUANT_CONFIGS, aimer_ratio, make_checkpoint, quantize, rewrite  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.errors import CheckpointError  # noqa: E402
 from moejax.hf import quant  # noqa: E402
 from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.scoring.score_checkpoint import score_data_free  # noqa: E402
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
@@ -43,6 +44,13 @@ def test_quantised_checkpoint_decodes_and_round_trips(source, tmp_path, fmt):
     original = np.asarray(dense.model.layers[1].mlp.experts_down[...][3]).T
     assert np.abs(got - original).max() < 0.2 * np.abs(original).max()
     assert not np.array_equal(got, original)
+    # the data-free aimer decodes the experts as the loader does (numpy on the loaded model's weights)
+    free = score_data_free(qdir, scores=["aimer"])
+    for l in (1, 2):
+        mlp = model.model.layers[l].mlp
+        want = [-aimer_ratio(*(w[...][e] for w in (mlp.experts_gate, mlp.experts_up, mlp.experts_down)))
+                for e in range(8)]
+        np.testing.assert_allclose(free[free.layer == l].sort_values("expert").value, want, rtol=1e-12)
     # load then save: every tensor back byte for byte, quantised ones with their companions
     out = model.save_pretrained(tmp_path / f"{fmt}-out")
     a, b = CheckpointReader(qdir), CheckpointReader(out)

@@ -13,7 +13,7 @@ from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.scoring.observe import calibrate  # noqa: E402
 from moejax.scoring.scores import compute_scores  # noqa: E402
 
-SCORES = ["frequency", "reap", "reap_code", "ean", "w_mean"]
+SCORES = ["frequency", "reap", "reap_code", "ean", "w_mean", "man", "msan", "max_act", "aimer"]
 
 
 def hf_reference(hf, ids, mask):

@@ -73,7 +73,7 @@ def nothing_left(dst):
     return not dst.exists() and not list(dst.parent.glob(f".{dst.name}.*"))
 
 
-@pytest.mark.parametrize("score", ["l1", "signed", "bias", "random"])
+@pytest.mark.parametrize("score", ["l1", "signed", "bias", "random", "aimer"])
 def test_pruned_tensors_are_the_sources_bytes(flat, tmp_path, score):
     dst = tmp_path / "pruned"
     prune_checkpoint(flat, dst, score=score, keep=4)
@@ -265,6 +265,9 @@ def test_mtp_layer_pruned_or_dropped(flat, tmp_path):
     dst = tmp_path / "pruned"
     prune_checkpoint(src, dst, score="l1", keep=4)
     assert kept_of(dst).keys() == {1, 2, 3} and tensors(dst) == expected_tensors(src, kept_of(dst))
+    prune_checkpoint(src, tmp_path / "aimer", score="aimer", keep=4)  # reads the MTP layer's experts too
+    kept = kept_of(tmp_path / "aimer")
+    assert kept.keys() == {1, 2, 3} and kept[3] == kept[2] and kept[1] != kept[2]
     scores = pd.DataFrame([{"layer": l, "expert": e, "score": "ean", "value": float(e)}
                            for l in (1, 2) for e in range(E)])
     scores.to_parquet(tmp_path / "s.parquet")

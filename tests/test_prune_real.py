@@ -251,13 +251,15 @@ def test_experiment_through_hydra_runner(tmp_path, setup):
     path = setup[0]
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    cfg = {"name": "prune_real", "model": {"path": str(path)}, "keep": [0.5], "scores": ["frequency", "bias"],
+    cfg = {"name": "prune_real", "model": {"path": str(path)}, "keep": [0.5],
+           "scores": ["frequency", "bias", "man", "msan", "max_act", "aimer"],
            "data": {"calib": [str(text)], "heldout": [str(text)], "seq_len": 32, "calib_tokens": 512,
                     "heldout_tokens": 256, "batch_size": 4}, "prune": {"sequential": False}, "dtype": "float32"}
     run_job(cfg, tmp_path / "out")
     df = load(tmp_path / "out")
     assert {"mode", "score", "keep", "layer", "text", "metric", "value"} <= set(df.columns)
     assert set(df[df.metric == "perplexity"].text) == {"text.txt", "all"}
+    assert set(df[df.metric == "perplexity"].score.dropna()) == {"frequency", "bias", "man", "msan", "max_act", "aimer"}
     from moejax.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no config.json"):

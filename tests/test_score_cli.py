@@ -13,11 +13,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_fixtures import make_checkpoint  # noqa: E402
+from hf_fixtures import aimer_ratio, make_checkpoint  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.cli import main  # noqa: E402
 from moejax.scoring.observe import calibrate  # noqa: E402
+from moejax.scoring.scores import ALL_SCORES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB_TEXT = Path(json.__file__).parent / "decoder.py"  # text that ships with Python
@@ -36,13 +37,17 @@ def test_text_scoring_writes_table_and_sidecar_equal_to_in_memory_pass(ckpt, tmp
                  "--batch-size", "4", "--out", str(out)]) == 0
     df = pd.read_parquet(out)
     assert list(df.columns) == ["layer", "expert", "score", "value"]
-    assert sorted(df.layer.unique()) == [1, 2] and df.expert.nunique() == 8 and df.score.nunique() == 9
+    assert sorted(df.layer.unique()) == [1, 2] and df.expert.nunique() == 8 and set(df.score) == set(ALL_SCORES)
+    assert len(ALL_SCORES) == 13  # SPEC section 2's nine, man, msan, max_act and aimer
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["tokens"] == 96 and side["tokenizer"].startswith("byte-level")
     ids = np.frombuffer(STDLIB_TEXT.read_text().encode("utf-8")[:96], np.uint8).astype(np.int32).reshape(6, 16)
     want = calibrate(DeepseekV3ForCausalLM.from_pretrained(ckpt), [(ids[:4], None), (ids[4:], None)])
     for layer, st in want.items():
         np.testing.assert_array_equal(side["layers"][str(layer)]["counts"], st.counts_E)
+        for key, value in [("norm_sq_sum", st.norm_sq_sum_E), ("norm_max", st.norm_max_E),
+                           ("weight_abs_sum", st.weight_abs_sum_E), ("weight_sq_sum", st.weight_sq_sum_E)]:
+            np.testing.assert_allclose(side["layers"][str(layer)][key], value, rtol=1e-6, err_msg=key)
         freq = df[(df.layer == layer) & (df.score == "frequency")].sort_values("expert").value.to_numpy()
         np.testing.assert_array_equal(freq, st.counts_E)
 
@@ -67,6 +72,36 @@ def test_tokenizer_json_and_npy_tokens(ckpt, tmp_path):
     df = pd.read_parquet(out2)
     assert set(df.score) == {"frequency", "l1"}
     assert df[df.score == "frequency"].groupby("layer").value.sum().tolist() == [5 * 12 * 2] * 2  # K=2
+
+
+def test_aimer_without_data_equals_numpy_on_the_safetensors_and_the_calibrated_pass(ckpt, tmp_path):
+    """aimer = -(mean |w|) / sqrt(mean w^2) over each routed expert's gate, up and down entries, read
+    here with safetensors: `moejax score` without data, `moejax prune --score aimer` and the
+    calibration pass (the model's own copy of the weights, partial sums on the device) agree."""
+    from safetensors.numpy import load_file
+
+    from moejax.scoring.scores import compute_scores
+
+    tensors = {k: v for f in sorted(ckpt.glob("*.safetensors")) for k, v in load_file(f).items()}
+    want = {l: -np.array([aimer_ratio(*(tensors[f"model.layers.{l}.mlp.experts.{e}.{m}_proj.weight"]
+                                        for m in ("gate", "up", "down"))) for e in range(8)]) for l in (1, 2)}
+    out = tmp_path / "free.parquet"
+    assert main(["score", str(ckpt), "--scores", "aimer,l1", "--out", str(out)]) == 0
+    free = pd.read_parquet(out)
+    for l in (1, 2):
+        got = free[(free.layer == l) & (free.score == "aimer")].sort_values("expert").value.to_numpy()
+        np.testing.assert_allclose(got, want[l], rtol=1e-12, err_msg=f"data-free aimer, layer {l}")
+    assert main(["prune", str(ckpt), str(tmp_path / "pruned"), "--score", "aimer", "--keep", "4",
+                 "--collapse-groups"]) == 0
+    record = json.loads((tmp_path / "pruned" / "pruning.json").read_text())
+    for l in (1, 2):
+        assert record["layers"][str(l)]["kept"] == sorted(np.argsort(-want[l], kind="stable")[:4].tolist())
+    ids = np.random.default_rng(2).integers(0, 300, size=(2, 8))
+    stats = calibrate(DeepseekV3ForCausalLM.from_pretrained(ckpt), [(ids, None)])
+    for l in (1, 2):
+        got = compute_scores(stats[l], ["aimer"])["aimer"]
+        np.testing.assert_allclose(got, want[l], rtol=1e-6, err_msg=f"calibrated aimer, layer {l}")
+        assert np.array_equal(np.argsort(-got, kind="stable"), np.argsort(-want[l], kind="stable"))
 
 
 @pytest.mark.parametrize("args,match", [
@@ -114,7 +149,7 @@ def test_hydra_score_experiment(ckpt, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "spearman_vs_frequency" in out.stdout
     df = pd.read_parquet(tmp_path / "run" / "results.parquet")
-    assert df.score.nunique() == 9
+    assert set(df.score) == set(ALL_SCORES)
 
 
 def test_tiktoken_model_with_kimi_split_pattern(tmp_path):

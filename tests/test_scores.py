@@ -18,7 +18,8 @@ def routed():
     x = jax.random.normal(jax.random.key(1), (400, 8)) + 0.7
     routing, f, _ = model.routed_pass(x)
     st = stats_from_pairs(routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f, axis=-1),
-                          np.asarray(x).mean(0), model.router[...], model.bias[...], seed=7, layer=2)
+                          np.asarray(x).mean(0), model.router[...], model.bias[...], seed=7, layer=2,
+                          expert_weights=model.expert_weights())
     return model, np.asarray(x, np.float64), st
 
 
@@ -32,15 +33,18 @@ def numpy_reference(model, x):
     g = np.take_along_axis(s, idx, 1)
     g = g / g.sum(1, keepdims=True)
     E = W.shape[0]
-    freq, reap, ean = np.zeros(E), np.zeros(E), np.zeros(E)
+    freq, reap, ean, man, msan, max_act, aimer = (np.zeros(E) for _ in range(7))
     for j in range(E):
         t, k = np.nonzero(idx == j)
         f = np.maximum(x[t] @ w1[j], 0) @ w2[j]
         n = np.linalg.norm(f, axis=1)
         freq[j], ean[j] = len(t), n.sum()
         reap[j] = (g[t, k] * n).sum() / len(t) if len(t) else 0.0
+        man[j], msan[j], max_act[j] = (n.mean(), (n ** 2).mean(), n.max()) if len(t) else (0.0, 0.0, 0.0)
+        w = np.concatenate([w1[j].ravel(), w2[j].ravel()])
+        aimer[j] = -np.abs(w).mean() / np.sqrt((w ** 2).mean())
     return {"frequency": freq, "reap": reap, "ean": ean, "w_mean": W @ x.mean(0), "bias": -b,
-            "signed": W.sum(1), "l1": np.abs(W).sum(1)}
+            "signed": W.sum(1), "l1": np.abs(W).sum(1), "man": man, "msan": msan, "max_act": max_act, "aimer": aimer}
 
 
 def test_every_score_matches_its_definition(routed):
@@ -53,9 +57,37 @@ def test_every_score_matches_its_definition(routed):
     # Rankings: exact for scores whose values are exact; for the float32 forward's reap and ean,
     # wherever neighbouring values are not near-tied.
     for name, want in ref.items():
-        if name in ("reap", "ean") and np.min(np.diff(np.sort(want))) <= 1e-4 * np.abs(want).max():
+        if name in ("reap", "ean", "man", "msan", "max_act") and \
+                np.min(np.diff(np.sort(want))) <= 1e-4 * np.abs(want).max():
             continue
         assert np.array_equal(np.argsort(-got[name], kind="stable"), np.argsort(-want, kind="stable")), name
+
+def test_output_norm_scores_leave_out_padding_and_unrouted_experts():
+    """man, msan and max_act over the routed pairs of the unpadded tokens only: a padding token
+    with a huge output norm changes none of them, and an expert no token chose scores 0."""
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 5, size=(40, 2))
+    idx[:, 1] = (idx[:, 0] + 1) % 5  # two distinct experts per token; expert 5 is never chosen
+    norm = rng.uniform(0.5, 2.0, size=(40, 2))
+    mask = np.ones(40, bool)
+    mask[[3, 17, 30]] = False
+    norm[~mask] = 1e3  # padding: would win every maximum and dominate every mean
+    st = stats_from_pairs(idx, np.full((40, 2), 0.5), norm, np.zeros(4), np.ones((6, 4)), None, token_mask_T=mask)
+    got = compute_scores(st, ["man", "msan", "max_act"])
+    for j in range(6):
+        n = norm[mask][idx[mask] == j]
+        want = (n.mean(), (n ** 2).mean(), n.max()) if n.size else (0.0, 0.0, 0.0)
+        np.testing.assert_allclose([got["man"][j], got["msan"][j], got["max_act"][j]], want, rtol=1e-12, err_msg=j)
+    assert got["max_act"][5] == got["man"][5] == got["msan"][5] == 0
+
+
+def test_scores_a_pass_did_not_compute_are_refused_by_name(routed):
+    st = routed[2]
+    bare = type(st)(**{**st.__dict__, "norm_sq_sum_E": None, "norm_max_E": None, "weight_abs_sum_E": None})
+    for name in ("msan", "max_act", "aimer"):
+        with pytest.raises(ConfigError, match=f"layer 2: score '{name}' needs"):
+            compute_scores(bare, [name])
+
 
 def test_random_is_seeded_per_seed_and_layer(routed):
     _, _, st = routed

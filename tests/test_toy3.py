@@ -135,7 +135,8 @@ def numpy_toy3_softmax(cfg, inputs, seeds):
                          "value": usage[:16].sum() / usage.sum()})
             y, _ = np_routed_output(x_held, *np_softmax_route(x_held @ router.T, every, cfg.top_k), w1, w2)
             for name in cfg.scores:
-                score = np_scores(name, counts, gns, ns, router, None, x_cal.mean(0, dtype=np.float64), seed)
+                score = np_scores(name, counts, gns, ns, router, None, x_cal.mean(0, dtype=np.float64), seed,
+                                  routed=(idx, norms), experts=(w1, w2))
                 for keep in keeps:
                     kept = np_keep_mask(score, keep)
                     y_p, _ = np_routed_output(x_held, *np_softmax_route(x_held @ router.T, kept, cfg.top_k), w1, w2)
@@ -150,7 +151,7 @@ def numpy_toy3_softmax(cfg, inputs, seeds):
 
 def test_softmax_router_matches_numpy():
     cfg = toy3.Toy3Config(seed=5, seeds=1, keep=(8, 0.5, 64), router="softmax", loads=("skewed",),
-                          scores=("frequency", "signed", "l1", "reap"), **SMALL)
+                          scores=("frequency", "signed", "l1", "reap", "man", "msan", "max_act", "aimer"), **SMALL)
     df, _ = toy3.run(cfg)
     ref = numpy_toy3_softmax(cfg, toy3.draw_inputs(cfg, [5]), [5]).astype({"keep": "Int64"})
     key = ["offset", "load", "seed", "score", "keep", "metric"]

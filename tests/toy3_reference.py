@@ -37,8 +37,30 @@ def np_routed_output(x_TD, idx_TK, gate_TK, w1, w2):
     return y, norms
 
 
-def np_scores(name, counts, gate_norm_sum, norm_sum, router, bias, mean_input, seed):
+def np_output_norm_scores(idx_TK, norms_TK, n_experts):
+    """man, msan and max_act from their definitions: each expert's routed pairs' output norms."""
+    out = {"man": np.zeros(n_experts), "msan": np.zeros(n_experts), "max_act": np.zeros(n_experts)}
+    for j in range(n_experts):
+        n = norms_TK[idx_TK == j].astype(np.float64)
+        if n.size:
+            out["man"][j], out["msan"][j], out["max_act"][j] = n.mean(), (n ** 2).mean(), n.max()
+    return out
+
+
+def np_aimer(w1, w2):
+    """-(mean |w|) / sqrt(mean w^2) over each expert's w1 and w2 entries pooled."""
+    w = np.concatenate([w1.reshape(len(w1), -1), w2.reshape(len(w2), -1)], axis=1).astype(np.float64)
+    return -np.abs(w).mean(1) / np.sqrt((w ** 2).mean(1))
+
+
+def np_scores(name, counts, gate_norm_sum, norm_sum, router, bias, mean_input, seed, routed=None, experts=None):
+    """routed: (chosen experts [T, K], output norms [T, K]) for man, msan, max_act; experts: (w1, w2)
+    for aimer."""
     router = router.astype(np.float64)
+    if name in ("man", "msan", "max_act"):
+        return np_output_norm_scores(*routed, router.shape[0])[name]
+    if name == "aimer":
+        return np_aimer(*experts)
     return {
         "frequency": lambda: counts,
         "reap": lambda: np.where(counts > 0, gate_norm_sum / np.maximum(counts, 1), 0.0),

@@ -85,7 +85,7 @@ class Toy3Config:
     seed: int = 0                 # first seed
     seeds: int = 8                # seeds seed .. seed + seeds - 1, vectorised in one job
     keep: tuple = (8, 16, 32, 48)  # counts, or ratios of E (floats in (0, 1])
-    scores: tuple = DEFAULT_SCORES
+    scores: tuple = DEFAULT_SCORES  # any registered score but reap_code (aimer reads the experts' w1, w2)
     merges: tuple = MERGES        # merging baselines (SPEC section 8), each under both router forms; () = none
     eq6_pairs: int = 16           # Eq. 6 check: pairs merged one at a time per seed and condition; 0 = none
     offsets: tuple = OFFSETS
@@ -732,7 +732,9 @@ def _run(cfg: Toy3Config, progress=None):
             stats = stats_from_pairs(host["cal_idx"][s, o, l_], host["cal_gate"][s, o, l_],
                                      host["cal_norm"][s, o, l_], host["x_cal_mean"][s, o],
                                      host["router"][s], host["bias"][s, o, l_] if cfg.has_balance_bias else None,
-                                     seed=int(seed), layer=0)
+                                     seed=int(seed), layer=0,  # aimer reads the experts' w1, w2
+                                     expert_weights=[stacked["w1"][s], stacked["w2"][s]] if "aimer" in cfg.scores
+                                     else None)
             scores = compute_scores(stats, cfg.scores)
             frequency_kept = {keep: select_kept(stats.counts_E, keep) for keep in keeps}
             usage = np.sort(stats.counts_E)[::-1]

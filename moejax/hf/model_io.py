@@ -32,6 +32,7 @@ from moejax.hf.checkpoint_reader import CheckpointReader
 from moejax.hf.checkpoint_writer import write_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
+from moejax.hf.quant import read_decoded
 from moejax.hf.safetensors_format import RawTensor, numpy_dtype
 from moejax.hf.storage import require_local
 from moejax.models.family import Family
@@ -51,22 +52,6 @@ class HFSource:
     quantized: dict   # hf name of a quantised weight -> the on-disk tensors holding it
 
 
-def read_decoded(reader: CheckpointReader, name: str, stored: tuple, fmt: str | None, qcfg: dict | None):
-    """The tensor `name` as a numpy array, decoded to float32 when stored quantised."""
-    if stored == (name,):
-        return reader.read(name)
-    stem = name[: -len("weight")]
-    if fmt == "fp8_block":
-        return quant.dequant_fp8_block(reader.read(name), reader.read(stem + "weight_scale_inv"),
-                                       tuple(qcfg["weight_block_size"]), name=name)
-    if fmt == "mxfp4":
-        return quant.dequant_mxfp4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"), name=name)
-    zero_point = reader.read(stem + "weight_zero_point") if stem + "weight_zero_point" in stored else None
-    return quant.unpack_int4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"),
-                             reader.read(stem + "weight_shape"), _int4_group_size(qcfg),
-                             weight_zero_point=zero_point, name=name)
-
-
 def check_finite(value: np.ndarray, where: str) -> None:
     """Raise naming `where` and the first bad position when `value` holds a NaN or an infinity."""
     finite = np.isfinite(value)
@@ -74,14 +59,6 @@ def check_finite(value: np.ndarray, where: str) -> None:
         bad = np.argwhere(~finite)
         raise CheckpointError(f"{where}: {len(bad)} non-finite value(s) (NaN or inf), first at index "
                               f"{tuple(int(i) for i in bad[0])}: {value[tuple(bad[0])]}")
-
-
-def _int4_group_size(qcfg: dict) -> int:
-    sizes = {g.get("weights", {}).get("group_size") for g in (qcfg.get("config_groups") or {}).values()} - {None}
-    if len(sizes) != 1:
-        raise CheckpointError(f"quantization_config: expected one weights.group_size across config_groups, "
-                              f"got {sorted(sizes)}")
-    return sizes.pop()
 
 
 @dataclasses.dataclass

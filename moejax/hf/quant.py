@@ -10,7 +10,8 @@ run the model, always float32 out), and their detection from config.json.
 
 The layouts follow the compressed-tensors and DeepSeek sources (see
 shared/reference/deepseek-v3-hf.md §4.1, §4.4, §4.5). Only numpy and ml_dtypes; every function is
-pure. Arrays are 2-D ``[out_features, in_features]`` as torch Linear stores them; groups and packing
+pure but `read_decoded`, which reads a weight and its companions through a checkpoint reader.
+Arrays are 2-D ``[out_features, in_features]`` as torch Linear stores them; groups and packing
 run along the input (last) dimension. The encoders, which build quantised checkpoints for the tests,
 are in `moejax.hf.quant_encode`.
 """
@@ -397,3 +398,31 @@ def _check_int4_weights(group_name: str, weights: dict) -> None:
             f"quantization_config.config_groups.{group_name}.weights: actorder 'group' "
             f"(weight_g_idx) is not supported; expected actorder null or 'weight'"
         )
+
+
+def read_decoded(reader, name: str, stored: tuple, fmt: str | None, qcfg: dict | None):
+    """The tensor `name` as a numpy array, decoded to float32 when stored quantised. `reader`: a
+    checkpoint reader (`moejax.hf.checkpoint_reader`); `stored`: the on-disk tensors holding `name`
+    (`moejax.hf.check.stored_as`). Here, not in the loader, so that JAX-free tools (the data-free
+    scores that read expert weights) decode exactly as the model does."""
+    if stored == (name,):
+        return reader.read(name)
+    stem = name[: -len("weight")]
+    if fmt == "fp8_block":
+        return dequant_fp8_block(reader.read(name), reader.read(stem + "weight_scale_inv"),
+                                 tuple(qcfg["weight_block_size"]), name=name)
+    if fmt == "mxfp4":
+        return dequant_mxfp4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"), name=name)
+    zero_point = reader.read(stem + "weight_zero_point") if stem + "weight_zero_point" in stored else None
+    return unpack_int4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"),
+                       reader.read(stem + "weight_shape"), int4_group_size(qcfg),
+                       weight_zero_point=zero_point, name=name)
+
+
+def int4_group_size(qcfg: dict) -> int:
+    """The one weights.group_size of an int4_pack quantization_config."""
+    sizes = {g.get("weights", {}).get("group_size") for g in (qcfg.get("config_groups") or {}).values()} - {None}
+    if len(sizes) != 1:
+        raise CheckpointError(f"quantization_config: expected one weights.group_size across config_groups, "
+                              f"got {sorted(sizes)}")
+    return sizes.pop()

@@ -5,7 +5,8 @@ For each MoE layer and batch, on the router input x (the post-attention RMSNorm 
   - the model's real routing (bias, groups) and each routed pair's expert output norm ||f_j(x)||;
   - the public REAP code's routing (top-K of the raw logits, softmax gates over all E renormalised
     over the K) and its pairs' output norms, for `reap_code`;
-  - the router-input sum, for `w_mean`.
+  - the router-input sum, for `w_mean`;
+and, once per layer, the sums of |w| and w^2 of each routed expert's weight matrices, for `aimer`.
 Padding tokens are excluded. (This runs the whole model in memory; the layer-streamed executor
 that keeps one layer's weights at a time is the next step.)
 """
@@ -88,8 +89,43 @@ def _pairs(graphdef, state, x_TH):
     return moe_layer_pairs(nnx.merge(graphdef, state), x_TH)
 
 
+def _run_length(n: int, most: int = 256) -> int:
+    """The largest divisor of n that is at most `most`: the run of entries summed in float32."""
+    return max(d for d in range(1, min(n, most) + 1) if n % d == 0)
+
+
+@jax.jit
+def _weight_partial_sums(weights: dict) -> dict:
+    """Per stacked expert matrix [E, a, b]: sums of |w| and w^2 in float32 over runs of at most 256
+    consecutive entries of the last axis ([E, a, b / run] each), so the host sums the rest in
+    float64 and the result does not depend on one long float32 sum; the elementwise work fuses
+    into the reductions (no copy of the weights)."""
+    out = {}
+    for name, w in weights.items():
+        run = _run_length(w.shape[-1])
+        w = w.reshape(*w.shape[:-1], w.shape[-1] // run, run).astype(jnp.float32)
+        out[name] = (jnp.sum(jnp.abs(w), axis=-1), jnp.sum(jnp.square(w), axis=-1))
+    return out
+
+
+def expert_weight_sums(moe) -> tuple[np.ndarray, np.ndarray, int]:
+    """(sum |w| [E], sum w^2 [E], entries per expert) of the layer's routed experts' weights as held
+    (`moe.expert_weights()`: every matrix `expert_fn` reads), partial sums on the device (split
+    over an expert mesh like the weights) finished in float64 on the host."""
+    weights = moe.expert_weights()
+    partial = to_host(_weight_partial_sums(weights))
+    E = next(iter(weights.values())).shape[0]
+    abs_sum, sq_sum = np.zeros(E), np.zeros(E)
+    for a, q in partial.values():
+        abs_sum += np.asarray(a, np.float64).reshape(E, -1).sum(axis=1)
+        sq_sum += np.asarray(q, np.float64).reshape(E, -1).sum(axis=1)
+    return abs_sum, sq_sum, sum(int(np.prod(w.shape[1:])) for w in weights.values())
+
+
 def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator) -> None:
-    """Add one MoE layer's statistics over batches (router inputs [B*S, H], masks [B*S] or None)."""
+    """Add one MoE layer's statistics over batches (router inputs [B*S, H], masks [B*S] or None),
+    and its experts' weight sums."""
+    acc.add_weight_sums(*expert_weight_sums(moe))
     graphdef, state = nnx.split(moe)
     for x_TH, mask in zip(router_inputs, masks):
         out, x_TH = to_host((_pairs(graphdef, state, x_TH), x_TH))  # gathered from every process's devices

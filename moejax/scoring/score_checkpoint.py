@@ -3,7 +3,8 @@ pass, written as a tidy table (layer, expert, score, value) plus a JSON sidecar 
 statistics and the run's settings. The scores file is what pruning and evaluation consume.
 
 Without calibration data, `score_data_free` computes the data-free scores (bias, signed, l1,
-random) from the router tensors alone, of a local or a remote checkpoint (`moejax.hf.storage`)."""
+random from the router tensors alone; aimer from the routed experts' weight matrices, read one
+tensor at a time), of a local or a remote checkpoint (`moejax.hf.storage`)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
             "layers": {str(l): {"counts": st.counts_E.tolist(), "gate_norm_sum": st.gate_norm_sum_E.tolist(),
                                 "norm_sum": st.norm_sum_E.tolist(), "code_counts": st.code_counts_E.tolist(),
                                 "code_gate_norm_sum": st.code_gate_norm_sum_E.tolist(),
+                                "norm_sq_sum": st.norm_sq_sum_E.tolist(), "norm_max": st.norm_max_E.tolist(),
+                                "weight_abs_sum": st.weight_abs_sum_E.tolist(),
+                                "weight_sq_sum": st.weight_sq_sum_E.tolist(), "weight_count": st.weight_count,
                                 "mean_input": st.mean_input_D.tolist()} for l, st in stats.items()},
         }
         write_json_atomic(out.with_suffix(".json"), sidecar)
@@ -87,20 +91,21 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
 
 
 def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
-    """The data-free scores (SPEC section 2: from router rows and balance biases alone; no
-    calibration pass, no JAX) of every MoE layer, MTP layers included (the layers `moejax prune
-    --score NAME` ranks, so `prune --scores-file` of this table keeps the same experts), as the
-    table `score_checkpoint` gives (layer, expert, score, value); written to `out` (parquet, plus
-    `out` with suffix .json) when given. `checkpoint`: a local folder or a remote location
-    (https:// base URL, hf://org/name[@revision]), of which only the headers, config.json and the
-    router and bias tensors are read. seed: the `random` score's."""
+    """The data-free scores (SPEC section 2: from router rows and balance biases alone, and `aimer`
+    from the routed experts' weights; no calibration pass, no JAX) of every MoE layer, MTP layers
+    included (the layers `moejax prune --score NAME` ranks, so `prune --scores-file` of this table
+    keeps the same experts), as the table `score_checkpoint` gives (layer, expert, score, value);
+    written to `out` (parquet, plus `out` with suffix .json) when given. `checkpoint`: a local
+    folder or a remote location (https:// base URL, hf://org/name[@revision]), of which only the
+    headers, config.json and the router and bias tensors are read, and the routed experts' tensors
+    (one at a time, one layer after another) when `aimer` is asked for. seed: the `random` score's."""
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
     from moejax.hf.provenance import FINGERPRINT_KEY, router_fingerprint
     from moejax.hf.storage import open_location
     from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.scores import DATA_FREE_SCORES
-    from moejax.surgery.prune import router_stats
+    from moejax.surgery.prune import data_free_stats
 
     names = check_score_names(scores)
     calibrated = [n for n in names if n not in DATA_FREE_SCORES]
@@ -113,7 +118,8 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     storage = open_location(checkpoint)
     checked = check_checkpoint(storage, uniform_experts=False)  # headers and config.json only
     names = scores_for(names, checked.config.HAS_BALANCE_BIAS, storage.describe())
-    stats = [(layer, router_stats(checked.reader, ml, seed)) for layer, ml in checked.layout.moe_layers.items()]
+    stats = [(layer, data_free_stats(checked.reader, ml, checked.config, names, seed))
+             for layer, ml in checked.layout.moe_layers.items()]
     df = score_table(stats, names)
     if out is not None:  # the fingerprint from the routers just read (a remote one is not fetched twice)
         fingerprint = router_fingerprint({l: st.router_ED for l, st in stats if l < checked.config.num_hidden_layers})

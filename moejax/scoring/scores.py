@@ -1,12 +1,15 @@
-"""Expert scores, one small function each, beside the equation it implements (SPEC section 2).
+"""Expert scores, one small function each, beside the equation it implements (SPEC sections 2 and 11).
 
 Every score reads a `LayerStats` (the per-layer sums of one calibration pass, kept in float64 so
 rankings do not depend on summation order) and returns float64 [E]. Higher = keep.
 
 To add a score: write `def my_score(st: LayerStats) -> np.ndarray` here, decorate it with
-`@register("my_score")` (`data_free=True` if it reads only the router weights and bias, so `moejax
-prune` can compute it without a calibration pass), and it is available to every experiment and
-command by name. `ALL_SCORES` and `DATA_FREE_SCORES` are the one list of scores, read off the registry.
+`@register("my_score")` (`data_free=True` if it reads only weights, so `moejax prune` and `moejax
+score` without text can compute it without a calibration pass; `reads_experts=True` as well when
+those weights include the routed experts' own matrices, which the data-free path then reads one
+layer at a time, while the router-only scores stay a header-and-router read), and it is available
+to every experiment and command by name. `ALL_SCORES`, `DATA_FREE_SCORES` and `EXPERT_WEIGHT_SCORES`
+are the one list of scores, read off the registry.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ class LayerStats:
     code_counts_E, code_gate_norm_sum_E: the same two sums under the public REAP code's routing
                       (top-K of raw logits, softmax gates renormalised over the K); None when the
                       pass did not compute them (the toy)
+    norm_sq_sum_E:    sum_{x in X_j} ||f_j(x)||_2^2                 (None: not computed)
+    norm_max_E:       max_{x in X_j} ||f_j(x)||_2, 0 if X_j is empty (None: not computed)
+    weight_abs_sum_E, weight_sq_sum_E: sum |w| and sum w^2 over every entry w of routed expert j's
+                      own weight matrices (gate, up, down; the toy's w1, w2), decoded from their
+                      stored format; None when the weights were not read (router-only data-free path)
+    weight_count:     the number of those entries per expert (the same for every expert)
     """
 
     counts_E: np.ndarray
@@ -45,6 +54,11 @@ class LayerStats:
     layer: int = 0
     code_counts_E: np.ndarray | None = None
     code_gate_norm_sum_E: np.ndarray | None = None
+    norm_sq_sum_E: np.ndarray | None = None
+    norm_max_E: np.ndarray | None = None
+    weight_abs_sum_E: np.ndarray | None = None
+    weight_sq_sum_E: np.ndarray | None = None
+    weight_count: int = 0
 
     @property
     def n_experts(self) -> int:
@@ -54,13 +68,16 @@ class LayerStats:
 class StatsAccumulator:
     """Float64 running sums of one MoE layer over calibration batches (np.bincount sums in
     float64, so rankings of near-equal experts do not depend on batching or summation order).
-    Padding tokens (token_mask False) are left out of every sum."""
+    Padding tokens (token_mask False) are left out of every sum (and of the maximum)."""
 
     def __init__(self, n_experts: int, hidden: int):
         self.n_experts = n_experts
         self.counts = np.zeros(n_experts)
         self.gate_norm = np.zeros(n_experts)
         self.norm = np.zeros(n_experts)
+        self.norm_sq = np.zeros(n_experts)
+        self.norm_max = np.zeros(n_experts)  # norms are >= 0: an expert no token chose keeps 0
+        self.weight_sums = None  # (abs_sum_E, sq_sum_E, count) of the experts' weights: `add_weight_sums`
         self.code_counts = np.zeros(n_experts)
         self.code_gate_norm = np.zeros(n_experts)
         self.input_sum = np.zeros(hidden)
@@ -73,18 +90,21 @@ class StatsAccumulator:
         norm = np.asarray(norm_TK, np.float64)[keep_T].ravel()
         E = self.n_experts
         return (np.bincount(flat, minlength=E), np.bincount(flat, weights=gate * norm, minlength=E),
-                np.bincount(flat, weights=norm, minlength=E))
+                np.bincount(flat, weights=norm, minlength=E), np.bincount(flat, weights=norm * norm, minlength=E),
+                flat, norm)
 
     def add(self, expert_idx_TK, gate_TK, out_norm_TK, x_TD=None, token_mask_T=None,
             code_idx_TK=None, code_gate_TK=None, code_norm_TK=None) -> None:
         idx = np.asarray(expert_idx_TK)
         keep = np.ones(idx.shape[0], bool) if token_mask_T is None else np.asarray(token_mask_T, bool)
-        c, gn, n = self._sums(idx, gate_TK, out_norm_TK, keep)
+        c, gn, n, n2, flat, norm = self._sums(idx, gate_TK, out_norm_TK, keep)
         self.counts += c
         self.gate_norm += gn
         self.norm += n
+        self.norm_sq += n2
+        np.maximum.at(self.norm_max, flat, norm)
         if code_idx_TK is not None:
-            c, gn, _ = self._sums(code_idx_TK, code_gate_TK, code_norm_TK, keep)
+            c, gn, *_ = self._sums(code_idx_TK, code_gate_TK, code_norm_TK, keep)
             self.code_counts += c
             self.code_gate_norm += gn
             self.has_code = True
@@ -92,20 +112,45 @@ class StatsAccumulator:
             self.input_sum += np.asarray(x_TD, np.float64)[keep].sum(axis=0)
             self.n_tokens += int(keep.sum())
 
+    def add_weight_sums(self, abs_sum_E, sq_sum_E, count: int) -> None:
+        """The layer's expert-weight sums (`weight_sums`, or the device pass's partial sums summed
+        in float64): sum |w| and sum w^2 per routed expert over `count` entries each."""
+        self.weight_sums = (np.asarray(abs_sum_E, np.float64), np.asarray(sq_sum_E, np.float64), int(count))
+
     def stats(self, router_ED, bias_E, seed=0, layer=0) -> LayerStats:
+        w_abs, w_sq, w_count = self.weight_sums or (None, None, 0)
         return LayerStats(
             counts_E=self.counts.copy(), gate_norm_sum_E=self.gate_norm.copy(), norm_sum_E=self.norm.copy(),
             mean_input_D=self.input_sum / max(self.n_tokens, 1), router_ED=np.asarray(router_ED, np.float64),
             bias_E=None if bias_E is None else np.asarray(bias_E, np.float64), seed=int(seed), layer=int(layer),
             code_counts_E=self.code_counts.copy() if self.has_code else None,
-            code_gate_norm_sum_E=self.code_gate_norm.copy() if self.has_code else None)
+            code_gate_norm_sum_E=self.code_gate_norm.copy() if self.has_code else None,
+            norm_sq_sum_E=self.norm_sq.copy(), norm_max_E=self.norm_max.copy(),
+            weight_abs_sum_E=None if w_abs is None else w_abs.copy(),
+            weight_sq_sum_E=None if w_sq is None else w_sq.copy(), weight_count=w_count)
+
+
+def weight_sums(expert_weights) -> tuple[np.ndarray, np.ndarray, int]:
+    """(sum |w| [E], sum w^2 [E], entries per expert) over every array of `expert_weights` (a dict
+    or list of stacked [E, ...] expert matrices), in float64: what `aimer` reads."""
+    arrays = [np.asarray(w) for w in (expert_weights.values() if isinstance(expert_weights, dict) else expert_weights)]
+    E = arrays[0].shape[0]
+    abs_sum, sq_sum = np.zeros(E), np.zeros(E)
+    for w in arrays:
+        w = w.reshape(E, -1).astype(np.float64)
+        abs_sum += np.abs(w).sum(axis=1)
+        sq_sum += np.square(w).sum(axis=1)
+    return abs_sum, sq_sum, sum(w[0].size for w in arrays)
 
 
 def stats_from_pairs(expert_idx_TK, gate_TK, out_norm_TK, mean_input_D, router_ED, bias_E, seed=0, layer=0,
-                     token_mask_T=None) -> LayerStats:
-    """`LayerStats` of a single routed pass whose mean router input is already known."""
+                     token_mask_T=None, expert_weights=None) -> LayerStats:
+    """`LayerStats` of a single routed pass whose mean router input is already known;
+    expert_weights: the layer's stacked expert matrices ({name: [E, ...]}), for `aimer`."""
     acc = StatsAccumulator(np.asarray(router_ED).shape[0], np.asarray(mean_input_D).shape[0])
     acc.add(expert_idx_TK, gate_TK, out_norm_TK, token_mask_T=token_mask_T)
+    if expert_weights is not None:
+        acc.add_weight_sums(*weight_sums(expert_weights))
     st = acc.stats(router_ED, bias_E, seed, layer)
     st.mean_input_D = np.asarray(mean_input_D, np.float64)
     return st
@@ -113,15 +158,32 @@ def stats_from_pairs(expert_idx_TK, gate_TK, out_norm_TK, mean_input_D, router_E
 
 SCORES: dict[str, Callable[[LayerStats], np.ndarray]] = {}
 _DATA_FREE: set[str] = set()
+_READS_EXPERTS: set[str] = set()
 
 
-def register(name: str, *, data_free: bool = False):
+def register(name: str, *, data_free: bool = False, reads_experts: bool = False):
+    """reads_experts: a data-free score that reads the routed experts' weight matrices (not only the
+    router), so the data-free path must read them (`LayerStats.weight_*`)."""
     def deco(fn):
         SCORES[name] = fn
         if data_free:
             _DATA_FREE.add(name)
+        if reads_experts:
+            _READS_EXPERTS.add(name)
         return fn
     return deco
+
+
+def _per_routed_token(sum_E: np.ndarray, counts_E: np.ndarray) -> np.ndarray:
+    """sum_E / |X_j|, 0 where X_j is empty (an expert no token chose has no mean to measure)."""
+    return np.divide(sum_E, counts_E, out=np.zeros_like(sum_E), where=counts_E > 0)
+
+
+def _need(st: LayerStats, field: str, name: str, why: str):
+    value = getattr(st, field)
+    if value is None:
+        raise ConfigError(f"layer {st.layer}: score {name!r} needs {why}, which this pass did not compute")
+    return value
 
 
 @register("frequency")
@@ -153,6 +215,29 @@ def reap_code(st: LayerStats) -> np.ndarray:
 def ean(st: LayerStats) -> np.ndarray:
     """sum_{x in X_j} ||f_j(x)||_2   (expert activation norm, no gate)"""
     return st.norm_sum_E.copy()
+
+
+@register("man")
+def man(st: LayerStats) -> np.ndarray:
+    """(1/|X_j|) sum_{x in X_j} ||f_j(x)||_2   (MAN, mean activation norm: routed tokens, no gate;
+    arXiv 2606.15716). 0 if X_j is empty, as for `reap`."""
+    return _per_routed_token(st.norm_sum_E, st.counts_E)
+
+
+@register("msan")
+def msan(st: LayerStats) -> np.ndarray:
+    """(1/|X_j|) sum_{x in X_j} ||f_j(x)||_2^2   (MSAN, mean squared activation norm: routed tokens,
+    no gate; arXiv 2606.15716). 0 if X_j is empty, as for `reap`."""
+    return _per_routed_token(_need(st, "norm_sq_sum_E", "msan", "the sum of squared output norms"), st.counts_E)
+
+
+@register("max_act")
+def max_act(st: LayerStats) -> np.ndarray:
+    """max_{x in X_j} ||f_j(x)||_2   (max activation, "super experts": the largest output norm over
+    the tokens routed to j, SPEC section 11). 0 if X_j is empty. (The public REAP code's
+    `max_activations` is the signed maximum over tokens and output coordinates, max_{x, d} f_j(x)[d],
+    not this norm.)"""
+    return _need(st, "norm_max_E", "max_act", "the maximum output norm").copy()
 
 
 @register("w_mean")
@@ -188,8 +273,27 @@ def random(st: LayerStats) -> np.ndarray:
     return np.random.default_rng([st.seed, st.layer]).random(st.n_experts)
 
 
+@register("aimer", data_free=True, reads_experts=True)
+def aimer(st: LayerStats) -> np.ndarray:
+    """-(mean_w |w|) / sqrt(mean_w w^2), w over every entry of routed expert j's weight matrices
+    (gate, up and down pooled; the toy's w1, w2), as stored (quantised weights decoded).
+
+    AIMER (arXiv 2603.18492, "Absolute mean over root mean square IMportance for Expert Ranking";
+    code ZongfangLiu/AIMER): the ratio is what its name says; pooling the three matrices into one
+    set of entries is our reading (the paper's equation was not available here). Its code prunes
+    the experts with the HIGHEST ratio (its README: "Higher AIMER scores are treated as more
+    removable"), so the registry's value is the negated ratio (higher = keep, as every score here).
+    The ratio lies in (0, 1]; an all-zero expert gets -1 (most removable)."""
+    abs_sum = _need(st, "weight_abs_sum_E", "aimer", "the routed experts' weights")
+    sq_sum = st.weight_sq_sum_E
+    n = st.weight_count
+    ratio = np.divide(abs_sum / n, np.sqrt(sq_sum / n), out=np.ones_like(abs_sum), where=sq_sum > 0)
+    return -ratio
+
+
 ALL_SCORES = tuple(SCORES)                                          # every score, in this file's order
-DATA_FREE_SCORES = tuple(n for n in SCORES if n in _DATA_FREE)     # bias, signed, l1, random
+DATA_FREE_SCORES = tuple(n for n in SCORES if n in _DATA_FREE)     # bias, signed, l1, random, aimer
+EXPERT_WEIGHT_SCORES = tuple(n for n in SCORES if n in _READS_EXPERTS)  # aimer: data-free, reads the experts
 
 
 def rank_correlation(a, b) -> float:

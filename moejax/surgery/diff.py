@@ -23,12 +23,13 @@ from moejax.hf.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
 from moejax.hf.safetensors_format import TensorInfo, numpy_dtype
 from moejax.hf.storage import open_location
-from moejax.scoring.scores import DATA_FREE_SCORES, compute_scores, rank_correlation
+from moejax.scoring.scores import DATA_FREE_SCORES, EXPERT_WEIGHT_SCORES, compute_scores, rank_correlation
 from moejax.scoring.select import select_kept
 from moejax.surgery.prune import router_stats
 
-# The data-free scores a selection is audited against (random explains nothing).
-DATA_FREE = tuple(n for n in DATA_FREE_SCORES if n != "random")
+# The data-free scores a selection is audited against (random explains nothing; aimer would read
+# every expert tensor of the source, and diff reads routers and headers only).
+DATA_FREE = tuple(n for n in DATA_FREE_SCORES if n != "random" and n not in EXPERT_WEIGHT_SCORES)
 
 
 class _ReadOnce:

@@ -4,7 +4,8 @@ Two steps, both explicit so each can be read and tested alone:
 
 1. `plan_pruning` decides, from the router tensors (data-free scores) or a scores file, which
    experts every MoE layer keeps (SPEC section 2: keep counts or ratios, the routing floor, ties to
-   the lower index, routing groups), and what the new config.json says. No expert data is read.
+   the lower index, routing groups), and what the new config.json says. No expert data is read,
+   except by the `aimer` score, which reads each MoE layer's expert matrices one tensor at a time.
 2. `write_pruned` streams every source shard into a shard of the same name: dropped experts'
    tensors are left out, kept experts are renamed to their new index in ascending source order
    (quantisation companions travel with them, since they are `experts.{e}.*` tensors too), router
@@ -32,15 +33,17 @@ import numpy as np
 from tqdm import tqdm
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.check import check_checkpoint
+from moejax.hf.check import check_checkpoint, stored_as
 from moejax.hf.checkpoint_reader import CheckpointReader, allowed_root, check_regular_file
 from moejax.hf.checkpoint_writer import JoinedTensor, write_safetensors_file
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer, layer_of
 from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
+from moejax.hf.quant import detect_format, read_decoded
 from moejax.hf.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
 from moejax.hf.staging import check_destination, staged_directory
-from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, LayerStats, compute_scores
+from moejax.models.registry import family_of
+from moejax.scoring.scores import DATA_FREE_SCORES, EXPERT_WEIGHT_SCORES, SCORES, LayerStats, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
 
 PRUNING_RECORD = "pruning.json"
@@ -70,6 +73,44 @@ def router_stats(reader: CheckpointReader, ml: MoeLayer, seed: int = 0) -> Layer
     zeros = np.zeros(E)
     return LayerStats(counts_E=zeros, gate_norm_sum_E=zeros, norm_sum_E=zeros, mean_input_D=np.zeros(router.shape[1]),
                       router_ED=router, bias_E=bias, seed=seed, layer=ml.layer)
+
+
+def data_free_stats(reader, ml: MoeLayer, cfg, names, seed: int = 0) -> LayerStats:
+    """The statistics the data-free scores `names` read: the router rows and bias
+    (`router_stats`: headers and router tensors only), plus the routed experts' weight sums
+    (`expert_weight_sums`) only when a score that reads expert weights (`aimer`) is among them."""
+    st = router_stats(reader, ml, seed)
+    if any(n in EXPERT_WEIGHT_SCORES for n in names):
+        st.weight_abs_sum_E, st.weight_sq_sum_E, st.weight_count = expert_weight_sums(reader, ml, cfg)
+    return st
+
+
+def expert_weight_sums(reader, ml: MoeLayer, cfg) -> tuple[np.ndarray, np.ndarray, int]:
+    """(sum |w| [E], sum w^2 [E], entries per expert) over every entry of layer `ml`'s routed
+    experts' gate, up and down matrices (the family's names), in float64: what `aimer` reads.
+    One tensor at a time, decoded from its stored format as the loader decodes it (FP8, INT4,
+    MXFP4; a fused transformers-5 checkpoint through its per-expert view); a non-finite value is
+    refused naming the tensor."""
+    fmt, qcfg = detect_format(cfg.quantization_config), cfg.quantization_config
+    family = family_of(cfg)
+    rests = [family.rule(r).hf.split("experts.{e}.", 1)[1] for r in ("expert_gate", "expert_up", "expert_down")]
+    E = ml.n_experts
+    abs_sum, sq_sum, count = np.zeros(E), np.zeros(E), 0
+    for e in range(E):
+        count = 0
+        for rest in rests:
+            name = ml.expert_tensor(e, rest)
+            stored = stored_as(reader, name, fmt)
+            if stored is None:
+                raise CheckpointError(f"layer {ml.layer}: expert {e} has no tensor {name} (needed by the aimer score)")
+            w = np.asarray(read_decoded(reader, name, stored, fmt, qcfg), np.float64)
+            if not np.isfinite(w).all():
+                raise CheckpointError(f"layer {ml.layer}: {name} in {reader.shard_of(stored[0]).name} has non-finite "
+                                      "values (NaN or inf)")
+            abs_sum[e] += np.abs(w).sum()
+            sq_sum[e] += np.square(w).sum()
+            count += w.size
+    return abs_sum, sq_sum, count
 
 
 def finite_rows(reader: CheckpointReader, name: str, layer: int) -> np.ndarray:
@@ -119,7 +160,7 @@ def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> di
     return out
 
 
-def _layer_scores(reader, layers, score, scores_file, seed, layer_scores=None) -> dict[int, np.ndarray]:
+def _layer_scores(reader, layers, score, scores_file, seed, layer_scores=None, cfg=None) -> dict[int, np.ndarray]:
     if layer_scores is not None:  # given in memory (`moejax merge`: its cluster leaders)
         missing = sorted(set(layers) - set(layer_scores))
         if missing:
@@ -137,7 +178,8 @@ def _layer_scores(reader, layers, score, scores_file, seed, layer_scores=None) -
         no_bias = [ml.router for ml in layers.values() if ml.bias is None]
         if no_bias:
             raise CheckpointError(f"score 'bias' needs e_score_correction_bias, missing beside {no_bias[:3]}")
-    return {l: compute_scores(router_stats(reader, ml, seed), [score])[score] for l, ml in layers.items()}
+    return {l: compute_scores(data_free_stats(reader, ml, cfg, [score], seed), [score])[score]
+            for l, ml in layers.items()}
 
 
 def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
@@ -190,7 +232,7 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
         raise ConfigError(f"--drop-mtp would leave no MoE layer to prune: the only MoE layers {list(dropped)} are "
                           f"MTP layers (num_hidden_layers={n_layers}); prune without --drop-mtp")
     counts = _keep_counts(layers, keep, layers_keep, top_k)
-    scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores)
+    scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
     if allocation != "uniform":
         from moejax.merging.allocation import layer_counts
 
