@@ -281,7 +281,9 @@ def test_prune_real_on_the_trained_model(trained, tmp_path):
 
     cfg = trained[0]
     record = json.loads((Path(cfg.path) / "moejax_tiny.json").read_text())
-    run_job({"name": "prune_real", "model": {"path": cfg.path}, "keep": [8, 0.5, 0.25],
+    # keep 2 of 8 in 4 routing groups of 2 is refused unless both kept experts share a group (the
+    # variant rule: a token could be routed to pruned experts), so the smallest keep here is 4
+    run_job({"name": "prune_real", "model": {"path": cfg.path}, "keep": [8, 0.5, 6],
              "data": {"seq_len": 32, "calib_tokens": 1024, "heldout_tokens": 256, "batch_size": 8},
              "prune": {"sequential": True}}, tmp_path / "run")
     df = load(tmp_path / "run")
@@ -289,7 +291,7 @@ def test_prune_real_on_the_trained_model(trained, tmp_path):
     texts = set(ppl.text) - {"all"}
     assert texts - {"LICENSE.txt"} and texts - {"LICENSE.txt"} <= {Path(f).name for f in record["heldout"]}
     assert set(ppl[ppl["mode"] == "one_shot"].score) == set(ALL_SCORES)  # man, msan, max_act and aimer included
-    assert set(ppl.keep.dropna()) == {8, 4, 2}
+    assert set(ppl.keep.dropna()) == {8, 6, 4}
     unpruned = ppl[ppl["mode"] == "none"].set_index("text").value
     full = ppl[ppl.keep == 8]
     assert (full.value.to_numpy() == full.text.map(unpruned).to_numpy()).all()
