@@ -10,8 +10,11 @@ pandas notebook. The JAX-backed pieces live in the sub-packages:
 - `moejax.models.toy`             the toy MoE layer of SPEC section 4 (math: `models.toy_layer`)
 - `moejax.scoring`                expert scores (SPEC section 2) and keep/selection rules
 - `moejax.experiments.toy3`       the toy3 experiment
-- `moejax.generate`               KV-cached generation (`model.generate`, `Generator`)
-- `moejax.lm_eval`                the lm-eval backend `moejax` (needs the `eval` extra)
+- `moejax.evaluation`             everything that runs a model on text: the carried pass of
+                                  prune_real (`carried.evaluate_pruning`), the streamed executor
+                                  (`stream`), KV-cached generation (`generate`: `model.generate`,
+                                  `Generator`), the lm-eval backend `moejax` (`lm_eval`, needs the
+                                  `eval` extra) and the offline tasks (`tasks`, `skills_tasks`)
 
 Shape-suffix letters: an array's name ends in one capital per axis (`x_BSH` is [batch, sequence,
 hidden], `rows_B11` adds two unit axes); each letter has one meaning everywhere:

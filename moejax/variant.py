@@ -93,7 +93,7 @@ def check_routable(mask_E, layer: int, config, where: str) -> None:
 
 
 def merged_variant(model, clusters_by_layer: dict, name: str, router: str) -> dict:
-    """{MoE layer: ExpertMap} of a merge that `moejax.evaluate.evaluate_pruning` recorded
+    """{MoE layer: ExpertMap} of a merge that `moejax.evaluation.carried.evaluate_pruning` recorded
     (info["clusters"]: per layer, "counts" and name = "method@keep" -> clusters), rebuilt on the
     model's own experts under router form `router` (tied or shrunk)."""
     from moejax.merging.layer import check_router_form, labels_from_clusters, merge_clusters

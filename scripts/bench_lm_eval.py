@@ -5,7 +5,7 @@
     python scripts/bench_lm_eval.py --random         # a random train_tiny-shaped model, 300-byte contexts
     python scripts/bench_lm_eval.py --n-mc 400 --batch-size 16
 
-Both evaluate the same checkpoint on the same locally built task (`moejax.eval_tasks`) through
+Both evaluate the same checkpoint on the same locally built task (`moejax.evaluation.tasks`) through
 `lm_eval.simple_evaluate`, in this process, one after the other; each backend object is built
 before its clock starts (loading weights is not timed), so moejax's time includes every XLA
 compilation its buckets need. A second, warm moejax run shows the compiled rate. The per-request
@@ -66,8 +66,8 @@ def main():
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from moejax.eval_tasks import write_stdlib_tasks
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.tasks import write_stdlib_tasks
+    from moejax.evaluation.lm_eval import MoejaxLM
 
     if args.random:
         args.model = None

@@ -38,7 +38,7 @@ KEEPS = [0.5, 0.25]
 CHILD = r"""
 import json, sys, time
 import numpy as np
-from moejax.evaluate import evaluate_pruning
+from moejax.evaluation.carried import evaluate_pruning
 from moejax.hf.model_io import open_checkpoint
 path, calib, held, mode, scores, keeps = sys.argv[1], np.load(sys.argv[2]), np.load(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]), json.loads(sys.argv[6])
 def once():
@@ -129,7 +129,7 @@ code = os.environ["MOEJAX_BENCH_CODE"]  # this code, not the checkout an editabl
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
 sys.path.insert(0, code)
 import numpy as np
-import moejax.evaluate as ev
+import moejax.evaluation.carried as ev
 assert ev.__file__.startswith(code), (ev.__file__, code)
 from moejax.hf.model_io import open_checkpoint
 path, calib, held_a, held_b, out = sys.argv[1], np.load(sys.argv[2]), np.load(sys.argv[3]), np.load(sys.argv[4]), sys.argv[5]

@@ -1,6 +1,6 @@
 """The byte-level Hugging Face tokenizer (moejax.data.write_byte_tokenizer) against transformers'
 AutoTokenizer and the tokenizers package, which it did not write; and the offline lm-eval tasks
-(moejax.eval_tasks): deterministic, their documents cut correctly from the source files, and
+(moejax.evaluation.tasks): deterministic, their documents cut correctly from the source files, and
 loaded by lm-eval's own TaskManager with the datasets library offline."""
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moejax import eval_tasks as et
+from moejax.evaluation import tasks as et
 from moejax.data import EOS_TOKEN, Tokenizer, _main as data_main, write_byte_tokenizer
 from moejax.errors import ConfigError
 

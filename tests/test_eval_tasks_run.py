@@ -90,7 +90,7 @@ def test_unknown_task_fails_before_the_calibration_pass(ckpt, tmp_path, monkeypa
     from moejax.experiments import prune_real
 
     monkeypatch.setattr(prune_real, "evaluate", lambda *a, **k: pytest.fail("calibrated"))
-    from moejax.eval_tasks import write_stdlib_tasks
+    from moejax.evaluation.tasks import write_stdlib_tasks
 
     stdlib = sysconfig.get_paths()["stdlib"]
     tasks = write_stdlib_tasks(tmp_path / "tasks", [f"{stdlib}/textwrap.py"], n_nextline=1, n_mc=1, n_ppl=1)

@@ -337,7 +337,7 @@ def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoi
     """The carried pass (prune_real) on Qwen3-MoE: the unpruned perplexity is transformers'; keep=E
     reproduces it exactly; `l1` at keep 4 gives the perplexity transformers computes on the
     checkpoint `moejax prune --score l1 --keep 4` writes."""
-    from moejax.evaluate import evaluate_pruning
+    from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
     import pandas as pd
 

@@ -18,7 +18,7 @@ from hf_fixtures import make_checkpoint  # noqa: E402
 
 from moejax.data import write_byte_tokenizer  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
-from moejax.eval_tasks import TASKS, write_stdlib_tasks  # noqa: E402
+from moejax.evaluation.tasks import TASKS, write_stdlib_tasks  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -56,7 +56,7 @@ def backends(setup):
     """lm-eval's `hf` backend and `moejax` on the same checkpoint (loaded once for the module)."""
     from lm_eval.models.huggingface import HFLM
 
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
 
     ckpt, _ = setup
     return (HFLM(pretrained=str(ckpt), dtype="float32", batch_size=4, device="cpu"),
@@ -140,7 +140,7 @@ def test_task_metrics_equal_the_hf_backend(both):
 def test_variant_from_scores_changes_the_results_and_equals_explicit_masks(setup, tmp_path):
     import pandas as pd
 
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
 
     ckpt, tasks = setup
     config = json.loads((ckpt / "config.json").read_text())
@@ -168,11 +168,11 @@ def test_variant_from_scores_changes_the_results_and_equals_explicit_masks(setup
 def test_invalid_variants_fail_before_the_model_is_loaded(setup, tmp_path, monkeypatch):
     import pandas as pd
 
-    import moejax.lm_eval
-    from moejax.lm_eval import MoejaxLM
+    import moejax.evaluation.lm_eval
+    from moejax.evaluation.lm_eval import MoejaxLM
 
     ckpt, _ = setup
-    monkeypatch.setattr(moejax.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(moejax.evaluation.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
     pd.DataFrame([{"layer": 1, "expert": e, "score": "l1", "value": 1.0} for e in range(16)]).to_parquet(
         tmp_path / "s.parquet")
     with pytest.raises(ConfigError, match="no score 'reap'.*holds \\['l1'\\]"):
@@ -192,11 +192,11 @@ def test_invalid_variants_fail_before_the_model_is_loaded(setup, tmp_path, monke
 def test_registered_and_built_from_model_args_strings(setup):
     from lm_eval.api.registry import get_model
 
-    import moejax.lm_eval  # noqa: F401  (registers)
+    import moejax.evaluation.lm_eval  # noqa: F401  (registers)
 
     ckpt, _ = setup
     cls = get_model("moejax")
-    assert cls is moejax.lm_eval.MoejaxLM
+    assert cls is moejax.evaluation.lm_eval.MoejaxLM
     assert get_model("hf")  # registering did not replace lm-eval's own models
     lm = cls.create_from_arg_string(f"pretrained={ckpt},dtype=float32", {"batch_size": "2", "device": None})
     assert lm.batch_size == 2 and lm.max_length == 512 and lm.eot_token_id == 0
@@ -208,7 +208,7 @@ def test_a_softmax_family_equals_the_hf_backend(tmp_path):
     from family_fixtures import make_family_checkpoint
     from lm_eval.models.huggingface import HFLM
 
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
 
     ckpt = tmp_path / "qwen"
     make_family_checkpoint("qwen3_moe", ckpt, seed=22, vocab_size=256, max_position_embeddings=512,
@@ -231,7 +231,7 @@ def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(set
     from lm_eval.models.huggingface import HFLM
 
     from moejax.hf.model_io import load_pretrained
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
     from moejax.merging.calibration import merge_stats
     from moejax.merging.layer import merge_layer
 
@@ -266,11 +266,11 @@ def test_settings_and_variants_below_top_k_fail_before_the_model_is_loaded(setup
     """model_args out of range, and a variant keeping fewer than top_k=4 experts in a layer (or 4
     that group-limited routing, 4 groups of 4 with 2 chosen, cannot always reach), are refused by
     name before loading; the same rule as the forward's (moejax.variant.check_variant)."""
-    import moejax.lm_eval
-    from moejax.lm_eval import MoejaxLM
+    import moejax.evaluation.lm_eval
+    from moejax.evaluation.lm_eval import MoejaxLM
 
     ckpt, _ = setup
-    monkeypatch.setattr(moejax.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(moejax.evaluation.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
     for kw, match in [(dict(max_length=-5), r"max_length=-5; expected an integer >= 1 \(the context length"),
                       (dict(max_length="512x"), r"max_length='512x'; expected an integer >= 1"),
                       (dict(max_length=0), r"max_length=0; expected an integer >= 1"),
@@ -295,7 +295,7 @@ def test_variant_and_generation_settings_are_refused_before_any_request_runs(set
     refuses it; it was decoded greedily) or asks for max_gen_toks < 1."""
     from lm_eval.api.instance import Instance
 
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
     from moejax.moe.expert_map import ExpertMap
 
     ckpt, _ = setup
@@ -328,10 +328,10 @@ def test_moejax_lm_eval_refuses_a_task_list_and_model_args_in_one_line(setup, mo
 
     import lm_eval.tasks
 
-    import moejax.lm_eval
+    import moejax.evaluation.lm_eval
 
     ckpt, tasks = setup
-    monkeypatch.setattr(moejax.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(moejax.evaluation.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
 
     class Local(lm_eval.tasks.TaskManager):  # the local tasks only (indexing lm-eval's own takes ~20 s)
         def __init__(self, *a, **kw):
@@ -344,6 +344,6 @@ def test_moejax_lm_eval_refuses_a_task_list_and_model_args_in_one_line(setup, mo
         monkeypatch.setattr(sys, "argv", ["moejax-lm-eval", "run", "--model", "moejax", "--model_args",
                                           f"pretrained={ckpt}{model_args}", "--tasks", names])
         with pytest.raises(SystemExit) as exit_:
-            moejax.lm_eval.cli()
+            moejax.evaluation.lm_eval.cli()
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"moejax-lm-eval: error: {said}" in err and "Traceback" not in err, err

@@ -32,7 +32,7 @@ from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.hf.model_io import load_pretrained, open_checkpoint  # noqa: E402
 from moejax.merging.calibration import merge_stats  # noqa: E402
 from moejax.merging.layer import merge_clusters, merge_layer  # noqa: E402
-from moejax.nll import next_token_nll  # noqa: E402
+from moejax.evaluation.nll import next_token_nll  # noqa: E402
 
 E = 8
 
@@ -207,10 +207,10 @@ def carried_merge_stats(src, calib, monkeypatch) -> dict:
     """{MoE layer: MergeStats} as the carried evaluation (`evaluate_pruning(merges=...)`) gathers
     them on its calibration stream, layer after layer (keep=E, one short held-out text, stopped once
     the last MoE layer's statistics are in: the least to run)."""
-    import moejax.evaluate
+    import moejax.evaluation.carried
 
     ckpt = open_checkpoint(src)
-    layers, seen, merge_stats_of = list(ckpt.config.moe_layers), [], moejax.evaluate.merge_stats
+    layers, seen, merge_stats_of = list(ckpt.config.moe_layers), [], moejax.evaluation.carried.merge_stats
 
     def recording(moe, router_inputs, masks):
         seen.append(merge_stats_of(moe, router_inputs, masks))
@@ -218,9 +218,9 @@ def carried_merge_stats(src, calib, monkeypatch) -> dict:
             raise _Captured
         return seen[-1]
 
-    monkeypatch.setattr(moejax.evaluate, "merge_stats", recording)
+    monkeypatch.setattr(moejax.evaluation.carried, "merge_stats", recording)
     with pytest.raises(_Captured):
-        moejax.evaluate.evaluate_pruning(ckpt, calib, {"t": calib[:1, :8]}, ["frequency"], [ckpt.config.n_experts],
+        moejax.evaluation.carried.evaluate_pruning(ckpt, calib, {"t": calib[:1, :8]}, ["frequency"], [ckpt.config.n_experts],
                                          merges=("hc_smoe",), batch_size=2)
     return dict(zip(layers, seen))
 
@@ -426,7 +426,7 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
     in-memory merges; `moejax prune --allocation global` keeps the same counts."""
     import pandas as pd
 
-    from moejax.evaluate import evaluate_pruning
+    from moejax.evaluation.carried import evaluate_pruning
     from moejax.merging.allocation import global_counts
     from moejax.scoring.observe import calibrate
     from moejax.scoring.select import select_kept

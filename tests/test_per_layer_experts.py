@@ -137,7 +137,7 @@ def test_variants_of_a_per_layer_model(source):
 def test_lm_eval_backend_reads_it(source):
     """The lm-eval backend on the pruned checkpoint equals the backend on the source under the
     pruning record written beside it."""
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
 
     src, dst, _ = source
     texts = [SimpleNamespace(args=(t,)) for t in ("def f(x):\n    return x + 1\n", "import os\nprint(os.sep)\n")]
@@ -304,7 +304,7 @@ def test_per_layer_counts_the_router_cannot_route_are_refused(overrides, counts,
 
 def test_tools_that_need_one_count_say_so(source, tmp_path):
     """`moejax merge` and the prune_real pass refuse a per-layer checkpoint by name."""
-    from moejax.evaluate import evaluate_pruning
+    from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
     from moejax.surgery.merge import merge_checkpoint
 

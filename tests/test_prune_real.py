@@ -1,4 +1,4 @@
-"""prune_real (moejax.evaluate): unpruned perplexity against transformers, keep=E reproduces the
+"""prune_real (moejax.evaluation.carried): unpruned perplexity against transformers, keep=E reproduces the
 unpruned numbers exactly, layer-local errors against numpy straight from SPEC sections 1 and 3."""
 
 import numpy as np
@@ -9,8 +9,9 @@ pytest.importorskip("transformers")
 
 from hf_fixtures import make_checkpoint  # noqa: E402
 
-from moejax import evaluate, stream  # noqa: E402
-from moejax.evaluate import evaluate_pruning  # noqa: E402
+from moejax.evaluation import carried as evaluate
+from moejax.evaluation import stream  # noqa: E402
+from moejax.evaluation.carried import evaluate_pruning  # noqa: E402
 from moejax.hf.model_io import open_checkpoint  # noqa: E402
 from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 
@@ -219,7 +220,7 @@ def test_analysis_rows_against_python_on_ties():
 
     from scipy.stats import spearmanr
 
-    from moejax.evaluate import _analysis_rows
+    from moejax.evaluation.carried import _analysis_rows
 
     counts = np.array([5, 9, 0, 9, 3, 12, 1, 9, 4, 9, 2, 7])             # E = 12: the top quarter is 3
     mu = np.array([0.3, -1.2, 0.5, 2.0, 0.1])

@@ -61,9 +61,9 @@ def edited_copy(src: Path, dst: Path, **config) -> Path:
 
 def no_pass(monkeypatch):
     """Fail the test if a calibration pass starts."""
-    import moejax.stream
+    import moejax.evaluation.stream
 
-    monkeypatch.setattr(moejax.stream, "stream_layers", lambda *a, **k: pytest.fail("the calibration pass ran"))
+    monkeypatch.setattr(moejax.evaluation.stream, "stream_layers", lambda *a, **k: pytest.fail("the calibration pass ran"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,10 +74,10 @@ def no_pass(monkeypatch):
 def lm(monkeypatch, **kw):
     """MoejaxLM built as far as its variant (the model is never loaded)."""
     pytest.importorskip("lm_eval")
-    import moejax.lm_eval
+    import moejax.evaluation.lm_eval
 
-    monkeypatch.setattr(moejax.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
-    return moejax.lm_eval.MoejaxLM(**kw)
+    monkeypatch.setattr(moejax.evaluation.lm_eval, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+    return moejax.evaluation.lm_eval.MoejaxLM(**kw)
 
 
 def test_every_record_stores_the_same_fingerprint(ckpts, tmp_path):
@@ -340,7 +340,7 @@ def test_hf_location_must_name_a_repository(capsys):
 def test_numpy_integer_top_k_is_an_integer():
     import jax.numpy as jnp
 
-    from moejax.generate import Sampling, filtered_logits
+    from moejax.evaluation.generate import Sampling, filtered_logits
 
     Sampling(1.0, np.int64(5)).validate()
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 10)), jnp.float32)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from moejax.errors import ConfigError
-from moejax.skills_tasks import (degeneration_metrics, distinct_n, distractors, loop_span, task_names,
+from moejax.evaluation.skills_tasks import (degeneration_metrics, distinct_n, distractors, loop_span, task_names,
                                  write_skills_tasks)
 from moejax.training import skills as sk
 
@@ -373,7 +373,7 @@ def test_skills_model_equals_hf_backend_unpruned_and_pruned(skills_model, tmp_pa
     from lm_eval.tasks import TaskManager
 
     from moejax.cli import main as cli
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
 
     path, _ = skills_model
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from moejax.results import load
-from moejax.skills_tasks import skill_of
+from moejax.evaluation.skills_tasks import skill_of
 
 
 def _fmt(v, se):

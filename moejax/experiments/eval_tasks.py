@@ -1,17 +1,17 @@
 """`python -m moejax.run experiment=eval_tasks model=tiny` (or `model.path=CKPT`): every pruned
 variant on downstream tasks, in one job, without writing a checkpoint per variant.
 
-1. One calibration pass (prune_real's, `moejax.evaluate.evaluate_pruning`) gives every (score,
+1. One calibration pass (prune_real's, `moejax.evaluation.carried.evaluate_pruning`) gives every (score,
    keep) variant's kept sets, one-shot and, with `prune.sequential=true`, greedy, and beside them
    each variant's held-out perplexity and mean layer-local error (task `heldout`).
 2. Each variant (and the unpruned model) is evaluated on every task through the lm-eval backend
-   `moejax` (`moejax.lm_eval.MoejaxLM`): the model is loaded and compiled once, each variant
+   `moejax` (`moejax.evaluation.lm_eval.MoejaxLM`): the model is loaded and compiled once, each variant
    is a set of expert masks, or with `merges=[hc_smoe,m_smoe]` a merged variant (expert maps built
    from the clusters the pass recorded, under both router forms, mode tied / shrunk).
 
 Tasks: any lm-eval task name, looked up in `task_dir` (YAML files) and in lm-eval's own tasks
 (`include_defaults`). The default tasks are the offline ones built from the model's held-out
-files (`moejax.eval_tasks`: stdlib_nextline, stdlib_mc, stdlib_ppl): with `task_dir` empty they
+files (`moejax.evaluation.tasks`: stdlib_nextline, stdlib_mc, stdlib_ppl): with `task_dir` empty they
 are written into the job folder from the checkpoint's `moejax_tiny.json`.
 
 Results: results.parquet with columns mode, score, keep, task, metric, value, stderr (mode none =
@@ -29,11 +29,11 @@ from pathlib import Path
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.experiments.prune_real import PruneRealConfig
-from moejax.skills_tasks import skill_of, task_names
+from moejax.evaluation.skills_tasks import skill_of, task_names
 
 COLUMNS = ["mode", "score", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
-SKILL_TASKS = tuple(task_names())  # the skills tasks (moejax.skills_tasks), built into the job folder when named
+SKILL_TASKS = tuple(task_names())  # the skills tasks (moejax.evaluation.skills_tasks), built into the job folder when named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class EvalTasksConfig:
     n_nextline: int = 200          # sizes of the built stdlib tasks
     n_mc: int = 200
     n_ppl: int | None = None       # None: about 64 KB of held-out text in pieces the model can take
-    n_skill: int = 100             # sizes of the built skills tasks (moejax.skills_tasks), per skill
+    n_skill: int = 100             # sizes of the built skills tasks (moejax.evaluation.skills_tasks), per skill
     n_skill_mc: int = 50
     n_skill_ll: int = 50
     n_degen: int = 48
@@ -116,8 +116,8 @@ class EvalTasksConfig:
             raise ConfigError(f"eval_tasks: tasks {sorted(set(self.tasks) - built)} need task_dir=... "
                               "or include_defaults=true")
         if not self.task_dir and set(self.tasks) & set(SKILL_TASKS):
-            from moejax.eval_tasks import position_budget
-            from moejax.skills_tasks import DEGEN_BYTES, DEGEN_TASK
+            from moejax.evaluation.tasks import position_budget
+            from moejax.evaluation.skills_tasks import DEGEN_BYTES, DEGEN_TASK
             from moejax.training.skills import longest_document
 
             budget, source = position_budget(self.path)
@@ -180,8 +180,8 @@ def build_tasks(cfg: EvalTasksConfig, job_dir: Path) -> Path | None:
     stdlib, skills = set(cfg.tasks) & set(DEFAULT_TASKS), set(cfg.tasks) & set(SKILL_TASKS)
     if not stdlib and not skills:
         return None
-    from moejax.eval_tasks import write_stdlib_tasks
-    from moejax.skills_tasks import default_sources, write_skills_tasks
+    from moejax.evaluation.tasks import write_stdlib_tasks
+    from moejax.evaluation.skills_tasks import default_sources, write_skills_tasks
 
     out = job_dir / "tasks"
     if stdlib:
@@ -221,7 +221,7 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     from lm_eval import evaluator
 
     from moejax.experiments import prune_real
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
     from moejax.models.registry import read_config
     from moejax.merging.layer import ROUTER_FORMS
     from moejax.scoring.scores import scores_for
@@ -285,10 +285,10 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
 
 
 def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:
-    """The routing table of the unpruned model (moejax.routing_table) on each named skill's
+    """The routing table of the unpruned model (moejax.evaluation.routing_table) on each named skill's
     held-out documents and on held-out code, when skills tasks are evaluated (else [])."""
-    from moejax.eval_tasks import heldout_files, position_budget
-    from moejax.routing_table import routing_rows, routing_shares
+    from moejax.evaluation.tasks import heldout_files, position_budget
+    from moejax.evaluation.routing_table import routing_rows, routing_shares
     from moejax.training.skills import documents, text
 
     skills = sorted({skill_of(t) for t in cfg.tasks} - {None})

@@ -2,7 +2,7 @@
 
 One pass over the checkpoint (each layer's weights read once) gives every score of every MoE layer
 from the calibration text, then each (score, keep) variant's layer-local errors and end-to-end
-held-out perplexity, plus the analyses of SPEC section 3 (moejax.evaluate). With
+held-out perplexity, plus the analyses of SPEC section 3 (moejax.evaluation.carried). With
 `prune.sequential=true` the greedy variant (score layer l+1 on the model pruned up to layer l) is
 reported beside the one-shot one (column `mode`). With `merges=[hc_smoe,m_smoe]` the merging
 baselines (SPEC section 8) are evaluated in the same pass at the same keeps, each under both router
@@ -169,7 +169,7 @@ def evaluate(cfg: PruneRealConfig, progress=None):
     import pandas as pd
 
     from moejax.data import Tokenizer, pack
-    from moejax.evaluate import evaluate_pruning
+    from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
 
     ckpt = open_checkpoint(cfg.path)

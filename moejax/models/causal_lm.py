@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax import generate as generate_lib
+from moejax.evaluation import generate as generate_lib
 from moejax.models.layers import MLP, RMSNorm, causal_allowed, linear, param
 from moejax.models.moe_block import MoE
 from moejax.variant import check_variant
@@ -180,7 +180,7 @@ class CausalLM(nnx.Module):
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return linear(self.model.norm(x_BSH), head)
 
-    # --- generation (moejax.generate drives these three) ---
+    # --- generation (moejax.evaluation.generate drives these three) ---
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache of `length` columns in the model's dtype (what each column holds is the
@@ -234,7 +234,7 @@ class CausalLM(nnx.Module):
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  stop_token_ids=None, **kw):
         """Prompt then continuation, int32 [B, prompt + max_new_tokens], as transformers' `generate`
-        lays it out (see moejax.generate.generate)."""
+        lays it out (see moejax.evaluation.generate.generate)."""
         return generate_lib.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                      variant=variant, temperature=temperature, top_k=top_k, top_p=top_p,
                                      seed=seed, stop_token_ids=stop_token_ids, **kw)

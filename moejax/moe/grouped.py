@@ -209,7 +209,7 @@ def exact_expert_loop_combined(x_TD, expert_idx_TK, gate_TK, weights, expert_fn,
 
     gate_TK may carry trailing columns, gate [T, K, G]: then G outputs at once, [T, G, D], column c
     weighing the same pair outputs by gate[..., c] (every pruning variant's output from one
-    evaluation of the pairs any of them routes to: `moejax.evaluate`)."""
+    evaluation of the pairs any of them routes to: `moejax.evaluation.carried`)."""
     loop = _SortedExpertLoop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows, granule)
     n_tokens, top_k = expert_idx_TK.shape
     columns = gate_TK.shape[2:]

@@ -134,10 +134,10 @@ def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator) -> None:
 
 
 def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None) -> dict[int, LayerStats]:
-    """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.stream);
+    """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.evaluation.stream);
     with a mesh (under `jax.set_mesh(mesh)`), each layer's experts split over its expert axis and
     every pair computed on the device holding its expert, the statistics summed across shards."""
-    from moejax.stream import stream_layers
+    from moejax.evaluation.stream import stream_layers
 
     masks = [None if m is None else np.asarray(m, bool).reshape(-1) for _, m in batches]
     stats = {}

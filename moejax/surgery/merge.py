@@ -3,7 +3,7 @@ in the `shrunk` router form (SPEC section 8), which transformers and vLLM load a
 
 Three steps:
 
-1. A streamed calibration pass (one decoder layer's weights at a time, `moejax.stream`) gathers
+1. A streamed calibration pass (one decoder layer's weights at a time, `moejax.evaluation.stream`) gathers
    each MoE layer's merging statistics (`moejax.merging.calibration.MergeStats`).
 2. Planning, before anything is written: per-layer cluster counts (`--keep`, uniform or
    `--allocation global`), clusters (`moejax.merging.layer.layer_clusters`) and each cluster's
@@ -169,7 +169,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     from moejax.merging.calibration import merge_stats
     from moejax.merging.clusters import HC_SMOE_METHODS
     from moejax.scoring.score_checkpoint import calibration_ids
-    from moejax.stream import stream_layers
+    from moejax.evaluation.stream import stream_layers
     from moejax.surgery.prune import other_files, plan_pruning, write_folder
 
     check_merge_names([method], "--method")

@@ -48,11 +48,11 @@ from moejax.moe.grouped import exact_expert_loop_combined, large_experts
 from moejax.moe.routing import route
 from moejax.models.causal_lm import Attended
 from moejax.models.layers import linear, rms_norm
-from moejax.nll import chunked_nll, chunked_nll_init, chunked_nll_update
+from moejax.evaluation.nll import chunked_nll, chunked_nll_init, chunked_nll_update
 from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
-from moejax.stream import batch_geometry, embed, vocab_chunks
+from moejax.evaluation.stream import batch_geometry, embed, vocab_chunks
 from moejax.variant import check_routable
 
 # Held-out tokens a decoder layer runs in one call (all streams of a batch together would hold
@@ -214,7 +214,7 @@ def _stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | N
 @jax.jit
 def _nll_chunk(x_ABSH, head_CH, ids_BS, start, state):
     """Fold vocabulary rows [start, start + C) of the output head into each stream's running
-    next-token log-sum-exp (`moejax.nll.chunked_nll_update`); x is already final-normed."""
+    next-token log-sum-exp (`moejax.evaluation.nll.chunked_nll_update`); x is already final-normed."""
     def one(args):
         x, st = args
         return chunked_nll_update(st, linear(x[:, :-1], head_CH.T), ids_BS[:, 1:], start)
@@ -408,7 +408,7 @@ def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_siz
     """{(score or merge method, keep): {MoE layer: count}} under one global threshold, from a
     statistics pass over the calibration tokens (the unpruned model's scores; merges allocate by
     M-SMoE's rule on normalised frequency)."""
-    from moejax.stream import stream_layers
+    from moejax.evaluation.stream import stream_layers
 
     cfg = ckpt.config
     batches = [(calib[i:i + batch_size], None) for i in range(0, len(calib), batch_size)]
@@ -592,7 +592,7 @@ def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, e
 
 def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dict]:
     """The final norm and head on every held-out stream: a perplexity row per stream and text, and
-    over all texts ("all"). The head is read a vocabulary chunk at a time (`moejax.stream.
+    over all texts ("all"). The head is read a vocabulary chunk at a time (`moejax.evaluation.stream.
     vocab_chunks`) and folded into each token's running log-sum-exp, never held whole (Moonlight's
     is 1.3 GB in float32) and never turned into a [tokens, V] logits array."""
     cfg = ckpt.config

@@ -1,7 +1,7 @@
 """lm-evaluation-harness backend `moejax`: evaluate a checkpoint, or a pruned or merged variant of it
 given as expert masks or expert maps (no checkpoint written), on any lm-eval task.
 
-    from moejax.lm_eval import MoejaxLM
+    from moejax.evaluation.lm_eval import MoejaxLM
     lm = MoejaxLM(pretrained=PATH, dtype="float32", batch_size=8)              # the whole model
     lm = MoejaxLM(pretrained=PATH, scores="scores.parquet", score="reap", keep=0.5)   # a variant
     lm = MoejaxLM(pretrained=PATH, pruning="pruned/pruning.json")               # `moejax prune`'s set
@@ -36,9 +36,9 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import ConfigError, MoejaxError
-from moejax.generate import SEEDS, Generator, Sampling, check_seed
+from moejax.evaluation.generate import SEEDS, Generator, Sampling, check_seed
 from moejax.variant import check_variant
-from moejax.nll import target_logprobs
+from moejax.evaluation.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
 from moejax.models.registry import read_config
 
@@ -49,7 +49,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 except ImportError as e:  # pragma: no cover - the message is the point
-    raise ImportError(f"moejax.lm_eval needs lm-eval: pip install 'moejax[eval]' ({e})") from None
+    raise ImportError(f"moejax.evaluation.lm_eval needs lm-eval: pip install 'moejax[eval]' ({e})") from None
 
 log = logging.getLogger(__name__)
 

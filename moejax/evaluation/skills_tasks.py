@@ -1,7 +1,7 @@
 """Offline lm-eval tasks on the skills corpus (moejax.training.skills), for judging what pruning
 and merging do to abilities rather than to perplexity:
 
-    python -m moejax.skills_tasks --model CKPT --out DIR
+    python -m moejax.evaluation.skills_tasks --model CKPT --out DIR
     lm_eval --model hf --model_args pretrained=CKPT --include_path DIR --tasks skills_add,skills_add_mc
 
 Per skill NAME (held-out documents only: their prompts never occur in training):
@@ -174,7 +174,7 @@ class _Function(str):
 
 
 def _dumper():
-    from moejax.eval_tasks import _dumper as stdlib_dumper
+    from moejax.evaluation.tasks import _dumper as stdlib_dumper
 
     dumper = stdlib_dumper()
     dumper.add_representer(_Function, lambda d, f: d.represent_scalar("!function", f"{METRICS_MODULE}.{f}"))
@@ -241,7 +241,7 @@ def write_skills_tasks(out_dir, *, skills=None, n: int = 100, n_mc: int = 50, n_
                              allow_unicode=True, width=1000)
             (staging / f"{task}.yaml").write_text(text, encoding="utf-8")
         (staging / f"{METRICS_MODULE}.py").write_text(
-            "from moejax.skills_tasks import process_degeneration, process_loglikelihood  # noqa: F401  (lm-eval's !function)\n",
+            "from moejax.evaluation.skills_tasks import process_degeneration, process_loglikelihood  # noqa: F401  (lm-eval's !function)\n",
             encoding="utf-8")
     return out_dir
 
@@ -250,14 +250,14 @@ def default_sources(checkpoint) -> tuple[list[Path], Path | None]:
     """(held-out code files, prose file) for skills_degen: the files train_tiny held out (its
     moejax_tiny.json) and the standard library's LICENSE.txt."""
     from moejax.data import python_stdlib_root
-    from moejax.eval_tasks import heldout_files
+    from moejax.evaluation.tasks import heldout_files
 
     code = [p for _, p in heldout_files(checkpoint)] if checkpoint is not None else []
     return code, python_stdlib_root() / "LICENSE.txt"
 
 
 def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moejax.skills_tasks",
+    parser = argparse.ArgumentParser(prog="python -m moejax.evaluation.skills_tasks",
                                      description="write the offline skills tasks (lm-eval YAML + JSON lines)")
     parser.add_argument("--model", type=Path, help="a train_tiny checkpoint (its held-out code for skills_degen)")
     parser.add_argument("--out", type=Path, required=True, help="folder to write (replaced)")

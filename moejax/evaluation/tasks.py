@@ -2,8 +2,8 @@
 held out, named in the checkpoint's `moejax_tiny.json`), for judging a byte-level model before and
 after pruning with lm-eval's harness, without a network or the Hugging Face Hub.
 
-    python -m moejax.eval_tasks --model CKPT --out DIR        # held-out files from CKPT/moejax_tiny.json
-    python -m moejax.eval_tasks --files a.py b.py --out DIR
+    python -m moejax.evaluation.tasks --model CKPT --out DIR        # held-out files from CKPT/moejax_tiny.json
+    python -m moejax.evaluation.tasks --files a.py b.py --out DIR
     lm_eval --model hf --model_args pretrained=CKPT --include_path DIR --tasks stdlib_nextline,stdlib_mc,stdlib_ppl
 
 `write_stdlib_tasks` writes, per task, `<task>.yaml` and `<task>.jsonl` (its documents, JSON lines;
@@ -350,7 +350,7 @@ def write_stdlib_tasks(out_dir, files=None, *, checkpoint=None, n_nextline: int 
 
 
 def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moejax.eval_tasks",
+    parser = argparse.ArgumentParser(prog="python -m moejax.evaluation.tasks",
                                      description="write offline lm-eval tasks " + ", ".join(TASKS)
                                      + " built from held-out Python files")
     parser.add_argument("--model", type=Path, help="checkpoint folder with moejax_tiny.json (its held-out files)")
