@@ -42,10 +42,8 @@ from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import ROUTER_FORMS, merge_layer
-from moejax.moe.dispatch import pair_outputs
 from moejax.moe.expert_map import ExpertMap
-from moejax.moe.grouped import exact_expert_loop_combined, large_experts
-from moejax.moe.routing import route
+from moejax.moe.columns import routed_columns
 from moejax.models.causal_lm import Attended
 from moejax.models.layers import linear, rms_norm
 from moejax.evaluation.nll import chunked_nll, chunked_nll_init, chunked_nll_update
@@ -113,66 +111,22 @@ def _streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
 def _routed_errors(graphdef, state, z_TH, em_V: ExpertMap):
     """Per-token squared norms of the unpruned routed output and of its error under each of the V
     variants of em_V (mask and rows [V, E], one table): (||y_t||^2 [T], ||y'_t - y_t||^2 [V, T]);
-    shared experts excluded (SPEC section 3).
-
-    Every expert output any of them needs is computed once: the union of the rows the unpruned
-    router and each variant's router choose for a token (at most K (V + 1), usually far fewer than
-    V K separate routed outputs would run), weighed by each variant's gates in one pass over the
-    pairs (`exact_expert_loop_combined` with a gate column per variant; the dense oracle for small
-    experts). A variant's output and the unpruned one are sums over the same expert outputs, so a
+    shared experts excluded (SPEC section 3). Column 0 is the unpruned router (every slot, rows the
+    identity), column 1 + v variant v, all from one set of expert calls (`routed_columns`), so a
     token whose choice a variant leaves unchanged has error exactly 0."""
     moe = nnx.merge(graphdef, state).mlp
-    n_tokens = z_TH.shape[0]
-    table = em_V.table(moe.expert_weights())
-    n_rows = jax.tree.leaves(table)[0].shape[0]
-    logits = moe.router_logits(z_TH)
-    # column 0: the unpruned router (every slot, rows the identity); column 1 + v: variant v. One
-    # loop body routes them all, so a variant whose choice is the unpruned one gets bitwise-equal
-    # gates (a separately compiled routing may round the renormalisation differently).
     n_slots = em_V.mask_E.shape[-1]
+    identity = jnp.arange(n_slots, dtype=jnp.int32)
     mask_CE = jnp.concatenate([jnp.ones((1, n_slots), bool), em_V.mask_E.astype(bool)])
-    rows_CE = jnp.concatenate([jnp.arange(n_slots, dtype=jnp.int32)[None],
-                               jnp.broadcast_to(jnp.arange(n_slots, dtype=jnp.int32), em_V.mask_E.shape)
+    rows_CE = jnp.concatenate([identity[None], jnp.broadcast_to(identity, em_V.mask_E.shape)
                                if em_V.rows_E is None else em_V.rows_E.astype(jnp.int32)])
-
-    def column(mask_rows):
-        r = ExpertMap(*mask_rows).apply(route(logits, moe.router_cfg, moe.balance_bias(), mask_rows[0]))
-        return r.expert_idx_TK, r.gate_TK
-
-    idx_CTK, gate_CTK = jax.lax.map(column, (mask_CE, rows_CE))
-    n_cols, _, top_k = idx_CTK.shape
-    idx_TJ = jnp.moveaxis(idx_CTK, 0, 1).reshape(n_tokens, -1)
-    gate_TJ = jnp.moveaxis(gate_CTK, 0, 1).reshape(n_tokens, -1)
-    owner_J = np.repeat(np.arange(n_cols), top_k)
-    gate_TJC = gate_TJ[..., None] * jnp.asarray(np.eye(n_cols, dtype=np.float32)[owner_J])
-    # the union: each token's distinct rows once (later copies of a row become absent, index n_rows,
-    # their gates added to the first copy's)
-    order_TJ = jnp.argsort(idx_TJ, axis=1, stable=True)
-    idx_sorted = jnp.take_along_axis(idx_TJ, order_TJ, axis=1)
-    gate_sorted = jnp.take_along_axis(gate_TJC, order_TJ[..., None], axis=1)
-    first = jnp.concatenate([jnp.ones((n_tokens, 1), bool), idx_sorted[:, 1:] != idx_sorted[:, :-1]], axis=1)
-    segment = jnp.cumsum(first, axis=1) - 1                                    # [T, J]: union slot
-    n_union = min(n_rows, idx_TJ.shape[1])
-    union_TU = jnp.full((n_tokens, n_union), n_rows, jnp.int32).at[
-        jnp.arange(n_tokens)[:, None], jnp.where(first, segment, n_union)].set(idx_sorted, mode="drop")
-    gate_TUC = jnp.zeros((n_tokens, n_union, gate_TJC.shape[-1]), jnp.float32).at[
-        jnp.arange(n_tokens)[:, None], segment].add(gate_sorted)
-    y_TCH = _columns_output(z_TH, union_TU, gate_TUC, table, moe.expert_fn)
+    y_TCH = routed_columns(z_TH, moe.router_logits(z_TH), moe.router_cfg, moe.balance_bias(), mask_CE, rows_CE,
+                           em_V.table(moe.expert_weights()), moe.expert_fn)
     y_TH = y_TCH[:, 0]
     err_VT = jnp.sum((y_TCH[:, 1:] - y_TH[:, None]) ** 2, axis=-1).T
     return jnp.sum(y_TH ** 2, axis=-1), err_VT
 
 
-def _columns_output(x_TD, idx_TU, gate_TUC, table, expert_fn):
-    """[T, C, D]: column c's sum_u gate[t, u, c] f_{idx_tu}(x_t), each pair's output computed once
-    (index = table rows: absent)."""
-    if large_experts(table):
-        return exact_expert_loop_combined(x_TD, idx_TU, gate_TUC, table, expert_fn)
-    f_TUD = pair_outputs(x_TD, idx_TU, table, expert_fn, "sorted", forward_only=True).astype(jnp.float32)
-    # term by term in union (= expert) order, the same operations for every column: columns with
-    # equal gates give bitwise-equal outputs (a dot over u may round each output row differently)
-    return jax.lax.fori_loop(0, idx_TU.shape[1], lambda u, y: y + gate_TUC[:, u, :, None] * f_TUD[:, u, None, :],
-                             jnp.zeros(gate_TUC.shape[:1] + gate_TUC.shape[2:] + f_TUD.shape[-1:], jnp.float32))
 @functools.partial(jax.jit, static_argnums=0)
 def _routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap):
     """`_routed_errors` of stream n's own inputs under its own variant n: ([A, B, S], [A, B, S])."""

@@ -1,0 +1,70 @@
+"""Several routers' outputs of one MoE layer from one set of expert calls.
+
+prune_real's carried pass compares the unpruned routed output with every variant's on the same
+tokens. Each variant is a router *column*: a slot mask and the weight row each slot computes with
+(`moejax.moe.expert_map.ExpertMap`). Running each column's routed output separately would call
+K experts per token per column; here every token's experts are the *union* of the rows its
+columns chose (at most K x C, usually far fewer), each called once, and each column's output is
+that union weighted by its own gates:
+
+    y_c(x_t) = sum_u gate[t, u, c] f_{row_u}(x_t)      (gate 0 where column c did not choose row u)
+
+Every column is routed by the one routing function (`moejax.moe.routing.route`) in one loop body,
+so a column whose choice equals another's gets bitwise-equal gates; and the sum runs term by term
+in union order for every column, so equal gates give bitwise-equal outputs (a variant that leaves a
+token's choice unchanged has error exactly 0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.moe.dispatch import pair_outputs
+from moejax.moe.expert_map import ExpertMap
+from moejax.moe.grouped import exact_expert_loop_combined, large_experts
+from moejax.moe.routing import route
+
+
+def routed_columns(x_TD, logits_TE, router_cfg, bias_E, mask_CE, rows_CE, table: dict, expert_fn):
+    """[T, C, D]: column c's routed output on each token (router slots `mask_CE[c]`, slot e
+    computing with row `rows_CE[c, e]` of `table`), from one call per (token, distinct row)."""
+    n_tokens, n_rows = x_TD.shape[0], jax.tree.leaves(table)[0].shape[0]
+
+    def column(mask_rows):
+        r = ExpertMap(*mask_rows).apply(route(logits_TE, router_cfg, bias_E, mask_rows[0]))
+        return r.expert_idx_TK, r.gate_TK
+
+    idx_CTK, gate_CTK = jax.lax.map(column, (mask_CE, rows_CE))
+    n_cols, _, top_k = idx_CTK.shape
+    idx_TJ = jnp.moveaxis(idx_CTK, 0, 1).reshape(n_tokens, -1)
+    gate_TJ = jnp.moveaxis(gate_CTK, 0, 1).reshape(n_tokens, -1)
+    owner_J = np.repeat(np.arange(n_cols), top_k)
+    gate_TJC = gate_TJ[..., None] * jnp.asarray(np.eye(n_cols, dtype=np.float32)[owner_J])
+    # the union: each token's distinct rows once (later copies of a row become absent, index n_rows,
+    # their gates added to the first copy's)
+    order_TJ = jnp.argsort(idx_TJ, axis=1, stable=True)
+    idx_sorted = jnp.take_along_axis(idx_TJ, order_TJ, axis=1)
+    gate_sorted = jnp.take_along_axis(gate_TJC, order_TJ[..., None], axis=1)
+    first = jnp.concatenate([jnp.ones((n_tokens, 1), bool), idx_sorted[:, 1:] != idx_sorted[:, :-1]], axis=1)
+    segment = jnp.cumsum(first, axis=1) - 1                                    # [T, J]: union slot
+    n_union = min(n_rows, idx_TJ.shape[1])
+    union_TU = jnp.full((n_tokens, n_union), n_rows, jnp.int32).at[
+        jnp.arange(n_tokens)[:, None], jnp.where(first, segment, n_union)].set(idx_sorted, mode="drop")
+    gate_TUC = jnp.zeros((n_tokens, n_union, gate_TJC.shape[-1]), jnp.float32).at[
+        jnp.arange(n_tokens)[:, None], segment].add(gate_sorted)
+    return union_output(x_TD, union_TU, gate_TUC, table, expert_fn)
+
+
+def union_output(x_TD, idx_TU, gate_TUC, table: dict, expert_fn):
+    """[T, C, D]: column c's sum_u gate[t, u, c] f_{idx_tu}(x_t), each pair's output computed once
+    (index = table rows: absent); large experts by the exact per-expert loop, small ones through
+    the sorted grouped matmul."""
+    if large_experts(table):
+        return exact_expert_loop_combined(x_TD, idx_TU, gate_TUC, table, expert_fn)
+    f_TUD = pair_outputs(x_TD, idx_TU, table, expert_fn, "sorted", forward_only=True).astype(jnp.float32)
+    # term by term in union (= expert) order, the same operations for every column: columns with
+    # equal gates give bitwise-equal outputs (a dot over u may round each output row differently)
+    return jax.lax.fori_loop(0, idx_TU.shape[1], lambda u, y: y + gate_TUC[:, u, :, None] * f_TUD[:, u, None, :],
+                             jnp.zeros(gate_TUC.shape[:1] + gate_TUC.shape[2:] + f_TUD.shape[-1:], jnp.float32))
