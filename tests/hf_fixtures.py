@@ -204,6 +204,18 @@ def rewrite(src, dst, transform=lambda name, reader: [(name, reader.read(name))]
     return write_checkpoint(dst, tensors, config, **kw)
 
 
+def with_mtp_layer(src, dst, last: int = 2):
+    """A copy of `src` with an MTP layer: decoder layer `last` (the last one) copied as layer
+    last + 1 = num_hidden_layers, and num_nextn_predict_layers 1, as DeepSeek-V3 ships its MTP layer."""
+    def add(name, reader):
+        items = [(name, reader.read(name))]
+        if name.startswith(f"model.layers.{last}."):
+            items.append((name.replace(f"model.layers.{last}.", f"model.layers.{last + 1}."), reader.read(name)))
+        return items
+
+    return rewrite(src, dst, add, {"num_nextn_predict_layers": 1})
+
+
 def quantised_linear(name, w, fmt):
     """(name, array) pairs for one Linear whose dense weight is `name` = '...weight', in `fmt`."""
     stem = name[: -len("weight")]

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from family_fixtures import make_family_checkpoint  # noqa: E402
-from hf_fixtures import batch, make_checkpoint, rewrite  # noqa: E402
+from hf_fixtures import batch, make_checkpoint, with_mtp_layer  # noqa: E402
 
 from moejax import AutoModelForCausalLM, DeepseekV3ForCausalLM  # noqa: E402
 from moejax.cli import main  # noqa: E402
@@ -261,13 +261,7 @@ def test_mtp_layer_counts_are_listed(source, tmp_path):
     the pruned checkpoint passes the loader's check (headers only)."""
     src = source[0]
 
-    def add_mtp(name, reader):  # layer 3 (= num_hidden_layers) as DeepSeek-V3 ships its MTP layer
-        items = [(name, reader.read(name))]
-        if name.startswith("model.layers.2."):
-            items.append((name.replace("model.layers.2.", "model.layers.3."), reader.read(name)))
-        return items
-
-    mtp = rewrite(src, tmp_path / "mtp", add_mtp, {"num_nextn_predict_layers": 1})
+    mtp = with_mtp_layer(src, tmp_path / "mtp")  # layer 3, as DeepSeek-V3 ships it
     pd.DataFrame([{"layer": l, "expert": e, "score": "skew", "value": v}
                   for l, vs in {**SKEW, 3: [1.0] * E}.items() for e, v in enumerate(vs)]).to_parquet(tmp_path / "s.pq")
     dst = tmp_path / "pruned"

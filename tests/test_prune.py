@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_fixtures import QUANT_CONFIGS, batch, make_checkpoint, quantize, rewrite  # noqa: E402
+from hf_fixtures import QUANT_CONFIGS, batch, make_checkpoint, quantize, rewrite, with_mtp_layer  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.cli import main  # noqa: E402
@@ -255,13 +255,7 @@ def test_quantised_experts_travel_with_their_companions(flat, tmp_path, fmt):
 
 
 def test_mtp_layer_pruned_or_dropped(flat, tmp_path):
-    def add_mtp(name, reader):  # layer 3 (= num_hidden_layers) as DeepSeek-V3 ships its MTP layer
-        items = [(name, reader.read(name))]
-        if name.startswith("model.layers.2."):
-            items.append((name.replace("model.layers.2.", "model.layers.3."), reader.read(name)))
-        return items
-
-    src = rewrite(flat, tmp_path / "mtp", add_mtp, {"num_nextn_predict_layers": 1})
+    src = with_mtp_layer(flat, tmp_path / "mtp")  # layer 3, as DeepSeek-V3 ships it
     dst = tmp_path / "pruned"
     prune_checkpoint(src, dst, score="l1", keep=4)
     assert kept_of(dst).keys() == {1, 2, 3} and tensors(dst) == expected_tensors(src, kept_of(dst))

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from toy3_reference import np_keep_mask, np_route, np_routed_output, np_scores, numpy_toy3
+from toy3_reference import np_keep_mask, np_route, np_routed_output, np_scores, numpy_toy3, variant_rows
 from moejax.errors import ConfigError
 from moejax.experiments import toy3
 
@@ -140,12 +140,7 @@ def numpy_toy3_softmax(cfg, inputs, seeds):
                 for keep in keeps:
                     kept = np_keep_mask(score, keep)
                     y_p, _ = np_routed_output(x_held, *np_softmax_route(x_held @ router.T, kept, cfg.top_k), w1, w2)
-                    err, ref = ((y_p - y) ** 2).sum(1), (y ** 2).sum(1)
-                    row = {**base, "score": name, "keep": keep}
-                    rows.append({**row, "metric": "overlap_frequency",
-                                 "value": float((kept & np_keep_mask(counts, keep)).sum())})
-                    rows.append({**row, "metric": "rel_error", "value": err.sum() / ref.sum()})
-                    rows.append({**row, "metric": "rel_error_median", "value": float(np.median(err / ref))})
+                    rows += variant_rows({**base, "score": name, "keep": keep}, kept, counts, y_p, y)
     return pd.DataFrame(rows)
 
 

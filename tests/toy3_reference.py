@@ -79,6 +79,16 @@ def np_keep_mask(score, keep):
     return mask
 
 
+def variant_rows(row: dict, kept_E, counts_E, y_pruned_TD, y_TD) -> list[dict]:
+    """One pruned variant's result rows (SPEC section 4): overlap of its kept set with frequency's at
+    the same keep, and the relative error of its routed output, over all tokens and per-token median."""
+    err, ref = ((y_pruned_TD - y_TD) ** 2).sum(1), (y_TD ** 2).sum(1)
+    return [{**row, "metric": "overlap_frequency",
+             "value": float((kept_E & np_keep_mask(counts_E, row["keep"])).sum())},
+            {**row, "metric": "rel_error", "value": err.sum() / ref.sum()},
+            {**row, "metric": "rel_error_median", "value": float(np.median(err / ref))}]
+
+
 def numpy_toy3(cfg, inputs, seeds):
     """The toy3 experiment in numpy on the given drawn inputs; returns the same tidy rows as moejax."""
     import pandas as pd
@@ -112,11 +122,5 @@ def numpy_toy3(cfg, inputs, seeds):
                         kept = np_keep_mask(score, keep)
                         sel = np.where(kept, s_held + bias, -np.inf)
                         y_p, _ = np_routed_output(x_held, *np_route(sel, s_held, cfg.top_k), w1, w2)
-                        err = ((y_p - y) ** 2).sum(1)
-                        ref = (y ** 2).sum(1)
-                        row = {**base, "score": name, "keep": keep}
-                        rows.append({**row, "metric": "overlap_frequency",
-                                     "value": float((kept & np_keep_mask(counts, keep)).sum())})
-                        rows.append({**row, "metric": "rel_error", "value": err.sum() / ref.sum()})
-                        rows.append({**row, "metric": "rel_error_median", "value": float(np.median(err / ref))})
+                        rows += variant_rows({**base, "score": name, "keep": keep}, kept, counts, y_p, y)
     return pd.DataFrame(rows)
