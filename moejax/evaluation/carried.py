@@ -47,7 +47,7 @@ from moejax.moe.columns import routed_columns
 from moejax.models.causal_lm import Attended
 from moejax.models.layers import linear, rms_norm
 from moejax.evaluation.nll import chunked_nll, chunked_nll_init, chunked_nll_update
-from moejax.scoring.observe import accumulate_layer
+from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.evaluation.stream import batch_geometry, embed, vocab_chunks
@@ -396,12 +396,13 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
     if layer.is_moe:
         router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
         group_scores = {}   # calibration group -> (statistics, {score: [E]}), computed once per group
+        weight_sums = expert_weight_sums(layer.mlp)  # the same for every group: the weights do not change
 
         def scores_of(group):
             if group not in group_scores:
                 acc = StatsAccumulator(E, cfg.hidden_size)
                 zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
-                accumulate_layer(layer.mlp, zs, [None] * len(zs), acc)
+                accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums)
                 stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
                 group_scores[group] = stats, compute_scores(stats, scores)
             return group_scores[group]

@@ -122,10 +122,11 @@ def expert_weight_sums(moe) -> tuple[np.ndarray, np.ndarray, int]:
     return abs_sum, sq_sum, sum(int(np.prod(w.shape[1:])) for w in weights.values())
 
 
-def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator) -> None:
+def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_sums=None) -> None:
     """Add one MoE layer's statistics over batches (router inputs [B*S, H], masks [B*S] or None),
-    and its experts' weight sums."""
-    acc.add_weight_sums(*expert_weight_sums(moe))
+    and its experts' weight sums (`weight_sums`, when the caller already has this layer's
+    `expert_weight_sums`: they do not depend on the tokens)."""
+    acc.add_weight_sums(*(weight_sums or expert_weight_sums(moe)))
     graphdef, state = nnx.split(moe)
     for x_TH, mask in zip(router_inputs, masks):
         out, x_TH = to_host((_pairs(graphdef, state, x_TH), x_TH))  # gathered from every process's devices
