@@ -181,6 +181,17 @@ def _float_values(values: pd.Series, d: Path, problems: list[str]) -> pd.Series:
     return out
 
 
+def legacy_variant_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """A variants table written before `moejax.variants.VariantSpec` (prune_real and eval_tasks jobs
+    whose columns were `mode` for the form and `score` for the method) with today's names, so old
+    job folders load beside new ones; any other table unchanged."""
+    if "mode" not in df.columns or "form" in df.columns:
+        return df
+    from moejax.variants.spec import LEGACY_COLUMNS
+
+    return df.rename(columns=LEGACY_COLUMNS)
+
+
 def load(path, status: str | None = "completed") -> pd.DataFrame:
     """One tidy DataFrame from a run folder or a multirun sweep folder.
 
@@ -256,6 +267,7 @@ def _load_job(d: Path, status: str | None, problems: list[str]) -> pd.DataFrame 
         raise _Skip(f".hydra/overrides.yaml is unreadable ({type(exc).__name__}: {exc})") from None
     if "value" in df.columns:
         df["value"] = _float_values(df["value"], d, problems)
+    df = legacy_variant_columns(df)
     extra = {"job": _job_num(d), "job_dir": str(d)}
     for key, value in overrides.items():
         extra[f"override.{key}" if key in df.columns else key] = value

@@ -251,8 +251,9 @@ def compare_runs(old: dict, new: dict, layers: int) -> None:
     """How far the new run's rows are from the old run's (the same keys), and whether they keep the
     same experts."""
     def keyed(rows):
-        return {(r.get("mode"), r.get("score"), r.get("keep"), r.get("layer"), r.get("text"), r["metric"]): r["value"]
-                for r in rows}
+        # rows of code from before moejax.variants name the form `mode` and the method `score`
+        return {(r.get("form", r.get("mode")), r.get("method", r.get("score")), r.get("keep"), r.get("layer"),
+                 r.get("text"), r["metric"]): r["value"] for r in rows}
 
     o, n = keyed(old["rows"]), keyed(new["rows"])
     worst = {}

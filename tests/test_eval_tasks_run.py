@@ -58,12 +58,12 @@ def results(ckpt, tmp_path_factory):
 
 def test_every_variant_on_every_task_in_a_tidy_table(results):
     out, df = results
-    assert list(df.columns) == ["mode", "score", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
+    assert list(df.columns) == ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
     assert df.layer.isna().all() and df.expert.isna().all()   # the routing table comes with skills tasks only
     assert json.loads((out / "status.json").read_text())["status"] == "completed"
     assert (out / "tasks" / "stdlib_mc.yaml").is_file()  # the tasks are kept beside the results
     tasks = df[df.task != "heldout"]
-    variants = tasks.groupby(["mode", "score", "keep"], dropna=False).task.nunique()
+    variants = tasks.groupby(["method", "form", "keep"], dropna=False).task.nunique()
     assert len(variants) == 1 + 2 * 2 * 2 and (variants == 3).all()  # none + 2 modes x 2 scores x 2 keeps
     assert set(tasks.metric) == {"exact_match", "chrf", "acc", "acc_norm", "word_perplexity", "byte_perplexity",
                                  "bits_per_byte"}
@@ -77,7 +77,7 @@ def test_every_variant_on_every_task_in_a_tidy_table(results):
 
 def test_keeping_every_expert_reproduces_the_unpruned_model_exactly(results):
     _, df = results
-    base = df[df["mode"] == "none"].set_index(["task", "metric"]).value
+    base = df[df["form"] == "none"].set_index(["task", "metric"]).value
     full = df[(df.keep == E) & (df.metric != "rel_error_mean")]
     assert len(full) == 2 * 2 * len(base)
     for _, row in full.iterrows():
@@ -140,9 +140,9 @@ def test_merged_variants_on_the_tasks(ckpt, tmp_path):
     run_job(job(ckpt, scores=["frequency"], merges=["hc_smoe"], tasks=["stdlib_ppl"]), tmp_path)
     df = pd.read_parquet(tmp_path / "results.parquet")
     tasks = df[df.task == "stdlib_ppl"]
-    base = tasks[tasks["mode"] == "none"].set_index("metric").value
+    base = tasks[tasks["form"] == "none"].set_index("metric").value
     for form in ("tied", "shrunk"):
-        merged = tasks[(tasks["mode"] == form) & (tasks.score == "hc_smoe")]
+        merged = tasks[(tasks["form"] == form) & (tasks.method == "hc_smoe")]
         assert set(merged.keep) == {E, 8}
         for _, row in merged[merged.keep == E].iterrows():
             assert row.value == base[row.metric]

@@ -356,7 +356,7 @@ def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoi
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 96), torch.as_tensor(held[:, 1:]).reshape(-1).long())
         return float(torch.exp(nll))
 
-    unpruned = ppl[ppl["mode"] == "none"].value.item()
+    unpruned = ppl[ppl["form"] == "none"].value.item()
     assert unpruned == pytest.approx(hf_ppl(hf), rel=1e-4)
     assert (ppl[ppl.keep == 8].value == unpruned).all()
     dst = tmp_path / "l1"
@@ -364,7 +364,7 @@ def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoi
     assert {int(l): e["kept"] for l, e in record["layers"].items()} == {l: k["l1@4"] for l, k in info["kept"].items()}
     pruned = hf_classes("qwen3_moe")[1].from_pretrained(dst, attn_implementation="eager",
                                                        experts_implementation="eager").eval()
-    got = ppl[(ppl.score == "l1") & (ppl.keep == 4)].value.item()
+    got = ppl[(ppl.method == "l1") & (ppl.keep == 4)].value.item()
     assert got == pytest.approx(hf_ppl(pruned), rel=1e-4) and got != pytest.approx(unpruned, rel=1e-3)
 
 

@@ -137,7 +137,7 @@ def test_prompt_past_the_context_limit_is_refused_before_compute(checkpoints):
 
 
 def test_variants_below_top_k_are_refused_by_the_forward_and_generate(checkpoints):
-    """One rule (moejax.variant.check_variant) for every form of variant and every entry point:
+    """One rule (moejax.variants.check.check_variant) for every form of variant and every entry point:
     a MoE layer keeping fewer than num_experts_per_tok=2 experts, none, or 2 that group-limited
     routing (4 groups of 2, 2 chosen) cannot always reach (experts 0 and 7: a token is given
     groups 0 and 1 and routed to expert 1, pruned) is refused before any compute. A dense layer's

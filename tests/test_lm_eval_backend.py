@@ -265,7 +265,7 @@ def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(set
 def test_settings_and_variants_below_top_k_fail_before_the_model_is_loaded(setup, monkeypatch):
     """model_args out of range, and a variant keeping fewer than top_k=4 experts in a layer (or 4
     that group-limited routing, 4 groups of 4 with 2 chosen, cannot always reach), are refused by
-    name before loading; the same rule as the forward's (moejax.variant.check_variant)."""
+    name before loading; the same rule as the forward's (moejax.variants.check.check_variant)."""
     import moejax.evaluation.lm_eval
     from moejax.evaluation.lm_eval import MoejaxLM
 

@@ -441,14 +441,14 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
                                   merges=("m_smoe",), allocation="global", batch_size=4)
     df = pd.DataFrame(rows)
     ppl = df[(df.metric == "perplexity") & (df.text == "a")]
-    unpruned = ppl[ppl["mode"] == "none"].value.item()
+    unpruned = ppl[ppl["form"] == "none"].value.item()
     full = ppl[ppl.keep == E]
     assert len(full) == 1 + 2 and (full.value == unpruned).all()  # frequency; m_smoe tied and shrunk
     err = df[(df.keep == E) & (df.metric == "rel_error")]
     assert len(err) == 3 * 2 and (err.value == 0).all()  # 3 variants x 2 MoE layers
     for name in ("frequency@3", "m_smoe@3"):
         assert info["layer_counts"][name] == want
-    got = df[(df.metric == "experts") & (df.score == "frequency") & (df.keep == 3)].set_index("layer").value
+    got = df[(df.metric == "experts") & (df.method == "frequency") & (df.keep == 3)].set_index("layer").value
     assert {int(l): int(v) for l, v in got.items()} == want
     ids = heldout["a"]
 
@@ -460,7 +460,7 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
     for l, c in want.items():
         masks[l] = select_kept(stats[l].counts_E, c)
         assert np.flatnonzero(masks[l]).tolist() == info["kept"][l]["frequency@3"]
-    row = ppl[(ppl["mode"] == "one_shot") & (ppl.keep == 3)]
+    row = ppl[(ppl["form"] == "one_shot") & (ppl.keep == 3)]
     assert row.value.item() == pytest.approx(perplexity(jnp.asarray(masks)), rel=1e-4)
     out = model.jitted()(jnp.asarray(calib), None, return_moe_inputs=True)
     for method in ("m_smoe",):  # hc_smoe's variants: the lm-eval backend test and -m slow tests
@@ -470,7 +470,7 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
             merges[l] = merge_layer(method, want[l], merge_stats(moe, [z], [None]), moe.expert_weights())
             assert info["clusters"][l][f"{method}@3"] == merges[l].clusters() and merges[l].n_clusters == want[l]
         for form in ("tied", "shrunk"):
-            got = ppl[(ppl["mode"] == form) & (ppl.score == method) & (ppl.keep == 3)].value.item()
+            got = ppl[(ppl["form"] == form) & (ppl.method == method) & (ppl.keep == 3)].value.item()
             assert got == pytest.approx(perplexity({l: m.expert_map(form) for l, m in merges.items()}), rel=1e-4)
             assert got != pytest.approx(unpruned, rel=1e-3)
     scores = pd.DataFrame([{"layer": l, "expert": e, "score": "frequency", "value": float(v)}

@@ -25,7 +25,7 @@ from moejax.hf.check import check_checkpoint  # noqa: E402
 from moejax.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from moejax.models.deepseek_v3.presets import PRESETS  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402
-from moejax.variant import check_variant, masks_from_pruning_record  # noqa: E402
+from moejax.variants.check import check_variant, masks_from_pruning_record  # noqa: E402
 
 E = 8
 # one global threshold over these shares keeps 5 experts in layer 1 and 3 in layer 2 (keep=4, top_k=2)
@@ -124,7 +124,7 @@ def test_variants_of_a_per_layer_model(source):
         check_variant(beyond, cfg)
     # a scores file of the per-layer checkpoint, a keep ratio resolved against each layer's count
     from moejax.scoring.score_checkpoint import score_data_free
-    from moejax.variant import masks_from_scores
+    from moejax.variants.check import masks_from_scores
 
     free = score_data_free(dst, scores=["l1"], out=dst.parent / "free_l1.parquet")
     masks = masks_from_scores(dst.parent / "free_l1.parquet", "l1", 0.6, cfg)

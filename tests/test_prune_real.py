@@ -47,14 +47,14 @@ def test_unpruned_perplexity_matches_transformers(setup):
         with torch.no_grad():
             logits = model(torch.as_tensor(ids, dtype=torch.long)).logits.float()
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), torch.as_tensor(ids[:, 1:]).reshape(-1).long())
-        got = df[(df["mode"] == "none") & (df.text == text) & (df.metric == "perplexity")].value.item()
+        got = df[(df["form"] == "none") & (df.text == text) & (df.metric == "perplexity")].value.item()
         assert got == pytest.approx(float(torch.exp(nll)), rel=1e-4)
 
 
 def test_keep_all_experts_gives_the_unpruned_numbers_exactly(setup):
     *_, df, _ = setup
     ppl = df[df.metric == "perplexity"]
-    unpruned = ppl[ppl["mode"] == "none"].set_index("text").value
+    unpruned = ppl[ppl["form"] == "none"].set_index("text").value
     full = ppl[ppl.keep == E]
     assert len(full) == 5 * 2 * 3  # 5 scores x 2 modes x (2 texts + all)
     for _, row in full.iterrows():
@@ -120,7 +120,7 @@ def test_layer_errors_match_numpy(setup):
         mask[info["kept"][layer][key]] = True
         y_pruned = numpy_routed(z, w, b, experts, mask, cfg)
         err, norm = ((y_pruned - y) ** 2).sum(-1), (y ** 2).sum(-1)
-        rows = df[(df["mode"] == "one_shot") & (df.score == key.split("@")[0]) & (df.keep == keep) & (df.layer == layer)]
+        rows = df[(df["form"] == "one_shot") & (df.method == key.split("@")[0]) & (df.keep == keep) & (df.layer == layer)]
         assert rows[rows.metric == "rel_error"].value.item() == pytest.approx(err.sum() / norm.sum(), rel=1e-4)
         assert rows[rows.metric == "rel_error_median"].value.item() == pytest.approx(np.median(err / norm), rel=1e-4)
 
@@ -131,18 +131,18 @@ def test_kept_sets_and_analyses(setup):
     for layer in (1, 2):
         w = r.read(f"model.layers.{layer}.mlp.gate.weight").astype(np.float64)
         assert info["kept"][layer]["l1@8"] == sorted(np.argsort(-np.abs(w).sum(1), kind="stable")[:8].tolist())
-        a = df[(df.layer == layer) & (df["mode"] == "one_shot")]
+        a = df[(df.layer == layer) & (df["form"] == "one_shot")]
         usage = a[a.metric == "usage_top_quarter"].value.item()
         assert 4 / E <= usage <= 1
         assert -1 <= a[a.metric == "cosine_mu_ones"].value.item() <= 1
         assert 0 < a[a.metric == "energy_pos0"].value.item() < 1
-        rho = a[(a.metric == "spearman_frequency")].set_index("score").value
+        rho = a[(a.metric == "spearman_frequency")].set_index("method").value
         assert rho["frequency"] == pytest.approx(1.0)
-        overlap = a[(a.metric == "overlap_frequency") & (a.keep == 8)].set_index("score").value
+        overlap = a[(a.metric == "overlap_frequency") & (a.keep == 8)].set_index("method").value
         want = len(set(info["kept"][layer]["reap@8"]) & set(info["kept"][layer]["frequency@8"]))
         assert overlap["reap"] == want
     # sequential = one-shot at the first MoE layer (nothing pruned before it), not after
-    e = df[df.metric == "rel_error"].pivot_table(index=["score", "keep", "layer"], columns="mode", values="value")
+    e = df[df.metric == "rel_error"].pivot_table(index=["method", "keep", "layer"], columns="form", values="value")
     first = e.xs(1, level="layer")
     assert np.allclose(first["one_shot"], first["sequential"])
 
@@ -176,7 +176,7 @@ def test_published_analyses_match_numpy(setup):
         pre = f"model.layers.{layer}.mlp."
         w = r.read(pre + "gate.weight").astype(np.float64)
         b = r.read(pre + "gate.e_score_correction_bias").astype(np.float64)
-        a = df[(df.layer == layer) & (df["mode"] == "one_shot")]
+        a = df[(df.layer == layer) & (df["form"] == "one_shot")]
         value = lambda metric, **by: a[(a.metric == metric) & np.logical_and.reduce(  # noqa: E731
             [a[k] == v for k, v in by.items()] or [True])].value.item()
 
@@ -200,7 +200,7 @@ def test_published_analyses_match_numpy(setup):
         weight_only = {"frequency": counts, "l1": np.abs(w).sum(1), "signed": w.sum(1)}
         for name, score in weight_only.items():
             want = spearmanr(score, counts).statistic
-            assert value("spearman_frequency", score=name) == pytest.approx(want, abs=1e-9), name
+            assert value("spearman_frequency", method=name) == pytest.approx(want, abs=1e-9), name
         kept = info["kept"][layer]
         names = ["frequency", "reap", "l1", "signed", "random"]
         for keep in (8, 4):
@@ -208,7 +208,7 @@ def test_published_analyses_match_numpy(setup):
                 for y_ in names:
                     if x != y_:
                         want = len(set(kept[f"{x}@{keep}"]) & set(kept[f"{y_}@{keep}"]))
-                        assert value(f"overlap_{y_}", score=x, keep=keep) == want, (layer, keep, x, y_)
+                        assert value(f"overlap_{y_}", method=x, keep=keep) == want, (layer, keep, x, y_)
             # the frequency kept set itself: the `keep` most used experts, ties to the lower index
             assert kept[f"frequency@{keep}"] == sorted(sorted(range(E), key=lambda j: (-counts[j], j))[:keep])
 
@@ -228,7 +228,7 @@ def test_analysis_rows_against_python_on_ties():
               "l1": np.array([4.0, 1, 1, 2, 7, 3, 3, 3, 0, 6, 5, 2])}
     kept = {("signed", 4): np.isin(np.arange(12), [3, 4, 7, 9]), ("l1", 4): np.isin(np.arange(12), [0, 1, 5, 9])}
     rows = _analysis_rows(3, SimpleNamespace(counts_E=counts, mean_input_D=mu), scores, kept, [4], 0.125)
-    get = {(r["metric"], r.get("score")): r["value"] for r in rows}
+    get = {(r["metric"], r.get("method")): r["value"] for r in rows}
     assert all(r["layer"] == 3 for r in rows)
     assert get["usage_top_quarter", None] == pytest.approx((12 + 9 + 9) / counts.sum())
     assert get["cosine_mu_ones", None] == pytest.approx(sum(mu) / (np.sqrt(sum(mu ** 2)) * np.sqrt(5)))
@@ -258,9 +258,9 @@ def test_experiment_through_hydra_runner(tmp_path, setup):
                     "heldout_tokens": 256, "batch_size": 4}, "prune": {"sequential": False}, "dtype": "float32"}
     run_job(cfg, tmp_path / "out")
     df = load(tmp_path / "out")
-    assert {"mode", "score", "keep", "layer", "text", "metric", "value"} <= set(df.columns)
+    assert {"method", "form", "keep", "layer", "text", "metric", "value"} <= set(df.columns)
     assert set(df[df.metric == "perplexity"].text) == {"text.txt", "all"}
-    assert set(df[df.metric == "perplexity"].score.dropna()) == {"frequency", "bias", "man", "msan", "max_act", "aimer"}
+    assert set(df[df.metric == "perplexity"].method.dropna()) == {"frequency", "bias", "man", "msan", "max_act", "aimer"}
     from moejax.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no config.json"):
@@ -296,7 +296,7 @@ def test_a_selection_leaving_a_token_short_of_top_k_kept_experts_is_refused(tmp_
     """Group-limited routing (4 groups of 4, 2 chosen, top-4): l1's 4 kept experts of the first MoE
     layer lie one per group, so a token is given 2 groups holding 2 kept experts and would be
     routed to 2 pruned ones at their full gates. The pass refuses it at that layer, by the rule of
-    every variant (moejax.variant.check_routable), instead of reporting that model's numbers."""
+    every variant (moejax.variants.check.check_routable), instead of reporting that model's numbers."""
     from moejax.errors import ConfigError
 
     path = tmp_path / "src"

@@ -324,7 +324,7 @@ def test_eval_tasks_on_the_skills_model_end_to_end(eval_run):
 
     df = pd.read_parquet(eval_run / "results.parquet")
     tasks = df[df.task.isin(["skills_up", "skills_up_mc"])]
-    variants = tasks.groupby(["mode", "score", "keep"], dropna=False).task.nunique()
+    variants = tasks.groupby(["method", "form", "keep"], dropna=False).task.nunique()
     assert len(variants) == 3 and (variants == 2).all()        # unpruned + 2 scores at one keep
     assert set(tasks.metric) == {"exact_match", "acc"}
     share = df[df.metric == "routing_share"]

@@ -290,9 +290,9 @@ def test_prune_real_on_the_trained_model(trained, tmp_path):
     ppl = df[df.metric == "perplexity"]
     texts = set(ppl.text) - {"all"}
     assert texts - {"LICENSE.txt"} and texts - {"LICENSE.txt"} <= {Path(f).name for f in record["heldout"]}
-    assert set(ppl[ppl["mode"] == "one_shot"].score) == set(ALL_SCORES)  # man, msan, max_act and aimer included
+    assert set(ppl[ppl["form"] == "one_shot"].method) == set(ALL_SCORES)  # man, msan, max_act and aimer included
     assert set(ppl.keep.dropna()) == {8, 6, 4}
-    unpruned = ppl[ppl["mode"] == "none"].set_index("text").value
+    unpruned = ppl[ppl["form"] == "none"].set_index("text").value
     full = ppl[ppl.keep == 8]
     assert (full.value.to_numpy() == full.text.map(unpruned).to_numpy()).all()
     assert unpruned["all"] < 256  # the trained model beats a uniform guess over bytes

@@ -15,23 +15,23 @@ from moejax.results import load
 def tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     out = {}
     ppl = df[df.metric == "perplexity"]
-    unpruned = ppl[ppl["mode"] == "none"].set_index("text").value
-    wide = ppl[ppl["mode"] != "none"].pivot_table(index=["mode", "score"], columns=["keep", "text"], values="value")
+    unpruned = ppl[ppl["form"] == "none"].set_index("text").value
+    wide = ppl[ppl["form"] != "none"].pivot_table(index=["form", "method"], columns=["keep", "text"], values="value")
     wide.columns = [f"keep={k} {t}" for k, t in wide.columns]
     wide.loc[("none", "unpruned"), :] = [unpruned[c.split(" ", 1)[1]] for c in wide.columns]
     out["held-out perplexity, every MoE layer pruned"] = wide.round(3)
     err = df[df.metric.isin(["rel_error", "rel_error_median"])]
-    mean = err.pivot_table(index=["mode", "score"], columns=["keep", "metric"], values="value", aggfunc="mean")
+    mean = err.pivot_table(index=["form", "method"], columns=["keep", "metric"], values="value", aggfunc="mean")
     mean.columns = [f"keep={k} {m}" for k, m in mean.columns]
     out["layer-local relative error of the routed output, mean over MoE layers (one-shot: on unpruned inputs; sequential: on its own pruned inputs)"] = mean.round(4)
-    by_layer = err[(err.metric == "rel_error_median") & (err["mode"] == "one_shot")].pivot_table(
-        index=["keep", "score"], columns="layer", values="value")
+    by_layer = err[(err.metric == "rel_error_median") & (err["form"] == "one_shot")].pivot_table(
+        index=["keep", "method"], columns="layer", values="value")
     out["median per-token relative error by layer (one-shot)"] = by_layer.round(3)
     analyses = df[df.metric.isin(["usage_top_quarter", "cosine_mu_ones", "energy_pos0"])].pivot_table(
         index="layer", columns="metric", values="value")
     out["per-layer analyses (calibration / held-out, unpruned)"] = analyses.round(3)
-    corr = df[df.metric == "spearman_frequency"].pivot_table(index="score", values="value", aggfunc="mean")
-    overlap = df[df.metric == "overlap_frequency"].pivot_table(index="score", columns="keep", values="value", aggfunc="mean")
+    corr = df[df.metric == "spearman_frequency"].pivot_table(index="method", values="value", aggfunc="mean")
+    overlap = df[df.metric == "overlap_frequency"].pivot_table(index="method", columns="keep", values="value", aggfunc="mean")
     overlap.columns = [f"overlap with frequency, keep={k}" for k in overlap.columns]
     out["agreement with frequency, mean over MoE layers"] = pd.concat(
         [corr.rename(columns={"value": "Spearman with frequency"}), overlap], axis=1).round(3)

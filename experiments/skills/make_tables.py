@@ -26,7 +26,7 @@ def _fmt(v, se):
 def _tasks(df: pd.DataFrame):
     """(gen, mc, ll) rows of the skills tasks, with `method`, `skill` columns."""
     df = df.copy()
-    df["method"] = df["score"].fillna("unpruned")
+    df["method"] = df["method"].fillna("unpruned")
     tasks = df[df.task.str.startswith("skills_") & (df.task != "skills_degen")].copy()
     tasks["skill"] = tasks.task.map(skill_of)
     tasks["kind"] = tasks.task.map(lambda t: {"mc": "mc", "ll": "ll"}.get(t.split("_")[-1], "gen"))
@@ -50,17 +50,17 @@ def questions(df: pd.DataFrame, rare=("close", "up", "kv")) -> dict[str, pd.Data
     keeps = sorted(gen.keep.dropna().unique(), reverse=True)
     # 1. rare skills under frequency, REAP and EAN (one-shot and sequential)
     rows = {}
-    for (mode, method), g in gen[gen["mode"].isin(["one_shot", "sequential"])].groupby(["mode", "method"]):
+    for (mode, method), g in gen[gen["form"].isin(["one_shot", "sequential"])].groupby(["form", "method"]):
         rows[(mode, method)] = {f"keep={k} {s}": _cell(g[(g.keep == k) & (g.skill == s)]) for k in keeps
                                 for s in rare if s in set(gen.skill)}
-    base = gen[gen["mode"] == "none"]
+    base = gen[gen["form"] == "none"]
     rows[("none", "unpruned")] = {f"keep={k} {s}": _cell(base[base.skill == s]) for k in keeps for s in rare
                                   if s in set(gen.skill)}
     out["rare skills: greedy exact match by pruning score"] = pd.DataFrame(rows).T
     # 2. pruning against merging: multiple choice against generation (mean over skills)
     rows = {}
-    for (mode, method), g in gen.groupby(["mode", "method"]):
-        m = mc[(mc["mode"] == mode) & (mc.method == method)]
+    for (mode, method), g in gen.groupby(["form", "method"]):
+        m = mc[(mc["form"] == mode) & (mc.method == method)]
         for k in (keeps if mode != "none" else [None]):
             gk = g if k is None else g[g.keep == k]
             mk = m if k is None else m[m.keep == k]
@@ -70,13 +70,13 @@ def questions(df: pd.DataFrame, rare=("close", "up", "kv")) -> dict[str, pd.Data
     # 4. does the held-out perplexity ranking of the scores agree with the task ranking?
     from scipy.stats import spearmanr
 
-    ppl = df[(df.task == "heldout") & (df.metric == "perplexity")].assign(method=lambda d: d.score.fillna("unpruned"))
+    ppl = df[(df.task == "heldout") & (df.metric == "perplexity")].assign(method=lambda d: d.method.fillna("unpruned"))
     rows = {}
     for mode in ("one_shot", "sequential"):
         for k in keeps:
-            p = ppl[(ppl["mode"] == mode) & (ppl.keep == k)].set_index("method").value
-            g = gen[(gen["mode"] == mode) & (gen.keep == k)].groupby("method").value.mean()
-            m = mc[(mc["mode"] == mode) & (mc.keep == k)].groupby("method").value.mean()
+            p = ppl[(ppl["form"] == mode) & (ppl.keep == k)].set_index("method").value
+            g = gen[(gen["form"] == mode) & (gen.keep == k)].groupby("method").value.mean()
+            m = mc[(mc["form"] == mode) & (mc.keep == k)].groupby("method").value.mean()
             common = p.index.intersection(g.index)
             if len(common) > 2:
                 rows[(mode, int(k))] = {"scores": len(common),
@@ -95,7 +95,7 @@ def calibration_table(runs: list) -> pd.DataFrame:
     for run in runs:
         cal = yaml.safe_load((Path(run) / "resolved_config.yaml").read_text()).get("calibration", "code")
         gen, _, _ = _tasks(load(run))
-        frames.append(gen[gen["mode"] == "one_shot"].assign(calibration=cal))
+        frames.append(gen[gen["form"] == "one_shot"].assign(calibration=cal))
     gen = pd.concat(frames)
     return gen.pivot_table(index=["keep", "method"], columns=["skill", "calibration"], values="value").round(2)
 
@@ -104,30 +104,30 @@ def tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
     out = {}
     gen, mc, ll = _tasks(df)
     tasks = pd.concat([gen, mc, ll])
-    df = df.assign(method=df["score"].fillna("unpruned"))
-    base = gen[gen["mode"] == "none"].set_index("skill")
+    df = df.assign(method=df["method"].fillna("unpruned"))
+    base = gen[gen["form"] == "none"].set_index("skill")
     out["unpruned model: greedy exact match, MC acc, answer log-likelihood (nats) per skill"] = pd.DataFrame({
         "exact match": base.apply(lambda r: _fmt(r.value, r.stderr), axis=1),
-        "MC acc": mc[mc["mode"] == "none"].set_index("skill").apply(lambda r: _fmt(r.value, r.stderr), axis=1),
-        "answer logprob": tasks[(tasks.kind == "ll") & (tasks.metric == "logprob") & (tasks["mode"] == "none")]
+        "MC acc": mc[mc["form"] == "none"].set_index("skill").apply(lambda r: _fmt(r.value, r.stderr), axis=1),
+        "answer logprob": tasks[(tasks.kind == "ll") & (tasks.metric == "logprob") & (tasks["form"] == "none")]
         .set_index("skill").value.round(3)})
     for keep in sorted(gen.keep.dropna().unique(), reverse=True):
         g = gen[gen.keep == keep]
-        wide = g.pivot_table(index=["mode", "method"], columns="skill", values="value")
+        wide = g.pivot_table(index=["form", "method"], columns="skill", values="value")
         wide["mean"] = wide.mean(axis=1)
         out[f"greedy exact match at keep={keep}"] = wide.sort_values("mean", ascending=False).round(2)
     for keep in sorted(mc.keep.dropna().unique(), reverse=True):
-        wide = mc[mc.keep == keep].pivot_table(index=["mode", "method"], columns="skill", values="value")
+        wide = mc[mc.keep == keep].pivot_table(index=["form", "method"], columns="skill", values="value")
         wide["mean"] = wide.mean(axis=1)
         out[f"multiple choice acc at keep={keep}"] = wide.sort_values("mean", ascending=False).round(2)
     deg = df[df.task == "skills_degen"].assign(keep=lambda d: d.keep.fillna(0)).pivot_table(
-        index=["mode", "method", "keep"], columns="metric", values="value")
+        index=["form", "method", "keep"], columns="metric", values="value")
     out["degeneration (open prompts to 256 bytes): loop rate, terminated rate, distinct-n"] = deg.round(3)
     need = df[df.metric == "experts_for_90"].pivot_table(index="task", columns="layer", values="value")
     need.columns = [f"layer {int(c)}" for c in need.columns]
     out["experts carrying 90% of each text's routing decisions (unpruned)"] = need
     ppl = df[(df.task == "heldout") & (df.metric == "perplexity")].pivot_table(
-        index=["mode", "method"], columns="keep", values="value")
+        index=["form", "method"], columns="keep", values="value")
     out["held-out code perplexity (calibration pass)"] = ppl.round(3)
     return out
 

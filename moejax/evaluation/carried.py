@@ -15,9 +15,10 @@
   llm-compressor does), and its own held-out stream.
 At the end the final norm and head turn each held-out stream into a perplexity per text.
 
-Results are tidy rows: mode, score, keep, layer, text, metric, value (see `METRICS`). `mode` says how
-a variant was made: one_shot or sequential pruning by the score `score`, or merging by the method
-`score` with the router form tied or shrunk (mode "none": the unpruned model).
+Results are tidy rows: method, form, keep, layer, text, metric, value (see `METRICS`); a variant is
+a `moejax.variants.VariantSpec`: one_shot or sequential pruning by the score `method`, or merging
+by the merge `method` under the router form tied or shrunk (form "none": the unpruned model). Each
+variant's decisions come back as a `moejax.variants.VariantPlan`.
 
 Every variant of a layer is an `ExpertMap` (moejax.moe.expert_map): the held-out streams run as one
 batch, stream n routed over its remaining router slots and computing with its rows of one expert
@@ -51,7 +52,8 @@ from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.evaluation.stream import batch_geometry, embed, vocab_chunks
-from moejax.variant import check_routable
+from moejax.variants import Kept, Merged, VariantPlan, VariantSpec
+from moejax.variants.check import check_routable
 
 # Held-out tokens a decoder layer runs in one call (all streams of a batch together would hold
 # several [streams x tokens, width] intermediates: 17 streams of 1,024 Moonlight tokens need 0.9 GB
@@ -71,21 +73,6 @@ METRICS = {
     "rare_large_expert": "an expert in the bottom quarter by frequency and the top quarter by reap (value: its index)",
     "experts": "experts the variant keeps at the layer (pruning) or clusters it merges them into (merging)",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    score: str              # a score (pruning) or a merge method (merging)
-    keep: int
-    mode: str = "one_shot"  # pruning: one_shot | sequential; merging: the router form, tied | shrunk
-
-    @property
-    def merged(self) -> bool:
-        return self.mode in ROUTER_FORMS
-
-    @property
-    def name(self) -> str:
-        return f"{self.score}@{self.keep}" if self.mode == "one_shot" else f"{self.mode}:{self.score}@{self.keep}"
 
 
 # --- jitted pieces of one decoder layer (graphdef static, weights and masks as arguments) ------
@@ -206,20 +193,20 @@ def _analysis_rows(layer, stats, scores, kept, keeps, energy_pos0):
     rows.append(dict(layer=layer, metric="energy_pos0", value=energy_pos0))
     freq = stats.counts_E
     for name, s in scores.items():
-        rows.append(dict(layer=layer, score=name, metric="spearman_frequency", value=rank_correlation(s, freq)))
+        rows.append(dict(layer=layer, method=name, metric="spearman_frequency", value=rank_correlation(s, freq)))
         for keep in keeps:
             for other in scores:
                 if other != name:
-                    rows.append(dict(layer=layer, score=name, keep=keep, metric=f"overlap_{other}",
+                    rows.append(dict(layer=layer, method=name, keep=keep, metric=f"overlap_{other}",
                                      value=float(np.sum(kept[name, keep] & kept[other, keep]))))
             if "frequency" not in scores:
-                rows.append(dict(layer=layer, score=name, keep=keep, metric="overlap_frequency",
+                rows.append(dict(layer=layer, method=name, keep=keep, metric="overlap_frequency",
                                  value=float(np.sum(kept[name, keep] & select_kept(freq, keep)))))
     if "reap" in scores:
         quarter = max(1, E // 4)
         rare = set(np.argsort(freq, kind="stable")[:quarter].tolist())
         large = set(np.argsort(-scores["reap"], kind="stable")[:quarter].tolist())
-        rows += [dict(layer=layer, score="reap", metric="rare_large_expert", value=float(e)) for e in sorted(rare & large)]
+        rows += [dict(layer=layer, method="reap", metric="rare_large_expert", value=float(e)) for e in sorted(rare & large)]
     return rows
 
 
@@ -239,7 +226,7 @@ class _ErrorSums:
     def rows(self):
         out = []
         for (variant, layer), err in self.err.items():
-            base = dict(mode=variant.mode, score=variant.score, keep=variant.keep, layer=layer)
+            base = dict(variant.row(), layer=layer)
             out.append(dict(base, metric="rel_error", value=float(err / self.norm[variant, layer])))
             out.append(dict(base, metric="rel_error_median",
                             value=float(np.median(np.concatenate(self.per_token[variant, layer])))))
@@ -248,11 +235,15 @@ class _ErrorSums:
 
 def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
                      keeps: list, *, merges: tuple = (), sequential: bool = False, allocation: str = "uniform",
-                     batch_size: int = 8, dtype=jnp.float32, seed: int = 0,
+                     batch_size: int = 8, dtype=jnp.float32, seed: int = 0, merged_weights: bool = False,
                      progress: bool | None = None) -> tuple[list[dict], dict]:
     """(tidy rows, info) for every (score, keep) variant and every (merge method, keep, router
     form); calib and each held-out text are token ids [n_seq, seq_len]. Each decoder layer's
-    weights are read once. info["kept"][layer] maps "score@keep" (one-shot) and
+    weights are read once. info["plans"] is every variant's `VariantPlan` (its decisions per MoE
+    layer), in the order of the held-out streams; with merged_weights=True a merge's plan keeps its
+    merged experts (so `plan.expert_maps()` evaluates it: eval_tasks), else only its clusters (a
+    model's worth of merged experts per merge and keep is not held). info["kept"][layer] maps
+    "score@keep" (one-shot) and
     "sequential:score@keep" to that variant's kept experts; info["clusters"][layer] maps
     "method@keep" to its clusters (lists of experts, the leader first) and "counts" to the
     routing decisions per expert the merges weighed by (with merges).
@@ -268,9 +259,9 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                           f"{list(cfg.layer_num_experts)}); evaluate_pruning (the prune_real experiment) needs one "
                           "count in every layer: evaluate it with the model's forward, generate or the lm-eval backend")
     keeps = sorted({resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
-    one_shot = [Variant(s, k) for s in scores for k in keeps]
-    merged = [Variant(m, k, form) for m in merges for k in keeps for form in ROUTER_FORMS]
-    seq_variants = [Variant(s, k, "sequential") for s in scores for k in keeps] if sequential else []
+    one_shot = [VariantSpec(s, k, "one_shot") for s in scores for k in keeps]
+    merged = [VariantSpec(m, k, form) for m in merges for k in keeps for form in ROUTER_FORMS]
+    seq_variants = [VariantSpec(s, k, "sequential") for s in scores for k in keeps] if sequential else []
     show = sys.stderr.isatty() if progress is None else progress
     if allocation == "global":
         counts = _global_counts(ckpt, calib, scores, merges, keeps, batch_size, dtype, seed, show)
@@ -280,18 +271,22 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
         counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*scores, *merges] for k in keeps}
     streams = _Streams.embedded(ckpt, calib, heldout, one_shot + merged, seq_variants, batch_size, dtype)
     errors, rows, kept_by_layer, clusters_by_layer = _ErrorSums(), [], {}, {}
+    plans = {v: VariantPlan(v) for v in streams.order[1:]}
     t0 = time.perf_counter()
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams.order)} held-out streams)",
                           unit="layer", disable=not show):
-        layer_rows, kept, clusters = _layer_pass(ckpt, layer_idx, streams, scores, keeps, tuple(merges), counts,
-                                                 errors, seed, dtype)
+        layer_rows, layer_plans, kept, clusters = _layer_pass(ckpt, layer_idx, streams, scores, keeps, tuple(merges),
+                                                              counts, errors, seed, dtype, merged_weights)
         rows += layer_rows
-        if kept is not None:
+        if layer_plans is not None:
+            for v, layer_plan in layer_plans.items():
+                plans[v].layers[layer_idx] = layer_plan
             kept_by_layer[layer_idx] = kept
             clusters_by_layer[layer_idx] = clusters
     rows += _perplexity_rows(ckpt, streams, dtype)
     rows += errors.rows()
     info = {"seconds": time.perf_counter() - t0, "variants": len(streams.order) - 1, "keeps": keeps,
+            "plans": list(plans.values()),
             "kept": kept_by_layer, "clusters": clusters_by_layer, "allocation": allocation,
             "layer_counts": {f"{name}@{k}": c for (name, k), c in counts.items()}, "calib_tokens": int(calib.size),
             "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
@@ -378,12 +373,14 @@ def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_siz
 
 
 def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores, keeps, merges: tuple, counts: dict,
-                errors: _ErrorSums, seed: int, dtype) -> tuple[list[dict], dict | None, dict | None]:
+                errors: _ErrorSums, seed: int, dtype, merged_weights: bool = False
+                ) -> tuple[list[dict], dict | None, dict | None, dict | None]:
     """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
     layer's output. At a MoE layer: every variant's expert map (one-shot pruning and merging: from
     the unpruned calibration stream; sequential: from the variant's own calibration stream), its
-    layer-local errors (into `errors`) and the analyses. Returns (analysis rows, {variant name:
-    kept experts}, {merge name: clusters}), the latter two None at a dense layer."""
+    layer-local errors (into `errors`) and the analyses. Returns (analysis rows, {VariantSpec:
+    its LayerPlan here}, {variant name: kept experts}, {merge name: clusters}), the last three None
+    at a dense layer; merged plans keep their merged experts only with `merged_weights`."""
     cfg = ckpt.config
     E = cfg.n_experts
     layer = ckpt.decoder_layer(layer_idx, dtype, expert_dtype=ckpt.stored_expert_dtype(dtype))
@@ -392,7 +389,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
     cal_hz = {group: [_attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
               for group, xs in streams.cal.items()}
     masks = {}      # pruning variant -> its kept experts [E] at this layer (none at a dense layer)
-    kept_names = clusters = layer_merges = None
+    kept_names = clusters = layer_merges = layer_plans = None
     if layer.is_moe:
         router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
         group_scores = {}   # calibration group -> (statistics, {score: [E]}), computed once per group
@@ -412,12 +409,12 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
                 for s in scores for k in keeps}
         kept_names = {f"{s}@{k}": np.flatnonzero(m).tolist() for (s, k), m in kept.items()}
         for v in streams.order[1:]:
-            if v.mode == "one_shot":
-                masks[v] = jnp.asarray(kept[v.score, v.keep])
-            elif v.mode == "sequential":
+            if v.form == "one_shot":
+                masks[v] = jnp.asarray(kept[v.method, v.keep])
+            elif v.form == "sequential":
                 _, own = scores_of(streams.group[v])
-                seq_kept = select_kept(own[v.score], counts[v.score, v.keep][layer_idx],
-                                       f"layer {layer_idx}: score {v.score!r} (sequential)")
+                seq_kept = select_kept(own[v.method], counts[v.method, v.keep][layer_idx],
+                                       f"layer {layer_idx}: score {v.method!r} (sequential)")
                 kept_names[v.name] = np.flatnonzero(seq_kept).tolist()
                 masks[v] = jnp.asarray(seq_kept)
         if merges:
@@ -429,9 +426,10 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
                             for m in merges for k in keeps}
             clusters = {"counts": m_stats.counts_E.tolist(),
                         **{f"{m}@{k}": lm.clusters() for (m, k), lm in layer_merges.items()}}
-        for v in streams.order[1:]:  # the rule every variant meets, before this layer computes under it
-            check_routable(masks[v] if not v.merged else layer_merges[v.score, v.keep].kept_E(v.mode), layer_idx,
-                           cfg, v.name)
+        layer_plans = {v: Merged(layer_merges[v.method, v.keep], v.form) if v.merged else Kept(np.asarray(masks[v]))
+                       for v in streams.order[1:]}
+        for v, layer_plan in layer_plans.items():  # the rule every variant meets, before this layer computes under it
+            check_routable(layer_plan.routable_E, layer_idx, cfg, v.name)
     # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
     # MoE layer, by its own mask) leaves its group for one of its own, keyed by itself; the streams
     # it does not prune move on together. (A group keyed by a variant holds that variant alone, so
@@ -444,25 +442,27 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
             carried[new_group] = [_mlp(graphdef, state, h, z, mask) for h, z in cal_hz[group]]
         streams.group[key] = new_group
     streams.cal = carried
-    em_A = _stacked_expert_map(streams.order, masks, layer_merges, layer.mlp.expert_weights(), E) \
-        if layer.is_moe else None
+    em_A = _stacked_expert_map(streams.order, layer_plans, layer.mlp.expert_weights(), E) if layer.is_moe else None
     energy_pos0 = _carry_heldout(graphdef, state, streams, em_A, errors, layer_idx)
     if not layer.is_moe:
-        return [], None, None
-    rows = [dict(mode="one_shot", **r) for r in _analysis_rows(layer_idx, stats, layer_sc, kept, keeps, energy_pos0)]
-    rows += [dict(mode=v.mode, score=v.score, keep=v.keep, layer=layer_idx, metric="experts",
-                  value=float(counts[v.score, v.keep][layer_idx])) for v in streams.order[1:]]
-    return rows, kept_names, clusters
+        return [], None, None, None
+    if not merged_weights:  # the clusters are kept, the merged experts dropped with the layer
+        stripped = {key: dataclasses.replace(lm, weights=None) for key, lm in (layer_merges or {}).items()}
+        layer_plans = {v: Merged(stripped[v.method, v.keep], v.form) if v.merged else p for v, p in layer_plans.items()}
+    rows = [dict(form="one_shot", **r) for r in _analysis_rows(layer_idx, stats, layer_sc, kept, keeps, energy_pos0)]
+    rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
+             for v in streams.order[1:]]
+    return rows, layer_plans, kept_names, clusters
 
 
-def _stacked_expert_map(order, masks: dict, layer_merges: dict | None, own: dict, E: int) -> ExpertMap:
+def _stacked_expert_map(order, layer_plans: dict, own: dict, E: int) -> ExpertMap:
     """Every held-out stream's variant of a MoE layer as one ExpertMap (mask and rows [A, E]): the
     unpruned stream keeps every slot, a pruned stream its kept slots, both computing with the
     layer's own experts; a merged stream its router form's slots, computing with its merge's
     experts. Without merges the rows are the identity and are left out (None)."""
     all_E = jnp.ones((E,), bool)
-    mask_AE = jnp.stack([all_E if v is None else masks[v] if not v.merged
-                         else jnp.asarray(layer_merges[v.score, v.keep].kept_E(v.mode)) for v in order])
+    mask_AE = jnp.stack([all_E if v is None else jnp.asarray(layer_plans[v].routable_E) for v in order])
+    layer_merges = {(v.method, v.keep): p.merge for v, p in layer_plans.items() if isinstance(p, Merged)}
     if not layer_merges:
         return ExpertMap(mask_AE)
     # The table: the layer's own experts, then each merge's merged experts of clusters of two or
@@ -484,7 +484,7 @@ def _stacked_expert_map(order, masks: dict, layer_merges: dict | None, own: dict
                                  jnp.zeros((pad,) + own[k].shape[1:], own[k].dtype)]) if extra else own[k]
              for k in own}
     identity = jnp.arange(E, dtype=jnp.int32)
-    rows_AE = jnp.stack([identity if v is None or not v.merged else jnp.asarray(rows_of[v.score, v.keep])
+    rows_AE = jnp.stack([identity if v is None or not v.merged else jnp.asarray(rows_of[v.method, v.keep])
                          for v in order])
     return ExpertMap(mask_AE, rows_AE, table)
 
@@ -581,7 +581,6 @@ def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dic
 
 
 def _ppl_row(v, text, nll_sum, count):
-    base = (dict(mode="none", score=None, keep=None) if v is None
-            else dict(mode=v.mode, score=v.score, keep=v.keep))
+    base = (VariantSpec.unpruned() if v is None else v).row()
     return dict(base, text=text, metric="perplexity", value=float(np.exp(nll_sum / count)))
 

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import ConfigError
-from moejax.variant import check_variant
+from moejax.variants.check import check_variant
 
 
 class Sampling(NamedTuple):
@@ -192,7 +192,7 @@ class Generator:
         """Prompt then continuation, int32 [B, P + max_new_tokens] (module docstring).
 
         variant: a pruning as bool [num_hidden_layers, E] (True = kept; pruned experts are never
-        routed to) or {MoE layer: ExpertMap} (pruned or merged experts; moejax.variant.check_variant).
+        routed to) or {MoE layer: ExpertMap} (pruned or merged experts; moejax.variants.check.check_variant).
         stop_token_ids: a row ends after it emits one of them (it is kept); ids in [0, vocab_size).
         seed: an integer in [0, 2**32) (`check_seed`).
         pad_token_id: fills every position after a row stops (default: config pad_token_id, else

@@ -37,7 +37,7 @@ from flax import nnx
 
 from moejax.errors import ConfigError, MoejaxError
 from moejax.evaluation.generate import SEEDS, Generator, Sampling, check_seed
-from moejax.variant import check_variant
+from moejax.variants.check import check_variant
 from moejax.evaluation.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
 from moejax.models.registry import read_config
@@ -174,7 +174,7 @@ class MoejaxLM(TemplateLM):
 
     @staticmethod
     def _variant_masks(config, pruning, scores, score, keep, checkpoint):
-        from moejax import variant
+        from moejax.variants import check as variant
 
         if pruning is not None and (scores is not None or score is not None or keep is not None):
             raise ConfigError("moejax lm-eval model: give either pruning= or scores=/score=/keep=, not both")

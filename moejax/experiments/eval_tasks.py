@@ -1,21 +1,22 @@
 """`python -m moejax.run experiment=eval_tasks model=tiny` (or `model.path=CKPT`): every pruned
 variant on downstream tasks, in one job, without writing a checkpoint per variant.
 
-1. One calibration pass (prune_real's, `moejax.evaluation.carried.evaluate_pruning`) gives every (score,
-   keep) variant's kept sets, one-shot and, with `prune.sequential=true`, greedy, and beside them
-   each variant's held-out perplexity and mean layer-local error (task `heldout`).
-2. Each variant (and the unpruned model) is evaluated on every task through the lm-eval backend
-   `moejax` (`moejax.evaluation.lm_eval.MoejaxLM`): the model is loaded and compiled once, each variant
-   is a set of expert masks, or with `merges=[hc_smoe,m_smoe]` a merged variant (expert maps built
-   from the clusters the pass recorded, under both router forms, mode tied / shrunk).
+1. One calibration pass (prune_real's, `moejax.evaluation.carried.evaluate_pruning`) decides every
+   variant, one `moejax.variants.VariantPlan` each: (score, keep) pruned one-shot and, with
+   `prune.sequential=true`, greedy; with `merges=[hc_smoe,m_smoe]` merged (clusters and merged
+   experts, router forms tied and shrunk); and beside them each variant's held-out perplexity and
+   mean layer-local error (task `heldout`).
+2. Each plan (and the unpruned model) is evaluated on every task through the lm-eval backend
+   `moejax` (`moejax.evaluation.lm_eval.MoejaxLM`), handed over as its expert maps
+   (`plan.expert_maps()`): the model is loaded and compiled once, nothing is decided or merged twice.
 
 Tasks: any lm-eval task name, looked up in `task_dir` (YAML files) and in lm-eval's own tasks
 (`include_defaults`). The default tasks are the offline ones built from the model's held-out
 files (`moejax.evaluation.tasks`: stdlib_nextline, stdlib_mc, stdlib_ppl): with `task_dir` empty they
 are written into the job folder from the checkpoint's `moejax_tiny.json`.
 
-Results: results.parquet with columns mode, score, keep, task, metric, value, stderr (mode none =
-the unpruned model); `moejax.results.load` reads it; experiments/eval_tasks/ has the notebook.
+Results: results.parquet with columns method, form, keep (a `moejax.variants.VariantSpec`), task,
+metric, value, stderr, layer, expert (form none = the unpruned model); `moejax.results.load` reads it; experiments/eval_tasks/ has the notebook.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.experiments.prune_real import PruneRealConfig
 from moejax.evaluation.skills_tasks import skill_of, task_names
 
-COLUMNS = ["mode", "score", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
+COLUMNS = ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
 SKILL_TASKS = tuple(task_names())  # the skills tasks (moejax.evaluation.skills_tasks), built into the job folder when named
 
@@ -222,10 +223,7 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
 
     from moejax.experiments import prune_real
     from moejax.evaluation.lm_eval import MoejaxLM
-    from moejax.models.registry import read_config
-    from moejax.merging.layer import ROUTER_FORMS
-    from moejax.scoring.scores import scores_for
-    from moejax.variant import masks_from_kept, merged_variant
+    from moejax.variants import VariantPlan, VariantSpec
 
     job_dir = Path(job_dir or ".")
     task_dir = build_tasks(cfg, job_dir)
@@ -244,43 +242,29 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         task.set_fewshot_seed(seed=cfg.seed)  # as simple_evaluate does
 
     with prune_real_as_eval_tasks():
-        ppl_df, info, timings = prune_real.evaluate(cfg.prune_real(), progress)
-    info_kept = info["kept"]
-    model_cfg = read_config(Path(cfg.path) / "config.json")
-    keeps = sorted({int(k) for k in ppl_df.keep.dropna()}, reverse=True)
-    modes = ["one_shot"] + (["sequential"] if cfg.sequential else [])
-    scores = scores_for(cfg.scores, model_cfg.HAS_BALANCE_BIAS, f"eval_tasks: {cfg.path}")
-    variants = [dict(mode="none", score=None, keep=None)] + [
-        dict(mode=m, score=s, keep=k) for m in modes for s in scores for k in keeps] + [
-        dict(mode=form, score=m, keep=k) for m in cfg.merges for k in keeps for form in ROUTER_FORMS]
+        ppl_df, info, timings = prune_real.evaluate(cfg.prune_real(), progress, merged_weights=True)
+    plans = [VariantPlan(VariantSpec.unpruned()), *info["plans"]]   # every variant, as the pass decided it
 
     rows = []
     all_ppl = ppl_df[(ppl_df.metric == "perplexity") & (ppl_df.text == "all")]
     for _, r in all_ppl.iterrows():
-        rows.append(dict(mode=r["mode"], score=r.score, keep=None if pd.isna(r.keep) else int(r.keep),
-                         task="heldout", metric="perplexity", value=float(r.value), stderr=math.nan))
-    err = ppl_df[ppl_df.metric == "rel_error"].groupby(["mode", "score", "keep"]).value.mean()
-    for (mode, score, keep), value in err.items():
-        rows.append(dict(mode=mode, score=score, keep=int(keep), task="heldout", metric="rel_error_mean",
+        rows.append(dict(VariantSpec.from_row(r).row(), task="heldout", metric="perplexity", value=float(r.value),
+                         stderr=math.nan))
+    err = ppl_df[ppl_df.metric == "rel_error"].groupby(["method", "form", "keep"]).value.mean()
+    for (method, form, keep), value in err.items():
+        rows.append(dict(method=method, form=form, keep=int(keep), task="heldout", metric="rel_error_mean",
                          value=float(value), stderr=math.nan))
 
     base = MoejaxLM(pretrained=cfg.path, dtype=cfg.dtype, batch_size=cfg.eval_batch_size, seed=cfg.seed)
     rows += skill_routing_rows(cfg, base.model)
-    for v in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
-        if v["mode"] == "none":
-            masks = None
-        elif v["mode"] in ROUTER_FORMS:
-            masks = merged_variant(base.model, info["clusters"], f"{v['score']}@{v['keep']}", v["mode"])
-        else:
-            key = f"{'sequential:' if v['mode'] == 'sequential' else ''}{v['score']}@{v['keep']}"
-            masks = masks_from_kept({l: sets[key] for l, sets in info_kept.items()}, model_cfg, key)
-        results = evaluator.evaluate(lm=base.variant(masks), task_dict=loaded, limit=cfg.limit,
+    for plan in tqdm(plans, desc="eval_tasks variants", disable=progress is None):
+        results = evaluator.evaluate(lm=base.variant(plan.expert_maps()), task_dict=loaded, limit=cfg.limit,
                                      bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING")
-        rows += task_rows(results, v)
+        rows += task_rows(results, plan.spec.row())
     df = pd.DataFrame(rows, columns=COLUMNS)
     for col in ("keep", "layer", "expert"):
         df[col] = df[col].astype("Int64")
-    timings["variants"] = len(variants)
+    timings["variants"] = len(plans)
     return df, timings
 
 
@@ -298,7 +282,7 @@ def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:
     code = "".join(p.read_text(encoding="utf-8", errors="replace") for _, p in heldout_files(cfg.path)[:4])
     texts["code"] = code[:16384]
     shares = routing_shares(model, texts, position_budget(cfg.path)[0])
-    return [dict(r, mode="none", score=None, keep=None, stderr=math.nan)
+    return [dict(r, **VariantSpec.unpruned().row(), stderr=math.nan)
             for r in routing_rows(shares, model.config.moe_layers)]
 
 
@@ -308,8 +292,8 @@ def summary_title(cfg: EvalTasksConfig) -> str:
 
 def summary_table(df):
     df = df[~df.metric.isin(["routing_share"]) & ~df.metric.str.startswith("experts_for_")]
-    unpruned = df[df["mode"] == "none"].set_index(["task", "metric"]).value
-    wide = df[df["mode"] != "none"].pivot_table(index=["mode", "score"], columns=["task", "metric", "keep"],
+    unpruned = df[df["form"] == "none"].set_index(["task", "metric"]).value
+    wide = df[df["form"] != "none"].pivot_table(index=["form", "method"], columns=["task", "metric", "keep"],
                                                 values="value")
     wide.columns = [f"{t} {m} keep={k}" for t, m, k in wide.columns]
     for col in wide.columns:

@@ -4,9 +4,10 @@ One pass over the checkpoint (each layer's weights read once) gives every score 
 from the calibration text, then each (score, keep) variant's layer-local errors and end-to-end
 held-out perplexity, plus the analyses of SPEC section 3 (moejax.evaluation.carried). With
 `prune.sequential=true` the greedy variant (score layer l+1 on the model pruned up to layer l) is
-reported beside the one-shot one (column `mode`). With `merges=[hc_smoe,m_smoe]` the merging
+reported beside the one-shot one (column `form`). With `merges=[hc_smoe,m_smoe]` the merging
 baselines (SPEC section 8) are evaluated in the same pass at the same keeps, each under both router
-forms (`mode` tied / shrunk, `score` the method); their clusters go to `clusters.json`.
+forms (`form` tied / shrunk, `method` the merge method); their clusters go to `clusters.json`.
+Columns: method, form, keep (a `moejax.variants.VariantSpec`), layer, text, metric, value.
 
 Data defaults: calibration = the Python standard library's own sources (sorted, skipping held-out
 files); held-out = the files a `train_tiny` model never saw (its moejax_tiny.json) when the model
@@ -163,8 +164,9 @@ def run(cfg: PruneRealConfig, progress=None, job_dir=None):
     return df, timings
 
 
-def evaluate(cfg: PruneRealConfig, progress=None):
-    """(tidy DataFrame, evaluate_pruning's info with every variant's kept sets, timings)."""
+def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
+    """(tidy DataFrame, evaluate_pruning's info with every variant's plan and kept sets, timings);
+    merged_weights: merges' plans keep their merged experts (evaluate_pruning)."""
     import jax.numpy as jnp
     import pandas as pd
 
@@ -193,8 +195,8 @@ def evaluate(cfg: PruneRealConfig, progress=None):
     rows, info = evaluate_pruning(ckpt, calib, heldout, scores, list(cfg.keep), merges=cfg.merges,
                                   sequential=cfg.sequential, allocation=cfg.allocation,
                                   batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
-                                  progress=progress is not None or None)
-    df = pd.DataFrame(rows, columns=["mode", "score", "keep", "layer", "text", "metric", "value"])
+                                  merged_weights=merged_weights, progress=progress is not None or None)
+    df = pd.DataFrame(rows, columns=["method", "form", "keep", "layer", "text", "metric", "value"])
     df["keep"] = df["keep"].astype("Int64")
     df["layer"] = df["layer"].astype("Int64")
     timings = {"pass_s": info["seconds"], "variants": info["variants"], "calib_tokens": info["calib_tokens"],
@@ -234,10 +236,10 @@ def summary_table(df):
     import pandas as pd
 
     ppl = df[(df.metric == "perplexity") & (df.text == "all")]
-    base = ppl[ppl["mode"] == "none"]["value"]
-    pruned = ppl[ppl["mode"] != "none"].pivot_table(index=["mode", "score"], columns="keep", values="value")
+    base = ppl[ppl["form"] == "none"]["value"]
+    pruned = ppl[ppl["form"] != "none"].pivot_table(index=["form", "method"], columns="keep", values="value")
     pruned.columns = [f"ppl keep={k}" for k in pruned.columns]
-    err = df[df.metric == "rel_error"].pivot_table(index=["mode", "score"], columns="keep", values="value",
+    err = df[df.metric == "rel_error"].pivot_table(index=["form", "method"], columns="keep", values="value",
                                                    aggfunc="mean")
     err.columns = [f"rel_error keep={k}" for k in err.columns]
     table = pd.concat([pruned, err], axis=1)

@@ -23,14 +23,15 @@ from flax import nnx
 from moejax.evaluation import generate as generate_lib
 from moejax.models.layers import MLP, RMSNorm, causal_allowed, linear, param
 from moejax.models.moe_block import MoE
-from moejax.variant import check_variant
+from moejax.variants.check import check_variant, maps_from_masks
 
 
 def _checked(variant, config):
-    """`check_variant` before any compute; a variant traced inside a caller's jit (the lm-eval
-    scorer, the generator) was checked by that caller before tracing."""
+    """{MoE layer: ExpertMap} or None: `check_variant` (masks converted) before any compute; a
+    variant traced inside a caller's jit (the lm-eval scorer, the generator) was checked by that
+    caller before tracing, and is only converted when it is still a mask array."""
     if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(variant)):
-        return variant
+        return variant if isinstance(variant, dict) else maps_from_masks(variant, config)
     return check_variant(variant, config)
 
 
@@ -193,6 +194,7 @@ class CausalLM(nnx.Module):
                 last_only: bool = True) -> CachedOutput:
         """The forward on a (left-padded) prompt that also fills cache columns 0..P-1. Logits of
         the last position only unless last_only=False."""
+        variant = _checked(variant, self.config)
         B, P = input_ids_BP.shape
         mask = attention_mask_BP.astype(bool)
         allowed_BPP = causal_allowed(mask, B, P)
@@ -208,6 +210,7 @@ class CausalLM(nnx.Module):
     def decode_step(self, input_ids_B1, positions_B1, cache: KVCache, column, variant=None) -> CachedOutput:
         """One new token per row, written into cache column `column` (after the prompt and the
         tokens before it), attending to every valid column up to its own. Logits [B, 1, V]."""
+        variant = _checked(variant, self.config)
         C = cache.valid_BC.shape[1]
         valid = jax.lax.dynamic_update_slice(cache.valid_BC, jnp.ones((input_ids_B1.shape[0], 1), bool), (0, column))
         allowed_B1C = (valid & (jnp.arange(C) <= column)[None])[:, None, :]
@@ -221,14 +224,11 @@ class CausalLM(nnx.Module):
         return CachedOutput(self._logits(x).astype(jnp.float32), KVCache(tuple(layers), valid))
 
     def _layer_variant(self, variant, layer: int):
-        """Layer `layer`'s part of a variant: None, a mask row [E] or an ExpertMap. Masks are
-        n_experts wide; a layer of fewer experts (a checkpoint pruned per layer) reads its own
-        first columns (`moejax.variant.check_variant` refuses a mask keeping a column beyond them)."""
+        """Layer `layer`'s ExpertMap of a checked variant ({MoE layer: ExpertMap}), None when the
+        layer is dense or not named."""
         if variant is None or not self.model.layers[layer].is_moe:
             return None
-        if isinstance(variant, dict):
-            return variant.get(layer)
-        return variant[layer][..., :self.config.experts_in_layer(layer)]
+        return variant.get(layer)
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, variant=None,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,

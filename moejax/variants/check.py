@@ -1,13 +1,15 @@
 """Variants a model runs under, checked against the checkpoint's config.json before any model is loaded.
 
-A variant is None (the unpruned model), a pruning as expert masks (bool [num_hidden_layers, E],
-True = kept), or {MoE layer: ExpertMap} (`moejax.moe.expert_map`: pruned or merged experts per
-layer); `check_variant` checks either kind. Masks are built from what a researcher has on disk:
+A variant given from outside is None (the unpruned model), a pruning as expert masks (bool
+[num_hidden_layers, E], True = kept), or {MoE layer: ExpertMap} (`moejax.moe.expert_map`: pruned,
+merged or substituted experts per layer); `check_variant` checks either kind and returns expert
+maps, the only form the forward takes (`maps_from_masks`). Masks are built from what a researcher
+has on disk:
 
 - a `pruning.json` written by `moejax prune` (its kept source experts per layer);
 - a scores file written by `moejax score` (parquet: layer, expert, score, value) + a score name
   + a keep (count or ratio of E), ranked as SPEC section 2 says (`moejax.scoring.select`);
-- kept sets in memory ({layer: [expert, ...]}), as the eval_tasks experiment gets them.
+- kept sets in memory ({layer: [expert, ...]}).
 
 Rows of dense layers are all True (they are ignored by the forward).
 """
@@ -24,7 +26,8 @@ from moejax.scoring.select import resolve_keep, select_kept
 
 
 def check_variant(variant, config):
-    """The variant as JAX arrays, or a ConfigError naming what is wrong: masks must be bool
+    """The variant as {MoE layer: ExpertMap} of JAX arrays (masks converted by `maps_from_masks`:
+    the forward takes expert maps only), or a ConfigError naming what is wrong: masks must be bool
     [num_hidden_layers, E]; an expert map must name MoE layers only, with a bool mask [E], int rows
     [E] inside its table (or none), and a table of the layer's expert shapes (gate/up [R, H, F],
     down [R, F, H]); every MoE layer's mask must let each token be routed to top_k kept experts
@@ -48,7 +51,7 @@ def check_variant(variant, config):
                                   f"but the mask keeps experts {(np.flatnonzero(masks[l, n:]) + n).tolist()[:8]}")
         for layer in config.moe_layers:
             check_routable(masks[layer], layer, config, "expert masks")
-        return jnp.asarray(masks)
+        return maps_from_masks(masks, config)
     H, F = config.hidden_size, config.moe_intermediate_size
     out = {}
     for layer, em in variant.items():
@@ -80,6 +83,17 @@ def check_variant(variant, config):
     return out
 
 
+def maps_from_masks(masks_LE, config) -> dict:
+    """{MoE layer: ExpertMap(mask)} from expert masks [num_hidden_layers, n_experts] (numpy, or JAX
+    arrays traced inside a caller's jit), each layer's row cut to its own experts_in_layer(layer)
+    first columns: the one conversion of a pruning given as masks into the form the forward takes."""
+    import jax.numpy as jnp
+
+    from moejax.moe.expert_map import ExpertMap
+
+    return {l: ExpertMap(jnp.asarray(masks_LE[l][..., :config.experts_in_layer(l)])) for l in config.moe_layers}
+
+
 def check_routable(mask_E, layer: int, config, where: str) -> None:
     """The one rule every form of variant meets at each MoE layer (expert masks, expert maps, kept
     sets, the experiments' own selections): routing under the mask gives every token top_k kept
@@ -90,24 +104,6 @@ def check_routable(mask_E, layer: int, config, where: str) -> None:
 
     n = config.experts_in_layer(layer)
     RouterConfig(**config.router_settings()).check_mask(np.asarray(mask_E)[:n], f"{where}: layer {layer}")
-
-
-def merged_variant(model, clusters_by_layer: dict, name: str, router: str) -> dict:
-    """{MoE layer: ExpertMap} of a merge that `moejax.evaluation.carried.evaluate_pruning` recorded
-    (info["clusters"]: per layer, "counts" and name = "method@keep" -> clusters), rebuilt on the
-    model's own experts under router form `router` (tied or shrunk)."""
-    from moejax.merging.layer import check_router_form, labels_from_clusters, merge_clusters
-
-    check_router_form(router)
-    method = name.split("@")[0]
-    out = {}
-    for layer, recorded in clusters_by_layer.items():
-        if name not in recorded:
-            raise ConfigError(f"merged variant {name!r}: layer {layer} records {sorted(recorded)}")
-        moe = model.model.layers[layer].mlp
-        labels = labels_from_clusters(recorded[name], moe.router.shape[0])
-        out[layer] = merge_clusters(method, labels, recorded["counts"], moe.expert_weights()).expert_map(router)
-    return out
 
 
 def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:

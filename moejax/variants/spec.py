@@ -1,0 +1,74 @@
+"""What was asked for: a variant's *spec* (method, keep, form), the one name a variant has from
+Hydra to the results table.
+
+    method  a score (pruning, substitution; `moejax.scoring.scores`) or a merge method
+            (`moejax.merging.layer.MERGE_METHODS`); None for the unpruned model
+    keep    router slots kept per MoE layer (a count: ratios are resolved against E first)
+    form    how the method is applied:
+              none         the unpruned model
+              one_shot     pruning: every layer's experts chosen on the unpruned model's statistics
+              sequential   pruning: layer l+1 scored on the model already pruned up to layer l
+              tied         merging: every router slot remains, computing its cluster's merged expert
+              shrunk       merging: one router slot per cluster (what a merged checkpoint holds)
+              substituted  substitution (MoNE): a removed expert's slot stays in the router and
+                           returns a constant vector
+
+Results tables carry `method`, `form` and `keep` columns, one per field (`row`); tables written
+before these columns existed (`score` for the method, `mode` for the form) are read by `from_row`
+and renamed by `moejax.results.load`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moejax.errors import ConfigError
+
+PRUNING_FORMS = ("one_shot", "sequential")
+MERGE_FORMS = ("tied", "shrunk")
+FORMS = ("none", *PRUNING_FORMS, *MERGE_FORMS, "substituted")
+LEGACY_COLUMNS = {"score": "method", "mode": "form"}   # the results columns' names before the spec
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantSpec:
+    method: str | None
+    keep: int | None
+    form: str = "one_shot"
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ConfigError(f"variant form {self.form!r}: expected one of {list(FORMS)}")
+        if (self.form == "none") != (self.method is None):
+            raise ConfigError(f"variant {self.method}@{self.keep}: form 'none' (the unpruned model) and only it "
+                              f"has no method, got form {self.form!r}")
+
+    @classmethod
+    def unpruned(cls) -> "VariantSpec":
+        return cls(None, None, "none")
+
+    @property
+    def merged(self) -> bool:
+        return self.form in MERGE_FORMS
+
+    @property
+    def name(self) -> str:
+        """'unpruned', 'method@keep' (one-shot pruning) or 'form:method@keep'."""
+        if self.form == "none":
+            return "unpruned"
+        return f"{self.method}@{self.keep}" if self.form == "one_shot" else f"{self.form}:{self.method}@{self.keep}"
+
+    def row(self) -> dict:
+        """The spec's columns of a results row."""
+        return dict(method=self.method, form=self.form, keep=self.keep)
+
+    @classmethod
+    def from_row(cls, row) -> "VariantSpec":
+        """The spec of a results row (a dict or pandas row), old column names (`score`, `mode`) included."""
+        get = row.get if hasattr(row, "get") else (lambda k, d=None: getattr(row, k, d))
+        form = get("form", None) or get("mode", None)
+        method = get("method", None) if "method" in row else get("score", None)
+        keep = get("keep", None)
+        if form == "none":
+            return cls.unpruned()
+        return cls(str(method), None if keep is None or keep != keep else int(keep), str(form))
