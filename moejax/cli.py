@@ -7,6 +7,9 @@
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
                  [--layers-keep FILE.json] [--allocation uniform|global] [--group-aware | --collapse-groups]
                  [--drop-mtp] [--overwrite]
+    moejax prune SRC DST --substitute --score mone --keep K (--text PATH... | --tokens FILE.npy)
+                 [--seq-len N] [--max-tokens N] [--batch-size B] [--dtype bfloat16] [--overwrite]
+                 (MoNE: the other experts return constants; vLLM's constant-v1 expert substitution)
     moejax merge SRC DST --method hc_smoe|m_smoe --keep K (--text PATH... | --tokens FILE.npy)
                  [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--drop-mtp]
                  [--overwrite]
@@ -111,10 +114,16 @@ def _read_layers_keep(path: str | None) -> dict | None:
 
 
 def _prune(args) -> None:
+    from moejax.errors import ConfigError
     from moejax.hf.storage import require_local
     from moejax.surgery.prune import prune_checkpoint
 
     require_local(args.src, "moejax prune")
+    if args.substitute:
+        return _substitute(args)
+    if args.text is not None or args.tokens is not None:
+        raise ConfigError("--text/--tokens are read by `moejax prune --substitute` only; to prune by a calibration "
+                          "score, run `moejax score SRC --text ... --out scores.parquet` and pass --scores-file")
 
     record = prune_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
@@ -124,6 +133,32 @@ def _prune(args) -> None:
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers pruned by {args.score} to {counts} experts "
           f"(groups: {record['groups']}); kept indices in {args.dst}/pruning.json")
+    for note in record["notes"]:
+        print(f"note: {note}")
+
+
+def _substitute(args) -> None:
+    """`moejax prune --substitute`: MoNE (moejax.surgery.substitute)."""
+    from moejax.errors import ConfigError
+    from moejax.surgery.substitute import substitute_checkpoint
+
+    unused = [flag for flag, given in (("--scores-file", args.scores_file), ("--layers-keep", args.layers_keep),
+                                       ("--group-aware", args.group_aware), ("--collapse-groups", args.collapse_groups),
+                                       ("--allocation global", args.allocation != "uniform"),
+                                       ("--drop-mtp", args.drop_mtp)) if given]
+    if unused:
+        raise ConfigError(f"--substitute takes no {', '.join(unused)}: it keeps every router slot (routing and groups "
+                          "unchanged), ranks by its own calibration pass and keeps --keep experts computing per layer")
+    if args.text is None and args.tokens is None:
+        raise ConfigError("--substitute needs calibration data (--text or --tokens): the novices' constants are the "
+                          "substituted experts' mean outputs over it")
+    record = substitute_checkpoint(
+        args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None, text=args.text,
+        tokens=args.tokens, seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size,
+        dtype=args.dtype, overwrite=args.overwrite)
+    n_sub = sorted({len(layer["substituted"]) for layer in record["layers"].values()})
+    print(f"{args.dst}: {len(record['layers'])} MoE layers, {n_sub} experts per layer substituted by constants "
+          f"({record['format']}, ranked by {args.score}); kept and substituted experts in {args.dst}/pruning.json")
     for note in record["notes"]:
         print(f"note: {note}")
 
@@ -182,7 +217,7 @@ def main(argv=None) -> int:
                    "hf://org/name[@revision]")
     _calibration_arguments(p, required=False)
     p.add_argument("--scores", default=None, help="comma-separated; default: every score the model supports (all "
-                   "thirteen; without `bias` for routers with no balance bias); without calibration data: data-free "
+                   "fourteen; without `bias` for routers with no balance bias); without calibration data: data-free "
                    "scores only (bias, signed, l1, random from the routers; aimer from the experts' weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random score (data-free scoring)")
     p.add_argument("--mesh-expert", type=int, default=1, help="devices the routed experts are split over")
@@ -207,6 +242,11 @@ def main(argv=None) -> int:
     p.add_argument("--drop-mtp", action="store_true", help="remove the MTP layer(s) instead of pruning them")
     p.add_argument("--seed", type=int, default=0, help="seed of the random score")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.add_argument("--substitute", action="store_true",
+                   help="MoNE: keep every router slot and replace each expert not kept by a constant, its mean "
+                   "output on the calibration data (--text/--tokens; --score a calibration score, e.g. mone); "
+                   "written as vLLM's constant-v1 expert substitution")
+    _calibration_arguments(p, required=False)
     p.set_defaults(func=_prune)
 
     p = sub.add_parser("merge", help="write a merged HF checkpoint (HC-SMoE or M-SMoE, one router row per cluster)")

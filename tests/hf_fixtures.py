@@ -89,19 +89,12 @@ def reference_scores(hf, seen, mask) -> dict:
     as the family routes) and chosen experts; expert outputs from its own weights (transformers 5's
     fused `experts.gate_up_proj` [E, 2 Im, H], gate rows first, and `experts.down_proj` [E, H, Im]),
     which `aimer` also reads (minus AIMER's ratio over the expert's gate, up and down entries)."""
-    valid = mask.reshape(-1).astype(bool)
     out = {}
-    for l, (x, logits, gates, idx) in seen.items():
+    for l, x, logits, gates, idx, f in _routed_layers(hf, seen, mask):
         block = hf.model.layers[l].mlp
-        x, logits = x.double().numpy()[valid], logits.double().numpy()[valid]
-        gates, idx = gates.double().numpy()[valid], idx.numpy()[valid]
         gate_up = block.experts.gate_up_proj.detach().double().numpy()
         down = block.experts.down_proj.detach().double().numpy()
-        E, Im = gate_up.shape[0], gate_up.shape[1] // 2
-
-        def f(j, xs):  # expert j's output, before the gate
-            g, u = xs @ gate_up[j, :Im].T, xs @ gate_up[j, Im:].T
-            return (g / (1 + np.exp(-g)) * u) @ down[j].T
+        E = gate_up.shape[0]
 
         def reap(idx_TK, gate_TK):
             freq, gate_norm, norm, norm_sq, norm_max = (np.zeros(E) for _ in range(5))
@@ -123,10 +116,52 @@ def reference_scores(hf, seen, mask) -> dict:
         W = block.gate.weight.detach().double().numpy()
         out[l] = {"frequency": freq, "reap": reap_real, "reap_code": reap_code, "ean": ean, "w_mean": W @ x.mean(0),
                   "signed": W.sum(1), "l1": np.abs(W).sum(1), "man": man, "msan": msan, "max_act": max_act,
-                  "aimer": -np.array([aimer_ratio(gate_up[j], down[j]) for j in range(E)])}
+                  "aimer": -np.array([aimer_ratio(gate_up[j], down[j]) for j in range(E)]),
+                  "mone": mone_reference(x, gates, idx, f, E)[0]}
         if hasattr(block.gate, "e_score_correction_bias"):
             out[l]["bias"] = -block.gate.e_score_correction_bias.detach().double().numpy()
     return out
+
+
+def _routed_layers(hf, seen, mask):
+    """Per MoE layer of `hook_router`'s record: (layer, router input x [T, H], logits, gates, chosen
+    experts, f) in float64 numpy over the valid tokens, f(j, xs) expert j's output before its gate
+    from transformers' own weights (fused `experts.gate_up_proj`, gate rows first, and `down_proj`)."""
+    valid = mask.reshape(-1).astype(bool)
+    for l, (x, logits, gates, idx) in seen.items():
+        block = hf.model.layers[l].mlp
+        gate_up = block.experts.gate_up_proj.detach().double().numpy()
+        down = block.experts.down_proj.detach().double().numpy()
+        Im = gate_up.shape[1] // 2
+
+        def f(j, xs, gate_up=gate_up, down=down, Im=Im):
+            g, u = xs @ gate_up[j, :Im].T, xs @ gate_up[j, Im:].T
+            return (g / (1 + np.exp(-g)) * u) @ down[j].T
+
+        yield (l, x.double().numpy()[valid], logits.double().numpy()[valid], gates.double().numpy()[valid],
+               idx.numpy()[valid], f)
+
+
+def mone_reference(x, gates, idx, f, E):
+    """(MoNE's score [E], the novice constants [E, H]) from the definitions: per expert j, the
+    outputs f_j(x) of the tokens that chose it, their per-dimension population variance var_j and
+    mean (0 for an expert no token chose), and rs_j = sum of its gates / T over all T tokens;
+    score = ||sqrt(var_j)||_2 * rs_j."""
+    score, mean = np.zeros(E), np.zeros((E, x.shape[1]))
+    for j in range(E):
+        t, k = np.nonzero(idx == j)
+        if len(t):
+            fj = f(j, x[t])
+            mean[j] = fj.mean(axis=0)
+            score[j] = np.linalg.norm(np.sqrt(fj.var(axis=0))) * gates[t, k].sum() / len(x)
+    return score, mean
+
+
+def reference_mean_outputs(hf, seen, mask) -> dict:
+    """{MoE layer: each expert's mean output over the valid tokens routed to it [E, H]} (MoNE's
+    novice constants) from the definitions on what transformers' model routed (`hook_router`)."""
+    return {l: mone_reference(x, gates, idx, f, hf.model.layers[l].mlp.experts.gate_up_proj.shape[0])[1]
+            for l, x, _, gates, idx, f in _routed_layers(hf, seen, mask)}
 
 
 def aimer_ratio(*matrices) -> float:

@@ -7,13 +7,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_fixtures import batch, hook_router, make_checkpoint, reference_scores  # noqa: E402
+from hf_fixtures import batch, hook_router, make_checkpoint, reference_mean_outputs, reference_scores  # noqa: E402
 
 from moejax import DeepseekV3ForCausalLM  # noqa: E402
 from moejax.scoring.observe import calibrate  # noqa: E402
 from moejax.scoring.scores import compute_scores  # noqa: E402
 
-SCORES = ["frequency", "reap", "reap_code", "ean", "w_mean", "man", "msan", "max_act", "aimer"]
+SCORES = ["frequency", "reap", "reap_code", "ean", "w_mean", "man", "msan", "max_act", "aimer", "mone"]
 
 
 def hf_reference(hf, ids, mask):
@@ -35,6 +35,7 @@ def test_scores_match_definitions_on_transformers_model(tmp_path, stored):
                             experts_implementation="eager").eval()
     ids, mask = batch(hf.config.vocab_size, seed=3, B=3, S=16)
     want = hf_reference(hf, ids, mask)
+    constants = reference_mean_outputs(hf, hook_router(hf, ids, mask)[1], mask)
     model = DeepseekV3ForCausalLM.from_pretrained(path)
     # two batches, to exercise accumulation: the same tokens split in halves along the batch
     stats = calibrate(model, [(ids[:2], mask[:2]), (ids[2:], mask[2:])])
@@ -46,6 +47,10 @@ def test_scores_match_definitions_on_transformers_model(tmp_path, stored):
             np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-9, err_msg=f"{name} layer {layer}")
             assert np.array_equal(np.argsort(-got[name], kind="stable"), np.argsort(-ref[name], kind="stable")), \
                 f"{name} ranking, layer {layer}"
+        # MoNE's novice constants: each expert's mean output over its routed tokens (0 for expert 6 of layer 2)
+        np.testing.assert_allclose(stats[layer].mean_output_EH, constants[layer], rtol=1e-5,
+                                   atol=1e-5 * np.abs(constants[layer]).max())  # a float32 pass
+    assert not stats[2].mean_output_EH[6].any()
 
 
 def test_streamed_pass_equals_in_memory_pass(tmp_path):

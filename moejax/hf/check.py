@@ -17,6 +17,10 @@
   decoder layers beyond `num_hidden_layers + num_nextn_predict_layers` are an error, not
   silently taken for MTP layers.
 
+A checkpoint whose MoE layers substitute experts by constants (MoNE, vLLM's `constant-v1`:
+`moejax.hf.substitution`) is refused by name, except by `check_checkpoint(..., substituted=True)`
+(`moejax.surgery.substitute.load_substituted`), which checks it through its complete view.
+
 Only headers and config.json are read. The module imports neither JAX nor torch.
 """
 
@@ -33,6 +37,7 @@ from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
 from moejax.hf.safetensors_format import CONFIG_NAME
+from moejax.hf.substitution import SubstitutedExpertsView, describe, parse_substitution
 from moejax.hf.storage import MissingFile, Storage, open_location
 from moejax.models.family import Family
 from moejax.models.registry import config_from_dict, family_of, read_config
@@ -51,6 +56,7 @@ class CheckedCheckpoint:
     config: object             # the family's config class
     family: Family
     reader: FusedExpertsReader  # the per-expert view: transformers-5 fused expert tensors under per-expert names too
+    #                             (a substituted checkpoint's: `SubstitutedExpertsView` of it)
     fmt: str | None             # quantisation format, or None
     specs: list[TensorSpec]     # every HF tensor the config implies, in file order
     stored: dict                # hf name -> the on-disk tensors holding it
@@ -167,14 +173,17 @@ def check_tensors(cfg, reader, specs: list[TensorSpec],
     return problems, stored, carried
 
 
-def check_checkpoint(path, *, uniform_experts: bool = True) -> CheckedCheckpoint:
+def check_checkpoint(path, *, uniform_experts: bool = True, substituted: bool = False) -> CheckedCheckpoint:
     """Read config.json and every safetensors header of the folder `path`; raise every mismatch at
     once as a `CheckpointError` (or the config's `ConfigError`), before any tensor data is read.
 
     uniform_experts=False accepts a checkpoint pruned to different expert counts per layer
     (`moe_sparsity_config.num_experts`), which the loader, scoring and prune read layer by layer;
-    the default refuses it by name, for a command that needs one count in every layer."""
-    problems, checked = _checked(path, uniform_experts)
+    the default refuses it by name, for a command that needs one count in every layer.
+    substituted=True accepts a MoNE-substituted checkpoint (`moejax.hf.substitution`), checked
+    through `SubstitutedExpertsView` (its substituted experts presented as zeros); by default one is
+    refused naming the format."""
+    problems, checked = _checked(path, uniform_experts, substituted)
     if problems:
         where = path.describe() if isinstance(path, Storage) else path
         raise CheckpointError(f"{where}: checkpoint does not match its config.json:\n  - " + "\n  - ".join(problems))
@@ -194,7 +203,7 @@ def audit_checkpoint(path, *, uniform_experts: bool = False) -> tuple[list[str],
     return problems, checked.reader
 
 
-def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]:
+def _checked(path, uniform_experts: bool, substituted: bool = False) -> tuple[list[str], CheckedCheckpoint]:
     storage = open_location(path)
     config_path = storage.root / CONFIG_NAME
     # config.json first: a location that is not a checkpoint folder is named by it, not by its weights
@@ -211,6 +220,16 @@ def _checked(path, uniform_experts: bool) -> tuple[list[str], CheckedCheckpoint]
     reader = FusedExpertsReader(raw, tuple(family.rule(n).hf for n in ("expert_gate", "expert_up", "expert_down")),
                                 family.rule("router").hf)
     fmt = quant.detect_format(cfg.quantization_config)
+    substitution = parse_substitution(cfg.to_dict(), config_path)
+    if substitution is not None:
+        if not substituted:
+            raise CheckpointError(
+                f"{storage.describe() if storage.remote else storage.root}: a MoNE expert-substitution checkpoint "
+                f"(config.json compression_config.transform_config.expert_substitution, constant-v1: "
+                f"{describe(substitution)}, which have no weights); moejax reads it only as a model, through "
+                "moejax.surgery.substitute.load_substituted (vLLM with expert substitution serves it); score, "
+                "prune, merge, inspect, plan and diff take checkpoints whose every expert has weights")
+        reader = SubstitutedExpertsView(reader, substitution, cfg.hidden_size, fmt)
     specs = tensor_specs(cfg)
     problems, stored, carried = check_tensors(cfg, reader, specs, fmt)
     layout = checkpoint_layout(reader, family.moe_block) if not problems else None  # fused experts as per-expert

@@ -229,7 +229,12 @@ def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=No
     (each device's experts read for it alone) and the MoE layers use the "ep" dispatch backend
     (run the model under `jax.set_mesh(mesh)`). backend: default "ep" with a mesh, else "sorted"."""
     check_compute_dtype(dtype)
-    ckpt = open_checkpoint(path)
+    return load_opened(open_checkpoint(path), dtype, backend, mesh, model_class)
+
+
+def load_opened(ckpt: OpenCheckpoint, dtype=jnp.float32, backend: str | None = None, mesh=None, model_class=None):
+    """`load_pretrained` of a checkpoint already opened (`opened`: a substituted checkpoint's
+    complete view, `moejax.surgery.substitute.load_substituted`)."""
     backend = backend or ("ep" if mesh is not None else "sorted")
     quantized = {n: on_disk for n, on_disk in ckpt.stored.items() if on_disk != (n,)}
     source = HFSource(path=ckpt.path, dtypes={n: ckpt.reader.info(on_disk[0]).dtype for n, on_disk in ckpt.stored.items()},

@@ -9,7 +9,8 @@
     moe.shared_experts        the shared-expert MLP or None; `shared_gate` [H, 1] when the shared
                               output is gated by sigmoid(x @ shared_gate) (Qwen2-MoE's form)
     moe(x_BSH, variant)       (output [B, S, H], Routing of the router's slots); variant: None, a
-                              pruning mask [E] or an `ExpertMap` (pruned or merged experts)
+                              pruning mask [E] or an `ExpertMap` (pruned, merged or substituted
+                              experts)
 
 A family config supplies what the block is built from: `n_experts`, `hidden_size`,
 `moe_intermediate_size`, `router_settings()`, `HAS_BALANCE_BIAS`, `shared_intermediate_size`
@@ -79,13 +80,21 @@ class MoE(nnx.Module):
     def routed_variant(self, x_TH, variant, forward_only: bool = False):
         """(routed output [T, H], the router's Routing over its slots) under a variant (None, a
         mask or an ExpertMap): the router chooses among the remaining slots, each chosen slot
-        computes with its weight row."""
+        computes with its weight row; a novice slot (MoNE substitution) returns its gate times its
+        constant instead (`ExpertMap.expert_routing`: its pairs are absent from a forward-only
+        dispatch, gate 0 in any), added to the dispatch's output in float32."""
         em = as_expert_map(variant)
         if em is None:
             r = self.route(x_TH)
             return self.routed(x_TH, r, forward_only), r
         r = self.route(x_TH, em.mask_E)
-        return self.routed(x_TH, em.apply(r), forward_only, em.table(self.expert_weights())), r
+        table = em.table(self.expert_weights())
+        absent = jax.tree.leaves(table)[0].shape[0] if forward_only else None
+        experts_r, novices_TH = em.expert_routing(r, absent)
+        y = self.routed(x_TH, experts_r, forward_only, table)
+        if novices_TH is not None:
+            y = (y.astype(jnp.float32) + novices_TH).astype(y.dtype)
+        return y, r
 
     def shared(self, x_BSH):
         """The shared experts' output (zero-free: None when the family has none)."""

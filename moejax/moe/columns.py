@@ -27,16 +27,22 @@ from moejax.moe.grouped import exact_expert_loop_combined, large_experts
 from moejax.moe.routing import route
 
 
-def routed_columns(x_TD, logits_TE, router_cfg, bias_E, mask_CE, rows_CE, table: dict, expert_fn):
+def routed_columns(x_TD, logits_TE, router_cfg, bias_E, mask_CE, rows_CE, table: dict, expert_fn,
+                   novice_CE=None, constants_ED=None):
     """[T, C, D]: column c's routed output on each token (router slots `mask_CE[c]`, slot e
-    computing with row `rows_CE[c, e]` of `table`), from one call per (token, distinct row)."""
+    computing with row `rows_CE[c, e]` of `table`), from one call per (token, distinct row).
+    novice_CE: each column's novice slots (MoNE substitution, `ExpertMap.novice_E`), returning
+    constants_ED[e] (shared by the columns) times the gate instead of computing; their pairs join
+    no union (absent), and their constants are added to the column's output in float32."""
     n_tokens, n_rows = x_TD.shape[0], jax.tree.leaves(table)[0].shape[0]
 
-    def column(mask_rows):
-        r = ExpertMap(*mask_rows).apply(route(logits_TE, router_cfg, bias_E, mask_rows[0]))
-        return r.expert_idx_TK, r.gate_TK
+    def column(per_column):
+        mask, rows, novice = per_column
+        em = ExpertMap(mask, rows, None, novice, None if novice is None else constants_ED)
+        r, novices_TD = em.expert_routing(route(logits_TE, router_cfg, bias_E, mask), n_rows)
+        return (r.expert_idx_TK, r.gate_TK) + (() if novices_TD is None else (novices_TD,))
 
-    idx_CTK, gate_CTK = jax.lax.map(column, (mask_CE, rows_CE))
+    idx_CTK, gate_CTK, *novices = jax.lax.map(column, (mask_CE, rows_CE, novice_CE))
     n_cols, _, top_k = idx_CTK.shape
     idx_TJ = jnp.moveaxis(idx_CTK, 0, 1).reshape(n_tokens, -1)
     gate_TJ = jnp.moveaxis(gate_CTK, 0, 1).reshape(n_tokens, -1)
@@ -54,7 +60,8 @@ def routed_columns(x_TD, logits_TE, router_cfg, bias_E, mask_CE, rows_CE, table:
         jnp.arange(n_tokens)[:, None], jnp.where(first, segment, n_union)].set(idx_sorted, mode="drop")
     gate_TUC = jnp.zeros((n_tokens, n_union, gate_TJC.shape[-1]), jnp.float32).at[
         jnp.arange(n_tokens)[:, None], segment].add(gate_sorted)
-    return union_output(x_TD, union_TU, gate_TUC, table, expert_fn)
+    y_TCD = union_output(x_TD, union_TU, gate_TUC, table, expert_fn)
+    return y_TCD if not novices else y_TCD + jnp.moveaxis(novices[0], 0, 1)
 
 
 def union_output(x_TD, idx_TU, gate_TUC, table: dict, expert_fn):

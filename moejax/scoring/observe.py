@@ -6,6 +6,9 @@ For each MoE layer and batch, on the router input x (the post-attention RMSNorm 
   - the public REAP code's routing (top-K of the raw logits, softmax gates over all E renormalised
     over the K) and its pairs' output norms, for `reap_code`;
   - the router-input sum, for `w_mean`;
+  - the real routing's gate sums and its pairs' outputs f_j(x) [T, K, H] themselves (already
+    computed for the norms), whose per-expert sums and sums of squares the host adds in float64,
+    for `mone` (and its novice constants, `LayerStats.mean_output_EH`);
 and, once per layer, the sums of |w| and w^2 of each routed expert's weight matrices, for `aimer`.
 Padding tokens are excluded. (This runs the whole model in memory; the layer-streamed executor
 that keeps one layer's weights at a time is the next step.)
@@ -34,8 +37,9 @@ def reap_code_routing(logits_TE: jax.Array, top_k: int):
     return idx_TK, gate_TK / jnp.sum(gate_TK, axis=-1, keepdims=True)
 
 
-def moe_layer_pairs(moe, x_TH: jax.Array) -> dict:
-    """Per-pair quantities of one MoE layer on router inputs x (both routings)."""
+def moe_layer_pairs(moe, x_TH: jax.Array, outputs: bool = True) -> dict:
+    """Per-pair quantities of one MoE layer on router inputs x (both routings); outputs: also the
+    real routing's pair outputs f [T, K, H] (`out`), for the output sums."""
     logits = moe.router_logits(x_TH)
     r = route(logits, moe.router_cfg, moe.balance_bias())
     experts = moe.expert_weights()
@@ -58,7 +62,7 @@ def moe_layer_pairs(moe, x_TH: jax.Array) -> dict:
     extra = pairs(extra_idx)
     code_norm = jnp.where(reused, jnp.sum(jnp.where(same_TKK, real_norm[:, None, :], 0), axis=-1), norms(extra))
     return dict(idx=r.expert_idx_TK, gate=r.gate_TK, norm=real_norm,
-                code_idx=code_idx, code_gate=code_gate, code_norm=code_norm)
+                code_idx=code_idx, code_gate=code_gate, code_norm=code_norm, **({"out": real} if outputs else {}))
 
 
 def calibrate(model, batches) -> dict[int, LayerStats]:
@@ -84,9 +88,9 @@ def calibrate(model, batches) -> dict[int, LayerStats]:
     return stats
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _pairs(graphdef, state, x_TH):
-    return moe_layer_pairs(nnx.merge(graphdef, state), x_TH)
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _pairs(graphdef, state, x_TH, outputs: bool = True):
+    return moe_layer_pairs(nnx.merge(graphdef, state), x_TH, outputs)
 
 
 def _run_length(n: int, most: int = 256) -> int:
@@ -122,16 +126,19 @@ def expert_weight_sums(moe) -> tuple[np.ndarray, np.ndarray, int]:
     return abs_sum, sq_sum, sum(int(np.prod(w.shape[1:])) for w in weights.values())
 
 
-def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_sums=None) -> None:
+def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_sums=None,
+                     outputs: bool = True) -> None:
     """Add one MoE layer's statistics over batches (router inputs [B*S, H], masks [B*S] or None),
     and its experts' weight sums (`weight_sums`, when the caller already has this layer's
-    `expert_weight_sums`: they do not depend on the tokens)."""
+    `expert_weight_sums`: they do not depend on the tokens). outputs: also the sums of the routed
+    pairs' outputs and their squares (`mone`; the pairs' outputs [T, K, H] come to the host,
+    which sums them in float64); False leaves `output_sum_EH` None."""
     acc.add_weight_sums(*(weight_sums or expert_weight_sums(moe)))
     graphdef, state = nnx.split(moe)
     for x_TH, mask in zip(router_inputs, masks):
-        out, x_TH = to_host((_pairs(graphdef, state, x_TH), x_TH))  # gathered from every process's devices
+        out, x_TH = to_host((_pairs(graphdef, state, x_TH, outputs), x_TH))  # gathered from every process's devices
         acc.add(out["idx"], out["gate"], out["norm"], x_TH, mask,
-                out["code_idx"], out["code_gate"], out["code_norm"])
+                out["code_idx"], out["code_gate"], out["code_norm"], out.get("out"))
 
 
 def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None) -> dict[int, LayerStats]:

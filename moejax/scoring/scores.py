@@ -42,6 +42,10 @@ class LayerStats:
                       own weight matrices (gate, up, down; the toy's w1, w2), decoded from their
                       stored format; None when the weights were not read (router-only data-free path)
     weight_count:     the number of those entries per expert (the same for every expert)
+    gate_sum_E:       sum_{x in X_j} g_j(x)   (None: not computed)
+    n_tokens:         T, the calibration tokens of the pass (padding excluded), every one routed
+    output_sum_EH:    sum_{x in X_j} f_j(x), float64 [E, H]   (None: not computed)
+    output_sq_sum_EH: sum_{x in X_j} f_j(x)^2 (elementwise), float64 [E, H]   (None: not computed)
     """
 
     counts_E: np.ndarray
@@ -59,16 +63,30 @@ class LayerStats:
     weight_abs_sum_E: np.ndarray | None = None
     weight_sq_sum_E: np.ndarray | None = None
     weight_count: int = 0
+    gate_sum_E: np.ndarray | None = None
+    n_tokens: int = 0
+    output_sum_EH: np.ndarray | None = None
+    output_sq_sum_EH: np.ndarray | None = None
 
     @property
     def n_experts(self) -> int:
         return self.router_ED.shape[0]
+
+    @property
+    def mean_output_EH(self) -> np.ndarray:
+        """(1/|X_j|) sum_{x in X_j} f_j(x), float64 [E, H]: expert j's mean output over the tokens
+        routed to it (MoNE's novice constant, its unbiased estimate of the expert's output); 0 for
+        an expert no token chose."""
+        total = _need(self, "output_sum_EH", "mean_output_EH", "the sums of the experts' outputs")
+        return _per_routed_token(total, self.counts_E[:, None])
 
 
 class StatsAccumulator:
     """Float64 running sums of one MoE layer over calibration batches (np.bincount sums in
     float64, so rankings of near-equal experts do not depend on batching or summation order).
     Padding tokens (token_mask False) are left out of every sum (and of the maximum)."""
+
+    OUTPUT_COLUMNS = 512  # output sums: [pairs, this many columns] in float64 at a time (bounded memory)
 
     def __init__(self, n_experts: int, hidden: int):
         self.n_experts = n_experts
@@ -81,7 +99,10 @@ class StatsAccumulator:
         self.code_counts = np.zeros(n_experts)
         self.code_gate_norm = np.zeros(n_experts)
         self.input_sum = np.zeros(hidden)
-        self.n_tokens = 0
+        self.n_tokens = 0   # router inputs summed (for the mean input)
+        self.tokens = 0     # calibration tokens seen (padding excluded), with or without inputs
+        self.gate_sum = np.zeros(n_experts)
+        self.output_sum = self.output_sq_sum = None  # [E, H] once outputs are given (`add(out_TKH=...)`)
         self.has_code = False
 
     def _sums(self, idx_TK, gate_TK, norm_TK, keep_T):
@@ -94,10 +115,18 @@ class StatsAccumulator:
                 flat, norm)
 
     def add(self, expert_idx_TK, gate_TK, out_norm_TK, x_TD=None, token_mask_T=None,
-            code_idx_TK=None, code_gate_TK=None, code_norm_TK=None) -> None:
+            code_idx_TK=None, code_gate_TK=None, code_norm_TK=None, out_TKH=None) -> None:
+        """One batch: the real routing's pairs (experts [T, K], gates, output norms ||f||), the
+        router inputs (for w_mean), the REAP-code routing's pairs, and the pairs' outputs f [T, K, H]
+        themselves (for `mone`: their sums and sums of squares per expert)."""
         idx = np.asarray(expert_idx_TK)
         keep = np.ones(idx.shape[0], bool) if token_mask_T is None else np.asarray(token_mask_T, bool)
         c, gn, n, n2, flat, norm = self._sums(idx, gate_TK, out_norm_TK, keep)
+        self.tokens += int(keep.sum())
+        self.gate_sum += np.bincount(flat, weights=np.asarray(gate_TK, np.float64)[keep].ravel(),
+                                     minlength=self.n_experts)
+        if out_TKH is not None:
+            self._add_outputs(flat, np.asarray(out_TKH)[keep])
         self.counts += c
         self.gate_norm += gn
         self.norm += n
@@ -111,6 +140,25 @@ class StatsAccumulator:
         if x_TD is not None:  # the router inputs, for w_mean
             self.input_sum += np.asarray(x_TD, np.float64)[keep].sum(axis=0)
             self.n_tokens += int(keep.sum())
+
+    def _add_outputs(self, flat_P, out_TKH) -> None:
+        """sum f and sum f^2 per expert over the pairs (flattened experts `flat_P`, outputs [T, K, H]
+        in any float dtype), in float64: pairs sorted by expert (stable), then each expert's run of
+        pairs summed in order, a block of columns at a time."""
+        out_PH = out_TKH.reshape(len(flat_P), -1)
+        H = out_PH.shape[1]
+        if self.output_sum is None:
+            self.output_sum, self.output_sq_sum = np.zeros((self.n_experts, H)), np.zeros((self.n_experts, H))
+        if not len(flat_P):
+            return
+        order = np.argsort(flat_P, kind="stable")
+        sorted_P = flat_P[order]
+        starts = np.flatnonzero(np.concatenate([[True], sorted_P[1:] != sorted_P[:-1]]))
+        experts = sorted_P[starts]
+        for h in range(0, H, self.OUTPUT_COLUMNS):
+            block = out_PH[order, h:h + self.OUTPUT_COLUMNS].astype(np.float64)
+            self.output_sum[experts, h:h + block.shape[1]] += np.add.reduceat(block, starts, axis=0)
+            self.output_sq_sum[experts, h:h + block.shape[1]] += np.add.reduceat(block * block, starts, axis=0)
 
     def add_weight_sums(self, abs_sum_E, sq_sum_E, count: int) -> None:
         """The layer's expert-weight sums (`weight_sums`, or the device pass's partial sums summed
@@ -127,7 +175,10 @@ class StatsAccumulator:
             code_gate_norm_sum_E=self.code_gate_norm.copy() if self.has_code else None,
             norm_sq_sum_E=self.norm_sq.copy(), norm_max_E=self.norm_max.copy(),
             weight_abs_sum_E=None if w_abs is None else w_abs.copy(),
-            weight_sq_sum_E=None if w_sq is None else w_sq.copy(), weight_count=w_count)
+            weight_sq_sum_E=None if w_sq is None else w_sq.copy(), weight_count=w_count,
+            gate_sum_E=self.gate_sum.copy(), n_tokens=self.tokens,
+            output_sum_EH=None if self.output_sum is None else self.output_sum.copy(),
+            output_sq_sum_EH=None if self.output_sq_sum is None else self.output_sq_sum.copy())
 
 
 def weight_sums(expert_weights) -> tuple[np.ndarray, np.ndarray, int]:
@@ -144,11 +195,12 @@ def weight_sums(expert_weights) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def stats_from_pairs(expert_idx_TK, gate_TK, out_norm_TK, mean_input_D, router_ED, bias_E, seed=0, layer=0,
-                     token_mask_T=None, expert_weights=None) -> LayerStats:
+                     token_mask_T=None, expert_weights=None, out_TKH=None) -> LayerStats:
     """`LayerStats` of a single routed pass whose mean router input is already known;
-    expert_weights: the layer's stacked expert matrices ({name: [E, ...]}), for `aimer`."""
+    expert_weights: the layer's stacked expert matrices ({name: [E, ...]}), for `aimer`; out_TKH:
+    the pairs' outputs [T, K, H], for `mone`."""
     acc = StatsAccumulator(np.asarray(router_ED).shape[0], np.asarray(mean_input_D).shape[0])
-    acc.add(expert_idx_TK, gate_TK, out_norm_TK, token_mask_T=token_mask_T)
+    acc.add(expert_idx_TK, gate_TK, out_norm_TK, token_mask_T=token_mask_T, out_TKH=out_TKH)
     if expert_weights is not None:
         acc.add_weight_sums(*weight_sums(expert_weights))
     st = acc.stats(router_ED, bias_E, seed, layer)
@@ -238,6 +290,28 @@ def max_act(st: LayerStats) -> np.ndarray:
     `max_activations` is the signed maximum over tokens and output coordinates, max_{x, d} f_j(x)[d],
     not this norm.)"""
     return _need(st, "norm_max_E", "max_act", "the maximum output norm").copy()
+
+
+@register("mone")
+def mone(st: LayerStats) -> np.ndarray:
+    """||sqrt(var_j)||_2 * rs_j   (MoNE, arXiv 2507.00390: routing score times output fluctuation;
+    its code zxgx/mode-pd, `expert_prune_by_mone`, metric `fusion`), where
+        var_j[h] = (1/|X_j|) sum_{x in X_j} f_j(x)[h]^2 - mean_j[h]^2, mean_j = (1/|X_j|) sum_{x in X_j} f_j(x)
+    is the per-dimension (population) variance of expert j's output over the tokens routed to it
+    (0 if X_j is empty), and rs_j = (1/T) sum_{x in X_j} g_j(x) its mean gate over all T calibration
+    tokens (g_j = 0 where j was not chosen). A removed expert is then substituted by the constant
+    mean_j (`LayerStats.mean_output_EH`), so an expert that varies little or is rarely weighted is
+    the cheapest to replace. Differences from mode-pd, none changing a layer's ranking but the last:
+    mode-pd divides the gate sum by the number of sequences (its gate hook's batch size), not tokens
+    (a constant factor per layer); it multiplies by w(1 - w) (`fusion_io_weight`, a constant); its
+    streaming variance skips each expert's first batch and mixes 1/(n-1) and 1/n normalisations,
+    where this is the exact variance from float64 sums."""
+    total = _need(st, "output_sum_EH", "mone", "the sums of the experts' outputs")
+    squares = _need(st, "output_sq_sum_EH", "mone", "the sums of the experts' squared outputs")
+    gate_sum = _need(st, "gate_sum_E", "mone", "the sums of the experts' gates")
+    counts = st.counts_E[:, None]
+    var_EH = np.maximum(_per_routed_token(squares, counts) - np.square(_per_routed_token(total, counts)), 0.0)
+    return np.sqrt(var_EH.sum(axis=1)) * gate_sum / max(st.n_tokens, 1)
 
 
 @register("w_mean")

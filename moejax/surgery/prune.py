@@ -482,12 +482,17 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
 
 
 def write_folder(reader: FusedExpertsReader, layout: CheckpointLayout, plan: PrunePlan, src: Path, dst: Path,
-                 copied: list[Path], record: dict, *, overwrite: bool, progress: bool | None, replaced=None) -> None:
+                 copied: list[Path], record: dict, *, overwrite: bool, progress: bool | None, replaced=None,
+                 shards=None) -> None:
     """DST written atomically (a staging folder renamed at the end, removed on any failure): the
-    streamed shards (`write_pruned`), the source's other files, config.json and pruning.json."""
+    streamed shards (`write_pruned`; or `shards(staging, progress)`, which writes them another way:
+    `moejax prune --substitute`), the source's other files, config.json and pruning.json."""
     show = sys.stderr.isatty() if progress is None else progress
     with staged_directory(dst, overwrite) as staging:
-        write_pruned(reader, layout, plan, staging, progress=show, replaced=replaced)
+        if shards is None:
+            write_pruned(reader, layout, plan, staging, progress=show, replaced=replaced)
+        else:
+            shards(staging, show)
         for relative in copied:
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src / relative, staging / relative)
