@@ -10,9 +10,9 @@
     moejax prune SRC DST --substitute --score mone --keep K (--text PATH... | --tokens FILE.npy)
                  [--seq-len N] [--max-tokens N] [--batch-size B] [--dtype bfloat16] [--overwrite]
                  (MoNE: the other experts return constants; vLLM's constant-v1 expert substitution)
-    moejax merge SRC DST --method hc_smoe|m_smoe --keep K (--text PATH... | --tokens FILE.npy)
+    moejax merge SRC DST --method hc_smoe|m_smoe|ream --keep K (--text PATH... | --tokens FILE.npy)
                  [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--drop-mtp]
-                 [--overwrite]
+                 [--score reap] [--group-size C] [--ream-tokens N] [--seed S] [--overwrite]   (ream: the last three)
     moejax inspect CKPT [--json]
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
     moejax diff SRC PRUNED [--hash] [--json]       (exit 1 when a check fails)
@@ -173,7 +173,8 @@ def _merge(args) -> None:
         args.src, args.dst, method=args.method, keep=parse_keep(args.keep), text=args.text, tokens=args.tokens,
         seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size, allocation=args.allocation,
         hc_method=args.hc_method, collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, dtype=args.dtype,
-        seed=args.seed, overwrite=args.overwrite)
+        seed=args.seed, overwrite=args.overwrite, score=args.score, group_size=args.group_size,
+        ream_tokens=args.ream_tokens)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers merged by {args.method} into {counts} experts "
           f"({args.allocation} allocation, router shrunk, groups: {record['groups']}); clusters in "
@@ -249,10 +250,10 @@ def main(argv=None) -> int:
     _calibration_arguments(p, required=False)
     p.set_defaults(func=_prune)
 
-    p = sub.add_parser("merge", help="write a merged HF checkpoint (HC-SMoE or M-SMoE, one router row per cluster)")
+    p = sub.add_parser("merge", help="write a merged HF checkpoint (HC-SMoE, M-SMoE or REAM, one router row per cluster)")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--method", required=True, choices=["hc_smoe", "m_smoe"])
+    p.add_argument("--method", required=True, choices=["hc_smoe", "m_smoe", "ream"])
     p.add_argument("--keep", required=True, help="clusters per MoE layer: a count (32) or a ratio of E (0.5)")
     _calibration_arguments(p)
     p.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
@@ -263,7 +264,13 @@ def main(argv=None) -> int:
                    help="allow uneven routing groups by routing over all kept experts (n_group=1)")
     p.add_argument("--drop-mtp", action="store_true",
                    help="remove the MTP layer(s), which the calibration pass does not run (as prune --drop-mtp)")
-    p.add_argument("--seed", type=int, default=0, help="seed of k-means (>= 0)")
+    p.add_argument("--score", default=None,
+                   help="ream: the score choosing centroids and weighting each group's average (default reap)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="ream: C, the most experts a group holds, its centroid included (default 16; 0: M-SMoE's rule)")
+    p.add_argument("--ream-tokens", type=int, default=None,
+                   help="ream: calibration tokens sampled for the neuron alignment's activations (default 2048)")
+    p.add_argument("--seed", type=int, default=0, help="seed of k-means and of REAM's token sample and PCA (>= 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_merge)
 

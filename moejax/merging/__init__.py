@@ -1,5 +1,5 @@
-"""Expert merging (SPEC section 8): the two baselines the REAP paper compares pruning with, evaluated
-as variants beside the pruning scores and written as checkpoints.
+"""Expert merging (SPEC section 8): the two baselines the REAP paper compares pruning with, and REAM
+(SPEC section 11), evaluated as variants beside the pruning scores and written as checkpoints.
 
 - `clusters`: which experts merge. `hc_smoe_clusters` (HC-SMoE, Chen et al. 2024: agglomerative
   clustering with average linkage of the experts' mean outputs over all calibration tokens; k-means
@@ -9,9 +9,14 @@ as variants beside the pruning scores and written as checkpoints.
 - `average`: how a cluster becomes one expert. `align_neurons` / `align_layer` (M-SMoE's Hungarian
   alignment of a member's intermediate neurons onto its leader's), `merge_weights` /
   `merge_cluster` (the frequency-weighted average of every matrix).
+- `ream`: REAM (Jha et al. 2026): centroids = the `keep` highest-scoring experts (REAP by default),
+  pseudo-pruning groups of at most C on the mean of an output and a router-logit similarity
+  (`ream_similarity`, `ream_groups`), neurons aligned on activations plus PCA weight rows
+  (`ream_align`), the score-weighted average (`ream_merge`).
 - `allocation`: per-layer counts, uniform or from one global threshold (`layer_counts`).
 - `calibration`: `MergeStats` of a MoE layer from a calibration pass (counts, every expert's output
-  summed over all tokens, the router-logit Gram matrix).
+  summed over all tokens, the router-logit Gram matrix; for REAM, the router-weighted output sums
+  and the router inputs of a fixed sample of tokens).
 - `layer`: `merge_layer(method, keep, stats, weights)` -> `LayerMerge` (clusters, leaders, merged
   experts) and its `ExpertMap` under the `tied` or `shrunk` router form.
 

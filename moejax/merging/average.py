@@ -170,7 +170,7 @@ def align_layer(weights: dict, labels_E, leaders) -> dict[int, np.ndarray]:
     return perms
 
 
-def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=None) -> dict:
+def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=None, perms=None) -> dict:
     """A layer's clusters merged: {"gate": [C, H, F], ...}, row c the merged expert of the cluster
     labelled c (labels_E: int [E] numbering the C clusters 0..C-1; `canonical_labels` numbers them by
     lowest member, as the clusterings do):
@@ -180,7 +180,9 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     P_j the identity for HC-SMoE (align=False), and for M-SMoE (align=True) the permutation of
     expert j's neurons onto its cluster's leader (`align_layer`; the leader's own is the identity).
     leaders: int [C], leaders[c] the expert leading cluster c (M-SMoE's dominant expert); needed
-    for align=True only. A singleton cluster is its expert exactly. One cluster at a time, one
+    for align=True only. perms: {expert: perm [F]} computed elsewhere (REAM's alignment,
+    `moejax.merging.ream.ream_align`), used as given instead of `align_layer` (an expert not in it
+    is averaged as it is). A singleton cluster is its expert exactly. One cluster at a time, one
     member's matrix cast at a time; float32 unless an input is float64."""
     labels = _check_labels(weights, labels_E)
     freq = np.asarray(freq_E, np.float64)
@@ -188,7 +190,10 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
         raise ConfigError(f"merge: freq must be [E] = {labels.shape}, finite and non-negative")
     if align and leaders is None:
         raise ConfigError("merge: align=True (M-SMoE) needs each cluster's leader (leaders) to align onto")
-    perms = align_layer(weights, labels, leaders) if align else {}
+    if perms is not None and align:
+        raise ConfigError("merge: pass either align=True (M-SMoE's alignment) or perms, not both")
+    if perms is None:
+        perms = align_layer(weights, labels, leaders) if align else {}
     dtype = _compute_dtype(weights.values())
     n_clusters = labels.max() + 1
     out = {k: np.empty((n_clusters, *np.shape(w)[1:]), dtype) for k, w in weights.items()}

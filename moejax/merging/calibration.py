@@ -7,6 +7,15 @@ accumulated over batches in float64, padding tokens left out.
     logit_gram_EE   G = sum_x l(x) l(x)^T, l(x) = the router logits of x (M-SMoE's cosine of logit
                     columns: cos(l_i, l_j) = G_ij / sqrt(G_ii G_jj))
 
+and, only for REAM (`merge_stats(..., ream=True)`; hc_smoe and m_smoe compute nothing more):
+
+    gated_output_sum_EH  sum over all calibration tokens x of p_j(x) f_j(x), p(x) = softmax of the
+                         raw router logits over all E (REAM's router-weighted outputs, `gated_sim`)
+    act_inputs_NH        the router inputs x of a fixed random sample of at most N calibration tokens
+                         (`subsample_positions`, seeded), float32: REAM's neuron alignment computes
+                         every expert's intermediate activations on them at merge time, from the
+                         weights, so the pass holds [N, H] per layer, never [E, N, F] or [E, T, H]
+
 Every expert on every token costs E / top_k times the routed experts' work, so this runs only
 when a merge is asked for.
 """
@@ -21,7 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.errors import ConfigError
+
 HIGHEST = jax.lax.Precision.HIGHEST
+REAM_TOKENS = 2048  # default N: calibration tokens whose router inputs REAM's alignment keeps per layer
 
 
 @dataclasses.dataclass
@@ -30,10 +42,26 @@ class MergeStats:
     output_sum_EH: np.ndarray
     logit_gram_EE: np.ndarray
     n_tokens: int
+    gated_output_sum_EH: np.ndarray | None = None   # REAM only (ream=True)
+    act_inputs_NH: np.ndarray | None = None         # REAM only (ream=True)
 
     @property
     def mean_output_EH(self) -> np.ndarray:
         return self.output_sum_EH / max(self.n_tokens, 1)
+
+    @property
+    def has_ream(self) -> bool:
+        return self.gated_output_sum_EH is not None and self.act_inputs_NH is not None
+
+
+def subsample_positions(n_valid: int, n: int, seed: int = 0) -> np.ndarray:
+    """Sorted ordinals, among the n_valid calibration tokens that are not padding (in batch order),
+    of min(n, n_valid) tokens drawn without replacement by `numpy.random.default_rng(seed)`; all of
+    them when n >= n_valid. The same for every layer of one pass, and for any batching of the same
+    tokens."""
+    if n >= n_valid:
+        return np.arange(n_valid)
+    return np.sort(np.random.default_rng(seed).choice(n_valid, size=n, replace=False))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -54,8 +82,34 @@ def _sums(graphdef, state, x_TH, valid_T):
     return gram, sums, counts
 
 
-def merge_stats(moe, router_inputs, masks) -> MergeStats:
-    """MergeStats of one MoE layer over batches of router inputs [T, H] (masks [T] or None)."""
+@functools.partial(jax.jit, static_argnums=0)
+def _ream_sums(graphdef, state, x_TH, valid_T):
+    """`_sums` and sum_x p_j(x) f_j(x) [E, H] (p = softmax of the raw logits over E), in float32."""
+    moe = nnx.merge(graphdef, state)
+    raw = moe.router_logits(x_TH)
+    logits = raw * valid_T[:, None]
+    gram = jnp.matmul(logits.T, logits, precision=HIGHEST)
+    w = valid_T.astype(jnp.float32)[:, None]
+    p_ET = jax.nn.softmax(raw, axis=-1).T
+
+    def out_sums(args):  # one expert on every token: [H] twice (memory stays at [T, F])
+        weights, p_T = args
+        f = moe.expert_fn(lambda a, b: jnp.matmul(a, b, precision=HIGHEST), weights, x_TH).astype(jnp.float32) * w
+        return jnp.sum(f, axis=0), jnp.sum(f * p_T[:, None], axis=0)
+
+    sums, gated = jax.lax.map(out_sums, (moe.expert_weights(), p_ET))
+    idx = moe.route(x_TH).expert_idx_TK
+    counts = jnp.zeros(logits.shape[1], jnp.float32).at[idx.reshape(-1)].add(jnp.repeat(valid_T, idx.shape[1]))
+    return gram, sums, counts, gated
+
+
+def merge_stats(moe, router_inputs, masks, ream: bool = False, ream_tokens: int = REAM_TOKENS,
+                seed: int = 0) -> MergeStats:
+    """MergeStats of one MoE layer over batches of router inputs [T, H] (masks [T] or None).
+    ream: also REAM's statistics (the router-weighted output sums and the router inputs of
+    `subsample_positions(n_valid, ream_tokens, seed)`)."""
+    if ream:
+        return _merge_stats_ream(moe, list(router_inputs), list(masks), ream_tokens, seed)
     graphdef, state = nnx.split(moe)
     E, H = moe.router.shape
     gram, sums, counts, n = np.zeros((E, E)), np.zeros((E, H)), np.zeros(E), 0
@@ -67,3 +121,28 @@ def merge_stats(moe, router_inputs, masks) -> MergeStats:
         counts += c
         n += int(np.asarray(valid).sum())
     return MergeStats(counts_E=counts, output_sum_EH=sums, logit_gram_EE=gram, n_tokens=n)
+
+
+def _merge_stats_ream(moe, router_inputs: list, masks: list, ream_tokens: int, seed: int) -> MergeStats:
+    if isinstance(ream_tokens, bool) or not isinstance(ream_tokens, (int, np.integer)) or ream_tokens < 1:
+        raise ConfigError(f"ream_tokens={ream_tokens!r}: expected an integer >= 1 (calibration tokens REAM's "
+                          "neuron alignment samples)")
+    graphdef, state = nnx.split(moe)
+    E, H = moe.router.shape
+    valid_host = [np.ones(x.shape[0], bool) if m is None else np.asarray(m, bool).reshape(-1)
+                  for x, m in zip(router_inputs, masks)]
+    chosen = subsample_positions(int(sum(v.sum() for v in valid_host)), int(ream_tokens), seed)
+    gram, sums, counts, gated, n, picked = np.zeros((E, E)), np.zeros((E, H)), np.zeros(E), np.zeros((E, H)), 0, []
+    for x_TH, valid in zip(router_inputs, valid_host):
+        g, s, c, gs = jax.device_get(_ream_sums(graphdef, state, x_TH, jnp.asarray(valid, jnp.float32)))
+        gram += g
+        sums += s
+        counts += c
+        gated += gs
+        local = chosen[(chosen >= n) & (chosen < n + valid.sum())] - n   # ordinals among this batch's valid tokens
+        if len(local):
+            picked.append(np.asarray(jax.device_get(x_TH[np.flatnonzero(valid)[local]]), np.float32))
+        n += int(valid.sum())
+    x_NH = np.concatenate(picked) if picked else np.zeros((0, H), np.float32)
+    return MergeStats(counts_E=counts, output_sum_EH=sums, logit_gram_EE=gram, n_tokens=n,
+                      gated_output_sum_EH=gated, act_inputs_NH=x_NH)

@@ -6,8 +6,16 @@ the layer's expert map under either router form.
     m_smoe    clusters = the `keep` most frequent experts dominate, every other expert joins the
               dominant one with the most similar router-logit column (`clusters.m_smoe_groups_from_gram`);
               members' neurons aligned to the dominant expert before averaging
+    ream      groups = the `keep` highest-scoring experts (`scores_E`, REAP by default) are centroids;
+              pseudo-pruning: each centroid, most salient first, takes its C - 1 most similar
+              unassigned experts (C = group_size; 0: each joins its most similar centroid), similarity
+              = the mean of REAM's output and router-logit similarities (`ream.ream_similarity`);
+              members' neurons aligned to the centroid on activations plus PCA weight rows
+              (`ream.ream_align`); averaged with weights = the scores (zeros raised, `ream.saliency_weights`)
     merged    W_G = sum_{j in G} freq_j W_j / sum_{j in G} freq_j, for every matrix separately
-    leader    a cluster's most frequent member (ties: the lower index); for m_smoe, its dominant expert
+              (ream: the score weights in place of freq_j)
+    leader    a cluster's most frequent member (ties: the lower index); for m_smoe, its dominant expert;
+              for ream, its centroid
 
 Router forms (`ExpertMap`):
     tied      every router slot remains; slot e computes its cluster's merged expert (the papers' form)
@@ -26,9 +34,10 @@ from moejax.errors import ConfigError
 from moejax.merging.average import merge_weights
 from moejax.merging.calibration import MergeStats
 from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups_from_gram
+from moejax.merging.ream import GROUP_SIZE, centroid_leaders, ream_groups, ream_merge, ream_similarity
 from moejax.moe.expert_map import ExpertMap
 
-MERGE_METHODS = ("hc_smoe", "m_smoe")
+MERGE_METHODS = ("hc_smoe", "m_smoe", "ream")
 ROUTER_FORMS = ("tied", "shrunk")
 
 
@@ -48,7 +57,7 @@ def check_router_form(router: str) -> None:
 class LayerMerge:
     method: str
     labels_E: np.ndarray     # int [E]: each expert's cluster, clusters numbered by their lowest member
-    leaders: np.ndarray    # int [C]: each cluster's leader (its most frequent member)
+    leaders: np.ndarray    # int [C]: each cluster's leader (its most frequent member; ream: its centroid)
     weights: dict            # name -> [C, ...]: the merged experts, in the layer's dtype
 
     @property
@@ -102,29 +111,67 @@ def cluster_leaders(labels_E, counts_E) -> np.ndarray:
     return np.asarray(leaders, np.int64)
 
 
-def layer_clusters(method: str, keep: int, stats: MergeStats, hc_method: str = "average", seed: int = 0) -> np.ndarray:
-    """labels [E] of one layer's experts under `method`."""
+def _ream_scores(scores_E):
+    if scores_E is None:
+        raise ConfigError("merge method 'ream' needs each layer's expert scores (scores_E, float64 [E], higher = "
+                          "keep; REAP by default): they choose the centroids and weight the average")
+    return np.asarray(scores_E, np.float64)
+
+
+def _ream_stats(stats: MergeStats) -> MergeStats:
+    if not stats.has_ream:
+        raise ConfigError("merge method 'ream' needs REAM's calibration statistics (router-weighted output sums, "
+                          "sampled router inputs): gather them with merge_stats(..., ream=True)")
+    return stats
+
+
+def layer_clusters(method: str, keep: int, stats: MergeStats, hc_method: str = "average", seed: int = 0,
+                   scores_E=None, group_size: int = GROUP_SIZE) -> np.ndarray:
+    """labels [E] of one layer's experts under `method` (ream: scores_E required, group_size its C)."""
     check_merge_names([method])
     if method == "hc_smoe":
         return hc_smoe_clusters(stats.mean_output_EH, keep, method=hc_method, seed=seed)
+    if method == "ream":
+        scores, st = _ream_scores(scores_E), _ream_stats(stats)
+        return ream_groups(scores, ream_similarity(st.gated_output_sum_EH, st.logit_gram_EE), keep, group_size)
     return m_smoe_groups_from_gram(stats.logit_gram_EE, stats.counts_E, keep)
 
 
+def layer_leaders(method: str, labels_E, counts_E, scores_E=None) -> np.ndarray:
+    """int [C]: each cluster's leader under `method`: its most frequent member (`cluster_leaders`),
+    or for ream its centroid (`ream.centroid_leaders`)."""
+    if method == "ream":
+        return centroid_leaders(labels_E, _ream_scores(scores_E))
+    return cluster_leaders(labels_E, counts_E)
+
+
 def merge_layer(method: str, keep: int, stats: MergeStats, expert_weights: dict, hc_method: str = "average",
-                seed: int = 0) -> LayerMerge:
+                seed: int = 0, scores_E=None, group_size: int = GROUP_SIZE) -> LayerMerge:
     """The layer merged to `keep` clusters by `method`; expert_weights: name -> [E, ...] arrays
-    (host or device), the merged experts returned in their dtype."""
-    labels = layer_clusters(method, keep, stats, hc_method, seed)
+    (host or device), the merged experts returned in their dtype. ream: scores_E (float64 [E],
+    >= 0, higher = keep) required, stats from merge_stats(..., ream=True), group_size its C; seed
+    also seeds its randomised PCA (large layers only)."""
+    labels = layer_clusters(method, keep, stats, hc_method, seed, scores_E, group_size)
+    if method == "ream":
+        return merge_clusters(method, labels, stats.counts_E, expert_weights, scores_E=scores_E,
+                              act_inputs_NH=stats.act_inputs_NH, seed=seed)
     return merge_clusters(method, labels, stats.counts_E, expert_weights)
 
 
-def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict) -> LayerMerge:
+def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores_E=None, act_inputs_NH=None,
+                   seed: int = 0) -> LayerMerge:
     """The layer's clusters `labels_E` merged as `method` merges them (m_smoe: neurons aligned to
-    each cluster's leader first), each member weighted by its share of the cluster's counts."""
+    each cluster's leader first), each member weighted by its share of the cluster's counts. ream:
+    each group's centroid leads it, members aligned on their activations over the sampled router
+    inputs `act_inputs_NH` plus their weights, weighted by `scores_E` (`ream.ream_merge`)."""
     check_merge_names([method])
     labels = np.asarray(labels_E)
-    leaders = cluster_leaders(labels, counts_E)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
+    if method == "ream":
+        leaders = layer_leaders(method, labels, counts_E, scores_E)
+        merged = ream_merge(host, labels, leaders, scores_E, act_inputs_NH, seed=seed)
+        return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype) for k in host})
+    leaders = cluster_leaders(labels, counts_E)
     merged = merge_weights(host, labels, np.asarray(counts_E, np.float64), align=method == "m_smoe",
                            leaders=leaders)
     return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype) for k in host})

@@ -1,13 +1,16 @@
-"""`moejax merge SRC DST --method hc_smoe|m_smoe --keep K --text ...`: a merged Hugging Face checkpoint
-in the `shrunk` router form (SPEC section 8), which transformers and vLLM load as a pruned one.
+"""`moejax merge SRC DST --method hc_smoe|m_smoe|ream --keep K --text ...`: a merged Hugging Face
+checkpoint in the `shrunk` router form (SPEC section 8), which transformers and vLLM load as a pruned one.
 
 Three steps:
 
 1. A streamed calibration pass (one decoder layer's weights at a time, `moejax.evaluation.stream`) gathers
-   each MoE layer's merging statistics (`moejax.merging.calibration.MergeStats`).
+   each MoE layer's merging statistics (`moejax.merging.calibration.MergeStats`); for `--method ream`
+   also REAM's (`merge_stats(..., ream=True)`) and the centroid score (`--score`, REAP by default:
+   `moejax.scoring.observe.accumulate_layer` and `moejax.scoring.scores.compute_scores` on the same
+   router inputs).
 2. Planning, before anything is written: per-layer cluster counts (`--keep`, uniform or
    `--allocation global`), clusters (`moejax.merging.layer.layer_clusters`) and each cluster's
-   leader (its most frequent member). The leaders are the kept experts of a pruning plan
+   leader (its most frequent member; REAM: its centroid). The leaders are the kept experts of a pruning plan
    (`moejax.surgery.prune.plan_pruning`: the new config, routing groups, per-layer counts), so the
    router keeps one row (and bias entry) per cluster: the leader's, byte-identical to the source.
 3. Writing, streamed shard by shard like `moejax prune` (`write_pruned`): every tensor of a
@@ -19,7 +22,8 @@ Three steps:
 
 Quantised sources are refused: merging dequantised experts and writing them beside quantised
 ones would need a re-quantisation this command does not do. `pruning.json` records the method,
-the per-layer counts and every cluster (leader first, in the merged checkpoint's expert order).
+the per-layer counts and every cluster (leader first, in the merged checkpoint's expert order);
+for REAM also the score, the group size C, the sampled token count and each layer's scores.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.merging.layer import (LayerMerge, check_merge_names, cluster_leaders, layer_clusters, leader_first_clusters,
+from moejax.merging.layer import (LayerMerge, check_merge_names, layer_clusters, layer_leaders, leader_first_clusters,
                                   merge_clusters)
+from moejax.merging.ream import GROUP_SIZE
 from moejax.scoring.select import resolve_keep
 
 PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -45,6 +50,9 @@ class MergePlan:
     labels: dict[int, np.ndarray]    # MoE layer -> int [E], each expert's cluster (numbered by lowest member)
     leaders: dict[int, np.ndarray]   # MoE layer -> int [C], each cluster's most frequent member
     freq: dict[int, np.ndarray]      # MoE layer -> routing decisions per expert on the calibration tokens
+    scores: dict | None = None       # REAM: MoE layer -> the centroid score per expert
+    act_inputs: dict | None = None   # REAM: MoE layer -> router inputs of the sampled tokens [N, H]
+    seed: int = 0                    # REAM: seeds the randomised PCA of large layers
 
     def record_layers(self) -> dict:
         """Per layer: the kept (leader) experts ascending and each cluster with its leader first,
@@ -54,6 +62,8 @@ class MergePlan:
             clusters = sorted(leader_first_clusters(labels, self.leaders[l]))  # by leader: the new expert order
             out[str(l)] = {"n_experts": int(len(labels)), "kept": sorted(int(e) for e in self.leaders[l]),
                            "clusters": clusters, "counts": self.freq[l].tolist()}
+            if self.scores is not None:
+                out[str(l)]["scores"] = np.asarray(self.scores[l], np.float64).tolist()
         return out
 
 
@@ -81,12 +91,18 @@ def cluster_counts(stats: dict, keep, top_k: int, allocation: str) -> dict[int, 
 
 
 def plan_merge(stats: dict, method: str, keep, top_k: int, allocation: str = "uniform",
-               hc_method: str = "average", seed: int = 0) -> MergePlan:
-    """Clusters and leaders of every MoE layer from its MergeStats."""
+               hc_method: str = "average", seed: int = 0, scores: dict | None = None,
+               group_size: int = GROUP_SIZE) -> MergePlan:
+    """Clusters and leaders of every MoE layer from its MergeStats (ream: and its scores, {layer: [E]})."""
     counts = cluster_counts(stats, keep, top_k, allocation)
-    labels = {l: layer_clusters(method, counts[l], st, hc_method, seed) for l, st in stats.items()}
-    leaders = {l: cluster_leaders(labels[l], stats[l].counts_E) for l in stats}
-    return MergePlan(method, counts, labels, leaders, {l: st.counts_E.copy() for l, st in stats.items()})
+    layer_scores = scores if method == "ream" else {}
+    labels = {l: layer_clusters(method, counts[l], st, hc_method, seed, layer_scores.get(l), group_size)
+              for l, st in stats.items()}
+    leaders = {l: layer_leaders(method, labels[l], stats[l].counts_E, layer_scores.get(l)) for l in stats}
+    ream = {} if method != "ream" else dict(
+        scores={l: np.asarray(layer_scores[l], np.float64).copy() for l in stats},
+        act_inputs={l: st.act_inputs_NH for l, st in stats.items()}, seed=seed)
+    return MergePlan(method, counts, labels, leaders, {l: st.counts_E.copy() for l, st in stats.items()}, **ream)
 
 
 class MergedTensors:
@@ -112,7 +128,10 @@ class MergedTensors:
             name = next(n for n, t in self.targets.items() if t[0] == layer)
             dtype = jnp.dtype(PLAIN_DTYPES[self.ckpt.reader.info(name).dtype])
             weights = self.ckpt.decoder_layer(layer, dtype).mlp.expert_weights()
-            self._merge = merge_clusters(self.plan.method, self.plan.labels[layer], self.plan.freq[layer], weights)
+            ream = {} if self.plan.scores is None else dict(
+                scores_E=self.plan.scores[layer], act_inputs_NH=self.plan.act_inputs[layer], seed=self.plan.seed)
+            self._merge = merge_clusters(self.plan.method, self.plan.labels[layer], self.plan.freq[layer], weights,
+                                         **ream)
             self._layer = layer
         return self._merge
 
@@ -148,16 +167,44 @@ def _check_before_pass(checked, count: int, keep, allocation: str, collapse_grou
                           "over all kept experts without groups, or a keep that divides into the groups")
 
 
+def _check_ream_args(method: str, score, group_size, ream_tokens):
+    """(score, group_size, ream_tokens) with REAM's defaults filled in; refused unless method is
+    ream when any is given, or when one is out of range."""
+    from moejax.merging.calibration import REAM_TOKENS
+    from moejax.merging.ream import check_group_size, check_ream_score
+
+    if method != "ream":
+        given = [n for n, v in (("--score", score), ("--group-size", group_size), ("--ream-tokens", ream_tokens))
+                 if v is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: REAM's settings, for --method ream only (not {method})")
+        return None, None, None
+    score = "reap" if score is None else score
+    check_ream_score(score)
+    group_size = check_group_size(GROUP_SIZE if group_size is None else group_size)
+    ream_tokens = REAM_TOKENS if ream_tokens is None else ream_tokens
+    if isinstance(ream_tokens, bool) or not isinstance(ream_tokens, (int, np.integer)) or ream_tokens < 1:
+        raise ConfigError(f"ream_tokens={ream_tokens!r} (--ream-tokens): expected an integer >= 1 (calibration "
+                          "tokens whose activations REAM's neuron alignment compares)")
+    return score, group_size, int(ream_tokens)
+
+
 def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq_len: int | None = None,
                      max_tokens: int | None = None, batch_size: int = 8, allocation: str = "uniform",
                      hc_method: str = "average", collapse_groups: bool = False, drop_mtp: bool = False,
-                     dtype: str = "float32", seed: int = 0, overwrite: bool = False, progress: bool | None = None) -> dict:
+                     dtype: str = "float32", seed: int = 0, overwrite: bool = False, progress: bool | None = None,
+                     score: str | None = None, group_size: int | None = None, ream_tokens: int | None = None) -> dict:
     """Write the merged checkpoint of `src` to `dst` (shrunk router form) and return its record
     (also dst/pruning.json). The destination, the checkpoint, the arguments and the calibration
     data are checked before the pass; the plan (groups, counts) before the first byte is written.
     MTP layers (DeepSeek-V3's, after the decoder layers) are not run by the calibration pass, so
     they have no merge statistics: drop_mtp removes them as `moejax prune --drop-mtp` does
-    (num_nextn_predict_layers = 0); without it a checkpoint that has them is refused."""
+    (num_nextn_predict_layers = 0); without it a checkpoint that has them is refused.
+    method="ream" only: score (default "reap", a non-negative score of `moejax.merging.ream.
+    REAM_SCORES`), group_size (REAM's C, default 16; 0: M-SMoE's rule), ream_tokens (calibration
+    tokens sampled for the neuron alignment, default `calibration.REAM_TOKENS`); seed also draws
+    that sample."""
+    import jax
     import jax.numpy as jnp
 
     from moejax import __version__
@@ -173,6 +220,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     from moejax.surgery.prune import other_files, plan_pruning, write_folder
 
     check_merge_names([method], "--method")
+    score, group_size, ream_tokens = _check_ream_args(method, score, group_size, ream_tokens)
     if allocation not in ALLOCATIONS:
         raise ConfigError(f"--allocation {allocation!r}: expected one of {list(ALLOCATIONS)}")
     if hc_method not in HC_SMOE_METHODS:
@@ -190,15 +238,35 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     ckpt, cfg = opened(checked), checked.config
     count = resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
     _check_before_pass(checked, count, keep, allocation, collapse_groups, drop_mtp)
+    if method == "ream":
+        from moejax.merging.ream import check_group_size
+        from moejax.scoring.scores import scores_for
+
+        scores_for([score], cfg.HAS_BALANCE_BIAS, f"{src}: --score")
+        if allocation == "uniform":  # global: each layer's count is known after the pass
+            check_group_size(group_size, count, cfg.n_experts)
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
-    stats = {}
+    stats, layer_scores = {}, {}
     for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show):
-        stats[layer] = merge_stats(moe, router_inputs, [None] * len(router_inputs))
-    plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, hc_method, seed)
+        masks = [None] * len(router_inputs)
+        if method != "ream":
+            stats[layer] = merge_stats(moe, router_inputs, masks)
+            continue
+        from moejax.scoring.observe import accumulate_layer
+        from moejax.scoring.scores import StatsAccumulator, compute_scores
+
+        stats[layer] = merge_stats(moe, router_inputs, masks, ream=True, ream_tokens=ream_tokens, seed=seed)
+        acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
+        accumulate_layer(moe, router_inputs, masks, acc)
+        layer_stats = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), seed=seed,
+                                layer=layer)
+        layer_scores[layer] = compute_scores(layer_stats, [score])[score]
+    plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, hc_method, seed,
+                      scores=layer_scores or None, group_size=GROUP_SIZE if group_size is None else group_size)
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
                      for l, lab in plan.labels.items()}
     prune_plan = plan_pruning(reader, layout, cfg, score=f"{method} cluster leaders", layers_keep=plan.counts,
@@ -208,6 +276,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
         "method": method, "router": "shrunk",
         "hc_method": hc_method if method == "hc_smoe" else None, "keep": keep, "allocation": allocation,
+        "score": score, "group_size": group_size, "ream_tokens": ream_tokens,
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
         "seed": seed, "groups": prune_plan.groups, "dropped_layers": list(prune_plan.dropped_layers),
