@@ -4,6 +4,7 @@ variants one after another (each re-reading every layer's weights), in the same 
     python scripts/bench_real.py [--model tiny|moonlight|both] [--tokens 512]
     python scripts/bench_real.py --align     # M-SMoE's neuron alignment of one layer only (`bench_alignment`)
     python scripts/bench_real.py --merges [--model moonlight]   # the pass with both merge methods added
+    python scripts/bench_real.py --methods [--model moonlight]  # REAM's merge and MoNE's substitution, each beside the pass
     python scripts/bench_real.py --model moonlight-full [--old-ref REF]   # the article's streamed run (`bench_full`)
 
 8 scores x 2 keeps = 16 pruned variants plus the unpruned model. "tiny" is the model
@@ -47,6 +48,12 @@ def once():
         evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, progress=False)
     elif mode == "carried_merges":  # the same pass with HC-SMoE and M-SMoE (tied and shrunk) beside the scores
         evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, merges=("hc_smoe", "m_smoe"),
+                         progress=False)
+    elif mode == "carried_ream":  # with REAM (tied and shrunk; centroids by reap, C = 16)
+        evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, merges=("ream",),
+                         progress=False)
+    elif mode == "carried_mone":  # with MoNE: the mone score's selections substituted
+        evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, substitutes=("mone",),
                          progress=False)
     else:  # one variant at a time: every pass re-reads the weights, redoes calibration and the unpruned stream
         for s in scores:
@@ -102,6 +109,22 @@ def run_modes(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int,
                              env={**os.environ, "PYTHONPATH": str(ROOT), "MOEJAX_JAX_CACHE": ""})
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     return results
+
+
+def measure_methods(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int) -> None:
+    """What each method after REAP costs in the carried pass: the pruning-only pass against the same
+    pass with REAM added (2 keeps x 2 router forms = 4 more held-out streams, REAM's statistics:
+    router-weighted outputs of every expert on every token, a token sample; its grouping,
+    activation-and-weight alignment and average) and with MoNE's substitution added (2 more
+    streams; the routed outputs' sums on the host for the mone score and the novices)."""
+    r = run_modes(path, tokens, seq_len, workdir, rounds, ("carried", "carried_ream", "carried_mone"))
+    c = r["carried"]
+    for when in ("cold", "warm")[:rounds]:
+        head = f"  {when} ({'compilation included' if when == 'cold' else 'compiled'}): "
+        print(f"{head}pruning only {c[when]:7.1f} s, with ream {r['carried_ream'][when]:7.1f} s "
+              f"({r['carried_ream'][when] / c[when]:.2f}x), with mone substituted {r['carried_mone'][when]:7.1f} s "
+              f"({r['carried_mone'][when] / c[when]:.2f}x)")
+    print("  peak resident memory: " + ", ".join(f"{m} {v['peak_mb']:.0f} MB" for m, v in r.items()))
 
 
 def measure(path: Path, tokens: int, seq_len: int, workdir: Path, rounds: int, merges: bool = False) -> None:
@@ -328,7 +351,15 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--align", action="store_true", help="time M-SMoE's neuron alignment of one layer only")
     ap.add_argument("--merges", action="store_true", help="the carried pass with both merge methods against without")
+    ap.add_argument("--methods", action="store_true", help="the carried pass with REAM, and with MoNE, against without")
     args = ap.parse_args()
+
+    def run(path, rounds):
+        if args.methods:
+            measure_methods(path, args.tokens, args.seq_len, tmp, rounds)
+        else:
+            measure(path, args.tokens, args.seq_len, tmp, rounds, merges=args.merges)
+
     if args.align:
         bench_alignment()
         return
@@ -343,7 +374,7 @@ def main():
             tiny = Path(os.environ.get("MOEJAX_HOME", Path.home() / ".cache" / "moejax")) / "models" / "tiny"
             if (tiny / "config.json").is_file():
                 print(f"tiny model ({tiny}):")
-                measure(tiny, args.tokens, args.seq_len, tmp, rounds=2, merges=args.merges)
+                run(tiny, rounds=2)
             else:
                 print(f"tiny model: not found at {tiny} (python -m moejax.run experiment=train_tiny); skipped")
         if args.model in ("moonlight", "both"):
@@ -352,8 +383,7 @@ def main():
             size = sum(f.stat().st_size for f in (tmp / "moonlight").iterdir())
             print(f"synthetic Moonlight-shaped checkpoint, 4 layers, {size / 1e9:.1f} GB, written in "
                   f"{time.perf_counter() - t0:.0f} s:")
-            measure(tmp / "moonlight", args.tokens, args.seq_len, tmp, rounds=1,
-                    merges=args.merges)  # compute-bound: cold only
+            run(tmp / "moonlight", rounds=1)  # compute-bound: cold only
 
 
 if __name__ == "__main__":

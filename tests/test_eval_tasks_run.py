@@ -134,10 +134,18 @@ def test_notebook_code_runs_on_a_run(results, tmp_path):
 
 
 @pytest.mark.slow
-def test_merged_variants_on_the_tasks(ckpt, tmp_path):
+def test_merged_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
     """merges=[hc_smoe]: each merge under both router forms is a variant on every task; at keep=E
-    (every cluster a singleton) it reproduces the unpruned numbers exactly."""
+    (every cluster a singleton) it reproduces the unpruned numbers exactly. Each layer is merged
+    once per keep, by the calibration pass: the tasks get its plans (no second merge)."""
+    from moejax.merging import layer as merging_layer
+    from moejax.models.registry import read_config
+
+    calls = []
+    real = merging_layer.merge_clusters
+    monkeypatch.setattr(merging_layer, "merge_clusters", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     run_job(job(ckpt, scores=["frequency"], merges=["hc_smoe"], tasks=["stdlib_ppl"]), tmp_path)
+    assert len(calls) == 2 * len(read_config(ckpt / "config.json").moe_layers)   # 2 keeps
     df = pd.read_parquet(tmp_path / "results.parquet")
     tasks = df[df.task == "stdlib_ppl"]
     base = tasks[tasks["form"] == "none"].set_index("metric").value

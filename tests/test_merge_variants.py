@@ -212,8 +212,8 @@ def carried_merge_stats(src, calib, monkeypatch) -> dict:
     ckpt = open_checkpoint(src)
     layers, seen, merge_stats_of = list(ckpt.config.moe_layers), [], moejax.evaluation.carried.merge_stats
 
-    def recording(moe, router_inputs, masks):
-        seen.append(merge_stats_of(moe, router_inputs, masks))
+    def recording(moe, router_inputs, masks, **options):
+        seen.append(merge_stats_of(moe, router_inputs, masks, **options))
         if len(seen) == len(layers):
             raise _Captured
         return seen[-1]

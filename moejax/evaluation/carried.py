@@ -10,6 +10,9 @@
 - with `merges` also, per merge method and keep, the layer merged (moejax.merging: clusters from the
   unpruned calibration stream, merged experts) under both router forms, `tied` and `shrunk`, as
   held-out streams of their own, measured like the pruned ones;
+- with `substitutes` also, per score and keep, the layer with that score's removed experts
+  substituted (MoNE: each returns its mean output over the calibration tokens routed to it),
+  measured like the pruned ones;
 - with `sequential=True` also, per variant, a calibration stream of the model already pruned up to
   the layer before, on which that variant's score for the next layer is computed (what
   llm-compressor does), and its own held-out stream.
@@ -42,17 +45,16 @@ from moejax.hf.model_io import OpenCheckpoint
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
-from moejax.merging.layer import ROUTER_FORMS, merge_layer
+from moejax.merging.layer import ROUTER_FORMS, merge_layer, merge_stats_options
 from moejax.moe.expert_map import ExpertMap
 from moejax.moe.columns import routed_columns
 from moejax.models.causal_lm import Attended
-from moejax.models.layers import linear, rms_norm
-from moejax.evaluation.nll import chunked_nll, chunked_nll_init, chunked_nll_update
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
-from moejax.evaluation.stream import batch_geometry, embed, vocab_chunks
-from moejax.variants import Kept, Merged, VariantPlan, VariantSpec
+from moejax.evaluation.stream import batch_geometry, embed, head_nll
+from moejax.variants import Kept, Merged, Substituted, VariantPlan, VariantSpec
+from moejax.variants.plan import stacked_expert_map
 from moejax.variants.check import check_routable
 
 # Held-out tokens a decoder layer runs in one call (all streams of a batch together would hold
@@ -90,8 +92,10 @@ def _mlp(graphdef, state, h_BSH, z_BSH, mask_E):
 
 
 def _streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
-    """Streams `sl` of an ExpertMap stacked over streams (mask and rows [A, E]; one table)."""
-    return ExpertMap(em_A.mask_E[sl], None if em_A.rows_E is None else em_A.rows_E[sl], em_A.weights)
+    """Streams `sl` of an ExpertMap stacked over streams (mask, rows and novices [A, E]; one table,
+    one set of constants)."""
+    return em_A._replace(mask_E=em_A.mask_E[sl], rows_E=None if em_A.rows_E is None else em_A.rows_E[sl],
+                         novice_E=None if em_A.novice_E is None else em_A.novice_E[sl])
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -107,8 +111,10 @@ def _routed_errors(graphdef, state, z_TH, em_V: ExpertMap):
     mask_CE = jnp.concatenate([jnp.ones((1, n_slots), bool), em_V.mask_E.astype(bool)])
     rows_CE = jnp.concatenate([identity[None], jnp.broadcast_to(identity, em_V.mask_E.shape)
                                if em_V.rows_E is None else em_V.rows_E.astype(jnp.int32)])
+    novice_CE = None if em_V.novice_E is None else jnp.concatenate([jnp.zeros((1, n_slots), bool),
+                                                                     em_V.novice_E.astype(bool)])
     y_TCH = routed_columns(z_TH, moe.router_logits(z_TH), moe.router_cfg, moe.balance_bias(), mask_CE, rows_CE,
-                           em_V.table(moe.expert_weights()), moe.expert_fn)
+                           em_V.table(moe.expert_weights()), moe.expert_fn, novice_CE, em_V.constants_EH)
     y_TH = y_TCH[:, 0]
     err_VT = jnp.sum((y_TCH[:, 1:] - y_TH[:, None]) ** 2, axis=-1).T
     return jnp.sum(y_TH ** 2, axis=-1), err_VT
@@ -118,11 +124,12 @@ def _routed_errors(graphdef, state, z_TH, em_V: ExpertMap):
 def _routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap):
     """`_routed_errors` of stream n's own inputs under its own variant n: ([A, B, S], [A, B, S])."""
     def one(args):
-        z, mask, rows = args
-        norm, err = _routed_errors(graphdef, state, z.reshape(-1, z.shape[-1]),
-                                   ExpertMap(mask[None], None if rows is None else rows[None], em_A.weights))
+        z, mask, rows, novice = args
+        em = em_A._replace(mask_E=mask[None], rows_E=None if rows is None else rows[None],
+                           novice_E=None if novice is None else novice[None])
+        norm, err = _routed_errors(graphdef, state, z.reshape(-1, z.shape[-1]), em)
         return norm.reshape(z.shape[:-1]), err[0].reshape(z.shape[:-1])
-    return jax.lax.map(one, (z_ABSH, em_A.mask_E, em_A.rows_E))
+    return jax.lax.map(one, (z_ABSH, em_A.mask_E, em_A.rows_E, em_A.novice_E))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -146,25 +153,11 @@ def _stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | N
     layer = nnx.merge(graphdef, state)
     h, z = (jnp.broadcast_to(a, (n_streams, B, S, H)).reshape(n_streams * B, S, H) for a in (h_ABSH, z_ABSH))
     variant = None
-    if em_A is not None:  # stream n's mask and rows on each of its tokens
-        per_token = jax.tree.map(lambda a: jnp.repeat(a, B * S, axis=0), (em_A.mask_E, em_A.rows_E))
-        variant = ExpertMap(*per_token, em_A.weights)
+    if em_A is not None:  # stream n's mask, rows and novices on each of its tokens
+        mask, rows, novice = jax.tree.map(lambda a: jnp.repeat(a, B * S, axis=0),
+                                          (em_A.mask_E, em_A.rows_E, em_A.novice_E))
+        variant = em_A._replace(mask_E=mask, rows_E=rows, novice_E=novice)
     return layer.feed(Attended(h, z), variant, forward_only=True).out_BSH.reshape(n_streams, B, S, H)
-
-
-@jax.jit
-def _nll_chunk(x_ABSH, head_CH, ids_BS, start, state):
-    """Fold vocabulary rows [start, start + C) of the output head into each stream's running
-    next-token log-sum-exp (`moejax.evaluation.nll.chunked_nll_update`); x is already final-normed."""
-    def one(args):
-        x, st = args
-        return chunked_nll_update(st, linear(x[:, :-1], head_CH.T), ids_BS[:, 1:], start)
-    return jax.lax.map(one, (x_ABSH, state))
-
-
-@jax.jit
-def _final_norm(x_ABSH, norm_H, eps):
-    return rms_norm(x_ABSH, norm_H, eps)
 
 
 # --- the pass ------------------------------------------------------------------------------------
@@ -172,13 +165,6 @@ def _final_norm(x_ABSH, norm_H, eps):
 
 def _geometry(ckpt: OpenCheckpoint, batches, dtype):
     return [batch_geometry(ckpt, ids, None, dtype) for ids in batches]
-
-
-def _head_specs(ckpt: OpenCheckpoint):
-    """(the final norm's spec, the output head's: lm_head, or the embedding table when tied; both
-    [V, H] on disk)."""
-    by_param = {s.param: s for s in ckpt.specs}
-    return by_param["model.norm.weight"], by_param.get("lm_head", by_param["model.embed_tokens"])
 
 
 def _analysis_rows(layer, stats, scores, kept, keeps, energy_pos0):
@@ -234,7 +220,8 @@ class _ErrorSums:
 
 
 def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
-                     keeps: list, *, merges: tuple = (), sequential: bool = False, allocation: str = "uniform",
+                     keeps: list, *, merges: tuple = (), substitutes: tuple = (), group_size: int = 16,
+                     merge_score: str = "reap", sequential: bool = False, allocation: str = "uniform",
                      batch_size: int = 8, dtype=jnp.float32, seed: int = 0, merged_weights: bool = False,
                      progress: bool | None = None) -> tuple[list[dict], dict]:
     """(tidy rows, info) for every (score, keep) variant and every (merge method, keep, router
@@ -261,22 +248,26 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     keeps = sorted({resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
     one_shot = [VariantSpec(s, k, "one_shot") for s in scores for k in keeps]
     merged = [VariantSpec(m, k, form) for m in merges for k in keeps for form in ROUTER_FORMS]
+    substituted = [VariantSpec(s, k, "substituted") for s in substitutes for k in keeps]
+    selecting = list(dict.fromkeys([*scores, *substitutes]))   # the scores kept sets are chosen by
     seq_variants = [VariantSpec(s, k, "sequential") for s in scores for k in keeps] if sequential else []
     show = sys.stderr.isatty() if progress is None else progress
     if allocation == "global":
-        counts = _global_counts(ckpt, calib, scores, merges, keeps, batch_size, dtype, seed, show)
+        counts = _global_counts(ckpt, calib, selecting, merges, keeps, batch_size, dtype, seed, show)
     elif allocation not in ALLOCATIONS:
         raise ConfigError(f"allocation={allocation!r}: expected one of {list(ALLOCATIONS)}")
     else:
-        counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*scores, *merges] for k in keeps}
-    streams = _Streams.embedded(ckpt, calib, heldout, one_shot + merged, seq_variants, batch_size, dtype)
+        counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*selecting, *merges] for k in keeps}
+    streams = _Streams.embedded(ckpt, calib, heldout, one_shot + merged + substituted, seq_variants, batch_size,
+                                dtype)
+    methods = _Methods(tuple(scores), tuple(substitutes), tuple(merges), group_size, merge_score)
     errors, rows, kept_by_layer, clusters_by_layer = _ErrorSums(), [], {}, {}
     plans = {v: VariantPlan(v) for v in streams.order[1:]}
     t0 = time.perf_counter()
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams.order)} held-out streams)",
                           unit="layer", disable=not show):
-        layer_rows, layer_plans, kept, clusters = _layer_pass(ckpt, layer_idx, streams, scores, keeps, tuple(merges),
-                                                              counts, errors, seed, dtype, merged_weights)
+        layer_rows, layer_plans, kept, clusters = _layer_pass(ckpt, layer_idx, streams, methods, keeps, counts,
+                                                              errors, seed, dtype, merged_weights)
         rows += layer_rows
         if layer_plans is not None:
             for v, layer_plan in layer_plans.items():
@@ -372,7 +363,30 @@ def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_siz
             for name in [*scores, *merges] for k in keeps}
 
 
-def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores, keeps, merges: tuple, counts: dict,
+@dataclasses.dataclass(frozen=True)
+class _Methods:
+    """What a layer decides variants by: scores (pruning), substitutes (scores whose selections are
+    also substituted), merges, and REAM's settings."""
+    scores: tuple
+    substitutes: tuple = ()
+    merges: tuple = ()
+    group_size: int = 16
+    merge_score: str = "reap"
+
+    @property
+    def needs_outputs(self) -> bool:
+        """Whether the layer's statistics need the routed outputs' sums (mone, substitutes' constants):
+        they bring every routed pair's output to the host, which no other score needs."""
+        return bool(self.substitutes) or "mone" in self.computed
+
+    @property
+    def computed(self) -> list:
+        """Every score the layer computes: the pruning scores, the substitutes' and REAM's."""
+        return list(dict.fromkeys([*self.scores, *self.substitutes,
+                                   *([self.merge_score] if "ream" in self.merges else [])]))
+
+
+def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods: _Methods, keeps, counts: dict,
                 errors: _ErrorSums, seed: int, dtype, merged_weights: bool = False
                 ) -> tuple[list[dict], dict | None, dict | None, dict | None]:
     """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
@@ -399,15 +413,17 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
             if group not in group_scores:
                 acc = StatsAccumulator(E, cfg.hidden_size)
                 zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
-                accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums)
+                accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums, outputs=methods.needs_outputs)
                 stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
-                group_scores[group] = stats, compute_scores(stats, scores)
+                group_scores[group] = stats, compute_scores(stats, methods.computed)
             return group_scores[group]
 
         stats, layer_sc = scores_of(None)
         kept = {(s, k): select_kept(layer_sc[s], counts[s, k][layer_idx], f"layer {layer_idx}: score {s!r}")
-                for s in scores for k in keeps}
-        kept_names = {f"{s}@{k}": np.flatnonzero(m).tolist() for (s, k), m in kept.items()}
+                for s in dict.fromkeys([*methods.scores, *methods.substitutes]) for k in keeps}
+        kept_names = {f"{s}@{k}": np.flatnonzero(kept[s, k]).tolist() for s in methods.scores for k in keeps}
+        kept_names.update({f"substituted:{s}@{k}": np.flatnonzero(kept[s, k]).tolist()
+                           for s in methods.substitutes for k in keeps})
         for v in streams.order[1:]:
             if v.form == "one_shot":
                 masks[v] = jnp.asarray(kept[v.method, v.keep])
@@ -417,17 +433,20 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
                                        f"layer {layer_idx}: score {v.method!r} (sequential)")
                 kept_names[v.name] = np.flatnonzero(seq_kept).tolist()
                 masks[v] = jnp.asarray(seq_kept)
-        if merges:
+        if methods.merges:
             zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[None]]
-            m_stats = merge_stats(layer.mlp, zs, [None] * len(zs))
+            m_stats = merge_stats(layer.mlp, zs, [None] * len(zs), **merge_stats_options(methods.merges))
             # one host copy for every merge, in the compute dtype (experts may be held as stored)
             host = {k: np.asarray(v).astype(jnp.dtype(dtype)) for k, v in layer.mlp.expert_weights().items()}
-            layer_merges = {(m, k): merge_layer(m, counts[m, k][layer_idx], m_stats, host, seed=seed)
-                            for m in merges for k in keeps}
+            # every method gets the same settings (REAM reads its centroid score and group size)
+            settings = dict(seed=seed, scores_E=layer_sc.get(methods.merge_score), group_size=methods.group_size)
+            layer_merges = {(m, k): merge_layer(m, counts[m, k][layer_idx], m_stats, host, **settings)
+                            for m in methods.merges for k in keeps}
             clusters = {"counts": m_stats.counts_E.tolist(),
                         **{f"{m}@{k}": lm.clusters() for (m, k), lm in layer_merges.items()}}
-        layer_plans = {v: Merged(layer_merges[v.method, v.keep], v.form) if v.merged else Kept(np.asarray(masks[v]))
-                       for v in streams.order[1:]}
+        layer_plans = {v: Merged(layer_merges[v.method, v.keep], v.form) if v.merged
+                       else Substituted(kept[v.method, v.keep], _novice_constants(stats)) if v.form == "substituted"
+                       else Kept(np.asarray(masks[v])) for v in streams.order[1:]}
         for v, layer_plan in layer_plans.items():  # the rule every variant meets, before this layer computes under it
             check_routable(layer_plan.routable_E, layer_idx, cfg, v.name)
     # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
@@ -442,51 +461,25 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, scores,
             carried[new_group] = [_mlp(graphdef, state, h, z, mask) for h, z in cal_hz[group]]
         streams.group[key] = new_group
     streams.cal = carried
-    em_A = _stacked_expert_map(streams.order, layer_plans, layer.mlp.expert_weights(), E) if layer.is_moe else None
+    em_A = stacked_expert_map([None if v is None else layer_plans[v] for v in streams.order],
+                              layer.mlp.expert_weights(), E) if layer.is_moe else None
     energy_pos0 = _carry_heldout(graphdef, state, streams, em_A, errors, layer_idx)
     if not layer.is_moe:
         return [], None, None, None
     if not merged_weights:  # the clusters are kept, the merged experts dropped with the layer
         stripped = {key: dataclasses.replace(lm, weights=None) for key, lm in (layer_merges or {}).items()}
         layer_plans = {v: Merged(stripped[v.method, v.keep], v.form) if v.merged else p for v, p in layer_plans.items()}
-    rows = [dict(form="one_shot", **r) for r in _analysis_rows(layer_idx, stats, layer_sc, kept, keeps, energy_pos0)]
+    rows = [dict(form="one_shot", **r) for r in _analysis_rows(layer_idx, stats, {s: layer_sc[s] for s in methods.scores},
+                                                                kept, keeps, energy_pos0)]
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
              for v in streams.order[1:]]
     return rows, layer_plans, kept_names, clusters
 
 
-def _stacked_expert_map(order, layer_plans: dict, own: dict, E: int) -> ExpertMap:
-    """Every held-out stream's variant of a MoE layer as one ExpertMap (mask and rows [A, E]): the
-    unpruned stream keeps every slot, a pruned stream its kept slots, both computing with the
-    layer's own experts; a merged stream its router form's slots, computing with its merge's
-    experts. Without merges the rows are the identity and are left out (None)."""
-    all_E = jnp.ones((E,), bool)
-    mask_AE = jnp.stack([all_E if v is None else jnp.asarray(layer_plans[v].routable_E) for v in order])
-    layer_merges = {(v.method, v.keep): p.merge for v, p in layer_plans.items() if isinstance(p, Merged)}
-    if not layer_merges:
-        return ExpertMap(mask_AE)
-    # The table: the layer's own experts, then each merge's merged experts of clusters of two or
-    # more (a singleton's merged expert is its expert exactly, so its slot keeps the own row).
-    rows_of, extra, n_rows = {}, [], E
-    for key, lm in layer_merges.items():
-        rows = np.arange(E, dtype=np.int32)
-        for c in range(lm.n_clusters):
-            members = lm.labels_E == c
-            if members.sum() > 1:
-                extra.append({k: np.asarray(v[c]) for k, v in lm.weights.items()})
-                rows[members] = n_rows
-                n_rows += 1
-        rows_of[key] = rows
-    # padded with zero experts no slot points at to a power of two, so layers whose merges leave
-    # different numbers of clusters of two or more share a few compiled shapes
-    pad = (1 << max(len(extra) - 1, 0).bit_length()) - len(extra) if extra else 0
-    table = {k: jnp.concatenate([own[k], jnp.asarray(np.stack([e[k] for e in extra])),
-                                 jnp.zeros((pad,) + own[k].shape[1:], own[k].dtype)]) if extra else own[k]
-             for k in own}
-    identity = jnp.arange(E, dtype=jnp.int32)
-    rows_AE = jnp.stack([identity if v is None or not v.merged else jnp.asarray(rows_of[v.method, v.keep])
-                         for v in order])
-    return ExpertMap(mask_AE, rows_AE, table)
+def _novice_constants(stats) -> np.ndarray:
+    """[E, H]: what a substituted expert returns, its mean output over the calibration tokens routed
+    to it (MoNE's novice; 0 for an expert no token chose)."""
+    return np.asarray(stats.mean_output_EH, np.float32)
 
 
 def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, errors: _ErrorSums,
@@ -546,35 +539,18 @@ def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, e
 
 
 def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dict]:
-    """The final norm and head on every held-out stream: a perplexity row per stream and text, and
-    over all texts ("all"). The head is read a vocabulary chunk at a time (`moejax.evaluation.stream.
-    vocab_chunks`) and folded into each token's running log-sum-exp, never held whole (Moonlight's
-    is 1.3 GB in float32) and never turned into a [tokens, V] logits array."""
-    cfg = ckpt.config
-    norm_spec, head_spec = _head_specs(ckpt)
-    norm_H = jnp.asarray(ckpt.read_param_tensor(norm_spec, jnp.dtype(dtype)))
-    nll_state = {}
-    for text, xs in streams.held.items():
-        for b, x in enumerate(xs):  # in place: the carried stream is not needed after its final norm
-            xs[b] = _final_norm(x, norm_H, cfg.rms_norm_eps)
-        nll_state[text] = [chunked_nll_init((x.shape[0], ids.shape[0], ids.shape[1] - 1))
-                           for x, ids in zip(xs, streams.held_ids[text])]
-    for v0, v1 in vocab_chunks(cfg.vocab_size):
-        head_CH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))
-        for text, xs in streams.held.items():
-            nll_state[text] = [_nll_chunk(x, head_CH, jnp.asarray(ids), v0, st)
-                               for x, ids, st in zip(xs, streams.held_ids[text], nll_state[text])]
-        jax.block_until_ready(nll_state)  # one head chunk in memory at a time
+    """The final norm and head on every held-out stream (`moejax.evaluation.stream.head_nll`): a
+    perplexity row per stream and text, and over all texts ("all")."""
+    nll = head_nll(ckpt, streams.held, streams.held_ids, dtype)
     rows, totals = [], {}
-    for text, states in nll_state.items():
-        per_batch = [np.asarray(chunked_nll(st), np.float64) for st in states]   # [A or 1, B, S - 1]
+    for text, per_batch in nll.items():   # [A or 1, B, S - 1] per batch
         for i, v in enumerate(streams.order):
-            nll = sum(float(b[i if b.shape[0] > 1 else 0].sum()) for b in per_batch)
+            total = sum(float(b[i if b.shape[0] > 1 else 0].sum()) for b in per_batch)
             count = sum(b[0].size for b in per_batch)
             totals.setdefault(v, [0.0, 0])
-            totals[v][0] += nll
+            totals[v][0] += total
             totals[v][1] += count
-            rows.append(_ppl_row(v, text, nll, count))
+            rows.append(_ppl_row(v, text, total, count))
     for v, (s, n) in totals.items():
         rows.append(_ppl_row(v, "all", s, n))
     return rows

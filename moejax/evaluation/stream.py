@@ -20,7 +20,8 @@ from flax import nnx
 
 from moejax.errors import CheckpointError
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
-from moejax.models.layers import causal_allowed
+from moejax.evaluation.nll import chunked_nll, chunked_nll_init, chunked_nll_update
+from moejax.models.layers import causal_allowed, linear, rms_norm
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -44,6 +45,53 @@ def vocab_chunks(vocab_size: int, chunk: int | None = None):
     """[start, stop) row ranges covering a vocabulary, `VOCAB_CHUNK` rows each by default."""
     chunk = chunk or VOCAB_CHUNK
     return [(v0, min(v0 + chunk, vocab_size)) for v0 in range(0, vocab_size, chunk)]
+
+
+@jax.jit
+def _nll_chunk(x_ABSH, head_CH, ids_BS, start, state):
+    """Fold vocabulary rows [start, start + C) of the output head into each stream's running
+    next-token log-sum-exp (`moejax.evaluation.nll.chunked_nll_update`); x is already final-normed."""
+    def one(args):
+        x, st = args
+        return chunked_nll_update(st, linear(x[:, :-1], head_CH.T), ids_BS[:, 1:], start)
+    return jax.lax.map(one, (x_ABSH, state))
+
+
+@jax.jit
+def _final_norm(x_ABSH, norm_H, eps):
+    return rms_norm(x_ABSH, norm_H, eps)
+
+
+def head_specs(ckpt: OpenCheckpoint):
+    """(the final norm's spec, the output head's: lm_head, or the embedding table when tied; both
+    [V, H] on disk)."""
+    by_param = {s.param: s for s in ckpt.specs}
+    return by_param["model.norm.weight"], by_param.get("lm_head", by_param["model.embed_tokens"])
+
+
+def head_nll(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype) -> dict:
+    """{text: per batch, float64 next-token NLL [A, B, S - 1]} of hidden states after the last
+    decoder layer (xs: text -> per batch [A, B, S, H], A streams of the same ids; ids: text -> per
+    batch [B, S]): the final norm (xs are replaced by their normed states, in place: the carried
+    streams are not needed after it), then the output head read a vocabulary chunk at a time
+    (`vocab_chunks`) and folded into each token's running log-sum-exp, never held whole
+    (Moonlight's is 1.3 GB in float32) and never turned into a [tokens, V] logits array: the model's
+    output end, as `embed` is its input end."""
+    cfg = ckpt.config
+    norm_spec, head_spec = head_specs(ckpt)
+    norm_H = jnp.asarray(ckpt.read_param_tensor(norm_spec, jnp.dtype(dtype)))
+    state = {}
+    for text, batches in xs.items():
+        for b, x in enumerate(batches):
+            batches[b] = _final_norm(x, norm_H, cfg.rms_norm_eps)
+        state[text] = [chunked_nll_init((x.shape[0], i.shape[0], i.shape[1] - 1)) for x, i in zip(batches, ids[text])]
+    for v0, v1 in vocab_chunks(cfg.vocab_size):
+        head_CH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))
+        for text, batches in xs.items():
+            state[text] = [_nll_chunk(x, head_CH, jnp.asarray(i), v0, st)
+                           for x, i, st in zip(batches, ids[text], state[text])]
+        jax.block_until_ready(state)  # one head chunk in memory at a time
+    return {text: [np.asarray(chunked_nll(st), np.float64) for st in states] for text, states in state.items()}
 
 
 def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:

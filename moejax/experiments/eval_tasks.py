@@ -46,7 +46,10 @@ class EvalTasksConfig:
     limit: int | None = None       # documents per task (None = all)
     keep: tuple = (0.5, 0.25)
     scores: tuple | None = ("frequency", "reap", "ean", "signed", "l1", "random")   # null: every score the model has
-    merges: tuple = ()             # merging baselines beside the scores (hc_smoe, m_smoe), tied and shrunk
+    merges: tuple = ()             # merging baselines beside the scores (hc_smoe, m_smoe, ream), tied and shrunk
+    substitutes: tuple = ()        # as prune_real: scores also evaluated substituted (MoNE), e.g. [mone]
+    group_size: int = 16           # as prune_real: REAM's C
+    merge_score: str = "reap"      # as prune_real: REAM's centroid score
     sequential: bool = False
     calib: tuple = ()              # as prune_real: files/folders/globs; empty = standard-library sources
     calibration: str = "code"      # as prune_real: code | skills | uniform | train | 'code=0.5,kv=0.5'
@@ -72,7 +75,7 @@ class EvalTasksConfig:
     def from_mapping(cls, d: dict) -> "EvalTasksConfig":
         refuse_unknown_settings(cls, d, "eval_tasks")
         d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None or k in ("limit", "n_ppl", "scores")}
-        for key in ("keep", "tasks", "scores", "merges"):
+        for key in ("keep", "tasks", "scores", "merges", "substitutes"):
             if key in d and d[key] is not None and not isinstance(d[key], tuple):
                 d[key] = (d[key],)
         cfg = cls(**d)
@@ -80,7 +83,9 @@ class EvalTasksConfig:
         return cfg
 
     def prune_real(self) -> PruneRealConfig:
-        return PruneRealConfig(path=self.path, keep=self.keep, scores=self.scores, merges=self.merges, calib=self.calib,
+        return PruneRealConfig(path=self.path, keep=self.keep, scores=self.scores, merges=self.merges,
+                               substitutes=self.substitutes, group_size=self.group_size, merge_score=self.merge_score,
+                               calib=self.calib,
                                calibration=self.calibration,
                                heldout=self.heldout, seq_len=self.seq_len, calib_tokens=self.calib_tokens,
                                heldout_tokens=self.heldout_tokens, batch_size=self.batch_size,
@@ -148,7 +153,7 @@ def prune_real_as_eval_tasks():
 def settings_from(cfg: dict) -> dict:
     model, data, prune, lm = (cfg.get(k) or {} for k in ("model", "data", "prune", "lm_eval"))
     settings = {"path": model.get("path") or "", **data, **prune, **lm}
-    for key in ("keep", "scores", "merges", "tasks", "calibration", "dtype", "seed"):
+    for key in ("keep", "scores", "merges", "substitutes", "tasks", "calibration", "dtype", "seed"):
         if key == "scores" and key in cfg:   # null: every score the model supports
             settings[key] = cfg[key]
         elif cfg.get(key) is not None:

@@ -35,7 +35,11 @@ class PruneRealConfig:
     path: str = ""
     keep: tuple = (0.5, 0.25)
     scores: tuple | None = None    # None: every score the model supports (moejax.scoring.scores.scores_for)
-    merges: tuple = ()             # merging baselines beside the scores: hc_smoe, m_smoe (moejax.merging)
+    merges: tuple = ()             # merging baselines beside the scores: hc_smoe, m_smoe, ream (moejax.merging)
+    substitutes: tuple = ()        # scores whose selections are also evaluated substituted (MoNE: a removed
+                                   # expert's slot returns its mean routed output), e.g. [mone]
+    group_size: int = 16           # REAM: experts each centroid takes (its C); 0 = M-SMoE's rule
+    merge_score: str = "reap"      # REAM: the score its centroids are ranked and averaged by
     allocation: str = "uniform"    # or "global": per-layer counts from one threshold (moejax.merging.allocation)
     calib: tuple = ()              # files/folders/globs; empty = standard-library sources
     calibration: str = "code"      # which text calibrates: code | skills | uniform | train | 'code=0.5,kv=0.5'
@@ -52,8 +56,9 @@ class PruneRealConfig:
     def from_mapping(cls, d: dict) -> "PruneRealConfig":
         refuse_unknown_settings(cls, d, "prune_real")
         d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None}
-        if isinstance(d.get("merges"), str):
-            d["merges"] = (d["merges"],)
+        for key in ("merges", "substitutes"):
+            if isinstance(d.get(key), str):
+                d[key] = (d[key],)
         if "keep" in d and not isinstance(d["keep"], tuple):
             d["keep"] = (d["keep"],)
         cfg = cls(**d)
@@ -61,32 +66,43 @@ class PruneRealConfig:
         return cfg
 
     def validate(self) -> None:
+        from moejax.merging.allocation import ALLOCATIONS
+        from moejax.merging.layer import check_merge_names
         from moejax.models.registry import read_config
+        from moejax.scoring.select import resolve_keep
 
         if not self.path:
             raise ConfigError("prune_real: set model=tiny or model.path=CHECKPOINT_FOLDER")
         if not (Path(self.path) / "config.json").is_file():
             hint = " (train it first: python -m moejax.run experiment=train_tiny)" if "models/tiny" in self.path else ""
             raise ConfigError(f"prune_real: {self.path} has no config.json{hint}")
+        config = read_config(Path(self.path) / "config.json")
+        has_bias = config.HAS_BALANCE_BIAS
         if self.scores is not None:
             check_score_names(self.scores)
-            scores_for(self.scores, read_config(Path(self.path) / "config.json").HAS_BALANCE_BIAS,
-                       f"prune_real: {self.path}")
-        from moejax.merging.layer import check_merge_names
-
-        from moejax.merging.allocation import ALLOCATIONS
-
+            scores_for(self.scores, has_bias, f"prune_real: {self.path}")
         check_merge_names(self.merges, "prune_real: merges")
         refuse_repeats("prune_real", "merges", self.merges)
+        if self.substitutes:
+            scores_for(self.substitutes, has_bias, f"prune_real: substitutes ({self.path})")
+            refuse_repeats("prune_real", "substitutes", self.substitutes)
+        if "ream" in self.merges:  # REAM's settings, before any work (moejax.merging.ream)
+            from moejax.merging.ream import check_group_size, check_ream_score
+
+            try:
+                check_ream_score(self.merge_score, "merge_score")
+                scores_for([self.merge_score], has_bias, f"merge_score ({self.path})")
+                for k in self.keep:
+                    check_group_size(self.group_size, resolve_keep(k, config.n_experts, config.num_experts_per_tok)
+                                     if self.allocation == "uniform" else None, config.n_experts)
+            except ConfigError as e:
+                raise ConfigError(f"prune_real: {e}") from None
         if self.scores is not None:
             refuse_repeats("prune_real", "scores", self.scores)
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(f"prune_real: allocation={self.allocation!r}; expected one of {list(ALLOCATIONS)}")
         if not self.keep:
             raise ConfigError("prune_real: keep is empty; give counts or ratios of E, e.g. keep=[0.5,0.25]")
-        from moejax.scoring.select import resolve_keep
-
-        config = read_config(Path(self.path) / "config.json")
         refuse_repeats("prune_real", "keep", [resolve_keep(k, config.n_experts, config.num_experts_per_tok)
                                               for k in self.keep], self.keep)
         for name in ("seq_len", "calib_tokens", "heldout_tokens", "batch_size"):
@@ -118,7 +134,7 @@ Config = PruneRealConfig
 def settings_from(cfg: dict) -> dict:
     model, data, prune = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("prune") or {}
     settings = {"path": model.get("path") or "", **data, **prune}
-    for key in ("keep", "scores", "merges", "allocation", "calibration", "dtype", "seed"):
+    for key in ("keep", "scores", "merges", "substitutes", "allocation", "calibration", "dtype", "seed"):
         if cfg.get(key) is not None:
             settings[key] = cfg[key]
     return settings
@@ -193,7 +209,8 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
     heldout = {f.name: tokens([f], cfg.heldout_tokens) for f in heldout_files}
     scores = scores_for(cfg.scores, ckpt.config.HAS_BALANCE_BIAS, f"prune_real: {cfg.path}")
     rows, info = evaluate_pruning(ckpt, calib, heldout, scores, list(cfg.keep), merges=cfg.merges,
-                                  sequential=cfg.sequential, allocation=cfg.allocation,
+                                  substitutes=cfg.substitutes, group_size=cfg.group_size,
+                                  merge_score=cfg.merge_score, sequential=cfg.sequential, allocation=cfg.allocation,
                                   batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
                                   merged_weights=merged_weights, progress=progress is not None or None)
     df = pd.DataFrame(rows, columns=["method", "form", "keep", "layer", "text", "metric", "value"])

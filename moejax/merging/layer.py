@@ -125,6 +125,13 @@ def _ream_stats(stats: MergeStats) -> MergeStats:
     return stats
 
 
+def merge_stats_options(methods) -> dict:
+    """What `merge_stats` must gather for these merge methods beyond the baselines' statistics:
+    REAM's only when it is asked for."""
+    check_merge_names(methods)
+    return {"ream": "ream" in methods}
+
+
 def layer_clusters(method: str, keep: int, stats: MergeStats, hc_method: str = "average", seed: int = 0,
                    scores_E=None, group_size: int = GROUP_SIZE) -> np.ndarray:
     """labels [E] of one layer's experts under `method` (ream: scores_E required, group_size its C)."""

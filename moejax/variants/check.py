@@ -29,8 +29,9 @@ def check_variant(variant, config):
     """The variant as {MoE layer: ExpertMap} of JAX arrays (masks converted by `maps_from_masks`:
     the forward takes expert maps only), or a ConfigError naming what is wrong: masks must be bool
     [num_hidden_layers, E]; an expert map must name MoE layers only, with a bool mask [E], int rows
-    [E] inside its table (or none), and a table of the layer's expert shapes (gate/up [R, H, F],
-    down [R, F, H]); every MoE layer's mask must let each token be routed to top_k kept experts
+    [E] inside its table (or none), a table of the layer's expert shapes (gate/up [R, H, F],
+    down [R, F, H]), and novices (substituted slots) bool [E] with finite constants [E, H] (or
+    neither); every MoE layer's mask must let each token be routed to top_k kept experts
     (`check_routable`). None stays None. The forward, `generate` and the lm-eval backend call it
     before any compute."""
     import jax.numpy as jnp
@@ -78,9 +79,30 @@ def check_variant(variant, config):
         if rows is not None and (rows.shape != (E,) or not np.issubdtype(rows.dtype, np.integer)
                                  or rows.min() < 0 or rows.max() >= limit):
             raise ConfigError(f"{where}: rows must be int [{E}] in [0, {limit}), got {rows.dtype} {list(rows.shape)}")
+        novice, constants = _check_novices(em, E, H, where)
         out[layer] = ExpertMap(jnp.asarray(mask), None if rows is None else jnp.asarray(rows, jnp.int32),
-                               None if table is None else {k: jnp.asarray(v) for k, v in table.items()})
+                               None if table is None else {k: jnp.asarray(v) for k, v in table.items()},
+                               novice, constants)
     return out
+
+
+def _check_novices(em, E: int, H: int, where: str):
+    """(novice_E, constants_EH) of an expert map as JAX arrays, (None, None) without novices, or a
+    ConfigError: both given or neither, novices bool [E], constants finite [E, H]."""
+    import jax.numpy as jnp
+
+    if em.novice_E is None and em.constants_EH is None:
+        return None, None
+    if em.novice_E is None or em.constants_EH is None:
+        raise ConfigError(f"{where}: novice_E and constants_EH go together (substituted slots and what they return)")
+    novice, constants = np.asarray(em.novice_E), np.asarray(em.constants_EH)
+    if novice.shape != (E,) or novice.dtype != bool:
+        raise ConfigError(f"{where}: novice_E must be bool [{E}] (router slots returning a constant), got "
+                          f"{novice.dtype} {list(novice.shape)}")
+    if constants.shape != (E, H) or not np.issubdtype(constants.dtype, np.floating) or not np.isfinite(constants).all():
+        raise ConfigError(f"{where}: constants_EH must be finite floats [{E}, {H}] (each slot's constant output), got "
+                          f"{constants.dtype} {list(constants.shape)}")
+    return jnp.asarray(novice), jnp.asarray(constants)
 
 
 def maps_from_masks(masks_LE, config) -> dict:

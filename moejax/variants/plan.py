@@ -10,6 +10,8 @@
     VariantPlan(spec, layers)                 {MoE layer: one of the above} for a `VariantSpec`
       .expert_maps()                          {layer: ExpertMap}
       .kept()                                 {layer: [router slots that remain as experts]}
+    stacked_expert_map(plans, own, E)         many variants of one layer as one ExpertMap stacked
+                                              over variants (the carried pass's held-out streams)
 
 A merged plan can be recorded without its merged weights (`merge.weights` None: the clusters only,
 what `prune_real` writes); it then has no expert maps.
@@ -108,3 +110,48 @@ class VariantPlan:
     def kept(self) -> dict[int, list[int]]:
         """{MoE layer: the experts that remain as experts (pruning, substitution: kept; merging: leaders)}."""
         return {layer: plan.experts() for layer, plan in self.layers.items()}
+
+
+def stacked_expert_map(plans: list, own: dict, n_experts: int):
+    """Several variants of one MoE layer as one ExpertMap stacked over them (mask, rows and
+    novices [A, E]; one expert table, one set of constants): plans[a] is variant a's LayerPlan, or
+    None for the unpruned layer (every slot, its own experts). A pruned variant keeps its slots
+    and the layer's own experts; a merged one its router form's slots, computing with its merge's
+    experts; a substituted one every slot, its removed slots returning their constants. The
+    table is the layer's own experts, then each merge's merged experts of clusters of two or more
+    (a singleton's merged expert is its expert exactly, so its slot keeps its own row). Without
+    merges the rows are the identity and are left out (None); without substitutions, the novices."""
+    import jax.numpy as jnp
+
+    from moejax.moe.expert_map import ExpertMap
+
+    E = n_experts
+    mask_AE = jnp.stack([jnp.ones((E,), bool) if p is None else jnp.asarray(p.routable_E) for p in plans])
+    substituted = [p for p in plans if isinstance(p, Substituted)]
+    novices = {}
+    if substituted:  # every substituted variant of a layer returns the same constants (its experts' means)
+        novices = dict(novice_E=jnp.asarray(np.stack([~np.asarray(p.kept_E, bool) if isinstance(p, Substituted)
+                                                      else np.zeros(E, bool) for p in plans])),
+                       constants_EH=jnp.asarray(substituted[0].constants_EH, jnp.float32))
+    merges = {id(p.merge): p.merge for p in plans if isinstance(p, Merged)}   # tied and shrunk share one
+    if not merges:
+        return ExpertMap(mask_AE, **novices)
+    rows_of, extra, n_rows = {}, [], E
+    for key, lm in merges.items():
+        rows = np.arange(E, dtype=np.int32)
+        for c in range(lm.n_clusters):
+            members = lm.labels_E == c
+            if members.sum() > 1:
+                extra.append({k: np.asarray(v[c]) for k, v in lm.weights.items()})
+                rows[members] = n_rows
+                n_rows += 1
+        rows_of[key] = rows
+    # padded with zero experts no slot points at to a power of two, so layers whose merges leave
+    # different numbers of clusters of two or more share a few compiled shapes
+    pad = (1 << max(len(extra) - 1, 0).bit_length()) - len(extra) if extra else 0
+    table = {k: jnp.concatenate([own[k], jnp.asarray(np.stack([e[k] for e in extra])),
+                                 jnp.zeros((pad,) + own[k].shape[1:], own[k].dtype)]) if extra else own[k]
+             for k in own}
+    identity = jnp.arange(E, dtype=jnp.int32)
+    rows_AE = jnp.stack([jnp.asarray(rows_of[id(p.merge)]) if isinstance(p, Merged) else identity for p in plans])
+    return ExpertMap(mask_AE, rows_AE, table, **novices)

@@ -65,10 +65,10 @@ class VariantSpec:
     @classmethod
     def from_row(cls, row) -> "VariantSpec":
         """The spec of a results row (a dict or pandas row), old column names (`score`, `mode`) included."""
-        get = row.get if hasattr(row, "get") else (lambda k, d=None: getattr(row, k, d))
-        form = get("form", None) or get("mode", None)
-        method = get("method", None) if "method" in row else get("score", None)
-        keep = get("keep", None)
+        fields = row._asdict() if hasattr(row, "_asdict") else row   # a dict, a pandas Series or an itertuples row
+        form = fields.get("form") if "form" in fields else fields.get("mode")
+        method = fields.get("method") if "method" in fields else fields.get("score")
+        keep = fields.get("keep")
         if form == "none":
             return cls.unpruned()
         return cls(str(method), None if keep is None or keep != keep else int(keep), str(form))
