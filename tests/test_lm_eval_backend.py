@@ -150,16 +150,15 @@ def test_variant_from_scores_changes_the_results_and_equals_explicit_masks(setup
             for e in range(E)]
     pd.DataFrame(rows).to_parquet(tmp_path / "scores.parquet")
     lm = MoejaxLM(pretrained=str(ckpt), batch_size=4, scores=str(tmp_path / "scores.parquet"), score="l1", keep=8)
-    masks = np.asarray(lm.expert_variant)
-    for l in moe_layers:
+    for l in moe_layers:   # the masks, converted once into the expert maps the forward takes
         want = np.zeros(E, bool)
         want[np.argsort(-np.array([(e * 7 + l) % E for e in range(E)]), kind="stable")[:8]] = True
-        np.testing.assert_array_equal(masks[l], want)
+        np.testing.assert_array_equal(np.asarray(lm.expert_variant[l].mask_E), want)
     pruned = evaluate(lm, tasks, ["stdlib_ppl"])
     full = evaluate(MoejaxLM(pretrained=str(ckpt), batch_size=4), tasks, ["stdlib_ppl"])
     assert responses(pruned, "stdlib_ppl") != responses(full, "stdlib_ppl")
     # the same kept sets from a pruning record give the same numbers
-    record = {"layers": {str(l): {"n_experts": E, "kept": np.flatnonzero(masks[l]).tolist()} for l in moe_layers}}
+    record = {"layers": {str(l): {"n_experts": E, "kept": np.flatnonzero(np.asarray(lm.expert_variant[l].mask_E)).tolist()} for l in moe_layers}}
     (tmp_path / "pruning.json").write_text(json.dumps(record))
     again = evaluate(MoejaxLM(pretrained=str(ckpt), batch_size=4, pruning=str(tmp_path)), tasks, ["stdlib_ppl"])
     assert responses(again, "stdlib_ppl") == responses(pruned, "stdlib_ppl")

@@ -31,6 +31,7 @@ from moejax.errors import ConfigError
 from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.experiments.prune_real import PruneRealConfig
 from moejax.evaluation.skills_tasks import skill_of, task_names
+from moejax.variants import VariantPlan, VariantSpec
 
 COLUMNS = ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
@@ -228,7 +229,6 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
 
     from moejax.experiments import prune_real
     from moejax.evaluation.lm_eval import MoejaxLM
-    from moejax.variants import VariantPlan, VariantSpec
 
     job_dir = Path(job_dir or ".")
     task_dir = build_tasks(cfg, job_dir)
