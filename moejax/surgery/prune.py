@@ -400,15 +400,27 @@ def write_pruned(reader: FusedExpertsReader, layout: CheckpointLayout, plan: Pru
                 tensors.append((new_name, _row_slice(stored, name, plan.kept[sliced[view]])))
             else:
                 tensors.append((new_name, stored.info(name)))
-        if tensors:  # same relative path as in the source: shards in subfolders may share a file name
-            relative = path.relative_to(stored.directory)
-            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            total += write_safetensors_file(staging / relative, tensors, stored.shard(path).metadata)
-            weight_map.update({name: relative.as_posix() for name, _ in tensors})
+        if tensors:
+            total += write_shard(staging, stored, path, tensors, weight_map)
+    write_index(staging, stored, weight_map, total)
+    return weight_map
+
+
+def write_shard(staging: Path, stored, path: Path, tensors: list, weight_map: dict) -> int:
+    """One output shard at the source shard's relative path (shards in subfolders may share a file
+    name), with the source shard's metadata; its tensors are recorded in weight_map. Bytes written."""
+    relative = path.relative_to(stored.directory)
+    (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+    size = write_safetensors_file(staging / relative, tensors, stored.shard(path).metadata)
+    weight_map.update({name: relative.as_posix() for name, _ in tensors})
+    return size
+
+
+def write_index(staging: Path, stored, weight_map: dict, total: int) -> None:
+    """The output's index, when the source has one or the output spans several shards."""
     if stored.has_index() or len(set(weight_map.values())) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    return weight_map
 
 
 def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:

@@ -39,7 +39,6 @@ memory from the calibration statistics).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -48,7 +47,6 @@ from tqdm import tqdm
 
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf import substitution as fmt
-from moejax.hf.safetensors_format import INDEX_NAME
 from moejax.scoring.scores import DATA_FREE_SCORES, LayerStats, check_score_names, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
 
@@ -132,7 +130,7 @@ def write_substituted(reader, layout, substituted: dict[int, list[int]], constan
     added as float32 `{experts prefix}.{e}.approx_value` to the shard of its layer's router.
     Returns the weight map (name -> shard file); the index is written when the source has one or
     there are several shards."""
-    from moejax.hf.checkpoint_writer import write_safetensors_file
+    from moejax.surgery.prune import write_index, write_shard
 
     stored = reader.reader
     dropped, added = set(), {}
@@ -147,14 +145,9 @@ def write_substituted(reader, layout, substituted: dict[int, list[int]], constan
     for path in tqdm(stored.files(), desc="shards", unit="shard", disable=not progress):
         tensors = [(name, stored.info(name)) for name in stored.names_in(path) if name not in dropped]
         tensors += added.get(path, [])
-        if tensors:  # same relative path as in the source
-            relative = path.relative_to(stored.directory)
-            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            total += write_safetensors_file(staging / relative, tensors, stored.shard(path).metadata)
-            weight_map.update({name: relative.as_posix() for name, _ in tensors})
-    if stored.has_index() or len(set(weight_map.values())) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        if tensors:
+            total += write_shard(staging, stored, path, tensors, weight_map)
+    write_index(staging, stored, weight_map, total)
     return weight_map
 
 
