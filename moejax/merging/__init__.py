@@ -17,6 +17,10 @@
 - `calibration`: `MergeStats` of a MoE layer from a calibration pass (counts, every expert's output
   summed over all tokens, the router-logit Gram matrix; for REAM, the router-weighted output sums
   and the router inputs of a fixed sample of tokens).
+- `method`: what a merge method is (`MergeMethod`: clusters, leaders, merge, the statistics it
+  needs; `MergeContext`: what it may read). `clusters.HC_SMOE`, `clusters.M_SMOE` and `ream.REAM`
+  are the three, named once in `layer.MERGE_METHODS`: a new method is its module, that line and
+  its tests.
 - `layer`: `merge_layer(method, keep, stats, weights)` -> `LayerMerge` (clusters, leaders, merged
   experts) and its `ExpertMap` under the `tied` or `shrunk` router form.
 

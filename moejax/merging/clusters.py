@@ -1,10 +1,14 @@
-"""Which experts merge: HC-SMoE's hierarchical clustering and M-SMoE's dominant-expert grouping."""
+"""Which experts merge: HC-SMoE's hierarchical clustering and M-SMoE's dominant-expert grouping, each
+cluster's leader (its most frequent member), and the two methods as `MergeMethod`s (`HC_SMOE`,
+`M_SMOE`: members averaged by frequency, M-SMoE's aligned to the leader first)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from moejax.errors import ConfigError
+from moejax.merging.average import merge_weights
+from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.select import select_kept
 
 HC_SMOE_METHODS = ("average", "kmeans")
@@ -74,3 +78,34 @@ def m_smoe_groups_from_gram(logit_gram_EE, counts_E, keep: int) -> np.ndarray:
     joins = dominant[np.argmax(similarity, axis=1)]               # argmax: the first (lowest) on ties
     joins[dominant] = dominant
     return canonical_labels(joins)
+
+
+def cluster_leaders(labels_E, counts_E) -> np.ndarray:
+    """int [C]: each cluster's most frequent member (ties: the lower index)."""
+    labels_E, counts = np.asarray(labels_E), np.asarray(counts_E, np.float64)
+    leaders = []
+    for c in range(int(labels_E.max()) + 1):
+        members = np.flatnonzero(labels_E == c)
+        leaders.append(int(members[np.argmax(counts[members])]))  # argmax: the first (lowest) on ties
+    return np.asarray(leaders, np.int64)
+
+
+def _frequency_leaders(labels_E, ctx: MergeContext) -> np.ndarray:
+    return cluster_leaders(labels_E, ctx.counts_E)
+
+
+def _frequency_average(align: bool):
+    """W_G = sum_{j in G} freq_j P_j(W_j) / sum_{j in G} freq_j (P_j: alignment onto the leader, or
+    the identity)."""
+    def merge(weights, labels_E, leaders, ctx: MergeContext) -> dict:
+        return merge_weights(weights, labels_E, np.asarray(ctx.counts_E, np.float64), align=align, leaders=leaders)
+    return merge
+
+
+HC_SMOE = MergeMethod(
+    "hc_smoe", clusters=lambda keep, ctx: hc_smoe_clusters(ctx.stats.mean_output_EH, keep, method=ctx.hc_method,
+                                                           seed=ctx.seed),
+    leaders=_frequency_leaders, merge=_frequency_average(align=False))
+M_SMOE = MergeMethod(
+    "m_smoe", clusters=lambda keep, ctx: m_smoe_groups_from_gram(ctx.stats.logit_gram_EE, ctx.counts_E, keep),
+    leaders=_frequency_leaders, merge=_frequency_average(align=True))

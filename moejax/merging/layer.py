@@ -1,5 +1,6 @@
 """One MoE layer merged (SPEC section 8): clusters, each cluster's leader, its merged expert, and
-the layer's expert map under either router form.
+the layer's expert map under either router form. Every method is a `MergeMethod` defined beside its
+math and named once in `MERGE_METHODS`, the registry the functions below dispatch through:
 
     hc_smoe   clusters = average-linkage clustering of c_j = mean_{x in X} f_j(x)
               (`clusters.hc_smoe_clusters`); members averaged as they are
@@ -31,13 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.errors import ConfigError
-from moejax.merging.average import merge_weights
 from moejax.merging.calibration import MergeStats
-from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups_from_gram
-from moejax.merging.ream import GROUP_SIZE, centroid_leaders, ream_groups, ream_merge, ream_similarity
+from moejax.merging.clusters import HC_SMOE, M_SMOE, cluster_leaders  # noqa: F401 (cluster_leaders: the leader rule)
+from moejax.merging.method import MergeContext
+from moejax.merging.ream import GROUP_SIZE, REAM
 from moejax.moe.expert_map import ExpertMap
 
-MERGE_METHODS = ("hc_smoe", "m_smoe", "ream")
+# The registry: every merge method, each a `moejax.merging.method.MergeMethod` defined beside its math.
+MERGE_METHODS = {m.name: m for m in (HC_SMOE, M_SMOE, REAM)}
 ROUTER_FORMS = ("tied", "shrunk")
 
 
@@ -101,55 +103,29 @@ def labels_from_clusters(clusters, n_experts: int) -> np.ndarray:
     return canonical_labels(labels)
 
 
-def cluster_leaders(labels_E, counts_E) -> np.ndarray:
-    """int [C]: each cluster's most frequent member (ties: the lower index)."""
-    labels_E, counts = np.asarray(labels_E), np.asarray(counts_E, np.float64)
-    leaders = []
-    for c in range(int(labels_E.max()) + 1):
-        members = np.flatnonzero(labels_E == c)
-        leaders.append(int(members[np.argmax(counts[members])]))  # argmax: the first (lowest) on ties
-    return np.asarray(leaders, np.int64)
-
-
-def _ream_scores(scores_E):
-    if scores_E is None:
-        raise ConfigError("merge method 'ream' needs each layer's expert scores (scores_E, float64 [E], higher = "
-                          "keep; REAP by default): they choose the centroids and weight the average")
-    return np.asarray(scores_E, np.float64)
-
-
-def _ream_stats(stats: MergeStats) -> MergeStats:
-    if not stats.has_ream:
-        raise ConfigError("merge method 'ream' needs REAM's calibration statistics (router-weighted output sums, "
-                          "sampled router inputs): gather them with merge_stats(..., ream=True)")
-    return stats
-
-
 def merge_stats_options(methods) -> dict:
-    """What `merge_stats` must gather for these merge methods beyond the baselines' statistics:
-    REAM's only when it is asked for."""
+    """What `merge_stats` must gather for these merge methods beyond the baselines' statistics
+    (each method's `stats`: REAM's only when it is asked for)."""
     check_merge_names(methods)
-    return {"ream": "ream" in methods}
+    options = {}
+    for m in methods:
+        options.update(MERGE_METHODS[m].stats)
+    return options
 
 
 def layer_clusters(method: str, keep: int, stats: MergeStats, hc_method: str = "average", seed: int = 0,
                    scores_E=None, group_size: int = GROUP_SIZE) -> np.ndarray:
     """labels [E] of one layer's experts under `method` (ream: scores_E required, group_size its C)."""
     check_merge_names([method])
-    if method == "hc_smoe":
-        return hc_smoe_clusters(stats.mean_output_EH, keep, method=hc_method, seed=seed)
-    if method == "ream":
-        scores, st = _ream_scores(scores_E), _ream_stats(stats)
-        return ream_groups(scores, ream_similarity(st.gated_output_sum_EH, st.logit_gram_EE), keep, group_size)
-    return m_smoe_groups_from_gram(stats.logit_gram_EE, stats.counts_E, keep)
+    ctx = MergeContext(stats, stats.counts_E, scores_E, group_size, hc_method, seed)
+    return MERGE_METHODS[method].clusters(keep, ctx)
 
 
 def layer_leaders(method: str, labels_E, counts_E, scores_E=None) -> np.ndarray:
     """int [C]: each cluster's leader under `method`: its most frequent member (`cluster_leaders`),
     or for ream its centroid (`ream.centroid_leaders`)."""
-    if method == "ream":
-        return centroid_leaders(labels_E, _ream_scores(scores_E))
-    return cluster_leaders(labels_E, counts_E)
+    check_merge_names([method])
+    return MERGE_METHODS[method].leaders(np.asarray(labels_E), MergeContext(None, counts_E, scores_E))
 
 
 def merge_layer(method: str, keep: int, stats: MergeStats, expert_weights: dict, hc_method: str = "average",
@@ -159,26 +135,21 @@ def merge_layer(method: str, keep: int, stats: MergeStats, expert_weights: dict,
     >= 0, higher = keep) required, stats from merge_stats(..., ream=True), group_size its C; seed
     also seeds its randomised PCA (large layers only)."""
     labels = layer_clusters(method, keep, stats, hc_method, seed, scores_E, group_size)
-    if method == "ream":
-        return merge_clusters(method, labels, stats.counts_E, expert_weights, scores_E=scores_E,
-                              act_inputs_NH=stats.act_inputs_NH, seed=seed)
-    return merge_clusters(method, labels, stats.counts_E, expert_weights)
+    return merge_clusters(method, labels, stats.counts_E, expert_weights, scores_E=scores_E,
+                          act_inputs_NH=getattr(stats, "act_inputs_NH", None), seed=seed)
 
 
 def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores_E=None, act_inputs_NH=None,
                    seed: int = 0) -> LayerMerge:
-    """The layer's clusters `labels_E` merged as `method` merges them (m_smoe: neurons aligned to
-    each cluster's leader first), each member weighted by its share of the cluster's counts. ream:
-    each group's centroid leads it, members aligned on their activations over the sampled router
-    inputs `act_inputs_NH` plus their weights, weighted by `scores_E` (`ream.ream_merge`)."""
+    """The layer's clusters `labels_E` merged as `method` merges them (hc_smoe: each member weighted
+    by its share of the cluster's counts; m_smoe: neurons aligned to each cluster's leader first;
+    ream: each group's centroid leads it, members aligned on their activations over the sampled
+    router inputs `act_inputs_NH` plus their weights, weighted by `scores_E`)."""
     check_merge_names([method])
     labels = np.asarray(labels_E)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
-    if method == "ream":
-        leaders = layer_leaders(method, labels, counts_E, scores_E)
-        merged = ream_merge(host, labels, leaders, scores_E, act_inputs_NH, seed=seed)
-        return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype) for k in host})
-    leaders = cluster_leaders(labels, counts_E)
-    merged = merge_weights(host, labels, np.asarray(counts_E, np.float64), align=method == "m_smoe",
-                           leaders=leaders)
+    ctx = MergeContext(None, counts_E, scores_E, seed=seed, act_inputs_NH=act_inputs_NH)
+    m = MERGE_METHODS[method]
+    leaders = m.leaders(labels, ctx)
+    merged = m.merge(host, labels, leaders, ctx)
     return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype) for k in host})

@@ -21,6 +21,7 @@ import numpy as np
 from moejax.errors import ConfigError
 from moejax.merging.average import _axes, _check_labels, _check_leaders, _neuron_blocks, merge_weights
 from moejax.merging.clusters import _check_keep, canonical_labels
+from moejax.merging.method import MergeMethod
 
 GROUP_SIZE = 16          # REAM's C (`merge.py --group_size`, default 16)
 PCA_DIM = 64             # REAM's `Merger.pca_dim` ("heuristic")
@@ -321,3 +322,26 @@ def ream_merge(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = 
     w = saliency_weights(_scores(scores_E, len(labels)))
     perms = ream_align(weights, labels, leaders, x_NH, pca_dim, seed)
     return merge_weights(weights, labels, w, leaders=leaders, perms=perms)
+
+
+def _needs_scores(ctx) -> np.ndarray:
+    if ctx.scores_E is None:
+        raise ConfigError("merge method 'ream' needs each layer's expert scores (scores_E, float64 [E], higher = "
+                          "keep; REAP by default): they choose the centroids and weight the average")
+    return np.asarray(ctx.scores_E, np.float64)
+
+
+def _ream_clusters(keep: int, ctx) -> np.ndarray:
+    st = ctx.stats
+    if not st.has_ream:
+        raise ConfigError("merge method 'ream' needs REAM's calibration statistics (router-weighted output sums, "
+                          "sampled router inputs): gather them with merge_stats(..., ream=True)")
+    return ream_groups(_needs_scores(ctx), ream_similarity(st.gated_output_sum_EH, st.logit_gram_EE), keep,
+                       ctx.group_size)
+
+
+REAM = MergeMethod(
+    "ream", clusters=_ream_clusters, leaders=lambda labels, ctx: centroid_leaders(labels, _needs_scores(ctx)),
+    merge=lambda weights, labels, leaders, ctx: ream_merge(weights, labels, leaders, _needs_scores(ctx),
+                                                           ctx.act_inputs_NH, seed=ctx.seed),
+    stats={"ream": True})

@@ -1,0 +1,41 @@
+"""What a merge method is: how it clusters one MoE layer's experts, which member leads each cluster,
+and how a cluster's members become one expert. Each method is one `MergeMethod`, defined beside its
+math (`clusters.HC_SMOE`, `clusters.M_SMOE`, `ream.REAM`) and named once in the registry
+(`moejax.merging.layer.MERGE_METHODS`); adding a method is its module, its registry line and its
+tests.
+
+    MergeContext     what a layer's merge may read: its calibration statistics (None when only
+                     recorded clusters are merged again), the routing counts, and the settings
+                     (a score per expert, REAM's group size, HC-SMoE's linkage, the seed, the
+                     sampled router inputs)
+    MergeMethod      clusters(keep, ctx) -> labels [E]; leaders(labels, ctx) -> [C];
+                     merge(weights, labels, leaders, ctx) -> {name: [C, ...]}; stats: what
+                     `merge_stats` must gather for it beyond the baselines' statistics
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeContext:
+    stats: object | None                 # moejax.merging.calibration.MergeStats, or None
+    counts_E: np.ndarray                 # routing decisions per expert on the calibration tokens
+    scores_E: np.ndarray | None = None   # a score per expert (REAM's centroids and weights)
+    group_size: int = 16                 # REAM's C
+    hc_method: str = "average"           # HC-SMoE's clustering
+    seed: int = 0
+    act_inputs_NH: np.ndarray | None = None   # REAM: sampled router inputs for its alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeMethod:
+    name: str
+    clusters: Callable      # (keep, MergeContext) -> labels_E
+    leaders: Callable       # (labels_E, MergeContext) -> leaders_C
+    merge: Callable         # (host weights {name: [E, ...]}, labels_E, leaders_C, MergeContext) -> {name: [C, ...]}
+    stats: dict = dataclasses.field(default_factory=dict)   # merge_stats options it needs
