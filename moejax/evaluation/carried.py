@@ -45,7 +45,7 @@ from moejax.hf.model_io import OpenCheckpoint
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
-from moejax.merging.layer import ROUTER_FORMS, merge_layer, merge_stats_options
+from moejax.merging.layer import MERGE_METHODS, ROUTER_FORMS, merge_layer, merge_stats_options
 from moejax.moe.expert_map import ExpertMap
 from moejax.moe.columns import routed_columns
 from moejax.models.causal_lm import Attended
@@ -382,8 +382,8 @@ class _Methods:
     @property
     def computed(self) -> list:
         """Every score the layer computes: the pruning scores, the substitutes' and REAM's."""
-        return list(dict.fromkeys([*self.scores, *self.substitutes,
-                                   *([self.merge_score] if "ream" in self.merges else [])]))
+        scored = any(MERGE_METHODS[m].scored for m in self.merges)   # a merge reading a score per expert
+        return list(dict.fromkeys([*self.scores, *self.substitutes, *([self.merge_score] if scored else [])]))
 
 
 def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods: _Methods, keeps, counts: dict,

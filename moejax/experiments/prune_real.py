@@ -86,17 +86,18 @@ class PruneRealConfig:
         if self.substitutes:
             scores_for(self.substitutes, has_bias, f"prune_real: substitutes ({self.path})")
             refuse_repeats("prune_real", "substitutes", self.substitutes)
-        if "ream" in self.merges:  # REAM's settings, before any work (moejax.merging.ream)
-            from moejax.merging.ream import check_group_size, check_ream_score
+        from moejax.merging.layer import MERGE_METHODS
 
-            try:
-                check_ream_score(self.merge_score, "merge_score")
-                scores_for([self.merge_score], has_bias, f"merge_score ({self.path})")
-                for k in self.keep:
-                    check_group_size(self.group_size, resolve_keep(k, config.n_experts, config.num_experts_per_tok)
-                                     if self.allocation == "uniform" else None, config.n_experts)
-            except ConfigError as e:
-                raise ConfigError(f"prune_real: {e}") from None
+        try:  # each merge method's own settings (REAM: its centroid score and group size), before any work
+            for method in (MERGE_METHODS[m] for m in self.merges):
+                if method.scored:
+                    scores_for([self.merge_score], has_bias, f"merge_score ({self.path})")
+                for k in self.keep if method.check else ():
+                    method.check(resolve_keep(k, config.n_experts, config.num_experts_per_tok)
+                                 if self.allocation == "uniform" else None, config.n_experts, self.merge_score,
+                                 self.group_size)
+        except ConfigError as e:
+            raise ConfigError(f"prune_real: {e}") from None
         if self.scores is not None:
             refuse_repeats("prune_real", "scores", self.scores)
         if self.allocation not in ALLOCATIONS:

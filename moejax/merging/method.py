@@ -10,7 +10,8 @@ tests.
                      sampled router inputs)
     MergeMethod      clusters(keep, ctx) -> labels [E]; leaders(labels, ctx) -> [C];
                      merge(weights, labels, leaders, ctx) -> {name: [C, ...]}; stats: what
-                     `merge_stats` must gather for it beyond the baselines' statistics
+                     `merge_stats` must gather for it beyond the baselines' statistics; scored:
+                     whether it reads a score per expert; check: its settings' check
 """
 
 from __future__ import annotations
@@ -39,3 +40,6 @@ class MergeMethod:
     leaders: Callable       # (labels_E, MergeContext) -> leaders_C
     merge: Callable         # (host weights {name: [E, ...]}, labels_E, leaders_C, MergeContext) -> {name: [C, ...]}
     stats: dict = dataclasses.field(default_factory=dict)   # merge_stats options it needs
+    scored: bool = False    # reads a score per expert (MergeContext.scores_E): the experiments compute it
+    check: Callable | None = None   # (keep or None, n_experts, score, group_size) -> None: its settings,
+                                    # refused before any work (ConfigError)

@@ -344,4 +344,6 @@ REAM = MergeMethod(
     "ream", clusters=_ream_clusters, leaders=lambda labels, ctx: centroid_leaders(labels, _needs_scores(ctx)),
     merge=lambda weights, labels, leaders, ctx: ream_merge(weights, labels, leaders, _needs_scores(ctx),
                                                            ctx.act_inputs_NH, seed=ctx.seed),
-    stats={"ream": True})
+    stats={"ream": True}, scored=True,
+    check=lambda keep, n_experts, score, group_size: (check_ream_score(score, "merge_score"),
+                                                      check_group_size(group_size, keep, n_experts)))
