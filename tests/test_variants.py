@@ -24,10 +24,9 @@ def test_spec_names_forms_and_rows():
         VariantSpec(None, 8, "one_shot")
 
 
-def test_spec_from_rows_old_and_new():
+def test_spec_from_rows():
     assert VariantSpec.from_row(dict(method="l1", form="tied", keep=4.0)) == VariantSpec("l1", 4, "tied")
-    assert VariantSpec.from_row(dict(score="l1", mode="sequential", keep=4)) == VariantSpec("l1", 4, "sequential")
-    assert VariantSpec.from_row(pd.Series(dict(score=None, mode="none", keep=np.nan))) == VariantSpec.unpruned()
+    assert VariantSpec.from_row(pd.Series(dict(method=None, form="none", keep=np.nan))) == VariantSpec.unpruned()
 
 
 def test_plans_become_expert_maps_in_one_place():

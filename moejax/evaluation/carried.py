@@ -266,13 +266,13 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     t0 = time.perf_counter()
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams.order)} held-out streams)",
                           unit="layer", disable=not show):
-        layer_rows, layer_plans, kept, clusters = _layer_pass(ckpt, layer_idx, streams, methods, keeps, counts,
-                                                              errors, seed, dtype, merged_weights)
+        layer_rows, layer_plans, clusters = _layer_pass(ckpt, layer_idx, streams, methods, keeps, counts, errors,
+                                                        seed, dtype, merged_weights)
         rows += layer_rows
         if layer_plans is not None:
             for v, layer_plan in layer_plans.items():
                 plans[v].layers[layer_idx] = layer_plan
-            kept_by_layer[layer_idx] = kept
+            kept_by_layer[layer_idx] = {v.name: p.experts() for v, p in layer_plans.items() if not v.merged}
             clusters_by_layer[layer_idx] = clusters
     rows += _perplexity_rows(ckpt, streams, dtype)
     rows += errors.rows()
@@ -388,13 +388,13 @@ class _Methods:
 
 def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods: _Methods, keeps, counts: dict,
                 errors: _ErrorSums, seed: int, dtype, merged_weights: bool = False
-                ) -> tuple[list[dict], dict | None, dict | None, dict | None]:
+                ) -> tuple[list[dict], dict | None, dict | None]:
     """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
     layer's output. At a MoE layer: every variant's expert map (one-shot pruning and merging: from
     the unpruned calibration stream; sequential: from the variant's own calibration stream), its
     layer-local errors (into `errors`) and the analyses. Returns (analysis rows, {VariantSpec:
-    its LayerPlan here}, {variant name: kept experts}, {merge name: clusters}), the last three None
-    at a dense layer; merged plans keep their merged experts only with `merged_weights`."""
+    its LayerPlan here}, {merge name: clusters}), the last two None at a dense layer (the kept
+    experts of info["kept"] are the plans'); merged plans keep their merged experts only with `merged_weights`."""
     cfg = ckpt.config
     E = cfg.n_experts
     layer = ckpt.decoder_layer(layer_idx, dtype, expert_dtype=ckpt.stored_expert_dtype(dtype))
@@ -403,7 +403,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     cal_hz = {group: [_attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
               for group, xs in streams.cal.items()}
     masks = {}      # pruning variant -> its kept experts [E] at this layer (none at a dense layer)
-    kept_names = clusters = layer_merges = layer_plans = None
+    clusters = layer_merges = layer_plans = None
     if layer.is_moe:
         router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
         group_scores = {}   # calibration group -> (statistics, {score: [E]}), computed once per group
@@ -421,9 +421,6 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
         stats, layer_sc = scores_of(None)
         kept = {(s, k): select_kept(layer_sc[s], counts[s, k][layer_idx], f"layer {layer_idx}: score {s!r}")
                 for s in dict.fromkeys([*methods.scores, *methods.substitutes]) for k in keeps}
-        kept_names = {f"{s}@{k}": np.flatnonzero(kept[s, k]).tolist() for s in methods.scores for k in keeps}
-        kept_names.update({f"substituted:{s}@{k}": np.flatnonzero(kept[s, k]).tolist()
-                           for s in methods.substitutes for k in keeps})
         for v in streams.order[1:]:
             if v.form == "one_shot":
                 masks[v] = jnp.asarray(kept[v.method, v.keep])
@@ -431,7 +428,6 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
                 _, own = scores_of(streams.group[v])
                 seq_kept = select_kept(own[v.method], counts[v.method, v.keep][layer_idx],
                                        f"layer {layer_idx}: score {v.method!r} (sequential)")
-                kept_names[v.name] = np.flatnonzero(seq_kept).tolist()
                 masks[v] = jnp.asarray(seq_kept)
         if methods.merges:
             zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[None]]
@@ -465,7 +461,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
                               layer.mlp.expert_weights(), E) if layer.is_moe else None
     energy_pos0 = _carry_heldout(graphdef, state, streams, em_A, errors, layer_idx)
     if not layer.is_moe:
-        return [], None, None, None
+        return [], None, None
     if not merged_weights:  # the clusters are kept, the merged experts dropped with the layer
         stripped = {key: dataclasses.replace(lm, weights=None) for key, lm in (layer_merges or {}).items()}
         layer_plans = {v: Merged(stripped[v.method, v.keep], v.form) if v.merged else p for v, p in layer_plans.items()}
@@ -473,7 +469,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
                                                                 kept, keeps, energy_pos0)]
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
              for v in streams.order[1:]]
-    return rows, layer_plans, kept_names, clusters
+    return rows, layer_plans, clusters
 
 
 def _novice_constants(stats) -> np.ndarray:

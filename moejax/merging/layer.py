@@ -136,7 +136,7 @@ def merge_layer(method: str, keep: int, stats: MergeStats, expert_weights: dict,
     also seeds its randomised PCA (large layers only)."""
     labels = layer_clusters(method, keep, stats, hc_method, seed, scores_E, group_size)
     return merge_clusters(method, labels, stats.counts_E, expert_weights, scores_E=scores_E,
-                          act_inputs_NH=getattr(stats, "act_inputs_NH", None), seed=seed)
+                          act_inputs_NH=stats.act_inputs_NH, seed=seed)
 
 
 def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores_E=None, act_inputs_NH=None,

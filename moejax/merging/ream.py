@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from moejax.errors import ConfigError
-from moejax.merging.average import _axes, _check_labels, _check_leaders, _neuron_blocks, merge_weights
+from moejax.merging.average import _assign, _axes, _check_labels, _check_leaders, _neuron_blocks, merge_weights
 from moejax.merging.clusters import _check_keep, canonical_labels
 from moejax.merging.method import MergeMethod
 
@@ -266,16 +266,6 @@ def alignment_cost(act_lead_FN, act_member_FN, feat_lead_Fk, feat_member_Fk) -> 
     return cdist(act_lead_FN, act_member_FN) + cdist(feat_lead_Fk, feat_member_Fk)
 
 
-def _assign_min(cost) -> np.ndarray:
-    """perm [F] minimising sum_a cost[a, perm[a]] (`scipy.optimize.linear_sum_assignment`)."""
-    from scipy.optimize import linear_sum_assignment
-
-    rows, cols = linear_sum_assignment(cost)
-    perm = np.empty(len(rows), np.int64)
-    perm[rows] = cols
-    return perm
-
-
 def ream_align(weights: dict, labels_E, leaders, x_NH, pca_dim: int = PCA_DIM, seed: int = 0) -> dict[int, np.ndarray]:
     """{expert: perm [F]} for every expert that is not its group's centroid: the member's neuron
     perm[a] goes to the centroid's position a, perm minimising sum_a cost[a, perm[a]]
@@ -304,7 +294,7 @@ def ream_align(weights: dict, labels_E, leaders, x_NH, pca_dim: int = PCA_DIM, s
         if others:
             a_lead = acts(lead)
             for j in others:
-                perms[j] = _assign_min(alignment_cost(a_lead, acts(j), feats[lead], feats[j]))
+                perms[j] = _assign(-alignment_cost(a_lead, acts(j), feats[lead], feats[j]))  # the least total cost
     return perms
 
 

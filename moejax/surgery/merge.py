@@ -215,7 +215,10 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     from moejax.merging.allocation import ALLOCATIONS
     from moejax.merging.calibration import merge_stats
     from moejax.merging.clusters import HC_SMOE_METHODS
+    from moejax.merging.layer import MERGE_METHODS, merge_stats_options
+    from moejax.scoring.observe import accumulate_layer
     from moejax.scoring.score_checkpoint import calibration_ids
+    from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
     from moejax.evaluation.stream import stream_layers
     from moejax.surgery.prune import other_files, plan_pruning, write_folder
 
@@ -238,13 +241,11 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     ckpt, cfg = opened(checked), checked.config
     count = resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
     _check_before_pass(checked, count, keep, allocation, collapse_groups, drop_mtp)
-    if method == "ream":
-        from moejax.merging.ream import check_group_size
-        from moejax.scoring.scores import scores_for
-
+    merge_method = MERGE_METHODS[method]
+    if merge_method.scored:
         scores_for([score], cfg.HAS_BALANCE_BIAS, f"{src}: --score")
-        if allocation == "uniform":  # global: each layer's count is known after the pass
-            check_group_size(group_size, count, cfg.n_experts)
+    if merge_method.check:  # the method's own settings (global: each layer's count is known after the pass)
+        merge_method.check(count if allocation == "uniform" else None, cfg.n_experts, score, group_size)
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
@@ -253,20 +254,17 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     stats, layer_scores = {}, {}
     for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show):
         masks = [None] * len(router_inputs)
-        if method != "ream":
-            stats[layer] = merge_stats(moe, router_inputs, masks)
+        stats[layer] = merge_stats(moe, router_inputs, masks, **merge_stats_options([method]),
+                                   ream_tokens=ream_tokens, seed=seed)
+        if not merge_method.scored:
             continue
-        from moejax.scoring.observe import accumulate_layer
-        from moejax.scoring.scores import StatsAccumulator, compute_scores
-
-        stats[layer] = merge_stats(moe, router_inputs, masks, ream=True, ream_tokens=ream_tokens, seed=seed)
         acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
-        accumulate_layer(moe, router_inputs, masks, acc)
+        accumulate_layer(moe, router_inputs, masks, acc, outputs=False)  # the routed outputs: only mone reads them
         layer_stats = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), seed=seed,
                                 layer=layer)
         layer_scores[layer] = compute_scores(layer_stats, [score])[score]
     plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, hc_method, seed,
-                      scores=layer_scores or None, group_size=GROUP_SIZE if group_size is None else group_size)
+                      scores=layer_scores or None, group_size=group_size)
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
                      for l, lab in plan.labels.items()}
     prune_plan = plan_pruning(reader, layout, cfg, score=f"{method} cluster leaders", layers_keep=plan.counts,

@@ -13,9 +13,9 @@ Hydra to the results table.
               substituted  substitution (MoNE): a removed expert's slot stays in the router and
                            returns a constant vector
 
-Results tables carry `method`, `form` and `keep` columns, one per field (`row`); tables written
-before these columns existed (`score` for the method, `mode` for the form) are read by `from_row`
-and renamed by `moejax.results.load`.
+Results tables carry `method`, `form` and `keep` columns, one per field (`row`, read back by
+`from_row`); tables written before these columns existed (`score` for the method, `mode` for the
+form) are renamed by `moejax.results.load`, the one place old tables are read.
 """
 
 from __future__ import annotations
@@ -64,11 +64,9 @@ class VariantSpec:
 
     @classmethod
     def from_row(cls, row) -> "VariantSpec":
-        """The spec of a results row (a dict or pandas row), old column names (`score`, `mode`) included."""
+        """The spec of a results row (a dict or pandas row)."""
         fields = row._asdict() if hasattr(row, "_asdict") else row   # a dict, a pandas Series or an itertuples row
-        form = fields.get("form") if "form" in fields else fields.get("mode")
-        method = fields.get("method") if "method" in fields else fields.get("score")
-        keep = fields.get("keep")
+        form, method, keep = fields.get("form"), fields.get("method"), fields.get("keep")
         if form == "none":
             return cls.unpruned()
         return cls(str(method), None if keep is None or keep != keep else int(keep), str(form))
