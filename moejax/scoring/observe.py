@@ -141,17 +141,20 @@ def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_su
                 out["code_idx"], out["code_gate"], out["code_norm"], out.get("out"))
 
 
-def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None) -> dict[int, LayerStats]:
+def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None,
+                       outputs: bool = True) -> dict[int, LayerStats]:
     """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.evaluation.stream);
     with a mesh (under `jax.set_mesh(mesh)`), each layer's experts split over its expert axis and
-    every pair computed on the device holding its expert, the statistics summed across shards."""
+    every pair computed on the device holding its expert, the statistics summed across shards.
+    outputs: also the routed outputs' sums (`accumulate_layer`; `mone` and substitution need them,
+    no other score does)."""
     from moejax.evaluation.stream import stream_layers
 
     masks = [None if m is None else np.asarray(m, bool).reshape(-1) for _, m in batches]
     stats = {}
     for layer, moe, router_inputs in stream_layers(checkpoint, batches, dtype, progress, mesh=mesh):
         acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
-        accumulate_layer(moe, router_inputs, masks, acc)
+        accumulate_layer(moe, router_inputs, masks, acc, outputs=outputs)
         stats[layer] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), layer=layer)
         del moe, router_inputs  # before the next layer's weights are read: one layer in memory at a time
     return stats

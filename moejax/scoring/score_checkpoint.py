@@ -65,7 +65,8 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     device_mesh = make_mesh(mesh) if mesh.n_devices > 1 else None
     t0 = time.perf_counter()
     with contextlib.nullcontext() if device_mesh is None else jax.set_mesh(device_mesh):
-        stats = calibrate_streamed(ckpt, batches, dtype=jax.numpy.dtype(dtype), progress=progress, mesh=device_mesh)
+        stats = calibrate_streamed(ckpt, batches, dtype=jax.numpy.dtype(dtype), progress=progress, mesh=device_mesh,
+                                   outputs="mone" in scores)  # the routed outputs reach the host only for mone
     seconds = time.perf_counter() - t0
     df = score_table(stats.items(), scores)
     if out is not None:

@@ -306,11 +306,10 @@ def mone(st: LayerStats) -> np.ndarray:
     (a constant factor per layer); it multiplies by w(1 - w) (`fusion_io_weight`, a constant); its
     streaming variance skips each expert's first batch and mixes 1/(n-1) and 1/n normalisations,
     where this is the exact variance from float64 sums."""
-    total = _need(st, "output_sum_EH", "mone", "the sums of the experts' outputs")
+    _need(st, "output_sum_EH", "mone", "the sums of the experts' outputs")   # named as mone's need, not the mean's
     squares = _need(st, "output_sq_sum_EH", "mone", "the sums of the experts' squared outputs")
     gate_sum = _need(st, "gate_sum_E", "mone", "the sums of the experts' gates")
-    counts = st.counts_E[:, None]
-    var_EH = np.maximum(_per_routed_token(squares, counts) - np.square(_per_routed_token(total, counts)), 0.0)
+    var_EH = np.maximum(_per_routed_token(squares, st.counts_E[:, None]) - np.square(st.mean_output_EH), 0.0)
     return np.sqrt(var_EH.sum(axis=1)) * gate_sum / max(st.n_tokens, 1)
 
 
