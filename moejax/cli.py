@@ -174,9 +174,10 @@ def _merge(args) -> None:
         seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size, allocation=args.allocation,
         hc_method=args.hc_method, collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, dtype=args.dtype,
         seed=args.seed, overwrite=args.overwrite, score=args.score, group_size=args.group_size,
-        ream_tokens=args.ream_tokens)
+        ream_tokens=args.ream_tokens, sequential=args.sequential)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
-    print(f"{args.dst}: {len(record['layers'])} MoE layers merged by {args.method} into {counts} experts "
+    print(f"{args.dst}: {len(record['layers'])} MoE layers merged by {args.method}"
+          f"{' sequentially' if args.sequential else ''} into {counts} experts "
           f"({args.allocation} allocation, router shrunk, groups: {record['groups']}); clusters in "
           f"{args.dst}/pruning.json")
     for note in record["notes"]:
@@ -270,6 +271,9 @@ def main(argv=None) -> int:
                    help="ream: C, the most experts a group holds, its centroid included (default 16; 0: M-SMoE's rule)")
     p.add_argument("--ream-tokens", type=int, default=None,
                    help="ream: calibration tokens sampled for the neuron alignment's activations (default 2048)")
+    p.add_argument("--sequential", action="store_true",
+                   help="merge layer by layer, each on the calibration stream of the model merged up to the layer "
+                        "before (REAM's sequential mode; uniform allocation)")
     p.add_argument("--seed", type=int, default=0, help="seed of k-means and of REAM's token sample and PCA (>= 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_merge)

@@ -401,7 +401,8 @@ def test_merge_refuses_bad_ream_settings_before_the_pass(dsv3, tmp_path, monkeyp
            (dict(score="bias"), "non-negative score"), (dict(group_size=-1), "group_size"),
            (dict(group_size=2, keep=3), "cannot hold all 8"), (dict(ream_tokens=0), "ream_tokens"),
            (dict(method="m_smoe", score="reap"), "--score: REAM's settings"),
-           (dict(method="hc_smoe", group_size=4), "--group-size: REAM's settings")]
+           (dict(method="hc_smoe", group_size=4), "--group-size: REAM's settings"),
+           (dict(sequential=True, allocation="global"), "--sequential with --allocation global")]
     for kwargs, match in bad:
         kwargs = {"method": "ream", "keep": 4, **kwargs}
         with pytest.raises(ConfigError, match=match):
@@ -482,3 +483,40 @@ def test_ream_checkpoint_equals_the_definitions_on_transformers_numbers_and_load
         got = merged_hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(bmask)).logits.numpy()
     valid = bmask.astype(bool)
     np.testing.assert_allclose(got[valid], want_logits[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_sequential_ream_checkpoint_is_the_carried_pass_sequential_merge(dsv3, tmp_path):
+    """`moejax merge --method ream --sequential`: each layer's groups and merged experts are the
+    carried pass's `sequential_shrunk` merge (each layer merged on the model merged up to it,
+    checked against the whole model's forward in test_variants), not the one-shot one."""
+    from moejax.cli import main
+    from moejax.evaluation.carried import evaluate_pruning
+    from moejax.hf.checkpoint_reader import CheckpointReader
+    from moejax.hf.model_io import open_checkpoint
+
+    path, _, calib = dsv3
+    tokens = tmp_path / "calib.npy"
+    np.save(tokens, calib)
+    dst = tmp_path / "merged"
+    assert main(["merge", str(path), str(dst), "--method", "ream", "--keep", "4", "--group-size", "3",
+                 "--tokens", str(tokens), "--batch-size", "4", "--sequential"]) == 0
+    record = json.loads((dst / "pruning.json").read_text())
+    assert record["sequential"] is True
+    _, info = evaluate_pruning(open_checkpoint(path), calib, {"a": calib}, ["frequency"], [4], merges=("ream",),
+                               group_size=3, sequential_merges=True, batch_size=4, merged_weights=True)
+    plans = {p.spec.form: p for p in info["plans"] if p.spec.method == "ream"}
+    b, differs = CheckpointReader(dst), []
+    for l, layer in record["layers"].items():
+        seq, one_shot = plans["sequential_shrunk"].layers[int(l)].merge, plans["shrunk"].layers[int(l)].merge
+        assert layer["clusters"] == sorted(seq.clusters())
+        for new, members in enumerate(layer["clusters"]):
+            if len(members) == 1:
+                continue
+            c = int(seq.labels_E[members[0]])
+            for p, key in (("gate", "gate"), ("up", "up"), ("down", "down")):
+                got = b.read(f"model.layers.{l}.mlp.experts.{new}.{p}_proj.weight")
+                want = np.asarray(seq.weights[key][c]).T
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+                if one_shot.labels_E.tolist() == seq.labels_E.tolist():
+                    differs.append(not np.allclose(np.asarray(one_shot.weights[key][c]).T, got, rtol=1e-5))
+    assert any(differs), "the sequential merge equals the one-shot one at every layer: the test cannot tell them apart"

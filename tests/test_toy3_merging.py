@@ -231,7 +231,11 @@ def test_merges_in_the_summary_table(run):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(merges=("hc_smoe", "zipit")), r"merges=\['hc_smoe', 'zipit'\]; valid merges: \['hc_smoe', 'm_smoe'\]"),
+    (dict(merges=("hc_smoe", "zipit")), r"merges=\['hc_smoe', 'zipit'\]; valid merges: \['hc_smoe', 'm_smoe', 'ream'\]"),
+    (dict(merges=("ream",), merge_score="signed"), "toy3: toy.merge_score 'signed'"),
+    (dict(merges=("ream",), keep=(2,), group_size=4), "toy3: REAM with keep=2 and group_size=4"),
+    (dict(substitutes=("nope",)), "unknown score"),
+    (dict(substitutes=("reap_code",)), "reap_code"),
     (dict(merges=("m_smoe", "m_smoe")), "each at most once"),
     (dict(eq6_pairs=-1), "eq6_pairs=-1"),
     (dict(eq6_pairs=2017), "eq6_pairs=2017; expected 0"),
@@ -265,3 +269,90 @@ def test_pair_map_merges_one_pair():
         assert lead in mm.leaders and len(mm.leaders) == 5
         expect = (counts[i] * w1[i] + counts[j] * w1[j]) / (counts[i] + counts[j])
         np.testing.assert_allclose(mm.experts[0]["w1"], expect, rtol=1e-6)
+
+
+# --- REAM and MoNE substitution in toy3 (issue 28) ----------------------------------------------------
+
+NEW = dict(SMALL, eq6_pairs=0, merges=("ream",), substitutes=("frequency", "mone"), keep=(4, 8))
+
+
+@pytest.fixture(scope="module")
+def run_new():
+    cfg = toy3.Toy3Config(seed=SEED, seeds=1, **NEW)
+    df, _ = toy3.run(cfg)
+    return cfg, df, toy3.draw_inputs(cfg, [SEED])[0]
+
+
+def np_calibration(cond):
+    """The calibration tokens' routing (every slot), each routed pair's expert output, float64."""
+    idx, gate = cond.route(cond.logits_cal, np.ones(len(cond.w1), bool))
+    f = np.stack([np_expert(cond.w1[e], cond.w2[e], cond.x_cal) for e in range(len(cond.w1))])   # [E, T, D]
+    return idx, gate, f[idx, np.arange(len(idx))[:, None]]                                       # [T, K, D]
+
+
+def test_ream_in_toy3_matches_numpy(run_new):
+    """toy3's REAM variants: REAP from the routed pairs, REAM's router-weighted output sums (softmax of
+    the raw logits over all E) and logit Gram, all computed here in numpy from the definitions, fed
+    to the library's groups and merge (tested against their own definitions in test_ream); the
+    merged layer's held-out error under both router forms equals numpy's."""
+    from moejax.merging.ream import centroid_leaders, ream_groups, ream_merge, ream_similarity
+
+    cfg, df, inp = run_new
+    for load in cfg.loads:
+        cond = Condition(cfg, inp, load)
+        idx, gate, f_TKD = np_calibration(cond)
+        E = len(cond.w1)
+        reap = np.array([np.mean(gate[idx == j] * np.linalg.norm(f_TKD[idx == j], axis=-1)) if (idx == j).any()
+                         else 0.0 for j in range(E)])
+        p = np.exp(cond.logits_cal - cond.logits_cal.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        gated = np.stack([p[:, j] @ np_expert(cond.w1[j], cond.w2[j], cond.x_cal) for j in range(E)])
+        L = cond.logits_cal.astype(np.float64)
+        for keep in (4, 8):
+            labels = ream_groups(reap, ream_similarity(gated, L.T @ L), keep, cfg.group_size)
+            leaders = centroid_leaders(labels, reap)
+            merged = ream_merge({"w1": cond.w1, "w2": cond.w2}, labels, leaders, reap, cond.x_cal)
+            slots = {e: (merged["w1"][labels[e]], merged["w2"][labels[e]]) for e in range(E)}
+            tied = np_layer_output(cond.x_held, cond.idx_held, cond.gate_held, slots)
+            shrunk = np_layer_output(cond.x_held, *cond.route(cond.logits_held, np.isin(np.arange(E), leaders)), slots)
+            for form, y in (("tied", tied), ("shrunk", shrunk)):
+                rel, median = cond.rel_error(y)
+                np.testing.assert_allclose(value(df, load, f"ream:{form}", keep, "rel_error"), rel, rtol=1e-4)
+                np.testing.assert_allclose(value(df, load, f"ream:{form}", keep, "rel_error_median"), median,
+                                           rtol=1e-4)
+                assert rel > 1e-3
+
+
+def test_substitution_in_toy3_matches_numpy(run_new):
+    """toy3's MoNE variants: the kept set by frequency or by the mone score (from the definition:
+    output standard deviation norm times mean gate), every other expert's slot kept in the router
+    and returning its mean output over the calibration tokens routed to it; the held-out error
+    equals numpy's, and a constant beats removing the expert (the pruned variant's error)."""
+    from toy3_reference import np_keep_mask
+
+    cfg, df, inp = run_new
+    for load in cfg.loads:
+        cond = Condition(cfg, inp, load)
+        idx, gate, f_TKD = np_calibration(cond)
+        E, T = len(cond.w1), len(idx)
+        counts = np.bincount(idx.ravel(), minlength=E).astype(np.float64)
+        mean = np.stack([f_TKD[idx == j].mean(0) if (idx == j).any() else np.zeros(f_TKD.shape[-1])
+                         for j in range(E)])
+        sq = np.stack([(f_TKD[idx == j] ** 2).mean(0) if (idx == j).any() else np.zeros(f_TKD.shape[-1])
+                       for j in range(E)])
+        gate_sum = np.array([gate[idx == j].sum() for j in range(E)])
+        mone = np.sqrt(np.maximum(sq - mean ** 2, 0).sum(1)) * gate_sum / T
+        f_held = {e: np_expert(cond.w1[e], cond.w2[e], cond.x_held) for e in range(E)}
+        for name, score in (("frequency", counts), ("mone", mone)):
+            for keep in (4, 8):
+                kept = np_keep_mask(score, keep)
+                y = np.zeros_like(cond.y)
+                for t in range(len(y)):
+                    for e, g in zip(cond.idx_held[t], cond.gate_held[t]):
+                        y[t] += g * (f_held[e][t] if kept[e] else mean[e])
+                rel, median = cond.rel_error(y)
+                np.testing.assert_allclose(value(df, load, f"{name}:substituted", keep, "rel_error"), rel, rtol=1e-4)
+                np.testing.assert_allclose(value(df, load, f"{name}:substituted", keep, "rel_error_median"), median,
+                                           rtol=1e-4)
+                if name == "frequency":
+                    assert rel < value(df, load, "frequency", keep, "rel_error")

@@ -162,3 +162,63 @@ def test_new_methods_settings_are_refused_before_any_work(tmp_path):
             PruneRealConfig.from_mapping({"path": str(tmp_path), "keep": [8], **over})
     with pytest.raises(ConfigError, match="eval_tasks: .*cannot hold all 32"):
         EvalTasksConfig.from_mapping({"path": str(tmp_path), "keep": [4], "merges": ["ream"], "group_size": 4})
+
+
+def test_sequential_merges_merge_each_layer_on_the_model_merged_up_to_it(tmp_path):
+    """prune_real's sequential_merges (REAM's sequential mode): a sequential merge's layer l is
+    clustered and merged on the router inputs of the whole model's forward with its merges of the
+    layers before l applied (`return_moe_inputs`, an independent path), REAM's scores included;
+    its plan reproduces its perplexity in the forward; at the first MoE layer it is the one-shot
+    merge, and at the next it is not."""
+    import jax.numpy as jnp
+    from hf_fixtures import make_checkpoint
+
+    from moejax.evaluation.carried import evaluate_pruning
+    from moejax.evaluation.nll import next_token_nll
+    from moejax.hf.model_io import load_pretrained, open_checkpoint
+    from moejax.merging.calibration import merge_stats
+    from moejax.merging.layer import merge_layer, merge_stats_options
+    from moejax.scoring.observe import accumulate_layer
+    from moejax.scoring.scores import StatsAccumulator, compute_scores
+
+    path = tmp_path / "dsv3"
+    make_checkpoint(path, seed=9, n_group=1, topk_group=1)
+    model = load_pretrained(path)
+    calib = np.random.default_rng(2).integers(0, 96, size=(4, 20)).astype(np.int32)
+    ids = np.random.default_rng(3).integers(0, 96, size=(3, 20)).astype(np.int32)
+    with pytest.raises(ConfigError, match="merges is empty"):
+        evaluate_pruning(open_checkpoint(path), calib, {"a": ids}, ["frequency"], [3], sequential_merges=True)
+    rows, info = evaluate_pruning(open_checkpoint(path), calib, {"a": ids}, ["frequency"], [3],
+                                  merges=("ream", "hc_smoe"), sequential_merges=True, batch_size=4,
+                                  merged_weights=True)
+    df = pd.DataFrame(rows)
+    ppl = {VariantSpec.from_row(r): r.value for r in df[(df.metric == "perplexity") & (df.text == "a")].itertuples()}
+    plans = {p.spec: p for p in info["plans"]}
+    forward = model.jitted()
+    first, second = model.config.moe_layers
+    for method in ("ream", "hc_smoe"):
+        for router in ("tied", "shrunk"):
+            spec = VariantSpec(method, 3, f"sequential_{router}")
+            plan = plans[spec]
+            assert spec.sequential and spec.router == router and ppl[spec] != ppl[VariantSpec(method, 3, router)]
+            for layer in (first, second):
+                before = {l: em for l, em in plan.expert_maps().items() if l < layer}
+                z = forward(jnp.asarray(calib), None, before or None, return_moe_inputs=True).moe_inputs[layer]
+                moe = model.model.layers[layer].mlp
+                acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
+                accumulate_layer(moe, [z], [None], acc, outputs=False)
+                reap = compute_scores(acc.stats(np.asarray(moe.router[...]), moe.balance_bias()), ["reap"])["reap"]
+                want = merge_layer(method, 3, merge_stats(moe, [z], [None], **merge_stats_options([method])),
+                                   moe.expert_weights(), scores_E=reap)
+                got = plan.layers[layer].merge
+                assert got.labels_E.tolist() == want.labels_E.tolist(), (spec, layer)
+                for k in want.weights:
+                    np.testing.assert_allclose(got.weights[k], want.weights[k], rtol=1e-4, atol=1e-6)
+                one_shot = plans[VariantSpec(method, 3, router)].layers[layer].merge
+                same = one_shot.labels_E.tolist() == got.labels_E.tolist() and all(
+                    np.allclose(one_shot.weights[k], got.weights[k], rtol=1e-6) for k in got.weights)
+                assert same == (layer == first), (spec, layer)
+            assert info["clusters"][second][spec.name] == plan.layers[second].merge.clusters()
+            lg = forward(jnp.asarray(ids), None, plan.expert_maps()).logits_BSV
+            want_ppl = float(np.exp(np.mean(np.asarray(next_token_nll(lg, jnp.asarray(ids))))))
+            assert ppl[spec] == pytest.approx(want_ppl, rel=1e-4), spec

@@ -15,12 +15,16 @@
   measured like the pruned ones;
 - with `sequential=True` also, per variant, a calibration stream of the model already pruned up to
   the layer before, on which that variant's score for the next layer is computed (what
-  llm-compressor does), and its own held-out stream.
+  llm-compressor does), and its own held-out stream;
+- with `sequential_merges=True` also, per merge method, keep and router form, a calibration stream
+  of the model already merged up to the layer before, on which that variant's next layer is
+  clustered and merged (REAM's sequential mode), and its own held-out stream.
 At the end the final norm and head turn each held-out stream into a perplexity per text.
 
 Results are tidy rows: method, form, keep, layer, text, metric, value (see `METRICS`); a variant is
 a `moejax.variants.VariantSpec`: one_shot or sequential pruning by the score `method`, or merging
-by the merge `method` under the router form tied or shrunk (form "none": the unpruned model). Each
+by the merge `method` under the router form tied or shrunk, one-shot or sequential (form "none":
+the unpruned model). Each
 variant's decisions come back as a `moejax.variants.VariantPlan`.
 
 Every variant of a layer is an `ExpertMap` (moejax.moe.expert_map): the held-out streams run as one
@@ -45,7 +49,7 @@ from moejax.hf.model_io import OpenCheckpoint
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
-from moejax.merging.layer import MERGE_METHODS, ROUTER_FORMS, merge_layer, merge_stats_options
+from moejax.merging.layer import MERGE_METHODS, merge_layer, merge_stats_options
 from moejax.moe.expert_map import ExpertMap
 from moejax.moe.columns import routed_columns
 from moejax.models.causal_lm import Attended
@@ -53,7 +57,7 @@ from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.evaluation.stream import batch_geometry, embed, head_nll
-from moejax.variants import Kept, Merged, Substituted, VariantPlan, VariantSpec
+from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
 from moejax.variants.plan import stacked_expert_map
 from moejax.variants.check import check_routable
 
@@ -87,8 +91,9 @@ def _attention(graphdef, state, x_BSH, cos, sin, allowed):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _mlp(graphdef, state, h_BSH, z_BSH, mask_E):
-    return nnx.merge(graphdef, state).feed(Attended(h_BSH, z_BSH), mask_E, forward_only=True).out_BSH
+def _mlp(graphdef, state, h_BSH, z_BSH, variant):
+    """h + mlp(z), a MoE layer under `variant` (None, a mask [E] or an ExpertMap)."""
+    return nnx.merge(graphdef, state).feed(Attended(h_BSH, z_BSH), variant, forward_only=True).out_BSH
 
 
 def _streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
@@ -221,7 +226,8 @@ class _ErrorSums:
 
 def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
                      keeps: list, *, merges: tuple = (), substitutes: tuple = (), group_size: int = 16,
-                     merge_score: str = "reap", sequential: bool = False, allocation: str = "uniform",
+                     merge_score: str = "reap", sequential: bool = False, sequential_merges: bool = False,
+                     allocation: str = "uniform",
                      batch_size: int = 8, dtype=jnp.float32, seed: int = 0, merged_weights: bool = False,
                      progress: bool | None = None) -> tuple[list[dict], dict]:
     """(tidy rows, info) for every (score, keep) variant and every (merge method, keep, router
@@ -232,8 +238,14 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     model's worth of merged experts per merge and keep is not held). info["kept"][layer] maps
     "score@keep" (one-shot) and
     "sequential:score@keep" to that variant's kept experts; info["clusters"][layer] maps
-    "method@keep" to its clusters (lists of experts, the leader first) and "counts" to the
-    routing decisions per expert the merges weighed by (with merges).
+    "method@keep" to its clusters (lists of experts, the leader first), each sequential merge's
+    name ("sequential_tied:method@keep") to its own, and "counts" to the routing decisions per
+    expert the one-shot merges weighed by (with merges).
+
+    sequential: also every score's sequential variant (layer l+1 scored on the model pruned up to
+    layer l); sequential_merges: also every merge's, per router form (layer l+1 clustered and
+    merged on the model merged up to layer l under that form), each with a calibration stream of
+    its own.
 
     allocation: "uniform" (every MoE layer keeps `keep`) or "global" (per-layer counts from one
     threshold over the layers' normalised scores, the same total; `moejax.merging.allocation`).
@@ -251,6 +263,10 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     substituted = [VariantSpec(s, k, "substituted") for s in substitutes for k in keeps]
     selecting = list(dict.fromkeys([*scores, *substitutes]))   # the scores kept sets are chosen by
     seq_variants = [VariantSpec(s, k, "sequential") for s in scores for k in keeps] if sequential else []
+    if sequential_merges:
+        if not merges:
+            raise ConfigError("sequential_merges=True: no merge method to run sequentially (merges is empty)")
+        seq_variants += [VariantSpec(m, k, f"sequential_{form}") for m in merges for k in keeps for form in ROUTER_FORMS]
     show = sys.stderr.isatty() if progress is None else progress
     if allocation == "global":
         counts = _global_counts(ckpt, calib, selecting, merges, keeps, batch_size, dtype, seed, show)
@@ -402,8 +418,10 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     # per calibration group and batch: (h, z), the residual after attention and the MLP's (router's) input
     cal_hz = {group: [_attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
               for group, xs in streams.cal.items()}
-    masks = {}      # pruning variant -> its kept experts [E] at this layer (none at a dense layer)
-    clusters = layer_merges = layer_plans = None
+    # variant -> what its calibration stream runs under at this layer: its kept experts [E] (one-shot
+    # and sequential pruning) or its ExpertMap (a sequential merge); none at a dense layer
+    carry_maps = {}
+    clusters = layer_plans = None
     if layer.is_moe:
         router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
         group_scores = {}   # calibration group -> (statistics, {score: [E]}), computed once per group
@@ -423,26 +441,26 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
                 for s in dict.fromkeys([*methods.scores, *methods.substitutes]) for k in keeps}
         for v in streams.order[1:]:
             if v.form == "one_shot":
-                masks[v] = jnp.asarray(kept[v.method, v.keep])
+                carry_maps[v] = jnp.asarray(kept[v.method, v.keep])
             elif v.form == "sequential":
                 _, own = scores_of(streams.group[v])
                 seq_kept = select_kept(own[v.method], counts[v.method, v.keep][layer_idx],
                                        f"layer {layer_idx}: score {v.method!r} (sequential)")
-                masks[v] = jnp.asarray(seq_kept)
+                carry_maps[v] = jnp.asarray(seq_kept)
+        merge_of = {}   # merged variant -> its LayerMerge at this layer
         if methods.merges:
-            zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[None]]
-            m_stats = merge_stats(layer.mlp, zs, [None] * len(zs), **merge_stats_options(methods.merges))
-            # one host copy for every merge, in the compute dtype (experts may be held as stored)
-            host = {k: np.asarray(v).astype(jnp.dtype(dtype)) for k, v in layer.mlp.expert_weights().items()}
-            # every method gets the same settings (REAM reads its centroid score and group size)
-            settings = dict(seed=seed, scores_E=layer_sc.get(methods.merge_score), group_size=methods.group_size)
-            layer_merges = {(m, k): merge_layer(m, counts[m, k][layer_idx], m_stats, host, **settings)
-                            for m in methods.merges for k in keeps}
-            clusters = {"counts": m_stats.counts_E.tolist(),
-                        **{f"{m}@{k}": lm.clusters() for (m, k), lm in layer_merges.items()}}
-        layer_plans = {v: Merged(layer_merges[v.method, v.keep], v.form) if v.merged
+            merge_of, merge_counts = _layer_merges(layer, layer_idx, cal_hz, streams, methods, counts, scores_of, seed,
+                                                   dtype)
+            one_shot = {(v.method, v.keep): lm for v, lm in merge_of.items() if not v.sequential}
+            clusters = {"counts": merge_counts.tolist(),
+                        **{f"{m}@{k}": lm.clusters() for (m, k), lm in one_shot.items()},
+                        **{v.name: lm.clusters() for v, lm in merge_of.items() if v.sequential}}
+            for v, lm in merge_of.items():
+                if v.sequential:   # its calibration stream runs on under its own merge
+                    carry_maps[v] = Merged(lm, v.router).expert_map()
+        layer_plans = {v: Merged(merge_of[v], v.router) if v.merged
                        else Substituted(kept[v.method, v.keep], _novice_constants(stats)) if v.form == "substituted"
-                       else Kept(np.asarray(masks[v])) for v in streams.order[1:]}
+                       else Kept(np.asarray(carry_maps[v])) for v in streams.order[1:]}
         for v, layer_plan in layer_plans.items():  # the rule every variant meets, before this layer computes under it
             check_routable(layer_plan.routable_E, layer_idx, cfg, v.name)
     # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
@@ -451,10 +469,10 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     # the two kinds of key never meet.)
     carried = {}
     for key, group in streams.group.items():
-        mask = masks.get(key)
-        new_group = group if mask is None else key
+        variant = carry_maps.get(key)
+        new_group = group if variant is None else key
         if new_group not in carried:
-            carried[new_group] = [_mlp(graphdef, state, h, z, mask) for h, z in cal_hz[group]]
+            carried[new_group] = [_mlp(graphdef, state, h, z, variant) for h, z in cal_hz[group]]
         streams.group[key] = new_group
     streams.cal = carried
     em_A = stacked_expert_map([None if v is None else layer_plans[v] for v in streams.order],
@@ -463,13 +481,44 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     if not layer.is_moe:
         return [], None, None
     if not merged_weights:  # the clusters are kept, the merged experts dropped with the layer
-        stripped = {key: dataclasses.replace(lm, weights=None) for key, lm in (layer_merges or {}).items()}
-        layer_plans = {v: Merged(stripped[v.method, v.keep], v.form) if v.merged else p for v, p in layer_plans.items()}
+        stripped = {}
+        for v, p in layer_plans.items():
+            if v.merged:
+                stripped.setdefault(id(p.merge), dataclasses.replace(p.merge, weights=None))
+                layer_plans[v] = Merged(stripped[id(p.merge)], v.router)
     rows = [dict(form="one_shot", **r) for r in _analysis_rows(layer_idx, stats, {s: layer_sc[s] for s in methods.scores},
                                                                 kept, keeps, energy_pos0)]
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
              for v in streams.order[1:]]
     return rows, layer_plans, clusters
+
+
+def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods, counts, scores_of, seed,
+                  dtype) -> tuple[dict, np.ndarray]:
+    """({merged variant: its LayerMerge at this layer}, the routing decisions per expert on the
+    unpruned calibration stream): one-shot merges from the unpruned calibration stream, sequential
+    ones from their own (a sequential variant whose stream is still the unpruned one shares the
+    one-shot merge). Statistics and merges are computed once per calibration group."""
+    # one host copy for every merge, in the compute dtype (experts may be held as stored)
+    host = {k: np.asarray(v).astype(jnp.dtype(dtype)) for k, v in layer.mlp.expert_weights().items()}
+    options = merge_stats_options(methods.merges)
+    group_stats, done = {}, {}
+
+    def merged(method, keep, group):
+        if (method, keep, group) not in done:
+            if group not in group_stats:
+                zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
+                group_stats[group] = merge_stats(layer.mlp, zs, [None] * len(zs), **options)
+            _, layer_sc = scores_of(group)
+            # every method gets the same settings (REAM reads its centroid score and group size)
+            done[method, keep, group] = merge_layer(method, counts[method, keep][layer_idx], group_stats[group], host,
+                                                    seed=seed, scores_E=layer_sc.get(methods.merge_score),
+                                                    group_size=methods.group_size)
+        return done[method, keep, group]
+
+    merge_of = {v: merged(v.method, v.keep, streams.group[v] if v.sequential else None)
+                for v in streams.order[1:] if v.merged}
+    return merge_of, group_stats[None].counts_E
 
 
 def _novice_constants(stats) -> np.ndarray:

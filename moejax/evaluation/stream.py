@@ -30,6 +30,16 @@ def _layer_forward(graphdef, state, x_BSH, cos, sin, allowed_BSS):
     return out.out_BSH, out.z_BSH
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_attend(graphdef, state, x_BSH, cos, sin, allowed_BSS):
+    return nnx.merge(graphdef, state).attend(x_BSH, cos, sin, allowed_BSS)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_feed(graphdef, state, attended, variant):
+    return nnx.merge(graphdef, state).feed(attended, variant, forward_only=True).out_BSH
+
+
 def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype):
     """(cos, sin, allowed [B, S, S]) of one batch: the family's rope tables and the causal (and
     padding) mask."""
@@ -122,14 +132,18 @@ def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:
 
 
 def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progress: bool | None = None,
-                  mesh=None) -> Iterator[tuple[int, object, list]]:
+                  mesh=None, variant_of=None) -> Iterator[tuple[int, object, list]]:
     """Yield (HF layer index, the layer's MoE module, [router inputs [B*S, H] per batch]) for every
     MoE layer, after running all batches through the layers before it.
 
     batches: list of (input_ids [B, S], attention_mask [B, S] or None). The MoE module is only
     valid until the next item is requested (its weights are dropped then).
     mesh: each layer's routed experts are loaded split over the mesh's expert axis and run with
-    the "ep" backend; call this under `jax.set_mesh(mesh)`."""
+    the "ep" backend; call this under `jax.set_mesh(mesh)`.
+    variant_of: a sequential pass. When the consumer asks for the next item, `variant_of(layer)`
+    gives what the MoE layer just yielded computes under on its way to the next layer (an
+    ExpertMap, a mask [E] or None: unchanged), so each layer's router inputs come from the model
+    as the consumer has changed it up to the layer before."""
     ckpt = ckpt if isinstance(ckpt, OpenCheckpoint) else open_checkpoint(ckpt)
     cfg = ckpt.config
     show = sys.stderr.isatty() if progress is None else progress
@@ -142,9 +156,16 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
         layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
         graphdef, state = nnx.split(layer)
         router_inputs = []
-        for b, (cos, sin, allowed) in enumerate(geometry):
-            hidden[b], z = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed)
-            router_inputs.append(z.reshape(-1, z.shape[-1]))
-        if layer.is_moe:
-            yield layer_idx, layer.mlp, router_inputs
+        if variant_of is None or not layer.is_moe:
+            for b, (cos, sin, allowed) in enumerate(geometry):
+                hidden[b], z = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed)
+                router_inputs.append(z.reshape(-1, z.shape[-1]))
+            if layer.is_moe:
+                yield layer_idx, layer.mlp, router_inputs
+        else:  # the MLP half after the consumer has decided the layer
+            attended = [_layer_attend(graphdef, state, hidden[b], *geo) for b, geo in enumerate(geometry)]
+            yield layer_idx, layer.mlp, [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in attended]
+            variant = variant_of(layer_idx)
+            hidden = [_layer_feed(graphdef, state, a, variant) for a in attended]
+            del attended, variant
         del layer, state

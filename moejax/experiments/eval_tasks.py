@@ -4,7 +4,8 @@ variant on downstream tasks, in one job, without writing a checkpoint per varian
 1. One calibration pass (prune_real's, `moejax.evaluation.carried.evaluate_pruning`) decides every
    variant, one `moejax.variants.VariantPlan` each: (score, keep) pruned one-shot and, with
    `prune.sequential=true`, greedy; with `merges=[hc_smoe,m_smoe]` merged (clusters and merged
-   experts, router forms tied and shrunk); and beside them each variant's held-out perplexity and
+   experts, router forms tied and shrunk; with `prune.sequential_merges=true` also merged layer by
+   layer on the model merged so far); and beside them each variant's held-out perplexity and
    mean layer-local error (task `heldout`).
 2. Each plan (and the unpruned model) is evaluated on every task through the lm-eval backend
    `moejax` (`moejax.evaluation.lm_eval.MoejaxLM`), handed over as its expert maps
@@ -52,6 +53,7 @@ class EvalTasksConfig:
     group_size: int = 16           # as prune_real: REAM's C
     merge_score: str = "reap"      # as prune_real: REAM's centroid score
     sequential: bool = False
+    sequential_merges: bool = False  # as prune_real: each merge also sequentially (REAM's mode)
     calib: tuple = ()              # as prune_real: files/folders/globs; empty = standard-library sources
     calibration: str = "code"      # as prune_real: code | skills | uniform | train | 'code=0.5,kv=0.5'
     heldout: tuple = ()
@@ -90,7 +92,8 @@ class EvalTasksConfig:
                                calibration=self.calibration,
                                heldout=self.heldout, seq_len=self.seq_len, calib_tokens=self.calib_tokens,
                                heldout_tokens=self.heldout_tokens, batch_size=self.batch_size,
-                               sequential=self.sequential, dtype=self.dtype, seed=self.seed)
+                               sequential=self.sequential, sequential_merges=self.sequential_merges,
+                               dtype=self.dtype, seed=self.seed)
 
     def validate(self) -> None:
         """Everything checkable before a model is loaded: the checkpoint and its tokenizer, the

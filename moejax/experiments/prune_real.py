@@ -6,7 +6,9 @@ held-out perplexity, plus the analyses of SPEC section 3 (moejax.evaluation.carr
 `prune.sequential=true` the greedy variant (score layer l+1 on the model pruned up to layer l) is
 reported beside the one-shot one (column `form`). With `merges=[hc_smoe,m_smoe]` the merging
 baselines (SPEC section 8) are evaluated in the same pass at the same keeps, each under both router
-forms (`form` tied / shrunk, `method` the merge method); their clusters go to `clusters.json`.
+forms (`form` tied / shrunk, `method` the merge method), and with `prune.sequential_merges=true`
+also sequentially (`form` sequential_tied / sequential_shrunk: layer l+1 merged on the model merged
+up to layer l, REAM's sequential mode); their clusters go to `clusters.json`.
 Columns: method, form, keep (a `moejax.variants.VariantSpec`), layer, text, metric, value.
 
 Data defaults: calibration = the Python standard library's own sources (sorted, skipping held-out
@@ -49,6 +51,8 @@ class PruneRealConfig:
     heldout_tokens: int = 16384    # per held-out text
     batch_size: int = 8
     sequential: bool = False
+    sequential_merges: bool = False  # also each merge sequentially (REAM's mode): layer l+1 merged on the
+                                     # model merged up to layer l, per router form (form sequential_tied/_shrunk)
     dtype: str = "float32"
     seed: int = 0
 
@@ -82,6 +86,9 @@ class PruneRealConfig:
             check_score_names(self.scores)
             scores_for(self.scores, has_bias, f"prune_real: {self.path}")
         check_merge_names(self.merges, "prune_real: merges")
+        if self.sequential_merges and not self.merges:
+            raise ConfigError("prune_real: sequential_merges=true merges nothing: name the merges too, "
+                              "e.g. merges=[ream]")
         refuse_repeats("prune_real", "merges", self.merges)
         if self.substitutes:
             scores_for(self.substitutes, has_bias, f"prune_real: substitutes ({self.path})")
@@ -211,7 +218,8 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
     scores = scores_for(cfg.scores, ckpt.config.HAS_BALANCE_BIAS, f"prune_real: {cfg.path}")
     rows, info = evaluate_pruning(ckpt, calib, heldout, scores, list(cfg.keep), merges=cfg.merges,
                                   substitutes=cfg.substitutes, group_size=cfg.group_size,
-                                  merge_score=cfg.merge_score, sequential=cfg.sequential, allocation=cfg.allocation,
+                                  merge_score=cfg.merge_score, sequential=cfg.sequential,
+                                  sequential_merges=cfg.sequential_merges, allocation=cfg.allocation,
                                   batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
                                   merged_weights=merged_weights, progress=progress is not None or None)
     df = pd.DataFrame(rows, columns=["method", "form", "keep", "layer", "text", "metric", "value"])

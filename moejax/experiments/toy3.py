@@ -18,11 +18,15 @@ layer is on held-out tokens.
                       that read the bias)
 
 Beside the scores, the merging baselines of SPEC section 8 at the same keeps (`merges`): HC-SMoE
-and M-SMoE, each under both router forms,
+and M-SMoE by default, REAM when named (`toy.merges=[hc_smoe,m_smoe,ream]`: centroids by
+`toy.merge_score`, REAP by default, groups of at most `toy.group_size`), each under both router forms,
     tied      every router slot remains; slot e computes its cluster's merged expert
     shrunk    only each cluster's leader's slot remains (its most frequent member, ties to the lower
               index); it computes the merged expert
-reported as the scores are, with score "hc_smoe:tied", "m_smoe:shrunk", ...; and the check of the
+reported as the scores are, with score "hc_smoe:tied", "m_smoe:shrunk", ...; MoNE's substitution
+when named (`toy.substitutes=[mone]`: each named score's kept set, every other expert's slot kept
+in the router and returning its mean output over the calibration tokens routed to it), score
+"mone:substituted"; and the check of the
 REAP paper's Eq. 6 (`eq6_pairs` pairs per seed and condition merged one at a time, tied router:
 the measured increase in error against the formula's prediction; rows `eq6_*`, score "pair:i+j").
 
@@ -75,7 +79,8 @@ OFFSETS = ("ones", "random")
 LOADS = ("skewed", "balanced")
 ROUTERS = ("sigmoid", "softmax")  # toy_layer.ROUTERS, not imported: validating needs no JAX
 DEFAULT_SCORES = ("frequency", "signed", "l1", "random", "reap", "ean")
-MERGES = ("hc_smoe", "m_smoe")  # moejax.merging.layer.MERGE_METHODS, not imported: validating needs no JAX
+MERGES = ("hc_smoe", "m_smoe", "ream")  # moejax.merging.layer.MERGE_METHODS, not imported: validating needs no JAX
+DEFAULT_MERGES = ("hc_smoe", "m_smoe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +91,11 @@ class Toy3Config:
     seeds: int = 8                # seeds seed .. seed + seeds - 1, vectorised in one job
     keep: tuple = (8, 16, 32, 48)  # counts, or ratios of E (floats in (0, 1])
     scores: tuple = DEFAULT_SCORES  # any registered score but reap_code (aimer reads the experts' w1, w2)
-    merges: tuple = MERGES        # merging baselines (SPEC section 8), each under both router forms; () = none
+    merges: tuple = DEFAULT_MERGES  # merging baselines (SPEC section 8), each under both router forms; () = none;
+                                  # ream as well when named
+    substitutes: tuple = ()       # scores whose kept sets are also evaluated substituted (MoNE), e.g. [mone]
+    group_size: int = 16          # ream: the most experts a group holds, its centroid included (REAM's C)
+    merge_score: str = "reap"     # ream: the score its centroids are ranked and averaged by
     eq6_pairs: int = 16           # Eq. 6 check: pairs merged one at a time per seed and condition; 0 = none
     offsets: tuple = OFFSETS
     loads: tuple = LOADS
@@ -116,7 +125,7 @@ class Toy3Config:
             cfg["keep"] = tuple(keep) if isinstance(keep, (list, tuple)) else (keep,)
         elif "keep" in cfg:
             del cfg["keep"]
-        for key in ("scores", "merges", "offsets", "loads"):
+        for key in ("scores", "merges", "substitutes", "offsets", "loads"):
             if key in cfg:
                 cfg[key] = tuple(cfg[key]) if isinstance(cfg[key], (list, tuple)) else (cfg[key],)
         out = cls(**cfg)
@@ -125,7 +134,7 @@ class Toy3Config:
 
     def validate(self) -> None:
         for name in ("seed", "seeds", "d_model", "d_hidden", "n_experts", "top_k", "n_calib",
-                     "n_heldout", "balance_steps", "seed_batch", "mesh_data", "mesh_expert", "eq6_pairs"):
+                     "n_heldout", "balance_steps", "seed_batch", "mesh_data", "mesh_expert", "eq6_pairs", "group_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"toy3: {name} must be an integer, got {value!r}")
@@ -143,6 +152,17 @@ class Toy3Config:
             raise ConfigError(f"toy3: merges={list(self.merges)}; valid merges: {list(MERGES)}, each at most "
                               "once (toy.merges=[] for none)")
         refuse_repeats("toy3", "merges", self.merges)
+        if "ream" in self.merges:
+            from moejax.merging.ream import check_group_size, check_ream_score   # numpy only
+
+            try:
+                check_ream_score(self.merge_score, "toy.merge_score")
+                if self.merge_score == "reap_code":
+                    raise ConfigError("toy.merge_score 'reap_code': the toy does not compute it (see scores)")
+                for keep in self.keep_counts():
+                    check_group_size(self.group_size, keep, self.n_experts)
+            except ConfigError as e:
+                raise ConfigError(f"toy3: {e}") from None
         refuse_repeats("toy3", "scores", self.scores)
         n_pairs = self.n_experts * (self.n_experts - 1) // 2
         if not 0 <= self.eq6_pairs <= n_pairs:
@@ -152,9 +172,12 @@ class Toy3Config:
             raise ConfigError(f"toy3: eq6_pairs={self.eq6_pairs} with merges=[]: the Eq. 6 check merges its pairs in "
                               "the merges' program, which merges=[] turns off; set toy.eq6_pairs=0 as well (or "
                               "keep a merge)")
-        if "reap_code" in self.scores:
+        if "reap_code" in (*self.scores, *self.substitutes):
             raise ConfigError("toy3: the reap_code score needs expert outputs for pairs the layer did not "
                               "route, which the toy does not compute; use reap")
+        refuse_repeats("toy3", "substitutes", self.substitutes)
+        if self.substitutes:
+            scores_for(self.substitutes, self.has_balance_bias, where=f"toy3 substitutes (router={self.router})")
         if not self.keep:
             raise ConfigError("toy3: keep is empty; give a count, a ratio of E, or a list of them")
         refuse_repeats("toy3", "keep", self.keep_counts(), self.keep)
@@ -177,6 +200,13 @@ class Toy3Config:
                               "the sigmoid router's balance bias, and a softmax router has none; "
                               "use loads=[skewed] (toy.loads=[skewed])")
         scores_for(self.scores, has_bias, where=f"toy3 (router={self.router})")
+
+    @property
+    def needs_outputs(self) -> bool:
+        """Whether the calibration pass brings the routed pairs' outputs to the host: the mone score
+        and the substitutes' constants read their sums."""
+        return bool(self.substitutes) or "mone" in self.scores or ("ream" in self.merges
+                                                                    and self.merge_score == "mone")
 
     @property
     def has_balance_bias(self) -> bool:
@@ -254,6 +284,7 @@ class Layout(NamedTuple):
     merged: list      # (method, keep)
     first_slot: list
     n_slots: int
+    substituted: list = []   # (score, keep): MoNE's variants, evaluated apart (`_stage_substitutes`)
 
     @property
     def n_masked(self) -> int:
@@ -270,7 +301,7 @@ def layout(cfg: Toy3Config) -> Layout:
     merged = [(method, keep) for method in cfg.merges for keep in keeps]
     first_slot = np.cumsum([0] + [merge_slots(keep, cfg.n_experts) for _, keep in merged]).tolist()
     return Layout([(name, keep) for name in cfg.scores for keep in keeps], merged, first_slot,
-                  first_slot[-1] + cfg.eq6_pairs)
+                  first_slot[-1] + cfg.eq6_pairs, [(name, keep) for name in cfg.substitutes for keep in keeps])
 
 
 def merge_slots(keep: int, n_experts: int) -> int:
@@ -284,12 +315,22 @@ def merge_slots(keep: int, n_experts: int) -> int:
 def merge_labels(method: str, keep: int, counts_E, mean_output_ED=None, logit_gram_EE=None) -> np.ndarray:
     """The clusters [E] of `method` (SPEC section 8): hc_smoe from the experts' mean outputs over all
     calibration tokens (average linkage), m_smoe from the Gram matrix L^T L of the calibration
-    tokens' router logits L [T, E] (the cosines of its columns) and the routing counts."""
+    tokens' router logits L [T, E] (the cosines of its columns) and the routing counts. (ream:
+    `ream_labels`.)"""
     from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups_from_gram
 
     if method == "hc_smoe":
         return hc_smoe_clusters(mean_output_ED, keep)
     return m_smoe_groups_from_gram(logit_gram_EE, counts_E, keep)
+
+
+def ream_labels(keep: int, scores_E, similarity_EE, group_size: int) -> np.ndarray:
+    """REAM's groups [E] (`moejax.merging.ream.ream_groups`): the `keep` highest-scoring experts are
+    centroids, each takes its group_size - 1 most similar unassigned experts, similarity =
+    `ream_similarity` of the router-weighted output sums and the router-logit Gram."""
+    from moejax.merging.ream import ream_groups
+
+    return ream_groups(scores_E, similarity_EE, keep, group_size)
 
 
 class MergeMap(NamedTuple):
@@ -304,13 +345,15 @@ class MergeMap(NamedTuple):
     experts: list
 
 
-def merge_map(method: str, labels_E, counts_E, w1_EDF, w2_EFD, first_row: int) -> MergeMap:
+def merge_map(method: str, labels_E, counts_E, w1_EDF, w2_EFD, first_row: int, **ream) -> MergeMap:
     """The merge of clusters `labels_E` (`moejax.merging.layer.merge_clusters`): each cluster G becomes
     W_G = sum_{j in G} freq_j W_j / sum_{j in G} freq_j, w1 and w2 separately, freq the routing
-    counts; m_smoe first aligns each member's neurons to its cluster's leader, the dominant expert."""
+    counts; m_smoe first aligns each member's neurons to its cluster's leader, the dominant expert;
+    ream (ream: scores_E, act_inputs_NH, seed) aligns each member to its centroid and weights by
+    the scores."""
     from moejax.merging.layer import merge_clusters
 
-    merge = merge_clusters(method, labels_E, counts_E, {"w1": w1_EDF, "w2": w2_EFD})
+    merge = merge_clusters(method, labels_E, counts_E, {"w1": w1_EDF, "w2": w2_EFD}, **ream)
     rows, experts = np.arange(len(merge.labels_E), dtype=np.int32), []
     for c in range(merge.n_clusters):
         members = np.flatnonzero(merge.labels_E == c)
@@ -332,6 +375,17 @@ def pair_map(pair, counts_E, w1_EDF, w2_EFD, row: int) -> MergeMap:
     leaders = np.delete(np.arange(len(counts_E)), j)  # clusters by lowest member: the pair's is the i-th
     leaders[i] = i if counts_E[i] >= counts_E[j] else j
     return MergeMap(leaders, rows, [merged])
+
+
+def _ream_inputs(gated_output_ED, gram_EE, x_cal_TD, seed: int) -> dict:
+    """What REAM reads beside the scores, per (seed, offset): the similarity its groups are formed
+    by, and the router inputs of `REAM_TOKENS` calibration tokens (`subsample_positions`, seeded by
+    the toy's seed) its alignment computes activations on."""
+    from moejax.merging.calibration import REAM_TOKENS, subsample_positions
+    from moejax.merging.ream import ream_similarity
+
+    return {"similarity": ream_similarity(gated_output_ED, gram_EE),
+            "act_inputs": x_cal_TD[subsample_positions(len(x_cal_TD), REAM_TOKENS, seed)]}
 
 
 def coroute_pairs(expert_idx_TK, n_experts: int, n_pairs: int) -> list:
@@ -411,7 +465,8 @@ def _stage_one(cfg: Toy3Config):
             routing, f_TKD, _ = toy_layer.routed_pass(weights(s), x_cal_ZOTD[s, o], cfg.top_k,
                                                       bias_ZOWE[s, o, ld], backend=cfg.backend,
                                                       router=cfg.router)
-            return routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f_TKD, axis=-1)
+            out = routing.expert_idx_TK, routing.gate_TK, jnp.linalg.norm(f_TKD, axis=-1)
+            return (*out, f_TKD) if cfg.needs_outputs else out
 
         # loops over conditions, not vmap: XLA:CPU runs the grouped matmuls of one condition at a
         # time about 1.5x faster than batched over all of them (likewise the table below)
@@ -422,6 +477,8 @@ def _stage_one(cfg: Toy3Config):
         n_held = x_held_ZOTD.shape[0] * x_held_ZOTD.shape[1]
         out = dict(cal_idx=cal[0], cal_gate=cal[1], cal_norm=cal[2], x_cal_mean=x_cal_ZOTD.mean(axis=2),
                    bias=bias_ZOWE, logits_held=logits_held)
+        if cfg.needs_outputs:  # the routed pairs' outputs [Z, O, W, T, K, D]
+            out["cal_out"] = cal[3]
         if _merges_read_table(cfg):  # else stage two tabulates each (seed, offset) as it goes
             def held_table(i):  # f_j(x) of every held-out token and expert of one (seed, offset)
                 s, o = i // n_offsets, i % n_offsets
@@ -435,8 +492,16 @@ def _stage_one(cfg: Toy3Config):
 
             out["cal_mean_output"] = jax.lax.map(mean_outputs, jnp.arange(n_held)).reshape(
                 *x_cal_ZOTD.shape[:2], cfg.n_experts, x_cal_ZOTD.shape[-1])
-        if "m_smoe" in cfg.merges:
+        if "m_smoe" in cfg.merges or "ream" in cfg.merges:
             out["logits_cal"] = logits_cal_ZOTE
+        if "ream" in cfg.merges:
+            def gated_outputs(i):  # m_j = sum_t softmax(l(x_t))_j f_j(x_t), one (seed, offset)
+                s, o = i // n_offsets, i % n_offsets
+                p_TE = jax.nn.softmax(logits_cal_ZOTE[s, o], axis=-1)
+                return toy_layer.gated_expert_output_sums(weights(s), x_cal_ZOTD[s, o], p_TE)
+
+            out["cal_gated_output"] = jax.lax.map(gated_outputs, jnp.arange(n_held)).reshape(
+                *x_cal_ZOTD.shape[:2], cfg.n_experts, x_cal_ZOTD.shape[-1])
         return out
 
     return run
@@ -446,7 +511,7 @@ def _merges_read_table(cfg: Toy3Config) -> bool:
     """Whether the merges' variants or Eq. 6 need the whole held-out table [Z, O, E, T, D] (786 MB
     at the full settings): then stage one tabulates it once for them and stage two; without merges
     stage two tabulates each (seed, offset) in its loop, and the table is never whole."""
-    return bool(cfg.merges) or cfg.eq6_pairs > 0
+    return bool(cfg.merges) or cfg.eq6_pairs > 0 or bool(cfg.substitutes)
 
 
 def _flat_seed_offset(a):
@@ -671,6 +736,43 @@ def _stage_merges(cfg: Toy3Config):
     return run
 
 
+@functools.lru_cache(maxsize=8)
+def _stage_substitutes(cfg: Toy3Config):
+    """MoNE's variants: every router slot remains, so a held-out token is routed as the full layer
+    routes it, and a chosen slot whose expert was removed (a novice) returns its constant instead
+    of f_j(x): y'_t - y_t = sum_k g_tk novice[i_tk] (c_{i_tk} - f_{i_tk}(x_t)). Returns a jitted
+    function (f_held [Z, O, E, T, D], logits_held, bias [Z, O, W, E], novice [Z, O, W, A, E],
+    constants [Z, O, W, E, D]) -> (sum_t ||y'_t - y_t||^2 [..., A], per-token relative errors
+    [..., A, T], ||y_t||^2 [..., T])."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+    from moejax.moe.routing import route
+
+    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+
+    @functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))   # over the loads
+    def condition(f_ETD, logits_TE, bias_E, novice_AE, c_ED):
+        r = route(logits_TE, router_cfg, bias_E if cfg.has_balance_bias else None)
+        idx_TK, gate_TK = r.expert_idx_TK, r.gate_TK
+        f_TKD = f_ETD[idx_TK, jnp.arange(idx_TK.shape[0])[:, None]]
+        y_TD = jnp.einsum("tk,tkd->td", gate_TK, f_TKD)
+        swap_ATK = novice_AE[:, idx_TK] * gate_TK
+        err_AT = jnp.sum(jnp.einsum("atk,tkd->atd", swap_ATK, c_ED[idx_TK] - f_TKD) ** 2, axis=-1)
+        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+        return err_AT.sum(axis=-1), err_AT / y_sq_T, y_sq_T
+
+    @jax.jit
+    def run(f, logits, bias, novice, constants):
+        lead = f.shape[:2]   # one (seed, offset) at a time
+        flat = jax.tree.map(_flat_seed_offset, (f, logits, bias, novice, constants))
+        out = jax.lax.map(lambda args: condition(*args), flat)
+        return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
+
+    return run
+
+
 def run(cfg: Toy3Config, progress=None, job_dir=None):
     """Run toy3; returns (tidy pandas DataFrame, timings dict)."""
     cfg.validate()
@@ -727,6 +829,9 @@ def _run(cfg: Toy3Config, progress=None):
         merged = ({k: np.zeros((*lead, lay.n_slots, *stacked[k].shape[2:]), np.float32) for k in ("w1", "w2")}
                   if lay.n_slots else None)
         pairs, clustering = {}, {}
+        n_sub = len(lay.substituted)
+        novice = np.zeros((*lead, n_sub, n_experts), bool)
+        constants = np.zeros((*lead, n_experts, stacked["x_cal"].shape[-1]), np.float32) if n_sub else None
         for (s, seed), (o, offset), (l_, load) in conditions:
             base = dict(offset=offset, load=load, seed=int(seed))
             stats = stats_from_pairs(host["cal_idx"][s, o, l_], host["cal_gate"][s, o, l_],
@@ -734,8 +839,13 @@ def _run(cfg: Toy3Config, progress=None):
                                      host["router"][s], host["bias"][s, o, l_] if cfg.has_balance_bias else None,
                                      seed=int(seed), layer=0,  # aimer reads the experts' w1, w2
                                      expert_weights=[stacked["w1"][s], stacked["w2"][s]] if "aimer" in cfg.scores
-                                     else None)
+                                     else None, out_TKH=host["cal_out"][s, o, l_] if cfg.needs_outputs else None)
             scores = compute_scores(stats, cfg.scores)
+            if n_sub:  # MoNE: each named score's kept set; every other slot returns its mean routed output
+                sub_scores = compute_scores(stats, cfg.substitutes)
+                for v, (name, keep) in enumerate(lay.substituted):
+                    novice[s, o, l_, v] = ~select_kept(sub_scores[name], keep)
+                constants[s, o, l_] = stats.mean_output_EH
             frequency_kept = {keep: select_kept(stats.counts_E, keep) for keep in keeps}
             usage = np.sort(stats.counts_E)[::-1]
             rows.append({**base, "score": None, "keep": None, "metric": "top16_share",
@@ -750,16 +860,25 @@ def _run(cfg: Toy3Config, progress=None):
                 logits = np.asarray(host["logits_cal"][s, o], np.float64) if "logits_cal" in host else None
                 clustering[s, o] = {"mean_output": host["cal_mean_output"][s, o] if "cal_mean_output" in host else None,
                                     "gram": None if logits is None else logits.T @ logits}
+                if "ream" in cfg.merges:
+                    clustering[s, o].update(_ream_inputs(host["cal_gated_output"][s, o], clustering[s, o]["gram"],
+                                                         stacked["x_cal"][s, o], int(seed)))
             inputs = clustering[s, o]
+            if "ream" in cfg.merges:  # its centroid score, under this load's routing
+                ream_scores = compute_scores(stats, [cfg.merge_score])[cfg.merge_score]
             maps = []  # (variants, slot of its first merged expert, MergeMap)
             for m, (method, keep) in enumerate(lay.merged):
+                ream = {}
                 if method == "hc_smoe":  # the same clusters under either load (only the weights' freq differ)
                     if keep not in inputs:
                         inputs[keep] = merge_labels(method, keep, stats.counts_E, inputs["mean_output"])
                     labels = inputs[keep]
+                elif method == "ream":
+                    labels = ream_labels(keep, ream_scores, inputs["similarity"], cfg.group_size)
+                    ream = dict(scores_E=ream_scores, act_inputs_NH=inputs["act_inputs"], seed=int(seed))
                 else:
                     labels = merge_labels(method, keep, stats.counts_E, logit_gram_EE=inputs["gram"])
-                mm = merge_map(method, labels, stats.counts_E, w1, w2, first_row + lay.first_slot[m])
+                mm = merge_map(method, labels, stats.counts_E, w1, w2, first_row + lay.first_slot[m], **ream)
                 masks[s, o, l_, n_pruned + m, mm.leaders] = True  # shrunk: only the leaders' slots
                 maps.append(([m, n_merged + m], lay.first_slot[m], mm))
             pairs[s, o, l_] = coroute_pairs(host["cal_idx"][s, o, l_], n_experts, cfg.eq6_pairs)
@@ -785,6 +904,10 @@ def _run(cfg: Toy3Config, progress=None):
             rel_all = np.concatenate([rel_all, err_sum[..., :2 * n_merged] / y_sq.sum(axis=-1)[..., None]], axis=-1)
             merge_median = np.median(merge_per_token[..., :2 * n_merged, :], axis=-1)
             rel_median = np.concatenate([rel_median, merge_median], axis=-1)
+        if n_sub:
+            err_sub, sub_per_token, sub_y_sq = to_host(jax.block_until_ready(_stage_substitutes(cfg)(
+                one["f_held"], one["logits_held"], one["bias"], novice, constants)))
+            sub_rel, sub_median = err_sub / sub_y_sq.sum(axis=-1)[..., None], np.median(sub_per_token, axis=-1)
         t3 = time.perf_counter()
         f_held = to_host(one["f_held"]) if cfg.eq6_pairs else None  # no copy on CPU (Eq. 6's prediction)
         for (s, seed), (o, offset), (l_, load) in conditions:
@@ -798,6 +921,10 @@ def _run(cfg: Toy3Config, progress=None):
                 for metric, value in eq6_metrics(pairs[s, o, l_][v - n_rel], idx_held[s, o, l_], gate_held[s, o, l_],
                                                  f_held[s, o], err_sq_T).items():
                     rows.append({**base, "metric": metric, "value": value})
+            for v, (name, keep) in enumerate(lay.substituted):
+                base = dict(offset=offset, load=load, seed=int(seed), score=f"{name}:substituted", keep=keep)
+                rows.append({**base, "metric": "rel_error", "value": float(sub_rel[s, o, l_, v])})
+                rows.append({**base, "metric": "rel_error_median", "value": float(sub_median[s, o, l_, v])})
         timings["stage_one_s"] += t1 - t0
         timings["host_s"] += t2 - t1 + time.perf_counter() - t3
         timings["stage_two_s"] += t3 - t2

@@ -64,38 +64,21 @@ def subsample_positions(n_valid: int, n: int, seed: int = 0) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n_valid, size=n, replace=False))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _sums(graphdef, state, x_TH, valid_T):
-    """(G [E, E], sum_x f_j(x) [E, H], top-k counts [E]) of one batch of router inputs, in float32."""
-    moe = nnx.merge(graphdef, state)
-    logits = moe.router_logits(x_TH) * valid_T[:, None]
-    gram = jnp.matmul(logits.T, logits, precision=HIGHEST)
-    w = valid_T.astype(jnp.float32)[:, None]
-
-    def out_sum(weights):  # one expert on every token, summed: [H] (a loop over experts keeps memory at [T, F])
-        f = moe.expert_fn(lambda a, b: jnp.matmul(a, b, precision=HIGHEST), weights, x_TH)
-        return jnp.sum(f.astype(jnp.float32) * w, axis=0)
-
-    sums = jax.lax.map(out_sum, moe.expert_weights())
-    idx = moe.route(x_TH).expert_idx_TK
-    counts = jnp.zeros(logits.shape[1], jnp.float32).at[idx.reshape(-1)].add(jnp.repeat(valid_T, idx.shape[1]))
-    return gram, sums, counts
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _ream_sums(graphdef, state, x_TH, valid_T):
-    """`_sums` and sum_x p_j(x) f_j(x) [E, H] (p = softmax of the raw logits over E), in float32."""
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _sums(graphdef, state, x_TH, valid_T, ream: bool):
+    """(G [E, E], sum_x f_j(x) [E, H], top-k counts [E], and with `ream` sum_x p_j(x) f_j(x) [E, H]
+    (p = softmax of the raw logits over E), else None) of one batch of router inputs, in float32."""
     moe = nnx.merge(graphdef, state)
     raw = moe.router_logits(x_TH)
     logits = raw * valid_T[:, None]
     gram = jnp.matmul(logits.T, logits, precision=HIGHEST)
     w = valid_T.astype(jnp.float32)[:, None]
-    p_ET = jax.nn.softmax(raw, axis=-1).T
+    p_ET = jax.nn.softmax(raw, axis=-1).T if ream else None
 
-    def out_sums(args):  # one expert on every token: [H] twice (memory stays at [T, F])
+    def out_sums(args):  # one expert on every token, summed: [H] (a loop over experts keeps memory at [T, F])
         weights, p_T = args
         f = moe.expert_fn(lambda a, b: jnp.matmul(a, b, precision=HIGHEST), weights, x_TH).astype(jnp.float32) * w
-        return jnp.sum(f, axis=0), jnp.sum(f * p_T[:, None], axis=0)
+        return jnp.sum(f, axis=0), None if p_T is None else jnp.sum(f * p_T[:, None], axis=0)
 
     sums, gated = jax.lax.map(out_sums, (moe.expert_weights(), p_ET))
     idx = moe.route(x_TH).expert_idx_TK
@@ -108,41 +91,29 @@ def merge_stats(moe, router_inputs, masks, ream: bool = False, ream_tokens: int 
     """MergeStats of one MoE layer over batches of router inputs [T, H] (masks [T] or None).
     ream: also REAM's statistics (the router-weighted output sums and the router inputs of
     `subsample_positions(n_valid, ream_tokens, seed)`)."""
-    if ream:
-        return _merge_stats_ream(moe, list(router_inputs), list(masks), ream_tokens, seed)
-    graphdef, state = nnx.split(moe)
-    E, H = moe.router.shape
-    gram, sums, counts, n = np.zeros((E, E)), np.zeros((E, H)), np.zeros(E), 0
-    for x_TH, mask in zip(router_inputs, masks):
-        valid = jnp.ones(x_TH.shape[0], jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
-        g, s, c = jax.device_get(_sums(graphdef, state, x_TH, valid))
-        gram += g
-        sums += s
-        counts += c
-        n += int(np.asarray(valid).sum())
-    return MergeStats(counts_E=counts, output_sum_EH=sums, logit_gram_EE=gram, n_tokens=n)
-
-
-def _merge_stats_ream(moe, router_inputs: list, masks: list, ream_tokens: int, seed: int) -> MergeStats:
-    if isinstance(ream_tokens, bool) or not isinstance(ream_tokens, (int, np.integer)) or ream_tokens < 1:
+    if ream and (isinstance(ream_tokens, bool) or not isinstance(ream_tokens, (int, np.integer)) or ream_tokens < 1):
         raise ConfigError(f"ream_tokens={ream_tokens!r}: expected an integer >= 1 (calibration tokens REAM's "
                           "neuron alignment samples)")
     graphdef, state = nnx.split(moe)
     E, H = moe.router.shape
+    router_inputs = list(router_inputs)
     valid_host = [np.ones(x.shape[0], bool) if m is None else np.asarray(m, bool).reshape(-1)
                   for x, m in zip(router_inputs, masks)]
-    chosen = subsample_positions(int(sum(v.sum() for v in valid_host)), int(ream_tokens), seed)
+    chosen = subsample_positions(int(sum(v.sum() for v in valid_host)), int(ream_tokens), seed) if ream else None
     gram, sums, counts, gated, n, picked = np.zeros((E, E)), np.zeros((E, H)), np.zeros(E), np.zeros((E, H)), 0, []
     for x_TH, valid in zip(router_inputs, valid_host):
-        g, s, c, gs = jax.device_get(_ream_sums(graphdef, state, x_TH, jnp.asarray(valid, jnp.float32)))
+        g, s, c, gs = jax.device_get(_sums(graphdef, state, x_TH, jnp.asarray(valid, jnp.float32), ream))
         gram += g
         sums += s
         counts += c
-        gated += gs
-        local = chosen[(chosen >= n) & (chosen < n + valid.sum())] - n   # ordinals among this batch's valid tokens
-        if len(local):
-            picked.append(np.asarray(jax.device_get(x_TH[np.flatnonzero(valid)[local]]), np.float32))
+        if ream:
+            gated += gs
+            local = chosen[(chosen >= n) & (chosen < n + valid.sum())] - n   # ordinals among this batch's valid tokens
+            if len(local):
+                picked.append(np.asarray(jax.device_get(x_TH[np.flatnonzero(valid)[local]]), np.float32))
         n += int(valid.sum())
+    if not ream:
+        return MergeStats(counts_E=counts, output_sum_EH=sums, logit_gram_EE=gram, n_tokens=n)
     x_NH = np.concatenate(picked) if picked else np.zeros((0, H), np.float32)
     return MergeStats(counts_E=counts, output_sum_EH=sums, logit_gram_EE=gram, n_tokens=n,
                       gated_output_sum_EH=gated, act_inputs_NH=x_NH)

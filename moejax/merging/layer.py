@@ -37,10 +37,10 @@ from moejax.merging.clusters import HC_SMOE, M_SMOE, cluster_leaders  # noqa: F4
 from moejax.merging.method import MergeContext
 from moejax.merging.ream import GROUP_SIZE, REAM
 from moejax.moe.expert_map import ExpertMap
+from moejax.variants.spec import ROUTER_FORMS
 
 # The registry: every merge method, each a `moejax.merging.method.MergeMethod` defined beside its math.
 MERGE_METHODS = {m.name: m for m in (HC_SMOE, M_SMOE, REAM)}
-ROUTER_FORMS = ("tied", "shrunk")
 
 
 def check_merge_names(methods, where: str = "merges") -> None:

@@ -80,6 +80,18 @@ def mean_expert_outputs(weights: dict, x_TD: jax.Array) -> jax.Array:
     return jax.lax.map(one, expert_weights(weights))
 
 
+def gated_expert_output_sums(weights: dict, x_TD: jax.Array, p_TE: jax.Array) -> jax.Array:
+    """m_j = sum_t p_j(x_t) f_j(x_t) for every expert, [E, D] (REAM's router-weighted outputs, p the
+    softmax of the raw router logits over all E), as w2[j]^T . sum_t p_j(x_t) relu(w1[j]^T x_t), as
+    `mean_expert_outputs` moves the mean inside."""
+    def one(args):
+        w, p_T = args
+        h_TF = jax.nn.relu(jnp.matmul(x_TD, w["w1"], precision=jax.lax.Precision.HIGHEST))
+        return jnp.matmul(p_T @ h_TF, w["w2"], precision=jax.lax.Precision.HIGHEST)
+
+    return jax.lax.map(one, (expert_weights(weights), p_TE.T))
+
+
 def expert_weights(weights: dict) -> dict:
     """The experts' part of the layer's weights, as `dispatch.relu_mlp` takes them."""
     return {"w1": weights["w1"], "w2": weights["w2"]}

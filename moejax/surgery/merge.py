@@ -7,7 +7,10 @@ Three steps:
    each MoE layer's merging statistics (`moejax.merging.calibration.MergeStats`); for `--method ream`
    also REAM's (`merge_stats(..., ream=True)`) and the centroid score (`--score`, REAP by default:
    `moejax.scoring.observe.accumulate_layer` and `moejax.scoring.scores.compute_scores` on the same
-   router inputs).
+   router inputs). With `--sequential` each MoE layer is merged as soon as its statistics are
+   gathered, and the calibration tokens go on to the next layer through the merged layer (shrunk,
+   as written), so every layer is clustered on the model merged up to the layer before (REAM's
+   sequential mode; the stream computes the merged experts in the pass's dtype).
 2. Planning, before anything is written: per-layer cluster counts (`--keep`, uniform or
    `--allocation global`), clusters (`moejax.merging.layer.layer_clusters`) and each cluster's
    leader (its most frequent member; REAM: its centroid). The leaders are the kept experts of a pruning plan
@@ -193,7 +196,8 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
                      max_tokens: int | None = None, batch_size: int = 8, allocation: str = "uniform",
                      hc_method: str = "average", collapse_groups: bool = False, drop_mtp: bool = False,
                      dtype: str = "float32", seed: int = 0, overwrite: bool = False, progress: bool | None = None,
-                     score: str | None = None, group_size: int | None = None, ream_tokens: int | None = None) -> dict:
+                     score: str | None = None, group_size: int | None = None, ream_tokens: int | None = None,
+                     sequential: bool = False) -> dict:
     """Write the merged checkpoint of `src` to `dst` (shrunk router form) and return its record
     (also dst/pruning.json). The destination, the checkpoint, the arguments and the calibration
     data are checked before the pass; the plan (groups, counts) before the first byte is written.
@@ -203,7 +207,9 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     method="ream" only: score (default "reap", a non-negative score of `moejax.merging.ream.
     REAM_SCORES`), group_size (REAM's C, default 16; 0: M-SMoE's rule), ream_tokens (calibration
     tokens sampled for the neuron alignment, default `calibration.REAM_TOKENS`); seed also draws
-    that sample."""
+    that sample. sequential: each layer merged on the calibration stream of the model merged up
+    to the layer before (uniform allocation only; group-limited routing kept, not collapsed, so
+    the stream routes as the written checkpoint does)."""
     import jax
     import jax.numpy as jnp
 
@@ -215,7 +221,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     from moejax.merging.allocation import ALLOCATIONS
     from moejax.merging.calibration import merge_stats
     from moejax.merging.clusters import HC_SMOE_METHODS
-    from moejax.merging.layer import MERGE_METHODS, merge_stats_options
+    from moejax.merging.layer import MERGE_METHODS, merge_layer, merge_stats_options
     from moejax.scoring.observe import accumulate_layer
     from moejax.scoring.score_checkpoint import calibration_ids
     from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
@@ -232,6 +238,10 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
         raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1 (--batch-size)")
+    if sequential and allocation != "uniform":
+        raise ConfigError(f"--sequential with --allocation {allocation}: a global budget spreads the counts by every "
+                          "layer's statistics, which a sequential pass knows only after the layers it merges; "
+                          "use --allocation uniform")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 (k-means++ seeds numpy's generator)")
     src, dst = Path(src), Path(dst)
@@ -241,6 +251,10 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     ckpt, cfg = opened(checked), checked.config
     count = resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
     _check_before_pass(checked, count, keep, allocation, collapse_groups, drop_mtp)
+    if sequential and collapse_groups and cfg.router_settings().get("n_group", 1) > 1:
+        raise ConfigError(f"{src}: --sequential with --collapse-groups: the written checkpoint would route without "
+                          "the routing groups the sequential pass routes its calibration stream with; keep the "
+                          "groups (a --keep that divides into them) or merge one-shot")
     merge_method = MERGE_METHODS[method]
     if merge_method.scored:
         scores_for([score], cfg.HAS_BALANCE_BIAS, f"{src}: --score")
@@ -252,17 +266,21 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
     stats, layer_scores = {}, {}
-    for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show):
+    merged_layers = {}   # sequential: MoE layer -> its merged layer's ExpertMap, until the stream has passed it
+    carry = (lambda layer: merged_layers.pop(layer)) if sequential else None
+    for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show, variant_of=carry):
         masks = [None] * len(router_inputs)
         stats[layer] = merge_stats(moe, router_inputs, masks, **merge_stats_options([method]),
                                    ream_tokens=ream_tokens, seed=seed)
-        if not merge_method.scored:
-            continue
-        acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
-        accumulate_layer(moe, router_inputs, masks, acc, outputs=False)  # the routed outputs: only mone reads them
-        layer_stats = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), seed=seed,
-                                layer=layer)
-        layer_scores[layer] = compute_scores(layer_stats, [score])[score]
+        if merge_method.scored:
+            acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
+            accumulate_layer(moe, router_inputs, masks, acc, outputs=False)  # the routed outputs: only mone reads them
+            layer_stats = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), seed=seed,
+                                    layer=layer)
+            layer_scores[layer] = compute_scores(layer_stats, [score])[score]
+        if sequential:  # the layer as the checkpoint will hold it (shrunk), for the stream to pass through
+            merged_layers[layer] = merge_layer(method, count, stats[layer], moe.expert_weights(), hc_method, seed,
+                                               layer_scores.get(layer), group_size).expert_map("shrunk")
     plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, hc_method, seed,
                       scores=layer_scores or None, group_size=group_size)
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
@@ -274,7 +292,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
         "method": method, "router": "shrunk",
         "hc_method": hc_method if method == "hc_smoe" else None, "keep": keep, "allocation": allocation,
-        "score": score, "group_size": group_size, "ream_tokens": ream_tokens,
+        "score": score, "group_size": group_size, "ream_tokens": ream_tokens, "sequential": sequential,
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
         "seed": seed, "groups": prune_plan.groups, "dropped_layers": list(prune_plan.dropped_layers),

@@ -1,7 +1,8 @@
 """Variants: the one typed pair between what a researcher asks for and what the forward runs.
 
 - `spec`: `VariantSpec(method, keep, form)`, what was asked for (a score, a merge method or a
-  substitution; one_shot / sequential / tied / shrunk / substituted), the results table's
+  substitution; one_shot / sequential / tied / shrunk / sequential_tied / sequential_shrunk /
+  substituted), the results table's
   `method`, `form` and `keep` columns.
 - `plan`: `VariantPlan(spec, {MoE layer: Kept | Merged | Substituted})`, what was decided per
   layer, and `.expert_maps()`, the one place a plan becomes the `{layer: ExpertMap}` the forward,
@@ -15,7 +16,7 @@ backend unchanged.
 """
 
 from moejax.variants.plan import Kept, LayerPlan, Merged, Substituted, VariantPlan
-from moejax.variants.spec import FORMS, MERGE_FORMS, PRUNING_FORMS, VariantSpec
+from moejax.variants.spec import FORMS, MERGE_FORMS, PRUNING_FORMS, ROUTER_FORMS, VariantSpec
 
-__all__ = ["FORMS", "MERGE_FORMS", "PRUNING_FORMS", "Kept", "LayerPlan", "Merged", "Substituted", "VariantPlan",
+__all__ = ["FORMS", "MERGE_FORMS", "PRUNING_FORMS", "ROUTER_FORMS", "Kept", "LayerPlan", "Merged", "Substituted", "VariantPlan",
            "VariantSpec"]

@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 
 from moejax.errors import ConfigError
-from moejax.variants.spec import MERGE_FORMS, VariantSpec
+from moejax.variants.spec import ROUTER_FORMS, VariantSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,11 @@ class Kept:
 @dataclasses.dataclass(frozen=True)
 class Merged:
     merge: object           # moejax.merging.layer.LayerMerge
-    form: str               # tied | shrunk
+    form: str               # the router form: tied | shrunk (a spec's `router`)
 
     def __post_init__(self):
-        if self.form not in MERGE_FORMS:
-            raise ConfigError(f"merged layer plan: form {self.form!r}; expected one of {list(MERGE_FORMS)}")
+        if self.form not in ROUTER_FORMS:
+            raise ConfigError(f"merged layer plan: router form {self.form!r}; expected one of {list(ROUTER_FORMS)}")
 
     @property
     def routable_E(self) -> np.ndarray:

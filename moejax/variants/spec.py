@@ -10,6 +10,9 @@ Hydra to the results table.
               sequential   pruning: layer l+1 scored on the model already pruned up to layer l
               tied         merging: every router slot remains, computing its cluster's merged expert
               shrunk       merging: one router slot per cluster (what a merged checkpoint holds)
+              sequential_tied, sequential_shrunk
+                           merging, sequentially: layer l+1 clustered and merged on the model
+                           already merged up to layer l (REAM's sequential mode), under that router form
               substituted  substitution (MoNE): a removed expert's slot stays in the router and
                            returns a constant vector
 
@@ -25,7 +28,8 @@ import dataclasses
 from moejax.errors import ConfigError
 
 PRUNING_FORMS = ("one_shot", "sequential")
-MERGE_FORMS = ("tied", "shrunk")
+ROUTER_FORMS = ("tied", "shrunk")     # a merged layer's router: every slot, or one slot per cluster
+MERGE_FORMS = (*ROUTER_FORMS, *(f"sequential_{r}" for r in ROUTER_FORMS))
 FORMS = ("none", *PRUNING_FORMS, *MERGE_FORMS, "substituted")
 LEGACY_COLUMNS = {"score": "method", "mode": "form"}   # the results columns' names before the spec
 
@@ -50,6 +54,17 @@ class VariantSpec:
     @property
     def merged(self) -> bool:
         return self.form in MERGE_FORMS
+
+    @property
+    def sequential(self) -> bool:
+        """Decided layer by layer on the model already changed up to the layer before (its own
+        calibration stream), not on the unpruned model."""
+        return self.form.startswith("sequential")
+
+    @property
+    def router(self) -> str | None:
+        """A merged variant's router form (tied | shrunk); None otherwise."""
+        return self.form.removeprefix("sequential_") if self.merged else None
 
     @property
     def name(self) -> str:
