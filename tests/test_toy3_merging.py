@@ -161,8 +161,8 @@ def test_tied_and_shrunk_share_weights_and_differ_in_routing():
     # in the experiment: the shrunk form is routed under its leaders, the tied form as the unpruned layer
     lay = toy3.layout(toy3.Toy3Config(**SMALL))
     labels = lay.labels([(0, 1)] * SMALL["eq6_pairs"])
-    assert labels[len(lay.pruned):lay.n_masked] == [(f"{m}:shrunk", k) for m in toy3.MERGES for k in (4, 8, 16)]
-    assert labels[lay.n_masked:lay.n_masked + len(lay.merged)] == [(f"{m}:tied", k) for m in toy3.MERGES
+    assert labels[len(lay.pruned):lay.n_masked] == [(f"{m}:shrunk", k) for m in toy3.DEFAULT_MERGES for k in (4, 8, 16)]
+    assert labels[lay.n_masked:lay.n_masked + len(lay.merged)] == [(f"{m}:tied", k) for m in toy3.DEFAULT_MERGES
                                                                     for k in (4, 8, 16)]
 
 
@@ -233,7 +233,7 @@ def test_merges_in_the_summary_table(run):
 @pytest.mark.parametrize("kw,match", [
     (dict(merges=("hc_smoe", "zipit")), r"merges=\['hc_smoe', 'zipit'\]; valid merges: \['hc_smoe', 'm_smoe', 'ream'\]"),
     (dict(merges=("ream",), merge_score="signed"), "toy3: toy.merge_score 'signed'"),
-    (dict(merges=("ream",), keep=(2,), group_size=4), "toy3: REAM with keep=2 and group_size=4"),
+    (dict(merges=("ream",), keep=(4,), group_size=4), "toy3: REAM with keep=4 and group_size=4"),
     (dict(substitutes=("nope",)), "unknown score"),
     (dict(substitutes=("reap_code",)), "reap_code"),
     (dict(merges=("m_smoe", "m_smoe")), "each at most once"),
