@@ -12,7 +12,12 @@
                  (MoNE: the other experts return constants; vLLM's constant-v1 expert substitution)
     moejax merge SRC DST --method hc_smoe|m_smoe|ream --keep K (--text PATH... | --tokens FILE.npy)
                  [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--drop-mtp]
-                 [--score reap] [--group-size C] [--ream-tokens N] [--seed S] [--overwrite]   (ream: the last three)
+                 [--score reap] [--group-size C] [--ream-tokens N] [--seed S] [--sequential] [--overwrite]
+                 (ream: --score, --group-size, --ream-tokens)
+    moejax reroute SRC COMPRESSED DST (--text PATH... | --tokens FILE.npy) [--steps N] [--lr LR]
+                 [--warmup N] [--final-lr-fraction F] [--weight-decay W] [--batch-size B] [--seq-len N]
+                 [--max-tokens N] [--teacher-cache DIR] [--overwrite]
+                 (router distillation: COMPRESSED's routers trained to match SRC's next-token distribution)
     moejax inspect CKPT [--json]
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
     moejax diff SRC PRUNED [--hash] [--json]       (exit 1 when a check fails)
@@ -184,6 +189,19 @@ def _merge(args) -> None:
         print(f"note: {note}")
 
 
+def _reroute(args) -> None:
+    from moejax.surgery.reroute import reroute_checkpoint
+
+    record = reroute_checkpoint(
+        args.src, args.compressed, args.dst, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
+        max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, warmup=args.warmup,
+        final_lr_fraction=args.final_lr_fraction, weight_decay=args.weight_decay, batch_size=args.batch_size,
+        teacher_cache=args.teacher_cache, overwrite=args.overwrite)
+    losses = record["losses"]
+    print(f"{args.dst}: {len(record['trained'])} routers distilled from {args.src} in {len(losses)} steps "
+          f"(KL {losses[0]:.5f} -> {losses[-1]:.5f}, {record['train_seconds']:.1f} s); record in {args.dst}/reroute.json")
+
+
 def _calibration_arguments(p, required: bool = True) -> None:
     data = p.add_mutually_exclusive_group(required=required)
     data.add_argument("--text", nargs="+", help="text files, folders or globs")
@@ -277,6 +295,27 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of k-means and of REAM's token sample and PCA (>= 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_merge)
+
+    p = sub.add_parser("reroute", help="distil a compressed checkpoint's routers from its source (router distillation)")
+    p.add_argument("src", help="the original checkpoint (the teacher)")
+    p.add_argument("compressed", help="a checkpoint moejax pruned, merged or substituted from SRC (the student)")
+    p.add_argument("dst")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--text", nargs="+", help="text files, folders or globs")
+    data.add_argument("--tokens", help="pre-tokenised ids, a .npy int array [n_seq, seq_len]")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
+    p.add_argument("--final-lr-fraction", type=float, default=0.1, help="the cosine ends at lr x this")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--teacher-cache", default=None,
+                   help="folder keeping the teacher's log-probs between runs on the same data")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.set_defaults(func=_reroute)
 
     p = sub.add_parser("diff", help="recover and audit a pruned checkpoint's selection against its source")
     p.add_argument("src", help="a local folder, an https:// base URL or hf://org/name[@revision]")

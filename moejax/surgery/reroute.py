@@ -1,0 +1,199 @@
+"""`moejax reroute SRC COMPRESSED DST --text ... [--steps N --lr ... --batch-size ...]`: router
+distillation after any compression (`moejax.training.reroute`): the original checkpoint SRC is
+the teacher, the compressed checkpoint COMPRESSED (pruned, merged or substituted by moejax, any
+family) the student, whose MoE routers alone are trained to match the teacher's next-token
+distribution on calibration text. DST is COMPRESSED with new router weights:
+
+- every tensor but the decoder layers' MoE routers is COMPRESSED's bytes, every file but the
+  shards (config.json, pruning.json, the tokenizer, ...) copied as it is; a router is written in
+  its stored dtype (the student trains it in float32);
+- `reroute.json` beside it: teacher and student (paths, fingerprints), the settings, the data, the
+  loss of every step, the time;
+- written atomically (a staging folder renamed at the end).
+
+Checked before any work: the settings, both checkpoints' headers against their configs, that
+COMPRESSED was made from SRC (its pruning.json's fingerprint is SRC's), the same vocabulary and
+tokenizer, the calibration data. Memory: the teacher runs once per batch before training (its
+log-probs [B, S, V] float32 kept in memory, or on disk with `teacher_cache`); the student trains
+end to end (its forward and backward through every layer), so it must fit in memory; on several
+devices `mesh=` loads the student's experts split over the mesh's expert axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moejax.errors import CheckpointError, ConfigError
+
+RECORD = "reroute.json"
+
+
+def _student_record(checked) -> dict:
+    path = checked.path / "pruning.json"
+    if not path.is_file():
+        raise CheckpointError(f"{checked.path}: no pruning.json; moejax reroute trains the routers of a checkpoint "
+                              "moejax compressed (prune, merge, prune --substitute), whose record names its source")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+
+
+def _teacher_cache(cache: Path | None, key: dict, compute) -> list[np.ndarray]:
+    """The teacher's log-probs per batch, from `cache` when it holds them for exactly this key (the
+    teacher's fingerprint, the data's hash, the dtype), else computed and, with a cache, saved."""
+    if cache is None:
+        return compute()
+    cache = Path(cache)
+    meta = cache / "teacher.json"
+    if meta.is_file():
+        stored = json.loads(meta.read_text(encoding="utf-8"))
+        if stored.get("key") != key:
+            raise ConfigError(f"{cache}: a teacher cache for other data or another teacher ({stored.get('key')}); "
+                              "remove it or name another folder")
+        return [np.load(cache / f"batch_{i}.npy", mmap_mode="r") for i in range(stored["batches"])]
+    out = compute()
+    cache.mkdir(parents=True, exist_ok=True)
+    for i, a in enumerate(out):
+        np.save(cache / f"batch_{i}.npy", a)
+    meta.write_text(json.dumps({"key": key, "batches": len(out)}, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len: int | None = None,
+                       max_tokens: int | None = None, steps: int = 200, lr: float = 1e-3, warmup: int = 10,
+                       final_lr_fraction: float = 0.1, weight_decay: float = 0.0, batch_size: int = 8,
+                       teacher_cache=None, overwrite: bool = False, progress: bool | None = None) -> dict:
+    """Write DST (COMPRESSED with its routers distilled from SRC) and return its record (also
+    DST/reroute.json)."""
+    import jax.numpy as jnp
+
+    from moejax import __version__
+    from moejax.hf.check import check_checkpoint
+    from moejax.hf.model_io import load_opened, opened
+    from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
+    from moejax.hf.substitution import SubstitutedExpertsView
+    from moejax.hf.staging import check_destination, staged_directory
+    from moejax.hf.storage import require_local
+    from moejax.scoring.score_checkpoint import calibration_ids
+    from moejax.surgery.prune import write_index, write_shard
+    from moejax.surgery.substitute import load_substituted
+    from moejax.training.reroute import RerouteSettings, reroute, teacher_log_probs
+
+    settings = RerouteSettings(steps=steps, lr=lr, warmup=warmup, final_lr_fraction=final_lr_fraction,
+                               weight_decay=weight_decay, batch_size=batch_size).check()
+    for path, what in ((src, "SRC"), (compressed, "COMPRESSED")):
+        require_local(path, f"moejax reroute ({what})")
+    src, compressed, dst = Path(src), Path(compressed), Path(dst)
+    check_destination(dst, overwrite, protect=compressed)
+    if dst.resolve() == src.resolve():
+        raise ConfigError(f"{dst}: DST is SRC; moejax reroute never modifies a source")
+    teacher_checked = check_checkpoint(src, uniform_experts=False)
+    student_checked = check_checkpoint(compressed, uniform_experts=False, substituted=True)
+    record = _student_record(student_checked)
+    fingerprint = checkpoint_fingerprint(teacher_checked)
+    if record.get(FINGERPRINT_KEY) != fingerprint:
+        raise CheckpointError(f"{compressed}/pruning.json: made from a checkpoint with fingerprint "
+                              f"{record.get(FINGERPRINT_KEY)!r} ({record.get('source')}), not SRC {src} "
+                              f"({fingerprint!r}); the teacher must be the checkpoint it was compressed from")
+    tcfg, scfg = teacher_checked.config, student_checked.config
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if getattr(tcfg, field) != getattr(scfg, field):
+            raise CheckpointError(f"{field}: SRC {getattr(tcfg, field)}, COMPRESSED {getattr(scfg, field)}")
+    ids, tokenizer = calibration_ids(src, tcfg, text, tokens, seq_len, max_tokens)
+    batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
+    show = sys.stderr.isatty() if progress is None else progress
+
+    t0 = time.perf_counter()
+    key = {"teacher": fingerprint, "tokens": hashlib.sha256(np.ascontiguousarray(ids).tobytes()).hexdigest(),
+           "shape": list(ids.shape), "batch_size": batch_size, "dtype": "float32"}
+
+    def compute():
+        teacher = load_opened(opened(teacher_checked), jnp.float32)
+        return teacher_log_probs(teacher, batches)
+
+    teacher_logp = _teacher_cache(teacher_cache, key, compute)
+    teacher_s = time.perf_counter() - t0
+    substituted = isinstance(student_checked.reader, SubstitutedExpertsView)
+    if substituted:   # its novices' constants are the student's expert maps
+        student, variant = load_substituted(compressed)
+    else:
+        student, variant = load_opened(opened(student_checked), jnp.float32), None
+
+    def report(i, loss):
+        if show and (i % max(1, steps // 20) == 0 or i == steps - 1):
+            print(f"reroute: step {i + 1}/{steps} KL {loss:.5f}", file=sys.stderr)
+
+    result = reroute(student, teacher_logp, batches, settings, variant, progress=report)
+    routers = {}
+    layout = student_checked.layout
+    for l, ml in layout.moe_layers.items():
+        if l < scfg.num_hidden_layers:
+            routers[ml.router] = np.asarray(student.model.layers[l].mlp.router[...], np.float32)
+    out = {
+        "moejax_version": __version__, "method": "router distillation (arXiv 2603.02217)",
+        "teacher": {"path": str(src.resolve()), FINGERPRINT_KEY: fingerprint},
+        "student": {"path": str(compressed.resolve()), "method": record.get("method", record.get("score")),
+                    "form": record.get("form"), "keep": record.get("keep")},
+        "settings": dataclasses.asdict(settings), "trained": sorted(routers),
+        "data": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
+                 "tokenizer": tokenizer, "sha256": key["tokens"]},
+        "losses": result.losses, "teacher_seconds": teacher_s, "train_seconds": result.seconds,
+    }
+    fused = student_checked.reader._inner if substituted else student_checked.reader   # names as stored
+    _write(fused, routers, compressed, dst, out, overwrite, write_shard, write_index, staged_directory)
+    return out
+
+
+def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, overwrite: bool, write_shard,
+           write_index, staged_directory) -> None:
+    """DST: COMPRESSED's shards with the routers replaced (in their stored dtype), its other files
+    copied byte for byte, and reroute.json. fused: COMPRESSED's `FusedExpertsReader` (stored names
+    to the family's names)."""
+    import ml_dtypes
+
+    from moejax.hf.safetensors_format import INDEX_NAME
+
+    stored = fused.reader
+    dtypes = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F64": np.float64}
+    names_of = {name: fused.view_name(name) for name in stored.keys() if fused.view_name(name) in routers}
+    missing = set(routers) - set(names_of.values())
+    if missing:
+        raise CheckpointError(f"{compressed}: router tensor(s) {sorted(missing)} not found among the stored tensors")
+    with staged_directory(dst, overwrite) as staging:
+        weight_map, total = {}, 0
+        for path in stored.files():
+            tensors = []
+            for name in stored.names_in(path):
+                if name in names_of:
+                    info = stored.info(name)
+                    if info.dtype not in dtypes:
+                        raise CheckpointError(f"{compressed}: router {name} is {info.dtype}; reroute writes float "
+                                              "routers only (F32, BF16, F16, F64)")
+                    value = routers[names_of[name]]
+                    if tuple(info.shape) != value.shape:
+                        raise CheckpointError(f"{compressed}: router {name} is {list(info.shape)} on disk, the "
+                                              f"student's {list(value.shape)}")
+                    tensors.append((name, value.astype(dtypes[info.dtype])))
+                else:
+                    tensors.append((name, stored.info(name)))
+            if tensors:
+                total += write_shard(staging, stored, path, tensors, weight_map)
+        write_index(staging, stored, weight_map, total)
+        shards = {p.resolve() for p in stored.files()}
+        for item in sorted(compressed.rglob("*")):
+            relative = item.relative_to(compressed)
+            if item.is_dir() or item.resolve() in shards or relative.as_posix() == INDEX_NAME \
+                    or any(part.startswith(".") for part in relative.parts) or relative.as_posix() == RECORD:
+                continue
+            (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(item, staging / relative)
+        (staging / RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
