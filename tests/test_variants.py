@@ -222,3 +222,30 @@ def test_sequential_merges_merge_each_layer_on_the_model_merged_up_to_it(tmp_pat
             lg = forward(jnp.asarray(ids), None, plan.expert_maps()).logits_BSV
             want_ppl = float(np.exp(np.mean(np.asarray(next_token_nll(lg, jnp.asarray(ids))))))
             assert ppl[spec] == pytest.approx(want_ppl, rel=1e-4), spec
+
+
+def test_a_rerouted_spec_and_the_router_override_check():
+    """A rerouted variant is its own spec (name, row column, read back; old rows without the column
+    are not rerouted); the one check passes a variant's router weights through and refuses bad ones."""
+    import jax.numpy as jnp
+
+    from moejax.models.deepseek_v3 import DeepseekV3Config
+    from moejax.models.deepseek_v3.presets import TINY
+    from moejax.moe.expert_map import ExpertMap
+    from moejax.variants.check import check_variant
+
+    spec = VariantSpec("reap", 8, "one_shot", rerouted=True)
+    assert spec.name == "reap@8+rerouted" and spec.row()["rerouted"] is True
+    assert VariantSpec.from_row(spec.row()) == spec
+    assert VariantSpec.from_row(dict(method="reap", form="one_shot", keep=8, rerouted=float("nan"))).rerouted is False
+    assert "rerouted" not in VariantSpec("reap", 8).row()
+    with pytest.raises(ConfigError, match="not rerouted"):
+        VariantSpec(None, None, "none", rerouted=True)
+    cfg = DeepseekV3Config.from_dict(TINY)
+    E, H, layer = cfg.n_experts, cfg.hidden_size, cfg.moe_layers[0]
+    router = np.random.default_rng(0).normal(size=(E, H)).astype(np.float32)
+    got = check_variant({layer: ExpertMap(jnp.ones(E, bool), router_EH=router)}, cfg)[layer]
+    np.testing.assert_array_equal(np.asarray(got.router_EH), router)
+    for bad in (router[:, :-1], np.full((E, H), np.inf, np.float32)):
+        with pytest.raises(ConfigError, match=f"layer {layer}: router_EH must be finite floats"):
+            check_variant({layer: ExpertMap(jnp.ones(E, bool), router_EH=bad)}, cfg)

@@ -34,7 +34,7 @@ from moejax.experiments.prune_real import PruneRealConfig
 from moejax.evaluation.skills_tasks import skill_of, task_names
 from moejax.variants import VariantPlan, VariantSpec
 
-COLUMNS = ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]
+COLUMNS = ["method", "form", "keep", "rerouted", "task", "metric", "value", "stderr", "layer", "expert"]
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
 SKILL_TASKS = tuple(task_names())  # the skills tasks (moejax.evaluation.skills_tasks), built into the job folder when named
 
@@ -54,6 +54,9 @@ class EvalTasksConfig:
     merge_score: str = "reap"      # as prune_real: REAM's centroid score
     sequential: bool = False
     sequential_merges: bool = False  # as prune_real: each merge also sequentially (REAM's mode)
+    reroute: bool = False          # as prune_real: every variant also with its routers distilled (rerouted=True)
+    reroute_steps: int = 200
+    reroute_lr: float = 5e-3
     calib: tuple = ()              # as prune_real: files/folders/globs; empty = standard-library sources
     calibration: str = "code"      # as prune_real: code | skills | uniform | train | 'code=0.5,kv=0.5'
     heldout: tuple = ()
@@ -93,6 +96,7 @@ class EvalTasksConfig:
                                heldout=self.heldout, seq_len=self.seq_len, calib_tokens=self.calib_tokens,
                                heldout_tokens=self.heldout_tokens, batch_size=self.batch_size,
                                sequential=self.sequential, sequential_merges=self.sequential_merges,
+                               reroute=self.reroute, reroute_steps=self.reroute_steps, reroute_lr=self.reroute_lr,
                                dtype=self.dtype, seed=self.seed)
 
     def validate(self) -> None:
@@ -255,24 +259,31 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
 
     rows = []
     all_ppl = ppl_df[(ppl_df.metric == "perplexity") & (ppl_df.text == "all")]
+    reroute_kl = ppl_df[ppl_df.metric.str.startswith("reroute_kl_")]
+    for _, r in reroute_kl.iterrows():
+        rows.append(dict(VariantSpec.from_row(r).row(), task="heldout", metric=r.metric, value=float(r.value),
+                         stderr=math.nan))
     for _, r in all_ppl.iterrows():
         rows.append(dict(VariantSpec.from_row(r).row(), task="heldout", metric="perplexity", value=float(r.value),
                          stderr=math.nan))
-    err = ppl_df[ppl_df.metric == "rel_error"].groupby(["method", "form", "keep"]).value.mean()
+    err = ppl_df[ppl_df.metric == "rel_error"].groupby(["method", "form", "keep"]).value.mean()   # the pass's
     for (method, form, keep), value in err.items():
         rows.append(dict(method=method, form=form, keep=int(keep), task="heldout", metric="rel_error_mean",
                          value=float(value), stderr=math.nan))
 
     base = MoejaxLM(pretrained=cfg.path, dtype=cfg.dtype, batch_size=cfg.eval_batch_size, seed=cfg.seed)
     rows += skill_routing_rows(cfg, base.model)
-    for plan in tqdm(plans, desc="eval_tasks variants", disable=progress is None):
-        results = evaluator.evaluate(lm=base.variant(plan.expert_maps()), task_dict=loaded, limit=cfg.limit,
+    # every plan, then (reroute=true) every rerouted variant, as the pass left them: nothing trained twice
+    variants = [(plan.spec, plan.expert_maps()) for plan in plans] + list(info.get("rerouted", {}).items())
+    for spec, maps in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
+        results = evaluator.evaluate(lm=base.variant(maps), task_dict=loaded, limit=cfg.limit,
                                      bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING")
-        rows += task_rows(results, plan.spec.row())
+        rows += task_rows(results, spec.row())
     df = pd.DataFrame(rows, columns=COLUMNS)
     for col in ("keep", "layer", "expert"):
         df[col] = df[col].astype("Int64")
-    timings["variants"] = len(plans)
+    df["rerouted"] = df["rerouted"].astype(str).isin(["True", "1", "1.0"])
+    timings["variants"] = len(variants)
     return df, timings
 
 
@@ -299,7 +310,9 @@ def summary_title(cfg: EvalTasksConfig) -> str:
 
 
 def summary_table(df):
-    df = df[~df.metric.isin(["routing_share"]) & ~df.metric.str.startswith("experts_for_")]
+    from moejax.experiments.prune_real import rerouted_as_form
+
+    df = rerouted_as_form(df[~df.metric.isin(["routing_share"]) & ~df.metric.str.startswith("experts_for_")])
     unpruned = df[df["form"] == "none"].set_index(["task", "metric"]).value
     wide = df[df["form"] != "none"].pivot_table(index=["form", "method"], columns=["task", "metric", "keep"],
                                                 values="value")

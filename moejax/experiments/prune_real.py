@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sysconfig
+import time
 from pathlib import Path
 
 from moejax.errors import ConfigError
@@ -53,6 +54,10 @@ class PruneRealConfig:
     sequential: bool = False
     sequential_merges: bool = False  # also each merge sequentially (REAM's mode): layer l+1 merged on the
                                      # model merged up to layer l, per router form (form sequential_tied/_shrunk)
+    reroute: bool = False          # also every variant with its routers distilled from the unpruned model on
+                                   # the calibration tokens (moejax.training.reroute): rows with rerouted=True
+    reroute_steps: int = 200
+    reroute_lr: float = 5e-3
     dtype: str = "float32"
     seed: int = 0
 
@@ -86,6 +91,8 @@ class PruneRealConfig:
             check_score_names(self.scores)
             scores_for(self.scores, has_bias, f"prune_real: {self.path}")
         check_merge_names(self.merges, "prune_real: merges")
+        if self.reroute:
+            self.reroute_settings()
         if self.sequential_merges and not self.merges:
             raise ConfigError("prune_real: sequential_merges=true merges nothing: name the merges too, "
                               "e.g. merges=[ream]")
@@ -119,6 +126,17 @@ class PruneRealConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"prune_real: dtype={self.dtype!r}; expected float32 or bfloat16")
         self.calibration_mix()
+
+    def reroute_settings(self):
+        """Router distillation's settings (steps, peak learning rate; batches of `batch_size`
+        calibration sequences), checked."""
+        from moejax.training.reroute import RerouteSettings
+
+        try:
+            return RerouteSettings(steps=self.reroute_steps, lr=self.reroute_lr, batch_size=self.batch_size,
+                                   warmup=min(10, self.reroute_steps // 10)).check()
+        except ConfigError as e:
+            raise ConfigError(f"prune_real: {str(e).replace('reroute: ', 'reroute_')}") from None
 
     def calibration_mix(self) -> dict:
         """Shares of the calibration tokens by text (moejax.training.skills.calibration_mix), the
@@ -221,14 +239,61 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
                                   merge_score=cfg.merge_score, sequential=cfg.sequential,
                                   sequential_merges=cfg.sequential_merges, allocation=cfg.allocation,
                                   batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
-                                  merged_weights=merged_weights, progress=progress is not None or None)
-    df = pd.DataFrame(rows, columns=["method", "form", "keep", "layer", "text", "metric", "value"])
+                                  merged_weights=merged_weights or cfg.reroute, progress=progress is not None or None)
+    if cfg.reroute:
+        t0 = time.perf_counter()
+        reroute_rows, info["rerouted"] = rerouted_variants(cfg, calib, heldout, info["plans"])
+        rows += reroute_rows
+        info["reroute_seconds"] = time.perf_counter() - t0
+    df = pd.DataFrame(rows, columns=["method", "form", "keep", "layer", "text", "metric", "value"]
+                      + (["rerouted"] if cfg.reroute else []))
     df["keep"] = df["keep"].astype("Int64")
     df["layer"] = df["layer"].astype("Int64")
     timings = {"pass_s": info["seconds"], "variants": info["variants"], "calib_tokens": info["calib_tokens"],
                "heldout_tokens": info["heldout_tokens"], "calib_files": len(calib_files),
                "heldout_files": [str(f) for f in heldout_files]}
+    if cfg.reroute:
+        timings["reroute_s"] = info["reroute_seconds"]
     return df, info, timings
+
+
+def rerouted_variants(cfg: PruneRealConfig, calib, heldout: dict, plans: list) -> tuple[list[dict], dict]:
+    """Every variant rerouted (`moejax.training.reroute`): its routers trained, the unpruned model the
+    teacher, on the calibration tokens; then its held-out perplexity per text and over all, by the
+    whole model's forward under the rerouted expert maps. Returns (rows, {rerouted VariantSpec: its
+    expert maps}). The model is held whole (router distillation trains end to end)."""
+    import dataclasses as dc
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moejax.evaluation.nll import next_token_nll
+    from moejax.hf.model_io import load_pretrained
+    from moejax.training.reroute import rerouted_maps, teacher_log_probs, train_routers
+
+    settings = cfg.reroute_settings()
+    model = load_pretrained(cfg.path, jnp.dtype(cfg.dtype))
+    batches = [(calib[i:i + cfg.batch_size], None) for i in range(0, len(calib), cfg.batch_size)]
+    teacher = teacher_log_probs(model, batches)
+    forward = model.jitted()
+    rows, maps_of = [], {}
+    for plan in plans:
+        trained, result = train_routers(model, teacher, batches, settings, plan.expert_maps())
+        spec = dc.replace(plan.spec, rerouted=True)
+        maps_of[spec] = maps = rerouted_maps(plan.expert_maps(), trained)
+        total, count = 0.0, 0
+        for text, ids in heldout.items():
+            nll = np.concatenate([np.asarray(next_token_nll(forward(jnp.asarray(ids[i:i + cfg.batch_size]), None,
+                                                                    maps).logits_BSV,
+                                                            jnp.asarray(ids[i:i + cfg.batch_size])), np.float64).ravel()
+                                  for i in range(0, len(ids), cfg.batch_size)])
+            rows.append(dict(spec.row(), text=text, metric="perplexity", value=float(np.exp(nll.mean()))))
+            total, count = total + nll.sum(), count + nll.size
+        rows.append(dict(spec.row(), text="all", metric="perplexity", value=float(np.exp(total / count))))
+        n = min(len(batches), len(result.losses))   # the mean KL over the first and the last pass over the batches
+        rows += [dict(spec.row(), metric=f"reroute_kl_{at}", value=float(np.mean(losses)))
+                 for at, losses in (("first", result.losses[:n]), ("last", result.losses[-n:]))]
+    return rows, maps_of
 
 
 def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):
@@ -258,9 +323,19 @@ def summary_title(cfg: PruneRealConfig) -> str:
             f"and keep ({modes} pruning{merged}):")
 
 
+def rerouted_as_form(df):
+    """A table's rerouted rows with "+rerouted" appended to their form (for tables pivoted by form
+    and method, which would otherwise average a variant with its rerouted self)."""
+    if "rerouted" not in df.columns:
+        return df
+    flag = df["rerouted"].astype(str).isin(["True", "1", "1.0"])
+    return df.assign(form=df["form"].where(~flag, df["form"] + "+rerouted"))
+
+
 def summary_table(df):
     import pandas as pd
 
+    df = rerouted_as_form(df)
     ppl = df[(df.metric == "perplexity") & (df.text == "all")]
     base = ppl[ppl["form"] == "none"]["value"]
     pruned = ppl[ppl["form"] != "none"].pivot_table(index=["form", "method"], columns="keep", values="value")

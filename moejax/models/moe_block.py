@@ -56,15 +56,17 @@ class MoE(nnx.Module):
         self.shared_gate = param(rngs, (H, 1), dtype) if shared and getattr(cfg, "shared_expert_gate", False) else None
         self.backend = backend
 
-    def router_logits(self, x_TH):
-        """[T, E] in float32 (the router stays float32 whatever the model dtype)."""
-        return jnp.matmul(x_TH.astype(jnp.float32), self.router[...].T, precision=HIGHEST)
+    def router_logits(self, x_TH, router_EH=None):
+        """[T, E] in float32 (the router stays float32 whatever the model dtype); router_EH: other
+        router weights to route with (a rerouted variant's), default the layer's own."""
+        weights = self.router[...] if router_EH is None else jnp.asarray(router_EH, jnp.float32)
+        return jnp.matmul(x_TH.astype(jnp.float32), weights.T, precision=HIGHEST)
 
     def balance_bias(self):
         return None if self.bias is None else self.bias[...]
 
-    def route(self, x_TH, expert_mask_E=None):
-        return route(self.router_logits(x_TH), self.router_cfg, self.balance_bias(), expert_mask_E)
+    def route(self, x_TH, expert_mask_E=None, router_EH=None):
+        return route(self.router_logits(x_TH, router_EH), self.router_cfg, self.balance_bias(), expert_mask_E)
 
     def expert_weights(self) -> dict:
         """The routed experts' stacked weights as `expert_fn` reads them."""
@@ -87,7 +89,7 @@ class MoE(nnx.Module):
         if em is None:
             r = self.route(x_TH)
             return self.routed(x_TH, r, forward_only), r
-        r = self.route(x_TH, em.mask_E)
+        r = self.route(x_TH, em.mask_E, em.router_EH)
         table = em.table(self.expert_weights())
         absent = jax.tree.leaves(table)[0].shape[0] if forward_only else None
         experts_r, novices_TH = em.expert_routing(r, absent)

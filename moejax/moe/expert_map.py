@@ -2,7 +2,7 @@
 expert weights each remaining slot computes with (DESIGN: pruning, merging and substitution are one
 kind of variant, evaluated by the same forward).
 
-    ExpertMap(mask_E, rows_E=None, weights=None, novice_E=None, constants_EH=None)
+    ExpertMap(mask_E, rows_E=None, weights=None, novice_E=None, constants_EH=None, router_EH=None)
       mask_E       bool [E] (or [T, E], one row per token): the router slots a token may be routed
                    to; the router itself is unchanged (softmax over the remaining slots, -inf
                    elsewhere: `moejax.moe.routing.route`)
@@ -12,6 +12,8 @@ kind of variant, evaluated by the same forward).
                    "novices", arXiv 2507.00390); None: none. A novice slot keeps its router row and
                    stays routable (mask True); only what it returns changes
       constants_EH float [E, H]: slot e's constant output (read at novice slots only)
+      router_EH    float32 [E, H]: the router weights this variant routes with (router
+                   distillation, `moejax.training.reroute`); None: the layer's own
 
 Pruning keeps weights:       ExpertMap(kept_E)
 Merging, `tied` router:      ExpertMap(all True, rows = each slot's cluster's merged expert, table)
@@ -45,6 +47,7 @@ class ExpertMap(NamedTuple):
     weights: dict | None = None
     novice_E: Any = None
     constants_EH: Any = None
+    router_EH: Any = None
 
     def apply(self, routing: Routing) -> Routing:
         """The routing with each chosen slot replaced by the weight row it computes with."""

@@ -16,7 +16,9 @@ weights only.
     router_filter            the nnx filter of the trained parameters (`MoE.router`)
     kl_loss(t_logp, s_logits, valid)   the loss above, float32
     teacher_log_probs(model, batches)  each batch's teacher log-softmax, computed once
-    reroute(student, teacher_logp, batches, settings, variant) -> RerouteResult (losses per step)
+    train_routers(model, teacher_logp, batches, settings, variant) -> ({layer: router [E, H]}, RerouteResult)
+    reroute(student, ...)    the same, the student's routers replaced in place
+    rerouted_maps(maps, trained)   a variant's expert maps routing by trained routers (ExpertMap.router_EH)
 
 Pure JAX and optax; `moejax.surgery.reroute` is the command around it (checkpoints in and out).
 """
@@ -122,22 +124,23 @@ def _step_fn(graphdef, optimizer):
     return step
 
 
-def reroute(student, teacher_logp: list, batches: list, settings: RerouteSettings, variant=None,
-            progress=None) -> RerouteResult:
-    """Train `student`'s routers in place for `settings.steps` steps, batch i % len(batches) at step i
-    (batches: (ids [B, S], mask [B, S] or None); teacher_logp: their teacher log-probs); variant: the
-    student's expert maps (a substituted checkpoint's novices), None otherwise. Every parameter but
-    the routers is left bitwise as it was."""
+def train_routers(model, teacher_logp: list, batches: list, settings: RerouteSettings, variant=None,
+                  progress=None) -> tuple[dict, RerouteResult]:
+    """({MoE layer: its trained router weights float32 [E, H]}, the run) for `model` under `variant`
+    (its expert maps: a pruned, merged or substituted variant of it, or None), trained for
+    `settings.steps` steps, batch i % len(batches) at step i (batches: (ids [B, S], mask [B, S] or
+    None); teacher_logp: their teacher log-probs). The model itself is left as it was."""
     from moejax.models.causal_lm import _checked
 
     settings.check()
     if len(teacher_logp) != len(batches) or not batches:
         raise ConfigError(f"reroute: {len(batches)} batches and {len(teacher_logp)} teacher log-prob arrays")
-    graphdef, routers, rest = nnx.split(student, router_filter, ...)
-    trained = [".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(routers)]
-    if not trained:
-        raise ConfigError("reroute: the student has no MoE router to train")
-    variant = _checked(variant, student.config)
+    graphdef, routers, rest = nnx.split(model, router_filter, ...)
+    routers = jax.tree.map(jnp.copy, routers)   # trained (and donated) apart from the model's own
+    paths = [path for path, _ in nnx.to_flat_state(routers)]
+    if not paths:
+        raise ConfigError("reroute: the model has no MoE router to train")
+    variant = _checked(variant, model.config)
     optimizer = settings.optimizer()
     opt_state = optimizer.init(routers)
     step = _step_fn(graphdef, optimizer)
@@ -150,5 +153,25 @@ def reroute(student, teacher_logp: list, batches: list, settings: RerouteSetting
         losses.append(float(loss))
         if progress is not None:
             progress(i, losses[-1])
-    nnx.update(student, routers)
-    return RerouteResult(losses, time.perf_counter() - t0, trained)
+    trained = {int(path[2]): np.asarray(v[...], np.float32) for path, v in nnx.to_flat_state(routers)}
+    return trained, RerouteResult(losses, time.perf_counter() - t0, [".".join(map(str, p)) for p in paths])
+
+
+def reroute(student, teacher_logp: list, batches: list, settings: RerouteSettings, variant=None,
+            progress=None) -> RerouteResult:
+    """`train_routers`, then the student's routers replaced by the trained ones (in place); every
+    other parameter is left bitwise as it was."""
+    trained, result = train_routers(student, teacher_logp, batches, settings, variant, progress)
+    for layer, router in trained.items():
+        student.model.layers[layer].mlp.router[...] = jnp.asarray(router)
+    return result
+
+
+def rerouted_maps(maps: dict | None, trained: dict) -> dict:
+    """A variant's expert maps with each MoE layer routing by its trained router weights
+    (`ExpertMap.router_EH`); a layer the variant leaves whole gets a map of every slot."""
+    from moejax.moe.expert_map import ExpertMap
+
+    maps = dict(maps or {})
+    return {layer: (maps[layer] if layer in maps else ExpertMap(jnp.ones(router.shape[0], bool)))._replace(
+        router_EH=jnp.asarray(router, jnp.float32)) for layer, router in trained.items()}

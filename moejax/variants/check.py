@@ -30,8 +30,8 @@ def check_variant(variant, config):
     the forward takes expert maps only), or a ConfigError naming what is wrong: masks must be bool
     [num_hidden_layers, E]; an expert map must name MoE layers only, with a bool mask [E], int rows
     [E] inside its table (or none), a table of the layer's expert shapes (gate/up [R, H, F],
-    down [R, F, H]), and novices (substituted slots) bool [E] with finite constants [E, H] (or
-    neither); every MoE layer's mask must let each token be routed to top_k kept experts
+    down [R, F, H]), novices (substituted slots) bool [E] with finite constants [E, H] (or
+    neither), and router weights finite [E, H] (or none); every MoE layer's mask must let each token be routed to top_k kept experts
     (`check_routable`). None stays None. The forward, `generate` and the lm-eval backend call it
     before any compute."""
     import jax.numpy as jnp
@@ -80,9 +80,14 @@ def check_variant(variant, config):
                                  or rows.min() < 0 or rows.max() >= limit):
             raise ConfigError(f"{where}: rows must be int [{E}] in [0, {limit}), got {rows.dtype} {list(rows.shape)}")
         novice, constants = _check_novices(em, E, H, where)
+        router = None if em.router_EH is None else np.asarray(em.router_EH)
+        if router is not None and (router.shape != (E, H) or not np.issubdtype(router.dtype, np.floating)
+                                   or not np.isfinite(router).all()):
+            raise ConfigError(f"{where}: router_EH must be finite floats [{E}, {H}] (the variant's router weights), "
+                              f"got {router.dtype} {list(router.shape)}")
         out[layer] = ExpertMap(jnp.asarray(mask), None if rows is None else jnp.asarray(rows, jnp.int32),
                                None if table is None else {k: jnp.asarray(v) for k, v in table.items()},
-                               novice, constants)
+                               novice, constants, None if router is None else jnp.asarray(router, jnp.float32))
     return out
 
 

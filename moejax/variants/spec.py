@@ -4,6 +4,8 @@ Hydra to the results table.
     method  a score (pruning, substitution; `moejax.scoring.scores`) or a merge method
             (`moejax.merging.layer.MERGE_METHODS`); None for the unpruned model
     keep    router slots kept per MoE layer (a count: ratios are resolved against E first)
+    rerouted  the variant with its routers distilled from the unpruned model afterwards
+            (`moejax.training.reroute`); a results row carries `rerouted` only when True
     form    how the method is applied:
               none         the unpruned model
               one_shot     pruning: every layer's experts chosen on the unpruned model's statistics
@@ -39,6 +41,7 @@ class VariantSpec:
     method: str | None
     keep: int | None
     form: str = "one_shot"
+    rerouted: bool = False
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -46,6 +49,8 @@ class VariantSpec:
         if (self.form == "none") != (self.method is None):
             raise ConfigError(f"variant {self.method}@{self.keep}: form 'none' (the unpruned model) and only it "
                               f"has no method, got form {self.form!r}")
+        if self.rerouted and self.form == "none":
+            raise ConfigError("the unpruned model is the teacher router distillation trains against; it is not rerouted")
 
     @classmethod
     def unpruned(cls) -> "VariantSpec":
@@ -71,11 +76,14 @@ class VariantSpec:
         """'unpruned', 'method@keep' (one-shot pruning) or 'form:method@keep'."""
         if self.form == "none":
             return "unpruned"
-        return f"{self.method}@{self.keep}" if self.form == "one_shot" else f"{self.form}:{self.method}@{self.keep}"
+        name = f"{self.method}@{self.keep}" if self.form == "one_shot" else f"{self.form}:{self.method}@{self.keep}"
+        return name + "+rerouted" if self.rerouted else name
 
     def row(self) -> dict:
-        """The spec's columns of a results row."""
-        return dict(method=self.method, form=self.form, keep=self.keep)
+        """The spec's columns of a results row (`rerouted` only when True: tables without rerouted
+        variants keep their columns)."""
+        row = dict(method=self.method, form=self.form, keep=self.keep)
+        return dict(row, rerouted=True) if self.rerouted else row
 
     @classmethod
     def from_row(cls, row) -> "VariantSpec":
@@ -84,4 +92,5 @@ class VariantSpec:
         form, method, keep = fields.get("form"), fields.get("method"), fields.get("keep")
         if form == "none":
             return cls.unpruned()
-        return cls(str(method), None if keep is None or keep != keep else int(keep), str(form))
+        rerouted = str(fields.get("rerouted")) in ("True", "1", "1.0")   # missing, None, NaN or pandas NA: False
+        return cls(str(method), None if keep is None or keep != keep else int(keep), str(form), rerouted)
