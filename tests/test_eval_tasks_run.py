@@ -155,3 +155,22 @@ def test_merged_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
         for _, row in merged[merged.keep == E].iterrows():
             assert row.value == base[row.metric]
         assert (merged[(merged.keep == 8) & (merged.metric == "bits_per_byte")].value != base["bits_per_byte"]).all()
+
+
+def test_rerouted_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
+    """prune.reroute=true: each variant is also evaluated with its routers distilled, once (the pass
+    trains them; the tasks get the rerouted expert maps), as rows with rerouted=True beside its own."""
+    from moejax.training import reroute as rr
+
+    calls = []
+    real = rr.train_routers
+    monkeypatch.setattr(rr, "train_routers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run_job(job(ckpt, keep=[8], scores=["frequency"], tasks=["stdlib_ppl"],
+                prune={"reroute": True, "reroute_steps": 3}), tmp_path)
+    assert len(calls) == 1
+    df = pd.read_parquet(tmp_path / "results.parquet")
+    assert df.rerouted.dtype == bool
+    ppl = df[(df.task == "stdlib_ppl") & (df.metric == "bits_per_byte") & (df.method == "frequency")]
+    assert sorted(ppl.rerouted) == [False, True] and ppl.value.nunique() == 2
+    held = df[(df.task == "heldout") & (df.method == "frequency")]
+    assert set(held[held.rerouted].metric) == {"perplexity", "reroute_kl_first", "reroute_kl_last"}
