@@ -16,7 +16,7 @@
                  (ream: --score, --group-size, --ream-tokens)
     moejax reroute SRC COMPRESSED DST (--text PATH... | --tokens FILE.npy) [--steps N] [--lr LR]
                  [--warmup N] [--final-lr-fraction F] [--weight-decay W] [--batch-size B] [--seq-len N]
-                 [--max-tokens N] [--teacher-cache DIR] [--overwrite]
+                 [--max-tokens N] [--teacher-cache DIR] [--mesh-expert 8] [--mesh-data 1] [--overwrite]
                  (router distillation: COMPRESSED's routers trained to match SRC's next-token distribution)
     moejax inspect CKPT [--json]
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
@@ -190,13 +190,21 @@ def _merge(args) -> None:
 
 
 def _reroute(args) -> None:
+    from moejax.hf.storage import require_local
+    from moejax.parallel.mesh import MeshConfig, request_cpu_devices
+
+    for path in (args.src, args.compressed):
+        require_local(path, "moejax reroute")
+    mesh = MeshConfig(data=args.mesh_data, expert=args.mesh_expert)
+    if "jax" not in sys.modules:
+        request_cpu_devices(mesh.n_devices)
     from moejax.surgery.reroute import reroute_checkpoint
 
     record = reroute_checkpoint(
         args.src, args.compressed, args.dst, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
         max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, warmup=args.warmup,
         final_lr_fraction=args.final_lr_fraction, weight_decay=args.weight_decay, batch_size=args.batch_size,
-        teacher_cache=args.teacher_cache, overwrite=args.overwrite)
+        teacher_cache=args.teacher_cache, overwrite=args.overwrite, mesh=mesh)
     losses = record["losses"]
     print(f"{args.dst}: {len(record['trained'])} routers distilled from {args.src} in {len(losses)} steps "
           f"(KL {losses[0]:.5f} -> {losses[-1]:.5f}, {record['train_seconds']:.1f} s); record in {args.dst}/reroute.json")
@@ -314,6 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--teacher-cache", default=None,
                    help="folder keeping the teacher's log-probs between runs on the same data")
+    p.add_argument("--mesh-expert", type=int, default=1, help="devices the routed experts are split over")
+    p.add_argument("--mesh-data", type=int, default=1, help="data-parallel devices (tokens split)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_reroute)
 

@@ -296,3 +296,29 @@ def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path):
         assert not np.allclose(np.asarray(before), np.asarray(got))
     table = prune_real.summary_table(df)
     assert ("one_shot+rerouted", "frequency") in table.index and ("one_shot", "frequency") in table.index
+
+
+def test_reroute_on_a_mesh_equals_one_device(dsv3, tmp_path):
+    """The student (and teacher) expert-parallel over 4 of conftest's simulated devices, tokens split
+    over 2: the same losses and written routers as on one device, to float rounding."""
+    import jax
+
+    from moejax.hf.checkpoint_reader import CheckpointReader
+    from moejax.parallel import MeshConfig
+    from moejax.surgery.reroute import reroute_checkpoint
+
+    if jax.device_count() < 8:
+        pytest.skip("needs conftest's 8 simulated CPU devices")
+    root, _ = dsv3
+    kw = dict(tokens=root / "calib.npy", steps=3, batch_size=4, lr=1e-2, warmup=0)
+    one = reroute_checkpoint(root / "src", root / "pruned", tmp_path / "one", **kw)
+    many = reroute_checkpoint(root / "src", root / "pruned", tmp_path / "mesh", mesh=MeshConfig(data=2, expert=4), **kw)
+    assert many["mesh"] == {"data": 2, "expert": 4}
+    np.testing.assert_allclose(many["losses"], one["losses"], rtol=1e-5)
+    a, b = CheckpointReader(tmp_path / "one"), CheckpointReader(tmp_path / "mesh")
+    for name in one["trained"]:   # (Adam moves an entry by ~lr = 1e-2; one whose gradient is near eps by less,
+        #                             sensitive to rounding: hence 1e-4)
+        np.testing.assert_allclose(b.read(name), a.read(name), rtol=1e-5, atol=1e-4)
+        assert not np.allclose(b.read(name), CheckpointReader(root / "pruned").read(name), atol=1e-3)
+    with pytest.raises(ConfigError, match="expert"):
+        reroute_checkpoint(root / "src", root / "pruned", tmp_path / "bad", mesh=MeshConfig(expert=3), **kw)

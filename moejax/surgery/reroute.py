@@ -71,10 +71,18 @@ def _teacher_cache(cache: Path | None, key: dict, compute) -> list[np.ndarray]:
 def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len: int | None = None,
                        max_tokens: int | None = None, steps: int = 200, lr: float = 1e-3, warmup: int = 10,
                        final_lr_fraction: float = 0.1, weight_decay: float = 0.0, batch_size: int = 8,
-                       teacher_cache=None, overwrite: bool = False, progress: bool | None = None) -> dict:
+                       teacher_cache=None, overwrite: bool = False, progress: bool | None = None,
+                       mesh=None) -> dict:
     """Write DST (COMPRESSED with its routers distilled from SRC) and return its record (also
-    DST/reroute.json)."""
+    DST/reroute.json). mesh: a `moejax.parallel.MeshConfig`; with several devices the teacher and
+    the student are loaded with their routed experts split over its expert axis (the "ep"
+    dispatch, gradients included) and the tokens over its data axis."""
+    import contextlib
+
+    import jax
     import jax.numpy as jnp
+
+    from moejax.parallel.mesh import MeshConfig, make_mesh
 
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
@@ -108,6 +116,11 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
     for field in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if getattr(tcfg, field) != getattr(scfg, field):
             raise CheckpointError(f"{field}: SRC {getattr(tcfg, field)}, COMPRESSED {getattr(scfg, field)}")
+    mesh = mesh or MeshConfig()
+    for cfg_, where in ((tcfg, src), (scfg, compressed)):
+        for count in sorted({cfg_.experts_in_layer(l) for l in cfg_.moe_layers}):
+            mesh.check_experts(count, str(where))
+    device_mesh = make_mesh(mesh) if mesh.n_devices > 1 else None
     ids, tokenizer = calibration_ids(src, tcfg, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
@@ -117,22 +130,22 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
            "shape": list(ids.shape), "batch_size": batch_size, "dtype": "float32"}
 
     def compute():
-        teacher = load_opened(opened(teacher_checked), jnp.float32)
+        teacher = load_opened(opened(teacher_checked), jnp.float32, mesh=device_mesh)
         return teacher_log_probs(teacher, batches)
-
-    teacher_logp = _teacher_cache(teacher_cache, key, compute)
-    teacher_s = time.perf_counter() - t0
-    substituted = isinstance(student_checked.reader, SubstitutedExpertsView)
-    if substituted:   # its novices' constants are the student's expert maps
-        student, variant = load_substituted(compressed)
-    else:
-        student, variant = load_opened(opened(student_checked), jnp.float32), None
 
     def report(i, loss):
         if show and (i % max(1, steps // 20) == 0 or i == steps - 1):
             print(f"reroute: step {i + 1}/{steps} KL {loss:.5f}", file=sys.stderr)
 
-    result = reroute(student, teacher_logp, batches, settings, variant, progress=report)
+    substituted = isinstance(student_checked.reader, SubstitutedExpertsView)
+    with contextlib.nullcontext() if device_mesh is None else jax.set_mesh(device_mesh):
+        teacher_logp = _teacher_cache(teacher_cache, key, compute)
+        teacher_s = time.perf_counter() - t0
+        if substituted:   # its novices' constants are the student's expert maps
+            student, variant = load_substituted(compressed, mesh=device_mesh)
+        else:
+            student, variant = load_opened(opened(student_checked), jnp.float32, mesh=device_mesh), None
+        result = reroute(student, teacher_logp, batches, settings, variant, progress=report)
     routers = {}
     layout = student_checked.layout
     for l, ml in layout.moe_layers.items():
@@ -144,6 +157,7 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
         "student": {"path": str(compressed.resolve()), "method": record.get("method", record.get("score")),
                     "form": record.get("form"), "keep": record.get("keep")},
         "settings": dataclasses.asdict(settings), "trained": sorted(routers),
+        "mesh": {"data": mesh.data, "expert": mesh.expert},
         "data": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                  "tokenizer": tokenizer, "sha256": key["tokens"]},
         "losses": result.losses, "teacher_seconds": teacher_s, "train_seconds": result.seconds,

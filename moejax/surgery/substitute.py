@@ -83,7 +83,7 @@ def substitution_maps(stats: dict[int, LayerStats], kept: dict[int, list[int]]) 
     return maps
 
 
-def load_substituted(path, dtype=None, backend: str = "sorted"):
+def load_substituted(path, dtype=None, backend: str | None = None, mesh=None):
     """(model, {MoE layer: ExpertMap}) of a substituted checkpoint folder (`moejax.hf.substitution`):
     the family's model with every router slot, a substituted expert's weights zeros (its pairs are
     never computed: absent in a forward-only dispatch, gate 0 otherwise), and per substituted layer
@@ -119,7 +119,7 @@ def load_substituted(path, dtype=None, backend: str = "sorted"):
         for e, name in values.items():
             novice[e], constants[e] = True, view.constant(name)
         maps[layer] = ExpertMap(jnp.ones(E, bool), novice_E=jnp.asarray(novice), constants_EH=jnp.asarray(constants))
-    return load_opened(opened(checked), dtype, backend), maps
+    return load_opened(opened(checked), dtype, backend, mesh=mesh), maps
 
 
 def write_substituted(reader, layout, substituted: dict[int, list[int]], constants: dict[int, np.ndarray],
