@@ -210,16 +210,17 @@ def _reroute(args) -> None:
           f"(KL {losses[0]:.5f} -> {losses[-1]:.5f}, {record['train_seconds']:.1f} s); record in {args.dst}/reroute.json")
 
 
-def _calibration_arguments(p, required: bool = True) -> None:
+def _calibration_arguments(p, required: bool = True, dtype: bool = True) -> None:
     data = p.add_mutually_exclusive_group(required=required)
     data.add_argument("--text", nargs="+", help="text files, folders or globs")
     data.add_argument("--tokens", help="pre-tokenised ids, a .npy int array [n_seq, seq_len]")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="compute dtype (bfloat16 halves a layer's memory)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (reroute: per training step)")
+    if dtype:
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="compute dtype (bfloat16 halves a layer's memory)")
 
 
 def _diff(args) -> None:
@@ -308,13 +309,7 @@ def main(argv=None) -> int:
     p.add_argument("src", help="the original checkpoint (the teacher)")
     p.add_argument("compressed", help="a checkpoint moejax pruned, merged or substituted from SRC (the student)")
     p.add_argument("dst")
-    data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--text", nargs="+", help="text files, folders or globs")
-    data.add_argument("--tokens", help="pre-tokenised ids, a .npy int array [n_seq, seq_len]")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
+    _calibration_arguments(p, dtype=False)   # the student trains in float32
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
