@@ -34,7 +34,7 @@ from moejax.experiments.prune_real import PruneRealConfig
 from moejax.evaluation.skills_tasks import skill_of, task_names
 from moejax.variants import VariantPlan, VariantSpec
 
-COLUMNS = ["method", "form", "keep", "rerouted", "task", "metric", "value", "stderr", "layer", "expert"]
+COLUMNS = ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]   # + rerouted (reroute=true)
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
 SKILL_TASKS = tuple(task_names())  # the skills tasks (moejax.evaluation.skills_tasks), built into the job folder when named
 
@@ -279,10 +279,11 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         results = evaluator.evaluate(lm=base.variant(maps), task_dict=loaded, limit=cfg.limit,
                                      bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING")
         rows += task_rows(results, spec.row())
-    df = pd.DataFrame(rows, columns=COLUMNS)
+    df = pd.DataFrame(rows, columns=COLUMNS[:3] + ["rerouted"] + COLUMNS[3:] if cfg.reroute else COLUMNS)
     for col in ("keep", "layer", "expert"):
         df[col] = df[col].astype("Int64")
-    df["rerouted"] = df["rerouted"].astype(str).isin(["True", "1", "1.0"])
+    if cfg.reroute:
+        df["rerouted"] = df["rerouted"].astype(str).isin(["True", "1", "1.0"])
     timings["variants"] = len(variants)
     return df, timings
 
