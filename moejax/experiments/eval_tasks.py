@@ -5,7 +5,8 @@ variant on downstream tasks, in one job, without writing a checkpoint per varian
    variant, one `moejax.variants.VariantPlan` each: (score, keep) pruned one-shot and, with
    `prune.sequential=true`, greedy; with `merges=[hc_smoe,m_smoe]` merged (clusters and merged
    experts, router forms tied and shrunk; with `prune.sequential_merges=true` also merged layer by
-   layer on the model merged so far); and beside them each variant's held-out perplexity and
+   layer on the model merged so far; with `prune.reroute=true` each also with its routers
+   distilled, `rerouted` True); and beside them each variant's held-out perplexity and
    mean layer-local error (task `heldout`).
 2. Each plan (and the unpruned model) is evaluated on every task through the lm-eval backend
    `moejax` (`moejax.evaluation.lm_eval.MoejaxLM`), handed over as its expert maps

@@ -8,7 +8,10 @@ reported beside the one-shot one (column `form`). With `merges=[hc_smoe,m_smoe]`
 baselines (SPEC section 8) are evaluated in the same pass at the same keeps, each under both router
 forms (`form` tied / shrunk, `method` the merge method), and with `prune.sequential_merges=true`
 also sequentially (`form` sequential_tied / sequential_shrunk: layer l+1 merged on the model merged
-up to layer l, REAM's sequential mode); their clusters go to `clusters.json`.
+up to layer l, REAM's sequential mode); their clusters go to `clusters.json`. With
+`prune.reroute=true` every variant is also rerouted (its routers distilled from the unpruned model
+on the calibration tokens, `moejax.training.reroute`): rows with `rerouted` True, its held-out
+perplexity and the KL of the first and last pass (`rerouted_variants`).
 Columns: method, form, keep (a `moejax.variants.VariantSpec`), layer, text, metric, value.
 
 Data defaults: calibration = the Python standard library's own sources (sorted, skipping held-out
