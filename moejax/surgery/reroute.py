@@ -89,10 +89,9 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
     from moejax.hf.model_io import load_opened, opened
     from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
     from moejax.hf.substitution import SubstitutedExpertsView
-    from moejax.hf.staging import check_destination, staged_directory
+    from moejax.hf.staging import check_destination
     from moejax.hf.storage import require_local
     from moejax.scoring.score_checkpoint import calibration_ids
-    from moejax.surgery.prune import write_index, write_shard
     from moejax.surgery.substitute import load_substituted
     from moejax.training.reroute import RerouteSettings, reroute, teacher_log_probs
 
@@ -163,18 +162,19 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
         "losses": result.losses, "teacher_seconds": teacher_s, "train_seconds": result.seconds,
     }
     fused = student_checked.reader._inner if substituted else student_checked.reader   # names as stored
-    _write(fused, routers, compressed, dst, out, overwrite, write_shard, write_index, staged_directory)
+    _write(fused, routers, compressed, dst, out, overwrite)
     return out
 
 
-def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, overwrite: bool, write_shard,
-           write_index, staged_directory) -> None:
+def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, overwrite: bool) -> None:
     """DST: COMPRESSED's shards with the routers replaced (in their stored dtype), its other files
     copied byte for byte, and reroute.json. fused: COMPRESSED's `FusedExpertsReader` (stored names
     to the family's names)."""
     import ml_dtypes
 
     from moejax.hf.safetensors_format import INDEX_NAME
+    from moejax.hf.staging import staged_directory
+    from moejax.surgery.prune import write_index, write_shard
 
     stored = fused.reader
     dtypes = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F64": np.float64}
