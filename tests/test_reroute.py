@@ -249,7 +249,7 @@ def test_reroute_every_family_loads_in_transformers(family, tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path):
+def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path, monkeypatch):
     """prune_real with reroute=true: every variant (pruned, merged, substituted) gets a rerouted row
     beside its own; its routers are trained (the KL falls); its perplexity is the forward of the
     model whose router weights are replaced by the trained ones (an independent path to the expert
@@ -269,6 +269,14 @@ def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path):
         path=str(path), keep=[4], scores=["frequency"], merges=["hc_smoe"], substitutes=["frequency"],
         calib=[str(text)], heldout=[str(text)], seq_len=32, calib_tokens=256, heldout_tokens=128, batch_size=4,
         reroute=True, reroute_steps=4, reroute_lr=5e-3))
+    seen = {}
+    real = prune_real.rerouted_variants
+
+    def spy(cfg, calib, heldout, plans):
+        seen["heldout"] = heldout
+        return real(cfg, calib, heldout, plans)
+
+    monkeypatch.setattr(prune_real, "rerouted_variants", spy)
     df, info, timings = prune_real.evaluate(cfg)
     rr = df[df.rerouted.astype(str) == "True"]
     specs = {VariantSpec.from_row(r) for r in rr.itertuples()}
@@ -294,6 +302,15 @@ def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
         before = load_pretrained(path).jitted()(jnp.asarray(ids, jnp.int32), None, own).logits_BSV
         assert not np.allclose(np.asarray(before), np.asarray(got))
+    # the rerouted rows' perplexity path (the whole forward) on each plan as built: the carried pass's rows
+    forward = load_pretrained(path).jitted()
+    plain = df[(df.rerouted.astype(str) != "True") & (df.metric == "perplexity")]
+    for spec, plan in plans.items():
+        got = prune_real.forward_perplexity_rows(forward, seen["heldout"], plan.expert_maps(), 4, spec.row())
+        want = plain[(plain.method == spec.method) & (plain.form == spec.form) & (plain.keep == spec.keep)]
+        assert len(got) == len(want) == 2, spec
+        for row in got:
+            np.testing.assert_allclose(row["value"], want[want.text == row["text"]].value.item(), rtol=2e-5)
     table = prune_real.summary_table(df)
     assert ("one_shot+rerouted", "frequency") in table.index and ("one_shot", "frequency") in table.index
 

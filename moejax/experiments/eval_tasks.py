@@ -33,7 +33,7 @@ from moejax.errors import ConfigError
 from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.experiments.prune_real import PruneRealConfig
 from moejax.evaluation.skills_tasks import skill_of, task_names
-from moejax.variants import VariantPlan, VariantSpec
+from moejax.variants import VariantPlan, VariantSpec, is_rerouted
 
 COLUMNS = ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]   # + rerouted (reroute=true)
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
@@ -284,7 +284,7 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     for col in ("keep", "layer", "expert"):
         df[col] = df[col].astype("Int64")
     if cfg.reroute:
-        df["rerouted"] = df["rerouted"].astype(str).isin(["True", "1", "1.0"])
+        df["rerouted"] = df["rerouted"].map(is_rerouted)
     timings["variants"] = len(variants)
     return df, timings
 

@@ -270,7 +270,6 @@ def rerouted_variants(cfg: PruneRealConfig, calib, heldout: dict, plans: list) -
     import jax.numpy as jnp
     import numpy as np
 
-    from moejax.evaluation.nll import next_token_nll
     from moejax.hf.model_io import load_pretrained
     from moejax.training.reroute import rerouted_maps, teacher_log_probs, train_routers
 
@@ -284,19 +283,30 @@ def rerouted_variants(cfg: PruneRealConfig, calib, heldout: dict, plans: list) -
         trained, result = train_routers(model, teacher, batches, settings, plan.expert_maps())
         spec = dc.replace(plan.spec, rerouted=True)
         maps_of[spec] = maps = rerouted_maps(plan.expert_maps(), trained)
-        total, count = 0.0, 0
-        for text, ids in heldout.items():
-            nll = np.concatenate([np.asarray(next_token_nll(forward(jnp.asarray(ids[i:i + cfg.batch_size]), None,
-                                                                    maps).logits_BSV,
-                                                            jnp.asarray(ids[i:i + cfg.batch_size])), np.float64).ravel()
-                                  for i in range(0, len(ids), cfg.batch_size)])
-            rows.append(dict(spec.row(), text=text, metric="perplexity", value=float(np.exp(nll.mean()))))
-            total, count = total + nll.sum(), count + nll.size
-        rows.append(dict(spec.row(), text="all", metric="perplexity", value=float(np.exp(total / count))))
+        rows += forward_perplexity_rows(forward, heldout, maps, cfg.batch_size, spec.row())
         n = min(len(batches), len(result.losses))   # the mean KL over the first and the last pass over the batches
         rows += [dict(spec.row(), metric=f"reroute_kl_{at}", value=float(np.mean(losses)))
                  for at, losses in (("first", result.losses[:n]), ("last", result.losses[-n:]))]
     return rows, maps_of
+
+
+def forward_perplexity_rows(forward, heldout: dict, maps: dict, batch_size: int, columns: dict) -> list[dict]:
+    """Held-out perplexity per text and over all ("all") by the whole model's jitted forward under
+    `maps` (`CausalLM.jitted()`), batch by batch: the path for variants the carried pass cannot
+    stream (rerouted ones). A test holds it equal to the carried pass's rows for the same plan."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moejax.evaluation.nll import next_token_nll
+
+    rows, total, count = [], 0.0, 0
+    for text, ids in heldout.items():
+        nll = np.concatenate([np.asarray(next_token_nll(forward(jnp.asarray(ids[i:i + batch_size]), None, maps).logits_BSV,
+                                                        jnp.asarray(ids[i:i + batch_size])), np.float64).ravel()
+                              for i in range(0, len(ids), batch_size)])
+        rows.append(dict(columns, text=text, metric="perplexity", value=float(np.exp(nll.mean()))))
+        total, count = total + nll.sum(), count + nll.size
+    return rows + [dict(columns, text="all", metric="perplexity", value=float(np.exp(total / count)))]
 
 
 def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):
@@ -331,7 +341,9 @@ def rerouted_as_form(df):
     and method, which would otherwise average a variant with its rerouted self)."""
     if "rerouted" not in df.columns:
         return df
-    flag = df["rerouted"].astype(str).isin(["True", "1", "1.0"])
+    from moejax.variants import is_rerouted
+
+    flag = df["rerouted"].map(is_rerouted)
     return df.assign(form=df["form"].where(~flag, df["form"] + "+rerouted"))
 
 

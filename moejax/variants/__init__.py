@@ -16,7 +16,7 @@ backend unchanged.
 """
 
 from moejax.variants.plan import Kept, LayerPlan, Merged, Substituted, VariantPlan
-from moejax.variants.spec import FORMS, MERGE_FORMS, PRUNING_FORMS, ROUTER_FORMS, VariantSpec
+from moejax.variants.spec import FORMS, MERGE_FORMS, PRUNING_FORMS, ROUTER_FORMS, VariantSpec, is_rerouted
 
 __all__ = ["FORMS", "MERGE_FORMS", "PRUNING_FORMS", "ROUTER_FORMS", "Kept", "LayerPlan", "Merged", "Substituted", "VariantPlan",
-           "VariantSpec"]
+           "VariantSpec", "is_rerouted"]

@@ -92,5 +92,11 @@ class VariantSpec:
         form, method, keep = fields.get("form"), fields.get("method"), fields.get("keep")
         if form == "none":
             return cls.unpruned()
-        rerouted = str(fields.get("rerouted")) in ("True", "1", "1.0")   # missing, None, NaN or pandas NA: False
+        rerouted = is_rerouted(fields.get("rerouted"))
         return cls(str(method), None if keep is None or keep != keep else int(keep), str(form), rerouted)
+
+
+def is_rerouted(value) -> bool:
+    """A results table's `rerouted` cell as a bool: True, 1 or their text (a table read back from
+    CSV or parquet); missing, None, NaN, pandas NA or False: False. `.map(is_rerouted)` on a column."""
+    return str(value) in ("True", "1", "1.0")
