@@ -6,7 +6,7 @@ those experts; every other device contributes zeros for them, so the result is t
 result bit for bit up to the order of float additions (x + 0 = x). Tokens are split over all
 devices ("data" x "expert"); the mesh comes from `jax.set_mesh(mesh)` (see `moejax.parallel`).
 
-Two paths, chosen automatically:
+Two paths, chosen by the platform the program is lowered for:
 - "collective" (runs everywhere, CPU included): all-gather the tokens of the expert group, run the
   local experts on the pairs routed to them, reduce-scatter the pair outputs back to the token
   owners (MaxText's "ring of experts").
@@ -47,24 +47,27 @@ def current_mesh():
     return mesh
 
 
-def choose_path(path: str = "auto") -> str:
+def _checked_path(path: str) -> str:
     if path not in PATHS:
         raise ValueError(f"unknown expert-parallel path {path!r}; valid: {', '.join(PATHS)}")
-    if path != "auto":
-        return path
+    return path
+
+
+def _log_collective_on_cpu() -> None:
     platform = jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm", "tpu"):
-        return "a2a"
-    if platform not in _logged:
+    if platform == "cpu" and platform not in _logged:
         _logged.add(platform)
-        log.info("expert parallelism on %s: the all-to-all path is meant for GPU/TPU; using the "
-                 "collective path (all-gather, local experts, reduce-scatter)", platform)
-    return "collective"
+        log.info("expert parallelism on cpu: the all-to-all path is meant for GPU/TPU; using the "
+                 "collective path (all-gather, local experts, reduce-scatter)")
 
 
 def ep_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, forward_only: bool = False, path: str = "auto"):
     """Expert output of every routed pair [T, K, D], computed on the device holding its expert.
-    Pairs with expert index E are absent (zeros), as in the sorted backend."""
+    Pairs with expert index E are absent (zeros), as in the sorted backend. path "auto": the
+    collective path where the program is lowered for CPU, all-to-all elsewhere
+    (`jax.lax.platform_dependent`, so a program exported for CUDA or TPU from a CPU machine holds
+    the all-to-all path; tests/test_lowering.py)."""
+    _checked_path(path)
     mesh = current_mesh()
     n_shards = mesh.shape[EXPERT_AXIS]
     n_experts = jax.tree.leaves(weights)[0].shape[0]
@@ -79,11 +82,19 @@ def ep_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, forward_only: bool 
     if pad:  # padding tokens route to the absent index: no device computes them
         x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
         expert_idx_TK = jnp.pad(expert_idx_TK, ((0, pad), (0, 0)), constant_values=n_experts)
-    body = _collective if choose_path(path) == "collective" else _all_to_all
-    local = functools.partial(body, expert_fn=expert_fn, forward_only=forward_only,
-                              experts_per_shard=n_experts // n_shards, n_shards=n_shards)
-    f_TKD = jax.shard_map(local, mesh=mesh, in_specs=(P(token_axes), P(token_axes), P(EXPERT_AXIS)),
-                          out_specs=P(token_axes), check_vma=False)(x_TD, expert_idx_TK, weights)
+    def sharded(body):
+        local = functools.partial(body, expert_fn=expert_fn, forward_only=forward_only,
+                                  experts_per_shard=n_experts // n_shards, n_shards=n_shards)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(token_axes), P(token_axes), P(EXPERT_AXIS)),
+                             out_specs=P(token_axes), check_vma=False)
+
+    if path == "auto":   # chosen by the platform the program is lowered for, not the one tracing it
+        _log_collective_on_cpu()
+        f_TKD = jax.lax.platform_dependent(x_TD, expert_idx_TK, weights, cpu=sharded(_collective),
+                                           default=sharded(_all_to_all))
+    else:
+        f_TKD = sharded(_collective if _checked_path(path) == "collective" else _all_to_all)(x_TD, expert_idx_TK,
+                                                                                              weights)
     return f_TKD[:n_tokens]
 
 
