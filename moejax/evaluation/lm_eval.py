@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import ConfigError, MoejaxError
+from moejax.evaluation.chat_template import read_chat_template, render_chat, special_token_texts
 from moejax.evaluation.generate import SEEDS, Generator, Sampling, check_seed
 from moejax.variants.check import check_variant
 from moejax.evaluation.nll import target_logprobs
@@ -78,6 +79,10 @@ class Tokenizer:
             settings = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
         # transformers' split_special_tokens: special-token text in a prompt is encoded as text
         self.tok.encode_special_tokens = bool(settings.get("split_special_tokens", False))
+        self.name_or_path = str(path)
+        self.chat_template = read_chat_template(path, settings)   # lm-eval's TemplateLM.chat_template reads these
+        self.default_chat_template = None
+        self.special_token_texts = special_token_texts(settings)
 
         def special(name):
             value = settings.get(name)
@@ -116,6 +121,12 @@ class MoejaxLM(TemplateLM):
     scores + score + keep: a `moejax score` parquet, a score name in it, a count or ratio of E
     (a record or scores file made from another checkpoint is refused: `moejax.hf.provenance`)
     seed: for tasks that sample (an integer in [0, 2**32))
+    mesh_data + mesh_expert: run on a data x expert mesh of the devices (expert-parallel "ep"
+        dispatch, each device reading only its experts: `from_pretrained(..., mesh=)`); default 1 x 1,
+        one device without a mesh
+    enable_thinking: passed to the chat template (as the hf backend's `enable_thinking`)
+    With `--apply_chat_template` (and `--fewshot_as_multiturn`) prompts are rendered with the
+    checkpoint's chat template (`moejax.evaluation.chat_template`), as the hf backend renders them.
     Integers are refused out of range (max_length, batch_size, max_gen_toks >= 1), as is a task
     asking to sample (do_sample=True) at a temperature <= 0, before any request runs.
     """
@@ -123,12 +134,13 @@ class MoejaxLM(TemplateLM):
     def __init__(self, pretrained: str, dtype: str = "float32", batch_size: int | str = 8, max_length=None,
                  max_gen_toks: int = 256, pruning: str | None = None, scores: str | None = None,
                  score: str | None = None, keep=None, seed: int = 0, add_bos_token: bool | None = None,
+                 mesh_data=1, mesh_expert=1, enable_thinking=None,
                  device: str | None = None, max_batch_size=None, variant=None, model=None, **unused):
         super().__init__()
         if unused:
             raise ConfigError(f"moejax lm-eval model: unknown model_args {sorted(unused)}; valid: pretrained, "
                               "dtype, batch_size, max_length, max_gen_toks, pruning, scores, score, keep, seed, "
-                              "add_bos_token")
+                              "add_bos_token, mesh_data, mesh_expert, enable_thinking")
         path = Path(pretrained).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(f"moejax lm-eval model: {path} has no config.json (pretrained= must be a local "
@@ -152,8 +164,11 @@ class MoejaxLM(TemplateLM):
             "max_position_embeddings)")
         self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
         self.seed = check_seed(_int_arg("seed", seed, 0), "moejax lm-eval model: seed")
+        self.chat_template_args = {} if enable_thinking is None else {
+            "enable_thinking": str(enable_thinking).lower() in ("1", "true")}
+        self.mesh = self._mesh(_int_arg("mesh_data", mesh_data, 1), _int_arg("mesh_expert", mesh_expert, 1), config)
         self.path = path
-        self.model = model or load_pretrained(path, dtype=jnp.dtype(dtype))
+        self.model = model or load_pretrained(path, dtype=jnp.dtype(dtype), mesh=self.mesh)
         self._score_fn = _compiled_scorer(self.model)
         self._generator = Generator(self.model)
 
@@ -171,6 +186,57 @@ class MoejaxLM(TemplateLM):
         other.expert_variant = check_variant(variant, cfg)
         other.cache_hook = CacheHook(None)
         return other
+
+    @staticmethod
+    def _mesh(data: int, expert: int, config):
+        """The data x expert mesh of the model args (None for 1 x 1), checked before loading."""
+        if data * expert == 1:
+            return None
+        from moejax.parallel.mesh import MeshConfig, make_mesh
+
+        experts = {config.experts_in_layer(l) for l in config.moe_layers}
+        if any(e % expert for e in experts):
+            raise ConfigError(f"moejax lm-eval model: mesh_expert={expert} does not divide the experts per layer "
+                              f"({sorted(experts)})")
+        return make_mesh(MeshConfig(data=data, expert=expert))
+
+    def _on_mesh(self):
+        """The context the compiled calls run in: the mesh (for the "ep" dispatch) when there is one."""
+        import contextlib
+
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    # --- chat templates, as lm-eval's hf backend offers them --------------------------------
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat rendered with the checkpoint's chat template (its "default" when it has several),
+        as the hf backend renders it: a template that refuses the chat is tried again without its
+        system messages."""
+        import jinja2
+
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):
+            template = template.get("default")
+        if not isinstance(template, str):
+            raise ConfigError(f"{self.path}: --apply_chat_template, but the checkpoint has no chat template "
+                              f"({'no default among several' if self.tokenizer.chat_template else 'none'} in "
+                              "chat_template.jinja or tokenizer_config.json)")
+        variables = dict(self.tokenizer.special_token_texts, **self.chat_template_args)
+
+        def render(history):
+            return render_chat(template, history, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=not add_generation_prompt, **variables)
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            log.warning("the chat template refused the chat; trying again without the system role (as lm-eval's "
+                        "hf backend does)")
+            return render([m for m in chat_history if m["role"] != "system"])
 
     @staticmethod
     def _variant_masks(config, pruning, scores, score, keep, checkpoint):
@@ -256,7 +322,8 @@ class MoejaxLM(TemplateLM):
         for b, (whole, _) in enumerate(rows):
             ids[b, :len(whole) - 1] = whole[:-1]
             targets[b, :len(whole) - 1] = whole[1:]
-        logp, greedy = self._score_fn(jnp.asarray(ids), jnp.asarray(targets), self.expert_variant)
+        with self._on_mesh():
+            logp, greedy = self._score_fn(jnp.asarray(ids), jnp.asarray(targets), self.expert_variant)
         logp, greedy = np.asarray(logp, np.float64), np.asarray(greedy)
         out = []
         for b, (whole, n_cont) in enumerate(rows):
@@ -334,12 +401,13 @@ class MoejaxLM(TemplateLM):
             for b in range(B):
                 e = encoded[b] if b < len(encoded) else encoded[0]  # a full batch: one compiled shape
                 ids[b, P - len(e):], mask[b, P - len(e):] = e, 1
-            out = self._generator(ids, mask, max_new_tokens=max_new, variant=self.expert_variant, **sampling,
-                                  seed=(self.seed * 1_000_003 + batch_index) % SEEDS,  # its own draws per batch
-                                  stop_token_ids=[self.eot_token_id],
-                                  pad_token_id=self.tokenizer.pad_id if self.tokenizer.pad_id is not None
-                                  else self.eot_token_id,
-                                  stop_sequences=[s for s in until if s], decode=self.tok_decode, check_every=8)
+            with self._on_mesh():
+                out = self._generator(ids, mask, max_new_tokens=max_new, variant=self.expert_variant, **sampling,
+                                      seed=(self.seed * 1_000_003 + batch_index) % SEEDS,  # its own draws per batch
+                                      stop_token_ids=[self.eot_token_id],
+                                      pad_token_id=self.tokenizer.pad_id if self.tokenizer.pad_id is not None
+                                      else self.eot_token_id,
+                                      stop_sequences=[s for s in until if s], decode=self.tok_decode, check_every=8)
             for b, context in enumerate(contexts):
                 text = postprocess_generated_text(self.tok_decode(out[b, P:].tolist()), until, None)
                 results.append(text)
