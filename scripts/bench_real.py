@@ -292,29 +292,22 @@ def compare_runs(old: dict, new: dict, layers: int) -> None:
 
 def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn: int = 1408) -> None:
     """M-SMoE's neuron alignment of one Moonlight-shaped layer (64 experts, gate/up [H, F] and down
-    [F, H] with H=2048, F=1408, random bfloat16 weights): dominants the first `keep` experts, expert
-    e joining dominant e % keep. `align_layer` (float32 similarity, the assignment overlapped with
-    the next product) against the code it replaced (one member at a time: features concatenated and
-    cast to float64), in the same run, once each (each takes seconds to a minute); the permutations
-    must agree. Wall and CPU seconds (all threads): on a shared machine the CPU ratio is the steadier.
-    Target: < 10 s."""
+    [F, H] with H=2048, F=1408, random bfloat16 weights) at every keep of `keeps`, as the carried
+    pass runs it: M-SMoE's groups (`m_smoe_groups_from_gram`) and leaders from router logits of a
+    few latent directions (so that experts have neighbours, as trained routers do) and their counts.
+    `align_layer` with one memo shared by the keeps (a (leader, member) pair aligned at one keep is
+    not aligned again) against the same without it (each keep on its own: the code before), in the
+    same run; the permutations must agree. Wall and CPU seconds (all threads). Target: every keep
+    together < 10 s."""
     import ml_dtypes
-    from scipy.optimize import linear_sum_assignment
 
     from moejax.merging.average import align_layer
-
-    def float64_per_member(dominant, member):  # the replaced code (moejax 8bff006, align_neurons)
-        feats = [np.concatenate([w["gate"].T, w["up"].T, w["down"]], axis=1).astype(np.float64)
-                 for w in (dominant, member)]
-        rows, cols = linear_sum_assignment(-(feats[0] @ feats[1].T))
-        perm = np.empty(len(rows), np.int64)
-        perm[rows] = cols
-        return perm
+    from moejax.merging.clusters import cluster_leaders, m_smoe_groups_from_gram
 
     def timed(fn):
         t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        return time.perf_counter() - t0, time.process_time() - c0
+        out = fn()
+        return out, time.perf_counter() - t0, time.process_time() - c0
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -323,22 +316,30 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
     for w in weights.values():
         for e in range(n_experts):
             w[e] = rng.standard_normal(w.shape[1:], dtype=np.float32) * 0.02
-    print(f"M-SMoE neuron alignment, one layer of {n_experts} experts, H={hidden}, F={ffn}, random bfloat16 "
-          f"(made in {time.perf_counter() - t0:.0f} s; {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}):")
+    logits = rng.standard_normal((2048, 8)) @ rng.standard_normal((8, n_experts)) + 0.3 * rng.standard_normal(
+        (2048, n_experts))
+    counts = np.bincount(np.argsort(-logits, axis=1)[:, :6].ravel(), minlength=n_experts)
+    plans = []
     for keep in keeps:
-        labels = np.arange(n_experts) % keep
-        members = range(keep, n_experts)
-        got = {}
-        new_s, new_cpu = timed(lambda: got.update(align_layer(weights, labels, np.arange(keep))))
-        want = {}
-        old_s, old_cpu = timed(lambda: want.update(
-            (j, float64_per_member(*({k: w[e] for k, w in weights.items()} for e in (j % keep, j))))
-            for j in members))
-        same = sum(np.array_equal(got[j], want[j]) for j in members)
-        print(f"  keep={keep}: {len(members)} members aligned in {new_s:5.1f} s (CPU {new_cpu:5.1f} s; "
-              f"target < 10 s); float64 one member at a time {old_s:5.1f} s (CPU {old_cpu:5.1f} s); "
-              f"speed-up {old_s / new_s:.1f}x (CPU {old_cpu / new_cpu:.1f}x); permutations identical {same}/{len(members)}")
+        labels = m_smoe_groups_from_gram(logits.T @ logits, counts, keep)
+        plans.append((keep, labels, cluster_leaders(labels, counts)))
+    pairs = [{(int(lead[labels[j]]), j) for j in range(n_experts) if j != lead[labels[j]]} for _, labels, lead in plans]
+    calls, unique = sum(len(p) for p in pairs), len(set().union(*pairs))
+    print(f"M-SMoE neuron alignment, one layer of {n_experts} experts, H={hidden}, F={ffn}, random bfloat16, "
+          f"keeps {list(keeps)} (made in {time.perf_counter() - t0:.0f} s; {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}): {calls} alignments asked for, {unique} distinct "
+          f"({1 - unique / calls:.0%} repeat across keeps)")
+    each = [timed(lambda: align_layer(weights, labels, lead)) for _, labels, lead in plans]
+    memo = {}
+    shared = [timed(lambda: align_layer(weights, labels, lead, memo)) for _, labels, lead in plans]
+    same = all(set(a[0]) == set(b[0]) and all(np.array_equal(a[0][j], b[0][j]) for j in a[0])
+               for a, b in zip(each, shared))
+    for keep, a, b in zip(keeps, each, shared):
+        print(f"  keep={keep}: {len(a[0])} members; each keep alone {a[1]:5.1f} s (CPU {a[2]:5.1f} s); "
+              f"with the shared memo {b[1]:5.1f} s (CPU {b[2]:5.1f} s)")
+    before, after = sum(a[1] for a in each), sum(b[1] for b in shared)
+    print(f"  every keep together: {before:.1f} s before, {after:.1f} s with the memo ({before / after:.2f}x; "
+          f"target < 10 s); permutations identical: {same}")
 
 
 def main():

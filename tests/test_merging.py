@@ -178,6 +178,30 @@ def test_align_layer_is_the_best_permutation_of_every_member_onto_its_leader():
     assert all(np.array_equal(perms32[j], perms[j]) for j in perms)
 
 
+def test_align_layer_memo_across_keeps_aligns_each_pair_once(monkeypatch):
+    """The carried pass merges a layer at several keeps with one memo: a (leader, member) pair seen
+    at the first keep is read back at the next (no similarity computed for it), pairs new to the
+    second are computed and added, and every permutation is the one computed without the memo."""
+    from moejax.merging import average
+
+    rng = np.random.default_rng(8)
+    experts = near_copies(rng, 4, 5, LABELS, LEADERS)
+    weights = layer_of(experts)
+    fewer = np.array([0, 1, 0, 0, 1, 1, 0, 0])   # a second keep: {0, 2, 3, 6, 7} led by 2, {1, 4, 5} led by 1
+    fewer_leaders = np.array([2, 1])
+    memo = {}
+    first = align_layer(weights, LABELS, LEADERS, memo)
+    assert set(memo) == {(2, 0), (2, 7), (1, 4), (1, 5)}
+    computed = []
+    real = average._similarity
+    monkeypatch.setattr(average, "_similarity", lambda a, b: computed.append(1) or real(a, b))
+    second = align_layer(weights, fewer, fewer_leaders, memo)
+    assert len(computed) == 2 and set(memo) - {(2, 0), (2, 7), (1, 4), (1, 5)} == {(2, 3), (2, 6)}
+    alone = align_layer(weights, fewer, fewer_leaders)
+    assert sorted(second) == sorted(alone) == [0, 3, 4, 5, 6, 7]
+    assert all(np.array_equal(second[j], alone[j]) for j in alone)
+    assert all(np.array_equal(first[j], memo[LEADERS[LABELS[j]], j]) for j in first)
+
 def merge_reference(experts, labels, freq, leaders=None):
     """W_c = sum_{j in c} freq_j P_j(W_j) / sum_{j in c} freq_j (uniform if the cluster's freq sums
     to 0), P_j the brute-force best permutation onto the leader (identity without leaders)."""

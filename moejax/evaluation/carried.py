@@ -503,6 +503,7 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
     host = {k: np.asarray(v).astype(jnp.dtype(dtype)) for k, v in layer.mlp.expert_weights().items()}
     options = merge_stats_options(methods.merges)
     group_stats, done = {}, {}
+    alignments = {}   # M-SMoE's (leader, member) alignments of these weights, shared by every keep and stream
 
     def merged(method, keep, group):
         if (method, keep, group) not in done:
@@ -513,7 +514,7 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
             # every method gets the same settings (REAM reads its centroid score and group size)
             done[method, keep, group] = merge_layer(method, counts[method, keep][layer_idx], group_stats[group], host,
                                                     seed=seed, scores_E=layer_sc.get(methods.merge_score),
-                                                    group_size=methods.group_size)
+                                                    group_size=methods.group_size, alignments=alignments)
         return done[method, keep, group]
 
     merge_of = {v: merged(v.method, v.keep, streams.group[v] if v.sequential else None)

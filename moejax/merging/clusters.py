@@ -98,7 +98,8 @@ def _frequency_average(align: bool):
     """W_G = sum_{j in G} freq_j P_j(W_j) / sum_{j in G} freq_j (P_j: alignment onto the leader, or
     the identity)."""
     def merge(weights, labels_E, leaders, ctx: MergeContext) -> dict:
-        return merge_weights(weights, labels_E, np.asarray(ctx.counts_E, np.float64), align=align, leaders=leaders)
+        return merge_weights(weights, labels_E, np.asarray(ctx.counts_E, np.float64), align=align, leaders=leaders,
+                             memo=ctx.alignments if align else None)
     return merge
 
 

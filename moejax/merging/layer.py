@@ -129,18 +129,19 @@ def layer_leaders(method: str, labels_E, counts_E, scores_E=None) -> np.ndarray:
 
 
 def merge_layer(method: str, keep: int, stats: MergeStats, expert_weights: dict, hc_method: str = "average",
-                seed: int = 0, scores_E=None, group_size: int = GROUP_SIZE) -> LayerMerge:
+                seed: int = 0, scores_E=None, group_size: int = GROUP_SIZE, alignments: dict | None = None) -> LayerMerge:
     """The layer merged to `keep` clusters by `method`; expert_weights: name -> [E, ...] arrays
     (host or device), the merged experts returned in their dtype. ream: scores_E (float64 [E],
     >= 0, higher = keep) required, stats from merge_stats(..., ream=True), group_size its C; seed
-    also seeds its randomised PCA (large layers only)."""
+    also seeds its randomised PCA (large layers only). alignments: M-SMoE's memo of this layer's
+    neuron alignments (`MergeContext.alignments`), one dict for every merge of the same weights."""
     labels = layer_clusters(method, keep, stats, hc_method, seed, scores_E, group_size)
     return merge_clusters(method, labels, stats.counts_E, expert_weights, scores_E=scores_E,
-                          act_inputs_NH=stats.act_inputs_NH, seed=seed)
+                          act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
 
 
 def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores_E=None, act_inputs_NH=None,
-                   seed: int = 0) -> LayerMerge:
+                   seed: int = 0, alignments: dict | None = None) -> LayerMerge:
     """The layer's clusters `labels_E` merged as `method` merges them (hc_smoe: each member weighted
     by its share of the cluster's counts; m_smoe: neurons aligned to each cluster's leader first;
     ream: each group's centroid leads it, members aligned on their activations over the sampled
@@ -148,7 +149,7 @@ def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores
     check_merge_names([method])
     labels = np.asarray(labels_E)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
-    ctx = MergeContext(None, counts_E, scores_E, seed=seed, act_inputs_NH=act_inputs_NH)
+    ctx = MergeContext(None, counts_E, scores_E, seed=seed, act_inputs_NH=act_inputs_NH, alignments=alignments)
     m = MERGE_METHODS[method]
     leaders = m.leaders(labels, ctx)
     merged = m.merge(host, labels, leaders, ctx)

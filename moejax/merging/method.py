@@ -7,7 +7,7 @@ tests.
     MergeContext     what a layer's merge may read: its calibration statistics (None when only
                      recorded clusters are merged again), the routing counts, and the settings
                      (a score per expert, REAM's group size, HC-SMoE's linkage, the seed, the
-                     sampled router inputs)
+                     sampled router inputs, M-SMoE's alignments already computed for this layer)
     MergeMethod      clusters(keep, ctx) -> labels [E]; leaders(labels, ctx) -> [C];
                      merge(weights, labels, leaders, ctx) -> {name: [C, ...]}; stats: what
                      `merge_stats` must gather for it beyond the baselines' statistics; scored:
@@ -31,6 +31,8 @@ class MergeContext:
     hc_method: str = "average"           # HC-SMoE's clustering
     seed: int = 0
     act_inputs_NH: np.ndarray | None = None   # REAM: sampled router inputs for its alignment
+    alignments: dict | None = None       # M-SMoE: {(leader, member): perm} of this layer's weights, shared
+                                         # by its merges at several keeps (`average.align_layer`'s memo)
 
 
 @dataclasses.dataclass(frozen=True)
