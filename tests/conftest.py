@@ -5,3 +5,27 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("MOEJAX_JAX_CACHE", "")
 
+
+
+def pytest_configure(config):
+    """One persistent XLA compilation cache for the whole test session, in a fresh temporary folder
+    (every xdist worker inherits the controller's): a test that rebuilds a jitted function of a
+    program another test (or itself) already compiled loads it instead of compiling it again.
+    Numerics are unchanged (the same executable); nothing is written outside the session's folder."""
+    import tempfile
+
+    if "MOEJAX_TEST_XLA_CACHE" not in os.environ:
+        os.environ["MOEJAX_TEST_XLA_CACHE"] = config._moejax_xla_cache = tempfile.mkdtemp(prefix="moejax-test-xla-")
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["MOEJAX_TEST_XLA_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def pytest_unconfigure(config):
+    """The session's compilation cache removed by the process that made it."""
+    import shutil
+
+    made = getattr(config, "_moejax_xla_cache", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
