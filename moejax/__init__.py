@@ -6,7 +6,7 @@ pandas notebook. The JAX-backed pieces live in the sub-packages:
 - `moejax.AutoModelForCausalLM`    any registered family's model from a checkpoint folder
 - `moejax.models.registry`        the model families (one folder each under moejax/models/)
 - `moejax.moe.routing.route`      the one routing function (SPEC section 1)
-- `moejax.moe.dispatch`           dense oracle and the sorted grouped-matmul backend
+- `moejax.moe.dispatch`           the one dispatch signature: the dense oracle, sorted (grouped matmul), ragged, ep
 - `moejax.models.toy`             the toy MoE layer of SPEC section 4 (math: `models.toy_layer`)
 - `moejax.scoring`                expert scores (SPEC section 2) and keep/selection rules
 - `moejax.experiments.toy3`       the toy3 experiment

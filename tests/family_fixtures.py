@@ -1,6 +1,7 @@
-"""Tiny random checkpoints of the four GQA families, made by transformers 5 itself (the reference we
-did not write), hardened like the DeepSeek-V3 fixtures: norms randomised, router rows wide so routing
-is decisive, attention biases and balance biases random and partly negative.
+"""Tiny random checkpoints of the five GQA families (every family but DeepSeek-V3, whose fixtures are
+in hf_fixtures.py), made by transformers 5 itself (the reference we did not write), hardened like the
+DeepSeek-V3 fixtures: norms randomised, router rows wide so routing is decisive, attention biases and
+balance biases random and partly negative.
 
 FAMILIES[name] = (transformers class name, config kwargs): each exercises the family's particular
 settings (explicit head_dim, dense layers, q/k norms over heads or whole projections, partial rope,

@@ -10,8 +10,8 @@ For each MoE layer and batch, on the router input x (the post-attention RMSNorm 
     computed for the norms), whose per-expert sums and sums of squares the host adds in float64,
     for `mone` (and its novice constants, `LayerStats.mean_output_EH`);
 and, once per layer, the sums of |w| and w^2 of each routed expert's weight matrices, for `aimer`.
-Padding tokens are excluded. (This runs the whole model in memory; the layer-streamed executor
-that keeps one layer's weights at a time is the next step.)
+Padding tokens are excluded. `calibrate` runs the whole model in memory; `calibrate_streamed` (what
+`moejax score` runs) holds one layer's weights at a time (`moejax.evaluation.stream`).
 """
 
 from __future__ import annotations
