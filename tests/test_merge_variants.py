@@ -495,3 +495,45 @@ def test_merge_refuses_a_quantised_source_before_the_pass(dsv3, tmp_path):
     with pytest.raises(CheckpointError, match="quantised.*does not re-quantise"):
         merge_checkpoint(src, tmp_path / "out", method="m_smoe", keep=4, tokens=tmp_path / "calib.npy")
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["calib.npy", "fp8"]
+
+
+def test_a_bfloat16_checkpoints_merged_experts_are_what_moejax_merge_writes(tmp_path):
+    """A bfloat16 checkpoint: the carried pass holds its experts as stored and its merged experts in
+    bfloat16, as `moejax merge` writes them (so the pass measures the checkpoint a user would get,
+    and its stacked table is not promoted to float32: half the memory); each merged tensor equals the
+    written one (both round a float32/float64 average to bfloat16: at most one bfloat16 step apart)."""
+    import ml_dtypes
+
+    from moejax.cli import main
+    from moejax.evaluation.carried import evaluate_pruning
+    from moejax.variants.plan import stacked_expert_map
+
+    path = tmp_path / "bf16"
+    make_checkpoint(path, seed=6, dtype="bfloat16", n_group=1, topk_group=1)
+    calib = np.random.default_rng(2).integers(0, 96, size=(4, 20)).astype(np.int32)
+    np.save(tmp_path / "calib.npy", calib)
+    assert main(["merge", str(path), str(tmp_path / "merged"), "--method", "m_smoe", "--keep", "4",
+                 "--tokens", str(tmp_path / "calib.npy"), "--batch-size", "4"]) == 0
+    record = json.loads((tmp_path / "merged" / "pruning.json").read_text())
+    ckpt = open_checkpoint(path)
+    _, info = evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], [4], merges=("m_smoe",), batch_size=4,
+                               merged_weights=True)
+    plan = next(p for p in info["plans"] if p.spec.method == "m_smoe" and p.spec.form == "shrunk")
+    written, merged_rows = CheckpointReader(tmp_path / "merged"), 0
+    for l, layer in record["layers"].items():
+        lm = plan.layers[int(l)].merge
+        assert layer["clusters"] == sorted(lm.clusters())
+        assert {np.dtype(w.dtype) for w in lm.weights.values()} == {np.dtype(ml_dtypes.bfloat16)}
+        held = ckpt.decoder_layer(int(l), jnp.float32, expert_dtype=ckpt.stored_expert_dtype(jnp.float32))
+        table = stacked_expert_map([None, plan.layers[int(l)]], held.mlp.expert_weights(), E).weights
+        assert {np.dtype(w.dtype) for w in table.values()} == {np.dtype(jnp.bfloat16)}
+        for new, members in enumerate(layer["clusters"]):
+            if len(members) == 1:
+                continue
+            c = int(lm.labels_E[members[0]])
+            for p in ("gate", "up", "down"):
+                got = np.asarray(lm.weights[p][c], np.float32).T
+                want = written.read(f"model.layers.{l}.mlp.experts.{new}.{p}_proj.weight").astype(np.float32)
+                np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+                merged_rows += 1
+    assert merged_rows > 0

@@ -477,15 +477,16 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     streams.cal = carried
     em_A = stacked_expert_map([None if v is None else layer_plans[v] for v in streams.order],
                               layer.mlp.expert_weights(), E) if layer.is_moe else None
-    energy_pos0 = _carry_heldout(graphdef, state, streams, em_A, errors, layer_idx)
-    if not layer.is_moe:
-        return [], None, None
-    if not merged_weights:  # the clusters are kept, the merged experts dropped with the layer
-        stripped = {}
+    carry_maps = merge_of = None   # (sequential merges' tables: used by the calibration streams above)
+    if layer.is_moe and not merged_weights:  # the clusters are kept; the merged experts live on in em_A's
+        stripped = {}                        # table only, and go with it after this layer
         for v, p in layer_plans.items():
             if v.merged:
                 stripped.setdefault(id(p.merge), dataclasses.replace(p.merge, weights=None))
                 layer_plans[v] = Merged(stripped[id(p.merge)], v.router)
+    energy_pos0 = _carry_heldout(graphdef, state, streams, em_A, errors, layer_idx)
+    if not layer.is_moe:
+        return [], None, None
     rows = [dict(form="one_shot", **r) for r in _analysis_rows(layer_idx, stats, {s: layer_sc[s] for s in methods.scores},
                                                                 kept, keeps, energy_pos0)]
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
@@ -499,8 +500,10 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
     unpruned calibration stream): one-shot merges from the unpruned calibration stream, sequential
     ones from their own (a sequential variant whose stream is still the unpruned one shares the
     one-shot merge). Statistics and merges are computed once per calibration group."""
-    # one host copy for every merge, in the compute dtype (experts may be held as stored)
-    host = {k: np.asarray(v).astype(jnp.dtype(dtype)) for k, v in layer.mlp.expert_weights().items()}
+    # the experts as held (their stored dtype where it is exact: `stored_expert_dtype`), no copy: the
+    # merge code casts one expert at a time, and returns the merged experts in this dtype, as
+    # `moejax merge` writes them (a bfloat16 checkpoint's merged experts are bfloat16)
+    host = {k: np.asarray(v) for k, v in layer.mlp.expert_weights().items()}
     options = merge_stats_options(methods.merges)
     group_stats, done = {}, {}
     alignments = {}   # M-SMoE's (leader, member) alignments of these weights, shared by every keep and stream

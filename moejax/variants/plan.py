@@ -112,6 +112,9 @@ class VariantPlan:
         return {layer: plan.experts() for layer, plan in self.layers.items()}
 
 
+TABLE_PAD = 16   # merged rows of a stacked expert table come in multiples of this
+
+
 def stacked_expert_map(plans: list, own: dict, n_experts: int):
     """Several variants of one MoE layer as one ExpertMap stacked over them (mask, rows and
     novices [A, E]; one expert table, one set of constants): plans[a] is variant a's LayerPlan, or
@@ -146,10 +149,11 @@ def stacked_expert_map(plans: list, own: dict, n_experts: int):
                 rows[members] = n_rows
                 n_rows += 1
         rows_of[key] = rows
-    # padded with zero experts no slot points at to a power of two, so layers whose merges leave
-    # different numbers of clusters of two or more share a few compiled shapes
-    pad = (1 << max(len(extra) - 1, 0).bit_length()) - len(extra) if extra else 0
-    table = {k: jnp.concatenate([own[k], jnp.asarray(np.stack([e[k] for e in extra])),
+    # padded with zero experts no slot points at to a multiple of TABLE_PAD rows, so layers whose
+    # merges leave different numbers of clusters of two or more share a few compiled shapes; the
+    # merged rows in the dtype the layer holds its experts in (the table is one array)
+    pad = -len(extra) % TABLE_PAD
+    table = {k: jnp.concatenate([own[k], jnp.asarray(np.stack([e[k] for e in extra]).astype(own[k].dtype, copy=False)),
                                  jnp.zeros((pad,) + own[k].shape[1:], own[k].dtype)]) if extra else own[k]
              for k in own}
     identity = jnp.arange(E, dtype=jnp.int32)
