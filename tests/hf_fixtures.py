@@ -47,6 +47,28 @@ def make_checkpoint(path, seed=0, dtype="float32", max_shard_size=None, save_ori
     return model
 
 
+def lm_eval_setup(root, seed: int, files=("textwrap.py", "fractions.py"), **task_counts):
+    """(checkpoint, tasks folder) for the lm-eval backend tests under `root`: a byte-level model
+    (vocab 256, eos = pad = byte 0, as train_tiny writes it; 512 positions; a tokenizer.json) and
+    the local stdlib tasks from `files` of the standard library (`task_counts`: write_stdlib_tasks'
+    n_nextline, n_mc, n_ppl), lm-eval's datasets kept offline in `root`."""
+    import os
+    import sysconfig
+    from pathlib import Path
+
+    from moejax.data import write_byte_tokenizer
+    from moejax.evaluation.tasks import write_stdlib_tasks
+
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_CACHE"] = str(root / "datasets")
+    ckpt = root / "tiny"
+    make_checkpoint(ckpt, seed=seed, vocab_size=256, max_position_embeddings=512, n_routed_experts=16, n_group=4,
+                    topk_group=2, num_experts_per_tok=4, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    write_byte_tokenizer(ckpt, 512)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return ckpt, write_stdlib_tasks(root / "tasks", files=[stdlib / f for f in files], **task_counts)
+
+
 def harden(model):
     """Make every parameter matter (in place; returns the model): norms random around 1, router rows
     wide (decisive routing), attention biases random, balance biases random and partly negative."""

@@ -3,7 +3,6 @@ same tiny checkpoint and the same local tasks: per-request log-likelihoods, is_g
 generated strings and task metrics; variants applied as expert masks; errors before loading."""
 
 import json
-import os
 import sysconfig
 from pathlib import Path
 
@@ -14,7 +13,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
-from hf_fixtures import make_checkpoint  # noqa: E402
+from hf_fixtures import lm_eval_setup, make_checkpoint  # noqa: E402
 
 from moejax.data import write_byte_tokenizer  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
@@ -25,17 +24,7 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lmeval")
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_CACHE"] = str(root / "datasets")
-    ckpt = root / "tiny"
-    # a byte-level model: vocab 256, eos = pad = byte 0 (as train_tiny writes it), 512 positions
-    make_checkpoint(ckpt, seed=21, vocab_size=256, max_position_embeddings=512, n_routed_experts=16, n_group=4,
-                    topk_group=2, num_experts_per_tok=4, eos_token_id=0, pad_token_id=0, bos_token_id=None)
-    write_byte_tokenizer(ckpt, 512)
-    tasks = write_stdlib_tasks(root / "tasks", files=[STDLIB / "textwrap.py", STDLIB / "fractions.py"],
-                               n_nextline=6, n_mc=8, n_ppl=2)
-    return ckpt, tasks
+    return lm_eval_setup(tmp_path_factory.mktemp("lmeval"), seed=21, n_nextline=6, n_mc=8, n_ppl=2)
 
 
 def evaluate(model, tasks_dir, tasks=TASKS):
