@@ -78,14 +78,14 @@ def router_stats(reader: CheckpointReader, ml: MoeLayer, seed: int = 0) -> Layer
 def data_free_stats(reader, ml: MoeLayer, cfg, names, seed: int = 0) -> LayerStats:
     """The statistics the data-free scores `names` read: the router rows and bias
     (`router_stats`: headers and router tensors only), plus the routed experts' weight sums
-    (`expert_weight_sums`) only when a score that reads expert weights (`aimer`) is among them."""
+    (`stored_expert_weight_sums`) only when a score that reads expert weights (`aimer`) is among them."""
     st = router_stats(reader, ml, seed)
     if any(n in EXPERT_WEIGHT_SCORES for n in names):
-        st.weight_abs_sum_E, st.weight_sq_sum_E, st.weight_count = expert_weight_sums(reader, ml, cfg)
+        st.weight_abs_sum_E, st.weight_sq_sum_E, st.weight_count = stored_expert_weight_sums(reader, ml, cfg)
     return st
 
 
-def expert_weight_sums(reader, ml: MoeLayer, cfg) -> tuple[np.ndarray, np.ndarray, int]:
+def stored_expert_weight_sums(reader, ml: MoeLayer, cfg) -> tuple[np.ndarray, np.ndarray, int]:
     """(sum |w| [E], sum w^2 [E], entries per expert) over every entry of layer `ml`'s routed
     experts' gate, up and down matrices (the family's names), in float64: what `aimer` reads.
     One tensor at a time, decoded from its stored format as the loader decodes it (FP8, INT4,
