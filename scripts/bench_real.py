@@ -340,6 +340,15 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
     before, after = sum(a[1] for a in each), sum(b[1] for b in shared)
     print(f"  every keep together: {before:.1f} s before, {after:.1f} s with the memo ({before / after:.2f}x; "
           f"target < 10 s); permutations identical: {same}")
+    # the machine's limit: each distinct alignment's similarity is one [F, 3H] x [3H, F] float32 product
+    a = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
+    b = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
+    rate = 2 * ffn * ffn * 3 * hidden / min(timed(lambda: a @ b.T)[1] for _ in range(5))
+    flops = unique * 2 * ffn * ffn * 3 * hidden
+    print(f"  the similarities need {flops / 1e12:.2f} TFLOP ({unique} x {2 * ffn * ffn * 3 * hidden / 1e9:.1f} GFLOP): "
+          f"{flops / rate:.1f} s at this run's numpy float32 matmul rate of the same shape ({rate / 1e9:.0f} GFLOP/s), "
+          f"before any assignment; the memo's pass reached {flops / after / 1e9:.0f} GFLOP/s "
+          f"({flops / after / rate:.0%} of it)")
 
 
 def main():
