@@ -345,15 +345,15 @@ class MergeMap(NamedTuple):
     experts: list
 
 
-def merge_map(method: str, labels_E, counts_E, w1_EDF, w2_EFD, first_row: int, **ream) -> MergeMap:
+def merge_map(method: str, labels_E, counts_E, w1_EDF, w2_EFD, first_row: int, **extra) -> MergeMap:
     """The merge of clusters `labels_E` (`moejax.merging.layer.merge_clusters`): each cluster G becomes
     W_G = sum_{j in G} freq_j W_j / sum_{j in G} freq_j, w1 and w2 separately, freq the routing
     counts; m_smoe first aligns each member's neurons to its cluster's leader, the dominant expert;
-    ream (ream: scores_E, act_inputs_NH, seed) aligns each member to its centroid and weights by
-    the scores."""
+    ream (extra: scores_E, act_inputs_NH, seed) aligns each member to its centroid and weights by
+    the scores; m_smoe's extra may be `alignments`, its memo of the layer's alignments (`MergeContext`)."""
     from moejax.merging.layer import merge_clusters
 
-    merge = merge_clusters(method, labels_E, counts_E, {"w1": w1_EDF, "w2": w2_EFD}, **ream)
+    merge = merge_clusters(method, labels_E, counts_E, {"w1": w1_EDF, "w2": w2_EFD}, **extra)
     rows, experts = np.arange(len(merge.labels_E), dtype=np.int32), []
     for c in range(merge.n_clusters):
         members = np.flatnonzero(merge.labels_E == c)
@@ -829,6 +829,7 @@ def _run(cfg: Toy3Config, progress=None):
         merged = ({k: np.zeros((*lead, lay.n_slots, *stacked[k].shape[2:]), np.float32) for k in ("w1", "w2")}
                   if lay.n_slots else None)
         pairs, clustering = {}, {}
+        alignments = {}   # per seed (its experts): M-SMoE's (leader, member) alignments, shared by every offset, load and keep
         n_sub = len(lay.substituted)
         novice = np.zeros((*lead, n_sub, n_experts), bool)
         constants = np.zeros((*lead, n_experts, stacked["x_cal"].shape[-1]), np.float32) if n_sub else None
@@ -868,17 +869,18 @@ def _run(cfg: Toy3Config, progress=None):
                 ream_scores = compute_scores(stats, [cfg.merge_score])[cfg.merge_score]
             maps = []  # (variants, slot of its first merged expert, MergeMap)
             for m, (method, keep) in enumerate(lay.merged):
-                ream = {}
+                extra = {}   # the method's own merge arguments
                 if method == "hc_smoe":  # the same clusters under either load (only the weights' freq differ)
                     if keep not in inputs:
                         inputs[keep] = merge_labels(method, keep, stats.counts_E, inputs["mean_output"])
                     labels = inputs[keep]
                 elif method == "ream":
                     labels = ream_labels(keep, ream_scores, inputs["similarity"], cfg.group_size)
-                    ream = dict(scores_E=ream_scores, act_inputs_NH=inputs["act_inputs"], seed=int(seed))
+                    extra = dict(scores_E=ream_scores, act_inputs_NH=inputs["act_inputs"], seed=int(seed))
                 else:
                     labels = merge_labels(method, keep, stats.counts_E, logit_gram_EE=inputs["gram"])
-                mm = merge_map(method, labels, stats.counts_E, w1, w2, first_row + lay.first_slot[m], **ream)
+                    extra = dict(alignments=alignments.setdefault(s, {}))
+                mm = merge_map(method, labels, stats.counts_E, w1, w2, first_row + lay.first_slot[m], **extra)
                 masks[s, o, l_, n_pruned + m, mm.leaders] = True  # shrunk: only the leaders' slots
                 maps.append(([m, n_merged + m], lay.first_slot[m], mm))
             pairs[s, o, l_] = coroute_pairs(host["cal_idx"][s, o, l_], n_experts, cfg.eq6_pairs)
