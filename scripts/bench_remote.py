@@ -40,7 +40,7 @@ from moejax.hf import remote  # noqa: E402
 from moejax.hf.checkpoint_writer import write_checkpoint  # noqa: E402
 from moejax.hf.inspection import inspect_checkpoint  # noqa: E402
 from moejax.hf.mapping import tensor_specs  # noqa: E402
-from moejax.hf.storage import open_location  # noqa: E402
+from moejax.hf.location import open_location  # noqa: E402
 from moejax.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from moejax.scoring.score_checkpoint import score_data_free  # noqa: E402
 from moejax.surgery.diff import diff_checkpoints  # noqa: E402

@@ -28,7 +28,8 @@ from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.hf.checkpoint_writer import write_checkpoint  # noqa: E402
 from moejax.hf.inspection import inspect_checkpoint  # noqa: E402
 from moejax.hf.safetensors_format import CONFIG_NAME, INDEX_NAME  # noqa: E402
-from moejax.hf.storage import MissingFile, open_location  # noqa: E402
+from moejax.hf.location import open_location  # noqa: E402
+from moejax.hf.storage import MissingFile  # noqa: E402
 from moejax.scoring.score_checkpoint import score_data_free  # noqa: E402
 from moejax.surgery.diff import diff_checkpoints  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402

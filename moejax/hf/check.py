@@ -38,7 +38,8 @@ from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
 from moejax.hf.safetensors_format import CONFIG_NAME
 from moejax.hf.substitution import SubstitutedExpertsView, describe, parse_substitution
-from moejax.hf.storage import MissingFile, Storage, open_location
+from moejax.hf.location import open_location
+from moejax.hf.storage import MissingFile, Storage
 from moejax.models.family import Family
 from moejax.models.registry import config_from_dict, family_of, read_config
 

@@ -30,7 +30,7 @@ from moejax.hf.check import PACKED_DTYPES, check_checkpoint
 from moejax.hf.layout import CheckpointLayout
 from moejax.hf.quant import QUANT_FORMATS
 from moejax.hf.safetensors_format import DTYPE_BITS, TensorInfo
-from moejax.hf.storage import open_location
+from moejax.hf.location import open_location
 
 PACKED_SUFFIX = "weight_packed"
 

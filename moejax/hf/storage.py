@@ -1,7 +1,7 @@
-"""Where a checkpoint's files are read from: `open_location` turns a local folder, an `https://`
-base URL or a Hugging Face repository `hf://org/name[@revision]` into a `Storage`, so that one
-reader (`moejax.hf.checkpoint_reader`) and one strict header parser (`moejax.hf.safetensors_format`)
-serve all three.
+"""Where a checkpoint's files are read from: `moejax.hf.location.open_location` turns a local
+folder, an `https://` base URL or a Hugging Face repository `hf://org/name[@revision]` into a
+`Storage`, so that one reader (`moejax.hf.checkpoint_reader`) and one strict header parser
+(`moejax.hf.safetensors_format`) serve all three.
 
 What the reader asks of a storage, and nothing more: a file's first bytes and its size (a shard's
 header), an exact byte range (one tensor), a small file whole (config.json, the index), the shard
@@ -84,26 +84,6 @@ def is_remote(location) -> bool:
     if isinstance(location, Storage):
         return location.remote
     return isinstance(location, str) and location.startswith(REMOTE_PREFIXES)
-
-
-def open_location(location, **options) -> Storage:
-    """The storage of a checkpoint location: a local folder (str or PathLike), an `http(s)://` base
-    URL (the folder that holds config.json), or `hf://org/name[@revision][/subfolder]`. An opened
-    Storage is returned as it is. `options` go to the remote storage (e.g. header_prefetch)."""
-    if isinstance(location, Storage):
-        return location
-    if isinstance(location, str) and "://" in location:
-        if location.startswith(("http://", "https://")):
-            from moejax.hf.remote import HttpStorage
-
-            return HttpStorage(location, **options)
-        if location.startswith("hf://"):
-            from moejax.hf.remote import HubStorage
-
-            return HubStorage(location, **options)
-        raise ConfigError(f"{location}: unsupported location; expected a local folder, an https:// base URL "
-                          "or hf://org/name[@revision]")
-    return LocalStorage(location)
 
 
 def require_local(location, command: str) -> None:

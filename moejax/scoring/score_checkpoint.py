@@ -103,7 +103,7 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
     from moejax.hf.provenance import FINGERPRINT_KEY, router_fingerprint
-    from moejax.hf.storage import open_location
+    from moejax.hf.location import open_location
     from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.scores import DATA_FREE_SCORES
     from moejax.surgery.prune import data_free_stats
