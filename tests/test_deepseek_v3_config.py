@@ -11,7 +11,8 @@ from flax import nnx
 
 from moejax.errors import ConfigError
 from moejax.hf.mapping import param_shapes, tensor_specs
-from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moejax.models.deepseek_v3 import DeepseekV3Config
+from moejax.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moejax.models.deepseek_v3.config import ARCHITECTURE
 from moejax.models.deepseek_v3.presets import PRESETS
 from moejax.models.deepseek_v3.rope import inv_freq_and_attention_factor

@@ -199,7 +199,8 @@ def sharding_snapshot(preset: str) -> tuple[dict, dict, MeshConfig]:
     import yaml
     from flax import nnx
 
-    from moejax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moejax.models.deepseek_v3 import DeepseekV3Config
+    from moejax.models.deepseek_v3.model import DeepseekV3ForCausalLM
 
     root = Path(__file__).resolve().parents[1]
     mesh_cfg = MeshConfig.from_dict(yaml.safe_load((root / "conf" / "mesh" / f"{preset}.yaml").read_text()))
