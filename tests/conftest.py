@@ -16,7 +16,6 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("MOEJAX_JAX_CACHE", "")
 
 
-
 def pytest_configure(config):
     """One persistent XLA compilation cache for the whole test session, in a fresh temporary folder
     (every xdist worker inherits the controller's): a test that rebuilds a jitted function of a

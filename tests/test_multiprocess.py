@@ -31,14 +31,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 DEADLINE_S = 120  # the whole job, start-up included: a hang fails instead of blocking the suite
 PROCESSES, LOCAL_DEVICES = 2, 4
-# The job's cost is compilation; at -O0 XLA:CPU compiles about twice as fast. The reference process
-# compiles with the same flags, so bitwise equality still means the same program.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# The job's cost is compilation; at -O0 (conftest's FAST_COMPILE) XLA:CPU compiles about twice as
+# fast. The reference process compiles with the same flags, so bitwise equality still means the same
+# program.
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo collectives: Linux and macOS")
 

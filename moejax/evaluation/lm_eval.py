@@ -26,6 +26,7 @@ computed separately (the `hf` backend reuses one forward for them: same numbers,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -166,7 +167,7 @@ class MoejaxLM(TemplateLM):
         self.seed = check_seed(_int_arg("seed", seed, 0), "moejax lm-eval model: seed")
         self.chat_template_args = {} if enable_thinking is None else {
             "enable_thinking": str(enable_thinking).lower() in ("1", "true")}
-        self.mesh = self._mesh(_int_arg("mesh_data", mesh_data, 1), _int_arg("mesh_expert", mesh_expert, 1), config)
+        self.mesh = self._mesh(mesh_data, mesh_expert, config, path)
         self.path = path
         self.model = model or load_pretrained(path, dtype=jnp.dtype(dtype), mesh=self.mesh)
         self._score_fn = _compiled_scorer(self.model)
@@ -188,22 +189,18 @@ class MoejaxLM(TemplateLM):
         return other
 
     @staticmethod
-    def _mesh(data: int, expert: int, config):
-        """The data x expert mesh of the model args (None for 1 x 1), checked before loading."""
-        if data * expert == 1:
-            return None
+    def _mesh(data, expert, config, path):
+        """The data x expert mesh of the model args (None for 1 x 1), the experts checked to split
+        over it before loading (`MeshConfig.check_experts`, as `moejax score` and `reroute` check)."""
         from moejax.parallel.mesh import MeshConfig, make_mesh
 
-        experts = {config.experts_in_layer(l) for l in config.moe_layers}
-        if any(e % expert for e in experts):
-            raise ConfigError(f"moejax lm-eval model: mesh_expert={expert} does not divide the experts per layer "
-                              f"({sorted(experts)})")
-        return make_mesh(MeshConfig(data=data, expert=expert))
+        mesh = MeshConfig(data=_int_arg("mesh_data", data, 1), expert=_int_arg("mesh_expert", expert, 1))
+        for count in sorted({config.experts_in_layer(l) for l in config.moe_layers}):
+            mesh.check_experts(count, f"{path} (model_args mesh_expert)")
+        return make_mesh(mesh) if mesh.n_devices > 1 else None
 
     def _on_mesh(self):
         """The context the compiled calls run in: the mesh (for the "ep" dispatch) when there is one."""
-        import contextlib
-
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     # --- chat templates, as lm-eval's hf backend offers them --------------------------------

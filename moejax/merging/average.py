@@ -141,14 +141,14 @@ def _check_leaders(labels: np.ndarray, leaders) -> np.ndarray:
     return leaders
 
 
-def align_layer(weights: dict, labels_E, leaders, memo: dict | None = None) -> dict[int, np.ndarray]:
+def align_layer(weights: dict, labels_E, leaders, alignments: dict | None = None) -> dict[int, np.ndarray]:
     """{expert: perm [F]} for every expert that is not its cluster's leader: `align_neurons` of the
     expert onto its cluster's leader (M-SMoE's dominant expert), for a whole layer.
 
     weights: a layer ({"gate": [E, H, F], ...}); labels_E: int [E], each expert's cluster, numbered
     0..C-1; leaders: int [C], the leader of each cluster. Each leader is cast once; the
     assignment (scipy releases the GIL) runs in a second thread while the next similarity is
-    computed, with at most two similarities waiting. memo: {(leader, member): perm}, read and
+    computed, with at most two similarities waiting. alignments: {(leader, member): perm}, read and
     filled, for several clusterings of the same weights (one layer at several keeps: a pair aligned
     at one keep is not aligned again at the next; the caller keeps it to one layer's weights)."""
     labels = _check_labels(weights, labels_E)
@@ -158,7 +158,7 @@ def align_layer(weights: dict, labels_E, leaders, memo: dict | None = None) -> d
     def blocks(j):
         return _neuron_blocks({k: w[j] for k, w in weights.items()}, dtype)
 
-    memo = {} if memo is None else memo
+    memo = {} if alignments is None else alignments
     perms, waiting = {}, []
     with ThreadPoolExecutor(1) as pool:
         for c, lead in enumerate(leaders.tolist()):
@@ -177,7 +177,7 @@ def align_layer(weights: dict, labels_E, leaders, memo: dict | None = None) -> d
 
 
 def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=None, perms=None,
-                  memo: dict | None = None) -> dict:
+                  alignments: dict | None = None) -> dict:
     """A layer's clusters merged: {"gate": [C, H, F], ...}, row c the merged expert of the cluster
     labelled c (labels_E: int [E] numbering the C clusters 0..C-1; `canonical_labels` numbers them by
     lowest member, as the clusterings do):
@@ -189,9 +189,9 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     leaders: int [C], leaders[c] the expert leading cluster c (M-SMoE's dominant expert); needed
     for align=True only. perms: {expert: perm [F]} computed elsewhere (REAM's alignment,
     `moejax.merging.ream.ream_align`), used as given instead of `align_layer` (an expert not in it
-    is averaged as it is); memo: `align_layer`'s, for align=True. A singleton cluster is its expert
-    exactly. One cluster at a time, one member's matrix cast at a time; float32 unless an input is
-    float64."""
+    is averaged as it is); alignments: `align_layer`'s memo, for align=True. A singleton cluster is
+    its expert exactly. One cluster at a time, one member's matrix cast at a time; float32 unless an
+    input is float64."""
     labels = _check_labels(weights, labels_E)
     freq = np.asarray(freq_E, np.float64)
     if freq.shape != labels.shape or not (np.isfinite(freq).all() and (freq >= 0).all()):
@@ -201,7 +201,7 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     if perms is not None and align:
         raise ConfigError("merge: pass either align=True (M-SMoE's alignment) or perms, not both")
     if perms is None:
-        perms = align_layer(weights, labels, leaders, memo) if align else {}
+        perms = align_layer(weights, labels, leaders, alignments) if align else {}
     dtype = _compute_dtype(weights.values())
     n_clusters = labels.max() + 1
     out = {k: np.empty((n_clusters, *np.shape(w)[1:]), dtype) for k, w in weights.items()}

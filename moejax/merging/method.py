@@ -32,7 +32,7 @@ class MergeContext:
     seed: int = 0
     act_inputs_NH: np.ndarray | None = None   # REAM: sampled router inputs for its alignment
     alignments: dict | None = None       # M-SMoE: {(leader, member): perm} of this layer's weights, shared
-                                         # by its merges at several keeps (`average.align_layer`'s memo)
+                                         # by its merges at several keeps (`average.align_layer`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 EXPERT_AXIS = "expert"
 DATA_AXIS = "data"
 PATHS = ("auto", "collective", "a2a")
-_logged = set()
+_logged = set()   # platforms whose path choice was logged (once each)
 
 
 def current_mesh():
@@ -47,16 +47,9 @@ def current_mesh():
     return mesh
 
 
-def _checked_path(path: str) -> str:
-    if path not in PATHS:
-        raise ValueError(f"unknown expert-parallel path {path!r}; valid: {', '.join(PATHS)}")
-    return path
-
-
 def _log_collective_on_cpu() -> None:
-    platform = jax.default_backend()
-    if platform == "cpu" and platform not in _logged:
-        _logged.add(platform)
+    if jax.default_backend() == "cpu" and "cpu" not in _logged:
+        _logged.add("cpu")
         log.info("expert parallelism on cpu: the all-to-all path is meant for GPU/TPU; using the "
                  "collective path (all-gather, local experts, reduce-scatter)")
 
@@ -67,7 +60,8 @@ def ep_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, forward_only: bool 
     collective path where the program is lowered for CPU, all-to-all elsewhere
     (`jax.lax.platform_dependent`, so a program exported for CUDA or TPU from a CPU machine holds
     the all-to-all path; tests/test_lowering.py)."""
-    _checked_path(path)
+    if path not in PATHS:
+        raise ValueError(f"unknown expert-parallel path {path!r}; valid: {', '.join(PATHS)}")
     mesh = current_mesh()
     n_shards = mesh.shape[EXPERT_AXIS]
     n_experts = jax.tree.leaves(weights)[0].shape[0]
@@ -93,8 +87,7 @@ def ep_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, forward_only: bool 
         f_TKD = jax.lax.platform_dependent(x_TD, expert_idx_TK, weights, cpu=sharded(_collective),
                                            default=sharded(_all_to_all))
     else:
-        f_TKD = sharded(_collective if _checked_path(path) == "collective" else _all_to_all)(x_TD, expert_idx_TK,
-                                                                                              weights)
+        f_TKD = sharded(_collective if path == "collective" else _all_to_all)(x_TD, expert_idx_TK, weights)
     return f_TKD[:n_tokens]
 
 
