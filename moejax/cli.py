@@ -217,7 +217,7 @@ def _calibration_arguments(p, required: bool = True, dtype: bool = True) -> None
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (reroute: per training step)")
+    p.add_argument("--batch-size", "--batch", type=int, default=8, help="sequences per batch (reroute: per training step)")
     if dtype:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                        help="compute dtype (bfloat16 halves a layer's memory)")

@@ -204,8 +204,9 @@ def test_reroute_merged_and_substituted_checkpoints(dsv3, tmp_path, kind):
             ["prune", str(root / "src"), str(comp), "--substitute", "--score", "mone", "--keep", "4", "--tokens", tokens])
     assert main(args) == 0
     assert main(["reroute", str(root / "src"), str(comp), str(dst), "--tokens", tokens, "--steps", "3",
-                 "--batch-size", "4", "--lr", "1e-2", "--warmup", "0"]) == 0
+                 "--batch", "4", "--lr", "1e-2", "--warmup", "0"]) == 0   # the spelling of --batch-size
     record = json.loads((dst / "reroute.json").read_text())
+    assert record["settings"]["batch_size"] == 4
     _same_but_routers(comp, dst, record["trained"])
     load = load_substituted if kind == "substituted" else (lambda p: (load_pretrained(p), None))
     (teacher, _), (student, variant) = (load_pretrained(root / "src"), None), load(comp)
