@@ -167,8 +167,9 @@ def timed(fn, into):
 ev._layer_pass = timed(ev._layer_pass, layer_s)
 ev._perplexity_rows = timed(ev._perplexity_rows, head_s)
 t0 = time.perf_counter()
+merges = {"merges": tuple(json.loads(sys.argv[8]))} if json.loads(sys.argv[8]) else {}  # old code may lack merges
 rows, info = ev.evaluate_pruning(open_checkpoint(path), calib, {"a": held_a, "b": held_b}, json.loads(sys.argv[6]),
-                                 json.loads(sys.argv[7]), progress=False)
+                                 json.loads(sys.argv[7]), progress=False, **merges)
 total = time.perf_counter() - t0
 hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
 kept = {str(l): v for l, v in info["kept"].items()}
@@ -205,8 +206,27 @@ def layer_flops(cfg, seq_len: int, moe: bool) -> float:
     return 2.0 * (attn + H * cfg.n_routed_experts + 3 * H * F * (cfg.num_experts_per_tok + cfg.n_shared_experts))
 
 
+def pass_flops(cfg, seq_len: int, n_tokens: dict, n_streams: int, merges: tuple) -> dict:
+    """The FLOPs the whole streamed pass must do, by part: every stream through every decoder layer
+    (the calibration stream once, each held-out text once per variant), the output head of every
+    held-out stream ([tokens, H] x [H, V]), and with merges each MoE layer's all-expert statistics
+    (every expert on every calibration token, for the merges' similarities and frequencies) and
+    M-SMoE's alignments (one [F, 3H] x [3H, F] similarity per expert aligned onto a leader, at each
+    keep; an upper bound: a pair repeated across keeps is aligned once)."""
+    H, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    streams = n_streams * n_tokens["held"] + n_tokens["calib"]
+    layers = sum(streams * layer_flops(cfg, seq_len, moe=cfg.is_moe_layer(l)) for l in range(cfg.num_hidden_layers))
+    parts = {"layers": layers, "head": 2.0 * n_streams * n_tokens["held"] * H * cfg.vocab_size}
+    if merges:
+        moe_layers = len(cfg.moe_layers)
+        parts["all-expert statistics"] = moe_layers * n_tokens["calib"] * E * 2.0 * 3 * H * F
+        if "m_smoe" in merges:
+            parts["alignment"] = moe_layers * sum(E - round(k * E) for k in KEEPS) * 2.0 * F * F * 3 * H
+    return parts
+
+
 def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), calib_seqs: int = 16,
-               held_seqs: int = 8, seq_len: int = 128) -> None:
+               held_seqs: int = 8, seq_len: int = 128, merges: tuple = ()) -> None:
     """The seed article's headline run on a synthetic Moonlight-shaped checkpoint with the full
     163,840-token vocabulary (bfloat16 on disk): 8 scores x 2 keeps, 2,048 calibration tokens,
     two held-out texts of 1,024 tokens. The code at `old_ref` (the pass before the issue-19
@@ -216,7 +236,8 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
     layer after the first, whose time includes compilation), the output head, peak resident
     memory (VmHWM), the FLOPs a MoE layer must do (every held-out stream and the calibration
     stream through the layer; the layer-local errors not counted) against the dense float32
-    matmul rate measured in the same run, and how far the new results are from the old."""
+    matmul rate measured in the same run, and how far the new results are from the old. merges:
+    the merge methods added to both runs (`--merges`: HC-SMoE and M-SMoE, the issue's 3 GB target)."""
     from moejax.models.deepseek_v3 import DeepseekV3Config
     from moejax.models.deepseek_v3.presets import PRESETS
 
@@ -252,12 +273,13 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
                     continue
                 out = tmp / f"{code}{layers}.json"
                 subprocess.run([sys.executable, "-c", FULL_CHILD, str(ckpt), str(ids["calib"]), str(ids["a"]),
-                                str(ids["b"]), str(out), json.dumps(SCORES), json.dumps(KEEPS)], check=True,
+                                str(ids["b"]), str(out), json.dumps(SCORES), json.dumps(KEEPS), json.dumps(list(merges))], check=True,
                                env={**os.environ, "MOEJAX_BENCH_CODE": str(src), "MOEJAX_JAX_CACHE": ""})
                 r = results[code, layers] = json.loads(out.read_text())
                 cfg = DeepseekV3Config.from_dict(json.loads((ckpt / "config.json").read_text()))
-                n_streams = len(SCORES) * len(KEEPS) + 1
+                n_streams = len(SCORES) * len(KEEPS) + 1 + len(merges) * len(KEEPS) * 2  # 2 router forms a merge
                 flops = (n_streams * n_tokens["held"] + n_tokens["calib"]) * layer_flops(cfg, seq_len, moe=True)
+                parts = pass_flops(cfg, seq_len, n_tokens, n_streams, merges)
                 steady = r["layers"][2:] or r["layers"][1:]  # MoE layers after the first (dense layer 0 first)
                 per_layer = sum(steady) / len(steady)
                 print(f"    {code} code ({'this checkout' if code == 'new' else old_ref}): total {r['total']:7.1f} s, "
@@ -265,6 +287,10 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
                       f"output head {r['head']:6.1f} s, peak {r['peak_mb']:,.0f} MB; a MoE layer's "
                       f"{flops / 1e12:.2f} TFLOP at {flops / per_layer / 1e9:.0f} GFLOP/s = "
                       f"{flops / per_layer / 1e9 / dense:.0%} of dense")
+                total = sum(parts.values())
+                print(f"      the whole pass needs {total / 1e12:.1f} TFLOP ("
+                      + ", ".join(f"{k} {v / 1e12:.1f}" for k, v in parts.items()) + f"): {total / r['total'] / 1e9:.0f} "
+                      f"GFLOP/s = {total / r['total'] / 1e9 / dense:.0%} of dense (target >= 50%)")
         for layers in old_layers:
             if ("new", layers) in results:
                 compare_runs(results["old", layers], results["new", layers], layers)
@@ -360,7 +386,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=512, help="calibration tokens (held-out: half)")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--align", action="store_true", help="time M-SMoE's neuron alignment of one layer only")
-    ap.add_argument("--merges", action="store_true", help="the carried pass with both merge methods against without")
+    ap.add_argument("--merges", action="store_true", help="the carried pass with both merge methods against without "
+                    "(with --model moonlight-full: both runs with both merges)")
     ap.add_argument("--methods", action="store_true", help="the carried pass with REAM, and with MoNE, against without")
     args = ap.parse_args()
 
@@ -374,7 +401,8 @@ def main():
         bench_alignment()
         return
     if args.model == "moonlight-full":
-        bench_full(tuple(args.layers), args.old_ref, tuple(args.old_layers))
+        bench_full(tuple(args.layers), args.old_ref, tuple(args.old_layers),
+                   merges=("hc_smoe", "m_smoe") if args.merges else ())
         return
     print(f"{len(SCORES)} scores x {len(KEEPS)} keeps = {len(SCORES) * len(KEEPS)} variants + unpruned; "
           f"{args.tokens} calibration and {args.tokens // 2} held-out tokens")

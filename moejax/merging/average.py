@@ -14,12 +14,20 @@ expert axis: gate [E, H, F], ...
 Precision: everything is computed, and returned, in float64 when any input matrix is float64, and
 in float32 otherwise (bfloat16 checkpoints: a product of two bfloat16 numbers is exact in float32,
 only the accumulation rounds). The inputs are cast one expert at a time, never a whole layer.
+`align_layer` on a bfloat16 layer computes its similarities from the bfloat16 matrices with float32
+accumulation (XLA's bfloat16 matmul, about 1.7x numpy's float32 on a CPU with AVX512-BF16): the
+same exact products, summed in another order (agreement to float32 rounding).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from moejax.errors import ConfigError
@@ -62,7 +70,7 @@ def _assign(similarity) -> np.ndarray:
     given matrix)."""
     from scipy.optimize import linear_sum_assignment
 
-    rows, cols = linear_sum_assignment(similarity, maximize=True)
+    rows, cols = linear_sum_assignment(np.asarray(similarity), maximize=True)
     perm = np.empty(len(rows), np.int64)
     perm[rows] = cols
     return perm
@@ -153,27 +161,47 @@ def align_layer(weights: dict, labels_E, leaders, alignments: dict | None = None
     at one keep is not aligned again at the next; the caller keeps it to one layer's weights)."""
     labels = _check_labels(weights, labels_E)
     leaders = _check_leaders(labels, leaders)
+    bf16 = all(np.dtype(w.dtype) == ml_dtypes.bfloat16 for w in weights.values())
     dtype = _compute_dtype(weights.values())
 
     def blocks(j):
+        if bf16:  # the expert's matrices as stored: `_bf16_similarity` accumulates in float32
+            return {k: jnp.asarray(w[j]) for k, w in weights.items()}
         return _neuron_blocks({k: w[j] for k, w in weights.items()}, dtype)
 
+    def similarity(a, b):  # bfloat16: dispatched to XLA and not waited for (the assignment thread waits)
+        return _bf16_similarity(tuple(sorted(_axes(a).items())), a, b) if bf16 else _similarity(a, b)
+
     memo = {} if alignments is None else alignments
-    perms, waiting = {}, []
-    with ThreadPoolExecutor(1) as pool:
+    perms, waiting = {}, deque()
+    with ThreadPoolExecutor(2) as pool:  # two assignments beside the next similarities
         for c, lead in enumerate(leaders.tolist()):
             others = [j for j in np.flatnonzero(labels == c).tolist() if j != lead]
             perms.update((j, memo[lead, j]) for j in others if (lead, j) in memo)
             others = [j for j in others if (lead, j) not in memo]
             lead_blocks = blocks(lead) if others else None
             for j in others:
-                waiting.append(((lead, j), pool.submit(_assign, _similarity(lead_blocks, blocks(j)))))
-                if len(waiting) > 2:
-                    pair, job = waiting.pop(0)
+                waiting.append(((lead, j), pool.submit(_assign, similarity(lead_blocks, blocks(j)))))
+                if len(waiting) > 3:
+                    pair, job = waiting.popleft()
                     perms[pair[1]] = memo[pair] = job.result()
         for pair, job in waiting:
             perms[pair[1]] = memo[pair] = job.result()
     return perms
+
+
+@partial(jax.jit, static_argnums=0)
+def _bf16_similarity(axes: tuple, dominant: dict, member: dict):
+    """`_similarity` of two bfloat16 experts (dicts of matrices as stored), S [F, F] float32: each
+    matrix's product contracted over its non-neuron axis, the bfloat16 products exact in float32
+    and accumulated in float32, summed over the matrices. axes: ((name, neuron axis), ...)."""
+    total = 0.0
+    for k, axis in axes:
+        a, b = dominant[k], member[k]
+        other = 1 - axis
+        total = total + jax.lax.dot_general(a, b, (((other,), (other,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+    return total
 
 
 def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=None, perms=None,
