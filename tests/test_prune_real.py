@@ -220,7 +220,7 @@ def test_analysis_rows_against_python_on_ties():
 
     from scipy.stats import spearmanr
 
-    from moejax.evaluation.carried import _analysis_rows
+    from moejax.evaluation.carried_rows import analysis_rows as _analysis_rows
 
     counts = np.array([5, 9, 0, 9, 3, 12, 1, 9, 4, 9, 2, 7])             # E = 12: the top quarter is 3
     mu = np.array([0.3, -1.2, 0.5, 2.0, 0.1])

@@ -35,11 +35,9 @@ table (the layer's own experts, then each merge's merged experts).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
@@ -51,118 +49,22 @@ from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import MERGE_METHODS, merge_layer, merge_stats_options
 from moejax.moe.expert_map import ExpertMap
-from moejax.moe.columns import routed_columns
-from moejax.models.causal_lm import Attended
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
-from moejax.scoring.scores import StatsAccumulator, compute_scores, rank_correlation
+from moejax.scoring.scores import StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.evaluation.stream import batch_geometry, embed, head_nll
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
 from moejax.variants.plan import stacked_expert_map
 from moejax.variants.check import check_routable
+from moejax.evaluation.carried_layer import (attention, mlp, routed_errors, routed_errors_each, stacked_attention,
+                                             stacked_mlp, streams_slice)
+from moejax.evaluation.carried_rows import METRICS, ErrorSums, analysis_rows, ppl_row  # noqa: F401 (METRICS: the rows' legend)
 
 # Held-out tokens a decoder layer runs in one call (all streams of a batch together would hold
 # several [streams x tokens, width] intermediates: 17 streams of 1,024 Moonlight tokens need 0.9 GB
 # for each expert-width one). 2,048 keeps a Moonlight-shaped layer's intermediates near 0.2 GB.
 STREAM_TOKENS = 2048
 
-METRICS = {
-    "rel_error": "all-token relative error of the layer's routed output, sum ||y'-y||^2 / sum ||y||^2",
-    "rel_error_median": "median over held-out tokens of ||y'-y||^2 / ||y||^2",
-    "perplexity": "held-out perplexity with every MoE layer pruned (score empty: unpruned)",
-    "usage_top_quarter": "share of routing decisions taken by the E/4 most-used experts (calibration)",
-    "cosine_mu_ones": "cosine between the mean router input and the all-ones vector",
-    "energy_pos0": "share of the routed output's energy sum ||y_t||^2 at sequence position 0 (held-out)",
-    "spearman_frequency": "Spearman rank correlation of the score with frequency",
-    "overlap_frequency": "kept experts shared with the frequency kept set",
-    "overlap_<score>": "kept experts shared with that score's kept set",
-    "rare_large_expert": "an expert in the bottom quarter by frequency and the top quarter by reap (value: its index)",
-    "experts": "experts the variant keeps at the layer (pruning) or clusters it merges them into (merging)",
-}
-
-
-# --- jitted pieces of one decoder layer (graphdef static, weights and masks as arguments) ------
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _attention(graphdef, state, x_BSH, cos, sin, allowed):
-    """h = x + attn(norm(x)), and z = the MLP's (router's) input."""
-    return nnx.merge(graphdef, state).attend(x_BSH, cos, sin, allowed)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _mlp(graphdef, state, h_BSH, z_BSH, variant):
-    """h + mlp(z), a MoE layer under `variant` (None, a mask [E] or an ExpertMap)."""
-    return nnx.merge(graphdef, state).feed(Attended(h_BSH, z_BSH), variant, forward_only=True).out_BSH
-
-
-def _streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
-    """Streams `sl` of an ExpertMap stacked over streams (mask, rows and novices [A, E]; one table,
-    one set of constants)."""
-    return em_A._replace(mask_E=em_A.mask_E[sl], rows_E=None if em_A.rows_E is None else em_A.rows_E[sl],
-                         novice_E=None if em_A.novice_E is None else em_A.novice_E[sl])
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _routed_errors(graphdef, state, z_TH, em_V: ExpertMap):
-    """Per-token squared norms of the unpruned routed output and of its error under each of the V
-    variants of em_V (mask and rows [V, E], one table): (||y_t||^2 [T], ||y'_t - y_t||^2 [V, T]);
-    shared experts excluded (SPEC section 3). Column 0 is the unpruned router (every slot, rows the
-    identity), column 1 + v variant v, all from one set of expert calls (`routed_columns`), so a
-    token whose choice a variant leaves unchanged has error exactly 0."""
-    moe = nnx.merge(graphdef, state).mlp
-    n_slots = em_V.mask_E.shape[-1]
-    identity = jnp.arange(n_slots, dtype=jnp.int32)
-    mask_CE = jnp.concatenate([jnp.ones((1, n_slots), bool), em_V.mask_E.astype(bool)])
-    rows_CE = jnp.concatenate([identity[None], jnp.broadcast_to(identity, em_V.mask_E.shape)
-                               if em_V.rows_E is None else em_V.rows_E.astype(jnp.int32)])
-    novice_CE = None if em_V.novice_E is None else jnp.concatenate([jnp.zeros((1, n_slots), bool),
-                                                                     em_V.novice_E.astype(bool)])
-    y_TCH = routed_columns(z_TH, moe.router_logits(z_TH), moe.router_cfg, moe.balance_bias(), mask_CE, rows_CE,
-                           em_V.table(moe.expert_weights()), moe.expert_fn, novice_CE, em_V.constants_EH)
-    y_TH = y_TCH[:, 0]
-    err_VT = jnp.sum((y_TCH[:, 1:] - y_TH[:, None]) ** 2, axis=-1).T
-    return jnp.sum(y_TH ** 2, axis=-1), err_VT
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap):
-    """`_routed_errors` of stream n's own inputs under its own variant n: ([A, B, S], [A, B, S])."""
-    def one(args):
-        z, mask, rows, novice = args
-        em = em_A._replace(mask_E=mask[None], rows_E=None if rows is None else rows[None],
-                           novice_E=None if novice is None else novice[None])
-        norm, err = _routed_errors(graphdef, state, z.reshape(-1, z.shape[-1]), em)
-        return norm.reshape(z.shape[:-1]), err[0].reshape(z.shape[:-1])
-    return jax.lax.map(one, (z_ABSH, em_A.mask_E, em_A.rows_E, em_A.novice_E))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed_BSS):
-    """The attention half of one decoder layer on A streams at once (stacked into the batch, so
-    each weight is read once per call for all of them): (h = x + attn(norm(x)), the MLP's input z),
-    both [A, B, S, H]."""
-    A, B, S, H = x_ABSH.shape
-    layer = nnx.merge(graphdef, state)
-    x = x_ABSH.reshape(A * B, S, H)
-    allowed = jnp.broadcast_to(allowed_BSS[None], (A, B, S, S)).reshape(A * B, S, S)
-    return jax.tree.map(lambda a: a.reshape(A, B, S, H), layer.attend(x, cos, sin, allowed))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | None):
-    """The MLP half on `n_streams` streams (h and z broadcast from one stream when they hold one),
-    stream n's MoE under variant n of em_A (mask and rows [n_streams, E], one table; None: a dense
-    layer): h + mlp(z), [n_streams, B, S, H]."""
-    _, B, S, H = h_ABSH.shape
-    layer = nnx.merge(graphdef, state)
-    h, z = (jnp.broadcast_to(a, (n_streams, B, S, H)).reshape(n_streams * B, S, H) for a in (h_ABSH, z_ABSH))
-    variant = None
-    if em_A is not None:  # stream n's mask, rows and novices on each of its tokens
-        mask, rows, novice = jax.tree.map(lambda a: jnp.repeat(a, B * S, axis=0),
-                                          (em_A.mask_E, em_A.rows_E, em_A.novice_E))
-        variant = em_A._replace(mask_E=mask, rows_E=rows, novice_E=novice)
-    return layer.feed(Attended(h, z), variant, forward_only=True).out_BSH.reshape(n_streams, B, S, H)
 
 
 # --- the pass ------------------------------------------------------------------------------------
@@ -170,58 +72,6 @@ def _stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | N
 
 def _geometry(ckpt: OpenCheckpoint, batches, dtype):
     return [batch_geometry(ckpt, ids, None, dtype) for ids in batches]
-
-
-def _analysis_rows(layer, stats, scores, kept, keeps, energy_pos0):
-    """Per-layer analyses of SPEC section 3 on the unpruned calibration statistics."""
-    rows = []
-    E = stats.counts_E.shape[0]
-    usage = np.sort(stats.counts_E)[::-1]
-    mu = stats.mean_input_D
-    rows.append(dict(layer=layer, metric="usage_top_quarter", value=float(usage[: max(1, E // 4)].sum() / usage.sum())))
-    rows.append(dict(layer=layer, metric="cosine_mu_ones",
-                     value=float(mu.sum() / (np.linalg.norm(mu) * np.sqrt(mu.size) + 1e-30))))
-    rows.append(dict(layer=layer, metric="energy_pos0", value=energy_pos0))
-    freq = stats.counts_E
-    for name, s in scores.items():
-        rows.append(dict(layer=layer, method=name, metric="spearman_frequency", value=rank_correlation(s, freq)))
-        for keep in keeps:
-            for other in scores:
-                if other != name:
-                    rows.append(dict(layer=layer, method=name, keep=keep, metric=f"overlap_{other}",
-                                     value=float(np.sum(kept[name, keep] & kept[other, keep]))))
-            if "frequency" not in scores:
-                rows.append(dict(layer=layer, method=name, keep=keep, metric="overlap_frequency",
-                                 value=float(np.sum(kept[name, keep] & select_kept(freq, keep)))))
-    if "reap" in scores:
-        quarter = max(1, E // 4)
-        rare = set(np.argsort(freq, kind="stable")[:quarter].tolist())
-        large = set(np.argsort(-scores["reap"], kind="stable")[:quarter].tolist())
-        rows += [dict(layer=layer, method="reap", metric="rare_large_expert", value=float(e)) for e in sorted(rare & large)]
-    return rows
-
-
-class _ErrorSums:
-    """Per variant and layer: sum ||y'-y||^2, sum ||y||^2, and per-token ratios (host, float64)."""
-
-    def __init__(self):
-        self.err, self.norm, self.per_token = {}, {}, {}
-
-    def add(self, key, norm_BS, err_BS, valid_BS):
-        norm, err = np.asarray(norm_BS, np.float64)[valid_BS], np.asarray(err_BS, np.float64)[valid_BS]
-        self.err[key] = self.err.get(key, 0.0) + err.sum()
-        self.norm[key] = self.norm.get(key, 0.0) + norm.sum()
-        ok = norm > 0
-        self.per_token.setdefault(key, []).append(err[ok] / norm[ok])
-
-    def rows(self):
-        out = []
-        for (variant, layer), err in self.err.items():
-            base = dict(variant.row(), layer=layer)
-            out.append(dict(base, metric="rel_error", value=float(err / self.norm[variant, layer])))
-            out.append(dict(base, metric="rel_error_median",
-                            value=float(np.median(np.concatenate(self.per_token[variant, layer])))))
-        return out
 
 
 def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
@@ -277,7 +127,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     streams = _Streams.embedded(ckpt, calib, heldout, one_shot + merged + substituted, seq_variants, batch_size,
                                 dtype)
     methods = _Methods(tuple(scores), tuple(substitutes), tuple(merges), group_size, merge_score)
-    errors, rows, kept_by_layer, clusters_by_layer = _ErrorSums(), [], {}, {}
+    errors, rows, kept_by_layer, clusters_by_layer = ErrorSums(), [], {}, {}
     plans = {v: VariantPlan(v) for v in streams.order[1:]}
     t0 = time.perf_counter()
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams.order)} held-out streams)",
@@ -403,7 +253,7 @@ class _Methods:
 
 
 def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods: _Methods, keeps, counts: dict,
-                errors: _ErrorSums, seed: int, dtype, merged_weights: bool = False
+                errors: ErrorSums, seed: int, dtype, merged_weights: bool = False
                 ) -> tuple[list[dict], dict | None, dict | None]:
     """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
     layer's output. At a MoE layer: every variant's expert map (one-shot pruning and merging: from
@@ -416,7 +266,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     layer = ckpt.decoder_layer(layer_idx, dtype, expert_dtype=ckpt.stored_expert_dtype(dtype))
     graphdef, state = nnx.split(layer)
     # per calibration group and batch: (h, z), the residual after attention and the MLP's (router's) input
-    cal_hz = {group: [_attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
+    cal_hz = {group: [attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
               for group, xs in streams.cal.items()}
     # variant -> what its calibration stream runs under at this layer: its kept experts [E] (one-shot
     # and sequential pruning) or its ExpertMap (a sequential merge); none at a dense layer
@@ -472,7 +322,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
         variant = carry_maps.get(key)
         new_group = group if variant is None else key
         if new_group not in carried:
-            carried[new_group] = [_mlp(graphdef, state, h, z, variant) for h, z in cal_hz[group]]
+            carried[new_group] = [mlp(graphdef, state, h, z, variant) for h, z in cal_hz[group]]
         streams.group[key] = new_group
     streams.cal = carried
     em_A = stacked_expert_map([None if v is None else layer_plans[v] for v in streams.order],
@@ -487,7 +337,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     energy_pos0 = _carry_heldout(graphdef, state, streams, em_A, errors, layer_idx)
     if not layer.is_moe:
         return [], None, None
-    rows = [dict(form="one_shot", **r) for r in _analysis_rows(layer_idx, stats, {s: layer_sc[s] for s in methods.scores},
+    rows = [dict(form="one_shot", **r) for r in analysis_rows(layer_idx, stats, {s: layer_sc[s] for s in methods.scores},
                                                                 kept, keeps, energy_pos0)]
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
              for v in streams.order[1:]]
@@ -531,7 +381,7 @@ def _novice_constants(stats) -> np.ndarray:
     return np.asarray(stats.mean_output_EH, np.float32)
 
 
-def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, errors: _ErrorSums,
+def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, errors: ErrorSums,
                    layer_idx: int) -> float:
     """The layer on every held-out stream, `streams.chunk` streams per call, stream n under variant
     n of em_A (None: a dense layer), and at a MoE layer the layer-local errors: one-shot and merged
@@ -548,33 +398,33 @@ def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, e
             x_ABSH, xs[b] = xs[b], None  # the batch's input is dropped as soon as its output exists
             outs, z_seq = [], []
             if x_ABSH.shape[0] == 1:  # every stream is still the unpruned one: its attention once
-                h, z = _stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed[0])
+                h, z = stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed[0])
                 if not is_moe:
-                    outs.append(_stacked_mlp(graphdef, state, h, z, 1, None))
+                    outs.append(stacked_mlp(graphdef, state, h, z, 1, None))
                 else:
-                    outs += [_stacked_mlp(graphdef, state, h, z, a1 - a0, _streams_slice(em_A, slice(a0, a1)))[skip:]
+                    outs += [stacked_mlp(graphdef, state, h, z, a1 - a0, streams_slice(em_A, slice(a0, a1)))[skip:]
                              for a0, a1, skip in chunks]
                     z_seq = [jnp.broadcast_to(z, (len(seq_variants),) + z.shape[1:])]
                 z0 = z[0]
             else:
                 for a0, a1, skip in chunks:
-                    h, z = _stacked_attention(graphdef, state, x_ABSH[a0:a1], cos, sin, allowed[0])
+                    h, z = stacked_attention(graphdef, state, x_ABSH[a0:a1], cos, sin, allowed[0])
                     z0 = z[0] if a0 == 0 else z0
                     z_seq.append(z[max(first_seq - a0, skip):])
-                    outs.append(_stacked_mlp(graphdef, state, h, z, a1 - a0,
-                                             _streams_slice(em_A, slice(a0, a1)) if is_moe else None)[skip:])
+                    outs.append(stacked_mlp(graphdef, state, h, z, a1 - a0,
+                                            streams_slice(em_A, slice(a0, a1)) if is_moe else None)[skip:])
             if is_moe:  # layer-local errors: one-shot and merged variants on the unpruned inputs (stream 0)
                 B, S, H = z0.shape
-                norm, err = _routed_errors(graphdef, state, z0.reshape(B * S, H),
-                                           _streams_slice(em_A, slice(1, first_seq)))
+                norm, err = routed_errors(graphdef, state, z0.reshape(B * S, H),
+                                          streams_slice(em_A, slice(1, first_seq)))
                 norm, err = norm.reshape(B, S), err.reshape(-1, B, S)
                 for i, variant in enumerate(on_unpruned):
                     errors.add((variant, layer_idx), norm, err[i], np.ones(norm.shape, bool))
                 n = np.asarray(norm, np.float64)
                 energy0, energy = energy0 + n[:, 0].sum(), energy + n.sum()
             if is_moe and seq_variants:  # sequential variants on their own (pruned) inputs
-                norms, errs = _routed_errors_each(graphdef, state, jnp.concatenate(z_seq)[:len(seq_variants)],
-                                                  _streams_slice(em_A, slice(first_seq, None)))
+                norms, errs = routed_errors_each(graphdef, state, jnp.concatenate(z_seq)[:len(seq_variants)],
+                                                 streams_slice(em_A, slice(first_seq, None)))
                 for i, variant in enumerate(seq_variants):
                     errors.add((variant, layer_idx), norms[i], errs[i], np.ones(norms[i].shape, bool))
             del x_ABSH, h, z
@@ -599,13 +449,7 @@ def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dic
             totals.setdefault(v, [0.0, 0])
             totals[v][0] += total
             totals[v][1] += count
-            rows.append(_ppl_row(v, text, total, count))
+            rows.append(ppl_row(v, text, total, count))
     for v, (s, n) in totals.items():
-        rows.append(_ppl_row(v, "all", s, n))
+        rows.append(ppl_row(v, "all", s, n))
     return rows
-
-
-def _ppl_row(v, text, nll_sum, count):
-    base = (VariantSpec.unpruned() if v is None else v).row()
-    return dict(base, text=text, metric="perplexity", value=float(np.exp(nll_sum / count)))
-

@@ -1,0 +1,102 @@
+"""The jitted pieces of one decoder layer that the carried pass (`moejax.evaluation.carried`) runs:
+the attention and MLP halves of a layer, on one stream or on A streams stacked into the batch,
+and the routed output's layer-local errors under each variant. The graphdef is static; weights,
+masks and expert maps are arguments, so one compilation serves every layer of a shape.
+
+Shape letters beyond DESIGN.md's legend: A streams stacked (one per variant), V variants measured
+on one stream's inputs, C the columns of `routed_columns` (column 0 the unpruned router, then the
+V variants).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.models.causal_lm import Attended
+from moejax.moe.columns import routed_columns
+from moejax.moe.expert_map import ExpertMap
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def attention(graphdef, state, x_BSH, cos, sin, allowed):
+    """h = x + attn(norm(x)), and z = the MLP's (router's) input."""
+    return nnx.merge(graphdef, state).attend(x_BSH, cos, sin, allowed)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def mlp(graphdef, state, h_BSH, z_BSH, variant):
+    """h + mlp(z), a MoE layer under `variant` (None, a mask [E] or an ExpertMap)."""
+    return nnx.merge(graphdef, state).feed(Attended(h_BSH, z_BSH), variant, forward_only=True).out_BSH
+
+
+def streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
+    """Streams `sl` of an ExpertMap stacked over streams (mask, rows and novices [A, E]; one table,
+    one set of constants)."""
+    return em_A._replace(mask_E=em_A.mask_E[sl], rows_E=None if em_A.rows_E is None else em_A.rows_E[sl],
+                         novice_E=None if em_A.novice_E is None else em_A.novice_E[sl])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def routed_errors(graphdef, state, z_TH, em_V: ExpertMap):
+    """Per-token squared norms of the unpruned routed output and of its error under each of the V
+    variants of em_V (mask and rows [V, E], one table): (||y_t||^2 [T], ||y'_t - y_t||^2 [V, T]);
+    shared experts excluded (SPEC section 3). Column 0 is the unpruned router (every slot, rows the
+    identity), column 1 + v variant v, all from one set of expert calls (`routed_columns`), so a
+    token whose choice a variant leaves unchanged has error exactly 0."""
+    moe = nnx.merge(graphdef, state).mlp
+    n_slots = em_V.mask_E.shape[-1]
+    identity = jnp.arange(n_slots, dtype=jnp.int32)
+    mask_CE = jnp.concatenate([jnp.ones((1, n_slots), bool), em_V.mask_E.astype(bool)])
+    rows_CE = jnp.concatenate([identity[None], jnp.broadcast_to(identity, em_V.mask_E.shape)
+                               if em_V.rows_E is None else em_V.rows_E.astype(jnp.int32)])
+    novice_CE = None if em_V.novice_E is None else jnp.concatenate([jnp.zeros((1, n_slots), bool),
+                                                                     em_V.novice_E.astype(bool)])
+    y_TCH = routed_columns(z_TH, moe.router_logits(z_TH), moe.router_cfg, moe.balance_bias(), mask_CE, rows_CE,
+                           em_V.table(moe.expert_weights()), moe.expert_fn, novice_CE, em_V.constants_EH)
+    y_TH = y_TCH[:, 0]
+    err_VT = jnp.sum((y_TCH[:, 1:] - y_TH[:, None]) ** 2, axis=-1).T
+    return jnp.sum(y_TH ** 2, axis=-1), err_VT
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap):
+    """`routed_errors` of stream n's own inputs under its own variant n: ([A, B, S], [A, B, S])."""
+    def one(args):
+        z, mask, rows, novice = args
+        em = em_A._replace(mask_E=mask[None], rows_E=None if rows is None else rows[None],
+                           novice_E=None if novice is None else novice[None])
+        norm, err = routed_errors(graphdef, state, z.reshape(-1, z.shape[-1]), em)
+        return norm.reshape(z.shape[:-1]), err[0].reshape(z.shape[:-1])
+    return jax.lax.map(one, (z_ABSH, em_A.mask_E, em_A.rows_E, em_A.novice_E))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed_BSS):
+    """The attention half of one decoder layer on A streams at once (stacked into the batch, so
+    each weight is read once per call for all of them): (h = x + attn(norm(x)), the MLP's input z),
+    both [A, B, S, H]."""
+    A, B, S, H = x_ABSH.shape
+    layer = nnx.merge(graphdef, state)
+    x = x_ABSH.reshape(A * B, S, H)
+    allowed = jnp.broadcast_to(allowed_BSS[None], (A, B, S, S)).reshape(A * B, S, S)
+    return jax.tree.map(lambda a: a.reshape(A, B, S, H), layer.attend(x, cos, sin, allowed))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | None):
+    """The MLP half on `n_streams` streams (h and z broadcast from one stream when they hold one),
+    stream n's MoE under variant n of em_A (mask and rows [n_streams, E], one table; None: a dense
+    layer): h + mlp(z), [n_streams, B, S, H]."""
+    _, B, S, H = h_ABSH.shape
+    layer = nnx.merge(graphdef, state)
+    h, z = (jnp.broadcast_to(a, (n_streams, B, S, H)).reshape(n_streams * B, S, H) for a in (h_ABSH, z_ABSH))
+    variant = None
+    if em_A is not None:  # stream n's mask, rows and novices on each of its tokens
+        mask, rows, novice = jax.tree.map(lambda a: jnp.repeat(a, B * S, axis=0),
+                                          (em_A.mask_E, em_A.rows_E, em_A.novice_E))
+        variant = em_A._replace(mask_E=mask, rows_E=rows, novice_E=novice)
+    return layer.feed(Attended(h, z), variant, forward_only=True).out_BSH.reshape(n_streams, B, S, H)
