@@ -56,7 +56,7 @@ from toy3_reference import np_balance, np_keep_mask, np_route, np_routed_output,
 
 
 def vec_draw(p: dict, seed: int) -> dict:
-    """One seed's layer and tokens: moejax.experiments.toy3._draw, restated so the numpy process
+    """One seed's layer and tokens: moejax.experiments.toy3.draw._draw, restated so the numpy process
     imports nothing of moejax (main() checks the two draws are identical)."""
     g_model, g_dir, g_cal, g_held = (np.random.default_rng(s) for s in np.random.SeedSequence([seed, 1]).spawn(4))
     d, h, n_experts = p["d_model"], p["d_hidden"], p["n_experts"]

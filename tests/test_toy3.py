@@ -1,5 +1,5 @@
 """toy3 end to end on small sizes: against the independent numpy implementation (sigmoid router in
-scripts/bench_toy3.py, softmax router here), and the schema."""
+tests/toy3_reference.py, softmax router here), and the schema."""
 
 
 import numpy as np

@@ -1,0 +1,252 @@
+"""toy3's stage two, jitted programs per batch of seeds: route the held-out tokens under every
+variant and measure its error against the full layer (SPEC section 3).
+
+  stage_two          the pruning variants: each kept set a mask, one compile for them all
+  stage_merges       the merges' shrunk and tied forms and the Eq. 6 pairs: expert maps over a
+                     table of the layer's own and the merged experts' outputs
+  stage_substitutes  MoNE's variants: removed experts return their constants
+"""
+
+from __future__ import annotations
+
+import functools
+
+from moejax.experiments.toy3.config import Toy3Config
+from moejax.experiments.toy3.stage_one import merges_read_table
+from moejax.experiments.toy3.variants import layout
+
+
+def _flat_seed_offset(a):
+    """[Z, O, ...] -> [Z * O, ...] (sizes spelt out: -1 is undefined beside a zero-size axis)."""
+    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def _with_unpruned(masks_AE):
+    """The masks led by variant 0, which keeps every expert (the full layer)."""
+    import jax.numpy as jnp
+
+    return jnp.concatenate([jnp.ones_like(masks_AE[..., :1, :]), masks_AE], axis=-2)
+
+
+@functools.lru_cache(maxsize=8)
+def _kth_values(cfg: Toy3Config):
+    """A jitted function (logits [Z, O, T, E], bias [Z, O, W, E], masks [Z, O, W, A, E]) -> each held-out
+    token's K-th largest biased score s + bias under the full layer and every mask [Z, O, W, 1 + A, T]."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+    from moejax.moe.topk import kth_largest
+
+    @jax.jit
+    def kth_values(logits, bias, masks):
+        sel_ZOWET = jnp.swapaxes(toy_layer.router_scores(logits, cfg.router)[:, :, None] + bias[:, :, :, None], -1, -2)
+        # the masks go into the network (one expert at a time), not onto a copy of the scores per variant
+        return kth_largest(sel_ZOWET[:, :, :, None], cfg.top_k, keep_E=_with_unpruned(masks))
+
+    return kth_values
+
+
+@functools.lru_cache(maxsize=8)
+def stage_two(cfg: Toy3Config):
+    """Route the held-out tokens under every kept set and measure the error of each variant.
+    Returns a function (logits_held, bias, masks, f_held=None, w1=None, w2=None, x_held=None) ->
+    (all-token relative error [..., A], per-token relative errors [..., A, T]); the median is taken
+    on the host (numpy's partition-based median is far cheaper than a sort per variant on the device).
+    Without the held-out table f_held (when the merges did not need stage one to make it whole,
+    `merges_read_table`), each (seed, offset)'s table is made here from the experts w1, w2 [Z, ...]
+    and tokens x_held [Z, O, T, D], in the loop that uses it: a 25 MB table reused, where the
+    whole one was 786 MB of fresh memory for every run.
+
+    Routing is `route`'s choice computed without `lax.top_k` (moejax/moe/topk.py, tested equal):
+    one jitted call finds each token's K-th largest biased score under every mask, a second reads
+    off the chosen experts and combines their outputs from the held-out table. (Two calls, so the
+    K-th values are materialised; fused into their consumer XLA recomputes them per expert.)
+    The unpruned layer is routed the same way, as variant 0, so a variant that routes every token
+    as the full layer does has an error of exactly zero.
+
+    Softmax router: a pruned layer's softmax runs over its kept experts only (what `route` computes
+    under a mask, and a physically pruned checkpoint computes). With `norm_topk_prob` neither the
+    choice (the top K kept logits, softmax being increasing) nor the gates
+    (exp(l_j) / sum over the K chosen of exp(l_i)) depends on that normaliser, so both are read off
+    the full layer's softmax over all E; equal to `route` under the mask up to float rounding
+    (tests/test_toy3.py checks against numpy's softmax over the kept experts).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+    from moejax.moe.dispatch import combine_from_table
+    from moejax.moe.routing import gates
+    from moejax.moe.topk import topk_indices_at_threshold
+
+    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+
+    def scores(logits):  # s of the unpruned layer: sigmoid, or softmax over all E
+        return toy_layer.router_scores(logits, cfg.router)
+
+    # per (seed, offset): [T, E] logits, [W, E] biases, [W, A, E] masks; the loads vmapped
+    @functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))
+    def condition(f_ETD, s_TE, bias_E, masks_AE, kth_AT):
+        idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
+        gate_ATK = gates(s_TE, idx_ATK, router_cfg)
+        # the unpruned output in its own call: sliced off the variants' outputs, XLA
+        # recomputed it for every variant (4x slower)
+        y_TD = combine_from_table(gate_ATK[0], idx_ATK[0], f_ETD)
+        err_sq_AT = jnp.sum((combine_from_table(gate_ATK[1:], idx_ATK[1:], f_ETD) - y_TD) ** 2, axis=-1)
+        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+        return err_sq_AT.sum(axis=-1) / y_sq_T.sum(), err_sq_AT / y_sq_T
+
+    kth_values = _kth_values(cfg)
+
+    @jax.jit
+    def errors(logits, bias, masks, kth, f, w1, w2, x):
+        n_offsets = logits.shape[1]
+
+        def seed_offset(args):
+            i, logits_TE, bias_WE, masks_WAE, kth_WAT, f_ETD, x_TD = args
+            if f_ETD is None:
+                s = i // n_offsets
+                f_ETD = toy_layer.expert_output_table({"w1": w1[s], "w2": w2[s]}, x_TD)
+            return condition(f_ETD, scores(logits_TE), bias_WE, masks_WAE, kth_WAT)
+
+        lead = logits.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
+        flat = jax.tree.map(_flat_seed_offset, (logits, bias, masks, kth, f, x))
+        rel, per_token = jax.lax.map(seed_offset, (jnp.arange(lead[0] * lead[1]), *flat))
+        return rel.reshape(*lead, *rel.shape[1:]), per_token.reshape(*lead, *per_token.shape[1:])
+
+    def run(logits, bias, masks, f_held=None, w1=None, w2=None, x_held=None):
+        if f_held is not None:
+            w1 = w2 = x_held = None
+        return errors(logits, bias, masks, kth_values(logits, bias, masks), f_held, w1, w2, x_held)
+
+    def compile_for(n_seeds: int) -> None:
+        """Compile both programs for a batch of n_seeds seeds, from the shapes alone (`run`'s calls
+        then find them compiled)."""
+        O, W, T, E = len(cfg.offsets), len(cfg.loads), cfg.n_heldout, cfg.n_experts
+        D, F = cfg.d_model, cfg.d_hidden
+
+        def f32(*shape):
+            return jax.ShapeDtypeStruct((n_seeds, *shape), jnp.float32)
+
+        logits, bias = f32(O, T, E), f32(O, W, E)
+        masks = jax.ShapeDtypeStruct((n_seeds, O, W, len(layout(cfg).pruned), E), jnp.bool_)
+        kth = jax.eval_shape(kth_values, logits, bias, masks)
+        kth_values.lower(logits, bias, masks).compile()
+        table = (f32(O, E, T, D), None, None, None) if merges_read_table(cfg) else (
+            None, f32(E, D, F), f32(E, F, D), f32(O, T, D))
+        errors.lower(logits, bias, masks, kth, *table).compile()
+
+    run.compile_for = compile_for
+    return run
+
+
+@functools.lru_cache(maxsize=8)
+def stage_merges(cfg: Toy3Config):
+    """The merges' variants, as `stage_two` evaluates the pruning ones: tabulate the merged experts
+    on the held-out tokens, route the held-out tokens and measure each variant's error. Returns a
+    function (f_held, logits_held, bias, masks, rows, x_held, merged) -> (sum_t ||y'_t - y_t||^2
+    [..., A], per-token relative errors ||y'_t - y_t||^2 / ||y_t||^2 [..., A, T], ||y_t||^2 [..., T],
+    and the full layer's routing, experts and gates [..., T, K]).
+
+    A variant is an expert map. The merges' shrunk forms are routed under their masks
+    [..., n_shrunk, E] (`kth_values` as in `stage_two`); the rest (tied forms, Eq. 6 pairs) keep
+    every slot, so they take the full layer's routing. rows [..., A, E]: the row of the table
+    [E + W * n_slots, T, D] that each slot computes with: the layer's own experts (f_held), then
+    each load's merged experts (merged: {"w1": [..., W, n_slots, D, F], "w2": ...}, None when there
+    are none), tabulated here once per (seed, offset).
+
+    The batch of variants is led by the full layer (every slot its own row), its reference, computed
+    by the same code as they are: a variant that routes and computes a token as the full layer does
+    (a merge of singletons) has an error of exactly zero. (Computed apart, as `stage_two` does,
+    the reference came out of a differently fused loop, 1 ulp off, once the merged table was in the
+    program; which is also why the merges are a program of their own, leaving the pruning one as it
+    was.) The batch's outputs are materialised (the barrier): sliced off them inside the error's
+    fusion, XLA recomputed the reference for every variant (1.3x slower).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+    from moejax.moe.dispatch import combine_from_table
+    from moejax.moe.routing import gates
+    from moejax.moe.topk import topk_indices_at_threshold
+
+    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+    n_shrunk = len(layout(cfg).merged)
+    kth_values = _kth_values(cfg)
+
+    # the table (rows: the layer's experts, then the merged ones) and logits shared by the loads;
+    # [W, ...] biases, masks, K-th values, rows
+    @functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0, 0))
+    def condition(table_ETD, logits_TE, bias_E, masks_AE, kth_AT, rows_AE):
+        s_TE = toy_layer.router_scores(logits_TE, cfg.router)
+        idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
+        gate_ATK = gates(s_TE, idx_ATK, router_cfg)
+        same = (rows_AE.shape[0] - n_shrunk,) + idx_ATK.shape[1:]
+        slot_ATK = jnp.concatenate([idx_ATK, jnp.broadcast_to(idx_ATK[0], same)])
+        gate_v_ATK = jnp.concatenate([gate_ATK, jnp.broadcast_to(gate_ATK[0], same)])
+        rows_v_AE = jnp.concatenate([jnp.arange(rows_AE.shape[1], dtype=rows_AE.dtype)[None], rows_AE])
+        row_ATK = jnp.take_along_axis(rows_v_AE[:, None, :], slot_ATK, axis=-1)  # ExpertMap.apply
+        y_ATD = jax.lax.optimization_barrier(combine_from_table(gate_v_ATK, row_ATK, table_ETD))
+        y_TD = y_ATD[0]
+        err_sq_AT = jnp.sum((y_ATD[1:] - y_TD) ** 2, axis=-1)
+        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+        return err_sq_AT.sum(axis=-1), err_sq_AT / y_sq_T, y_sq_T, idx_ATK[0], gate_ATK[0]
+
+    @jax.jit
+    def errors(f, logits, bias, masks, kth, rows, x, merged):
+        def seed_offset(args):
+            f_ETD, x_TD, merged_W, *per_load = args
+            table_ETD = f_ETD
+            if merged_W is not None:  # every load's merged experts, after the layer's own
+                flat = {k: w.reshape(-1, *w.shape[2:]) for k, w in merged_W.items()}
+                table_ETD = jnp.concatenate([f_ETD, toy_layer.expert_output_table(flat, x_TD)])
+            return condition(table_ETD, *per_load)
+
+        lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
+        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), (f, x, merged, logits, bias, masks, kth, rows))
+        out = jax.lax.map(seed_offset, flat)
+        return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
+
+    def run(f, logits, bias, masks, rows, x=None, merged=None):
+        return errors(f, logits, bias, masks, kth_values(logits, bias, masks), rows, x, merged)
+
+    return run
+
+
+@functools.lru_cache(maxsize=8)
+def stage_substitutes(cfg: Toy3Config):
+    """MoNE's variants: every router slot remains, so a held-out token is routed as the full layer
+    routes it, and a chosen slot whose expert was removed (a novice) returns its constant instead
+    of f_j(x): y'_t - y_t = sum_k g_tk novice[i_tk] (c_{i_tk} - f_{i_tk}(x_t)). Returns a jitted
+    function (f_held [Z, O, E, T, D], logits_held, bias [Z, O, W, E], novice [Z, O, W, A, E],
+    constants [Z, O, W, E, D]) -> (sum_t ||y'_t - y_t||^2 [..., A], per-token relative errors
+    [..., A, T], ||y_t||^2 [..., T])."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+    from moejax.moe.routing import route
+
+    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+
+    @functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))   # over the loads
+    def condition(f_ETD, logits_TE, bias_E, novice_AE, c_ED):
+        r = route(logits_TE, router_cfg, bias_E if cfg.has_balance_bias else None)
+        idx_TK, gate_TK = r.expert_idx_TK, r.gate_TK
+        f_TKD = f_ETD[idx_TK, jnp.arange(idx_TK.shape[0])[:, None]]
+        y_TD = jnp.einsum("tk,tkd->td", gate_TK, f_TKD)
+        swap_ATK = novice_AE[:, idx_TK] * gate_TK
+        err_AT = jnp.sum(jnp.einsum("atk,tkd->atd", swap_ATK, c_ED[idx_TK] - f_TKD) ** 2, axis=-1)
+        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+        return err_AT.sum(axis=-1), err_AT / y_sq_T, y_sq_T
+
+    @jax.jit
+    def run(f, logits, bias, novice, constants):
+        lead = f.shape[:2]   # one (seed, offset) at a time
+        flat = jax.tree.map(_flat_seed_offset, (f, logits, bias, novice, constants))
+        out = jax.lax.map(lambda args: condition(*args), flat)
+        return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
+
+    return run
