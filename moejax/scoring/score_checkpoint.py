@@ -106,7 +106,7 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     from moejax.hf.location import open_location
     from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.scores import DATA_FREE_SCORES
-    from moejax.surgery.prune import data_free_stats
+    from moejax.surgery.prune_plan import data_free_stats
 
     names = check_score_names(scores)
     calibrated = [n for n in names if n not in DATA_FREE_SCORES]

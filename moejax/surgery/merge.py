@@ -14,7 +14,7 @@ Three steps:
 2. Planning, before anything is written: per-layer cluster counts (`--keep`, uniform or
    `--allocation global`), clusters (`moejax.merging.layer.layer_clusters`) and each cluster's
    leader (its most frequent member; REAM: its centroid). The leaders are the kept experts of a pruning plan
-   (`moejax.surgery.prune.plan_pruning`: the new config, routing groups, per-layer counts), so the
+   (`moejax.surgery.prune_plan.plan_pruning`: the new config, routing groups, per-layer counts), so the
    router keeps one row (and bias entry) per cluster: the leader's, byte-identical to the source.
 3. Writing, streamed shard by shard like `moejax prune` (`write_pruned`): every tensor of a
    singleton cluster's expert, every router row kept and every other tensor is the source's
@@ -226,7 +226,8 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     from moejax.scoring.score_checkpoint import calibration_ids
     from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
     from moejax.evaluation.stream import stream_layers
-    from moejax.surgery.prune import other_files, plan_pruning, write_folder
+    from moejax.surgery.prune import other_files, write_folder
+    from moejax.surgery.prune_plan import plan_pruning
 
     check_merge_names([method], "--method")
     score, group_size, ream_tokens = _check_ream_args(method, score, group_size, ream_tokens)

@@ -2,23 +2,22 @@
 
 Two steps, both explicit so each can be read and tested alone:
 
-1. `plan_pruning` decides, from the router tensors (data-free scores) or a scores file, which
-   experts every MoE layer keeps (SPEC section 2: keep counts or ratios, the routing floor, ties to
-   the lower index, routing groups), and what the new config.json says. No expert data is read,
-   except by the `aimer` score, which reads each MoE layer's expert matrices one tensor at a time.
+1. `plan_pruning` (moejax.surgery.prune_plan) decides, from the router tensors (data-free scores)
+   or a scores file, which experts every MoE layer keeps, and what the new config.json says.
 2. `write_pruned` streams every source shard into a shard of the same name: dropped experts'
    tensors are left out, kept experts are renamed to their new index in ascending source order
    (quantisation companions travel with them, since they are `experts.{e}.*` tensors too), router
    rows and bias entries are sliced as bytes, and every other tensor is copied by byte range. So
    every surviving byte is the source's byte, and memory stays at about one router tensor.
-   A checkpoint in transformers 5's fused form (`mlp.experts.gate_up_proj` [E, 2 Im, H],
-   `down_proj` [E, H, Im]) is planned through its per-expert view (`moejax.hf.fused_experts`)
+   A checkpoint in transformers 5's fused form (`mlp.experts.gate_up_proj` [E, 2 F, H],
+   `down_proj` [E, H, F]) is planned through its per-expert view (`moejax.hf.fused_experts`)
    and written back fused: each fused tensor under its own name, the kept experts' slabs copied
    in order along the expert axis.
 
 The output is written to a hidden sibling folder and renamed at the end (never a half-written
 DST), beside a `pruning.json` recording the source, the score, the keep and the kept source
-indices per layer, which `moejax diff` can check against the files.
+indices per layer, which `moejax diff` can check against the files. `write_folder` and the shard
+writers here are shared by the other surgeries (`moejax merge`, `--substitute`, `reroute`).
 """
 
 from __future__ import annotations
@@ -29,294 +28,20 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
-from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.check import check_checkpoint, stored_as
+from moejax.errors import CheckpointError
+from moejax.hf.check import check_checkpoint
 from moejax.hf.checkpoint_reader import CheckpointReader, allowed_root, check_regular_file
 from moejax.hf.checkpoint_writer import JoinedTensor, write_safetensors_file
 from moejax.hf.fused_experts import FusedExpertsReader
-from moejax.hf.layout import CheckpointLayout, MoeLayer, layer_of
+from moejax.hf.layout import CheckpointLayout, layer_of
 from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
-from moejax.hf.quant import detect_format, read_decoded
 from moejax.hf.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
 from moejax.hf.staging import check_destination, staged_directory
-from moejax.models.registry import family_of
-from moejax.scoring.scores import DATA_FREE_SCORES, EXPERT_WEIGHT_SCORES, SCORES, LayerStats, compute_scores
-from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
+from moejax.surgery.prune_plan import PrunePlan, plan_pruning
 
 PRUNING_RECORD = "pruning.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class PrunePlan:
-    kept: dict[int, list[int]]       # MoE layer -> kept source expert indices, ascending
-    n_experts: dict[int, int]        # MoE layer -> source expert count
-    dropped_layers: tuple[int, ...]  # MTP layers removed entirely (--drop-mtp)
-    config: dict                     # the pruned checkpoint's config.json
-    groups: str                      # "none" | "preserved" | "collapsed"
-    notes: tuple[str, ...]
-
-
-# --------------------------------------------------------------------------------------------
-# Planning: which experts survive
-# --------------------------------------------------------------------------------------------
-
-
-def router_stats(reader: CheckpointReader, ml: MoeLayer, seed: int = 0) -> LayerStats:
-    """The weights-only part of a layer's statistics (router rows and balance bias, in float64):
-    all that the data-free scores read. Calibration sums are zero and unused by them."""
-    router = finite_rows(reader, ml.router, ml.layer)
-    E = router.shape[0]
-    bias = finite_rows(reader, ml.bias, ml.layer) if ml.bias else np.zeros(E)
-    zeros = np.zeros(E)
-    return LayerStats(counts_E=zeros, gate_norm_sum_E=zeros, norm_sum_E=zeros, mean_input_D=np.zeros(router.shape[1]),
-                      router_ED=router, bias_E=bias, seed=seed, layer=ml.layer)
-
-
-def data_free_stats(reader, ml: MoeLayer, cfg, names, seed: int = 0) -> LayerStats:
-    """The statistics the data-free scores `names` read: the router rows and bias
-    (`router_stats`: headers and router tensors only), plus the routed experts' weight sums
-    (`stored_expert_weight_sums`) only when a score that reads expert weights (`aimer`) is among them."""
-    st = router_stats(reader, ml, seed)
-    if any(n in EXPERT_WEIGHT_SCORES for n in names):
-        st.weight_abs_sum_E, st.weight_sq_sum_E, st.weight_count = stored_expert_weight_sums(reader, ml, cfg)
-    return st
-
-
-def stored_expert_weight_sums(reader, ml: MoeLayer, cfg) -> tuple[np.ndarray, np.ndarray, int]:
-    """(sum |w| [E], sum w^2 [E], entries per expert) over every entry of layer `ml`'s routed
-    experts' gate, up and down matrices (the family's names), in float64: what `aimer` reads.
-    One tensor at a time, decoded from its stored format as the loader decodes it (FP8, INT4,
-    MXFP4; a fused transformers-5 checkpoint through its per-expert view); a non-finite value is
-    refused naming the tensor."""
-    fmt, qcfg = detect_format(cfg.quantization_config), cfg.quantization_config
-    family = family_of(cfg)
-    rests = [family.rule(r).hf.split("experts.{e}.", 1)[1] for r in ("expert_gate", "expert_up", "expert_down")]
-    E = ml.n_experts
-    abs_sum, sq_sum, count = np.zeros(E), np.zeros(E), 0
-    for e in range(E):
-        count = 0
-        for rest in rests:
-            name = ml.expert_tensor(e, rest)
-            stored = stored_as(reader, name, fmt)
-            if stored is None:
-                raise CheckpointError(f"layer {ml.layer}: expert {e} has no tensor {name} (needed by the aimer score)")
-            w = np.asarray(read_decoded(reader, name, stored, fmt, qcfg), np.float64)
-            if not np.isfinite(w).all():
-                raise CheckpointError(f"layer {ml.layer}: {name} in {reader.shard_of(stored[0]).name} has non-finite "
-                                      "values (NaN or inf)")
-            abs_sum[e] += np.abs(w).sum()
-            sq_sum[e] += np.square(w).sum()
-            count += w.size
-    return abs_sum, sq_sum, count
-
-
-def finite_rows(reader: CheckpointReader, name: str, layer: int) -> np.ndarray:
-    """A router or bias tensor in float64, refused when any expert's row holds a NaN or infinity
-    (a data-free score would be NaN, or plausible and wrong), naming the layer, tensor and experts."""
-    value = reader.read(name).astype(np.float64)
-    bad = ~np.isfinite(value.reshape(value.shape[0], -1)).all(axis=1)
-    if bad.any():
-        raise CheckpointError(f"layer {layer}: {name} in {reader.shard_of(name).name} has non-finite values "
-                              f"(NaN or inf) in the rows of expert(s) {np.flatnonzero(bad).tolist()[:16]}")
-    return value
-
-
-def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> dict[int, np.ndarray]:
-    """One score per layer from a `moejax score` parquet (columns layer, expert, score, value),
-    checked to cover exactly the experts of every layer being pruned."""
-    import pandas as pd
-
-    try:
-        df = pd.read_parquet(path)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{path}: cannot read scores file: {error}") from error
-    missing_columns = {"layer", "expert", "score", "value"} - set(df.columns)
-    if missing_columns:
-        raise ConfigError(f"{path}: scores file lacks columns {sorted(missing_columns)}; expected the table "
-                          "`moejax score` writes (layer, expert, score, value)")
-    available = sorted(df["score"].unique())
-    if score not in available:
-        raise ConfigError(f"{path}: has no score {score!r}; it has {available}")
-    df = df[df["score"] == score]
-    out, problems = {}, []
-    for layer, ml in layers.items():
-        rows = df[df["layer"] == layer].sort_values("expert")
-        if rows.empty:
-            problems.append(f"no rows for MoE layer {layer}")
-        elif rows["expert"].tolist() != list(range(ml.n_experts)):
-            problems.append(f"layer {layer}: experts {rows['expert'].tolist()[:8]}..., expected 0..{ml.n_experts - 1}")
-        elif not np.isfinite(values := rows["value"].to_numpy(np.float64)).all():
-            problems.append(f"layer {layer}: non-finite values at experts {np.flatnonzero(~np.isfinite(values)).tolist()[:16]}")
-        else:
-            out[layer] = values
-    extra = sorted(set(df["layer"].unique()) - set(layers))
-    if extra:
-        problems.append(f"rows for layers {extra}, which are not MoE layers of the checkpoint being pruned")
-    if problems:
-        raise ConfigError(f"{path}: score {score!r} does not fit the checkpoint: " + "; ".join(problems))
-    return out
-
-
-def _layer_scores(reader, layers, score, scores_file, seed, layer_scores=None, cfg=None) -> dict[int, np.ndarray]:
-    if layer_scores is not None:  # given in memory (`moejax merge`: its cluster leaders)
-        missing = sorted(set(layers) - set(layer_scores))
-        if missing:
-            raise ConfigError(f"score {score!r}: no values for MoE layers {missing}")
-        return {l: np.asarray(layer_scores[l], np.float64) for l in layers}
-    if scores_file is not None:
-        return _scores_from_file(Path(scores_file), score, layers)
-    if score not in SCORES:
-        raise ConfigError(f"unknown score {score!r}; valid scores: {', '.join(sorted(SCORES))}")
-    if score not in DATA_FREE_SCORES:
-        raise ConfigError(f"score {score!r} needs a calibration pass: run `moejax score SRC --text ... --out "
-                          f"scores.parquet` and pass --scores-file scores.parquet --score {score}; "
-                          f"without one, use a data-free score ({', '.join(DATA_FREE_SCORES)})")
-    if score == "bias":
-        no_bias = [ml.router for ml in layers.values() if ml.bias is None]
-        if no_bias:
-            raise CheckpointError(f"score 'bias' needs e_score_correction_bias, missing beside {no_bias[:3]}")
-    return {l: compute_scores(data_free_stats(reader, ml, cfg, [score], seed), [score])[score]
-            for l, ml in layers.items()}
-
-
-def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
-    """Per-layer keep counts: --layers-keep entries, else --keep; each resolved against the
-    layer's E and refused below the routing floor."""
-    layers_keep = dict(layers_keep or {})
-    counts, problems = {}, []
-    for key in layers_keep:
-        if not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())) or int(key) not in layers:
-            problems.append(f"--layers-keep names layer {key!r}, which is not a MoE layer "
-                            f"(MoE layers: {sorted(layers)})")
-    by_layer = {int(k): v for k, v in layers_keep.items() if str(k).isdigit()}
-    for layer, ml in layers.items():
-        value = by_layer.get(layer, keep)
-        if value is None:
-            problems.append(f"layer {layer}: no keep (give --keep, or list every MoE layer in --layers-keep)")
-            continue
-        try:
-            counts[layer] = resolve_keep(value, ml.n_experts, top_k)
-        except ConfigError as error:
-            problems.append(f"layer {layer}: {error}")
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return counts
-
-
-def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
-                 scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
-                 collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0,
-                 layer_scores: dict | None = None, allocation: str = "uniform") -> PrunePlan:
-    """Decide the kept experts of every MoE layer and the pruned config; raises before any
-    writing when the request is not well defined (SPEC section 2). layer_scores: {layer: [E]}
-    given in memory instead of a data-free score or a scores file. allocation "global": the
-    per-layer counts from one threshold over the layers' normalised scores, `keep` x layers in all
-    (`moejax.merging.allocation`)."""
-    # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
-    # config.json is the source's dictionary with the family's expert-count key updated.
-    config, experts_key = cfg.to_dict(), cfg.experts_key
-    E_cfg, top_k, n_layers = cfg.n_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers
-    if not layout.moe_layers:
-        raise CheckpointError(f"{reader.directory}: no MoE layers (no routed-expert tensors `layers.N.*.experts.E.*`)")
-    wrong_E = {l: ml.n_experts for l, ml in layout.moe_layers.items() if ml.n_experts != cfg.experts_in_layer(l)}
-    if wrong_E:  # (check_checkpoint refuses these; a layout from elsewhere might not agree)
-        raise CheckpointError(f"{reader.directory}: layers have {wrong_E} experts, but config.json gives them "
-                              f"{ {l: cfg.experts_in_layer(l) for l in wrong_E} } ({experts_key}={E_cfg}"
-                              f"{', moe_sparsity_config.num_experts' if cfg.layer_num_experts else ''})")
-    dropped = tuple(l for l in layout.moe_layers if l >= n_layers) if drop_mtp else ()
-    layers = {l: ml for l, ml in layout.moe_layers.items() if l not in dropped}
-    if not layers:
-        raise ConfigError(f"--drop-mtp would leave no MoE layer to prune: the only MoE layers {list(dropped)} are "
-                          f"MTP layers (num_hidden_layers={n_layers}); prune without --drop-mtp")
-    counts = _keep_counts(layers, keep, layers_keep, top_k)
-    scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
-    if allocation != "uniform":
-        from moejax.merging.allocation import layer_counts
-
-        if layers_keep:
-            raise ConfigError("--allocation global spreads one --keep over the layers; it takes no --layers-keep")
-        # the budget: `keep` per layer (resolved against each layer's own count when they differ)
-        budget = next(iter(counts.values())) if len(set(counts.values())) == 1 else counts
-        counts = layer_counts(scores, budget, top_k, allocation)
-    routing = cfg.router_settings()
-    n_group, topk_group = routing.get("n_group", 1), routing.get("topk_group", 1)
-    notes, new_config = [], dict(config)
-    if group_aware and n_group > 1:
-        kept = {}
-        for l in layers:
-            try:
-                kept[l] = select_kept_grouped(scores[l], counts[l], n_group)
-            except ConfigError as error:
-                hint = ("" if allocation == "uniform" else f" (keep={counts[l]} is the count --allocation "
-                        f"{allocation} gave layer {l}; it does not allocate whole groups: prune with "
-                        "--collapse-groups instead of --group-aware, or with a uniform allocation)")
-                raise ConfigError(f"layer {l}: {error}{hint}") from None
-    else:
-        kept = {l: select_kept(scores[l], counts[l], f"layer {l}: score {score!r}") for l in layers}
-    groups = "none"
-    if n_group > 1:
-        per_group = {l: group_counts(m, n_group).tolist() for l, m in kept.items()}
-        unusable = {l: c for l, c in per_group.items()
-                    if len(set(c)) > 1 or c[0] < 2 or topk_group * c[0] < top_k}
-        if not unusable:
-            groups = "preserved"
-        elif collapse_groups:
-            groups = "collapsed"
-            new_config.update(n_group=1, topk_group=1)
-            notes.append(f"routing groups collapsed: kept experts per group {next(iter(unusable.values()))} "
-                         f"(layer {next(iter(unusable))}) cannot keep n_group={n_group}, so the pruned config has "
-                         f"n_group=1, topk_group=1: each token picks its {top_k} experts by top-k over all kept "
-                         "experts (bias included), without the group limit")
-        else:
-            layer, c = next(iter(unusable.items()))
-            raise ConfigError(
-                f"pruning would break group-limited routing (n_group={n_group}, topk_group={topk_group}, top_k={top_k}): "
-                f"layer {layer} keeps {c} experts per group; groups must keep equal counts of at least 2 "
-                f"(transformers sums each group's top 2) with topk_group x per-group >= top_k. "
-                f"Pass --group-aware to keep an equal number per group, or --collapse-groups to route "
-                f"over all kept experts without groups ({len(unusable)} layer(s) affected)")
-    kept_counts = {l: int(m.sum()) for l, m in kept.items()}
-    for key in cfg.keys_of(cfg.EXPERTS_FIELD):  # every spelling the source has (they must agree)
-        new_config[key] = max(kept_counts.values())
-    new_config.pop("moe_sparsity_config", None)  # a source pruned per layer: its counts are the source's
-    if len(set(kept_counts.values())) > 1:
-        new_config["moe_sparsity_config"] = {
-            "method": "prune", "num_experts": [kept_counts.get(l) for l in _listed_layers(cfg, kept_counts, dropped)]}
-        notes.append(f"expert counts differ between layers: {experts_key} is the largest and "
-                     "moe_sparsity_config.num_experts lists each layer's count; moejax loads, scores, evaluates "
-                     f"and prunes it (stock transformers and vLLM build every layer with {experts_key} experts "
-                     "and will not load it)")
-    if dropped:
-        for key in cfg.keys_of("num_nextn_predict_layers"):
-            new_config[key] = 0
-        notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
-    return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
-                     n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,
-                     config=new_config, groups=groups, notes=tuple(notes))
-
-
-def _listed_layers(cfg, kept_counts: dict, dropped: tuple) -> range:
-    """The layers moe_sparsity_config.num_experts lists: the decoder layers, and the MTP layers
-    when they are kept (an unlisted layer is read with the largest count, so an MTP layer kept with
-    fewer experts must be listed: all of them, as the config reader expects)."""
-    n_layers = cfg.num_hidden_layers
-    mtp = range(n_layers, n_layers + (0 if dropped else cfg.num_nextn_predict_layers))
-    if mtp and all(l in kept_counts for l in mtp):
-        return range(mtp.stop)
-    largest = max(kept_counts.values())
-    unlisted = {l: c for l, c in kept_counts.items() if l >= n_layers and c != largest}
-    if unlisted:
-        raise ConfigError(f"MTP layer(s) {sorted(unlisted)} would keep {unlisted} experts, which config.json cannot "
-                          f"record while other MTP layers are absent from the checkpoint; prune with --drop-mtp")
-    return range(n_layers)
-
-
-# --------------------------------------------------------------------------------------------
-# Writing: stream the shards through
-# --------------------------------------------------------------------------------------------
 
 
 def _renames(layout: CheckpointLayout, plan: PrunePlan) -> dict[str, str | None]:
@@ -334,7 +59,6 @@ def _renames(layout: CheckpointLayout, plan: PrunePlan) -> dict[str, str | None]
         if layer is not None and layer in plan.dropped_layers:
             renames[name] = None
     return renames
-
 
 
 def _row_slice(reader: CheckpointReader, name: str, kept: list[int]) -> RawTensor:

@@ -194,7 +194,8 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     from moejax.hf.staging import check_destination
     from moejax.scoring.observe import calibrate_streamed
     from moejax.scoring.score_checkpoint import calibration_ids
-    from moejax.surgery.prune import PrunePlan, other_files, write_folder
+    from moejax.surgery.prune import other_files, write_folder
+    from moejax.surgery.prune_plan import PrunePlan
 
     if keep is None:
         raise ConfigError("--substitute needs --keep (experts kept computing per MoE layer: a count or a ratio of E)")
