@@ -25,17 +25,18 @@ def chunked_nll_init(targets_shape) -> tuple:
             jnp.zeros(targets_shape, jnp.float32))
 
 
-def chunked_nll_update(state, logits_NC, targets_N, start):
-    """Fold the logits of vocabulary entries [start, start + C) into the running log-sum-exp (and
-    pick up the target's logit if it falls in them): the output head a chunk at a time, never a
-    [N, V] logits array (Moonlight's V = 163,840 is 0.7 GB per 1,024 tokens)."""
+def chunked_nll_update(state, logits_BV, targets_B, start):
+    """Fold one vocabulary chunk's logits [B, V] (B: any leading axes, V: the chunk's entries
+    [start, start + V)) into the running log-sum-exp, and pick up the target's logit if it falls in
+    them: the output head a chunk at a time, never the whole vocabulary's logits (Moonlight's
+    163,840 entries are 0.7 GB per 1,024 tokens)."""
     m, s, t = state
-    logits_NC = logits_NC.astype(jnp.float32)
-    m_new = jnp.maximum(m, jnp.max(logits_NC, axis=-1))
-    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits_NC - m_new[..., None]), axis=-1)
-    local = targets_N - start
-    inside = (local >= 0) & (local < logits_NC.shape[-1])
-    picked = jnp.take_along_axis(logits_NC, jnp.clip(local, 0, logits_NC.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    logits_BV = logits_BV.astype(jnp.float32)
+    m_new = jnp.maximum(m, jnp.max(logits_BV, axis=-1))
+    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits_BV - m_new[..., None]), axis=-1)
+    local = targets_B - start
+    inside = (local >= 0) & (local < logits_BV.shape[-1])
+    picked = jnp.take_along_axis(logits_BV, jnp.clip(local, 0, logits_BV.shape[-1] - 1)[..., None], axis=-1)[..., 0]
     return m_new, s, t + jnp.where(inside, picked, 0.0)
 
 

@@ -43,14 +43,14 @@ class MoE(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs, backend: str = "sorted", n_experts: int | None = None):
         """n_experts: the routed experts of this layer (default cfg.n_experts; a checkpoint pruned
         per layer: `cfg.experts_in_layer(layer)`)."""
-        H, Im, E = cfg.hidden_size, cfg.moe_intermediate_size, n_experts or cfg.n_experts
+        H, F, E = cfg.hidden_size, cfg.moe_intermediate_size, n_experts or cfg.n_experts
         self.router_cfg = RouterConfig(**cfg.router_settings())
         self.router_cfg.check_experts(E)  # a count the router cannot route over fails here, not in a trace
         self.router = param(rngs, (E, H), jnp.float32)                 # HF gate.weight layout, float32
         self.bias = BalanceBias(jnp.zeros((E,), jnp.float32)) if cfg.HAS_BALANCE_BIAS else None
-        self.experts_gate = param(rngs, (E, H, Im), dtype)
-        self.experts_up = param(rngs, (E, H, Im), dtype)
-        self.experts_down = param(rngs, (E, Im, H), dtype)
+        self.experts_gate = param(rngs, (E, H, F), dtype)
+        self.experts_up = param(rngs, (E, H, F), dtype)
+        self.experts_down = param(rngs, (E, F, H), dtype)
         shared = cfg.shared_intermediate_size
         self.shared_experts = MLP(H, shared, dtype, rngs) if shared else None
         self.shared_gate = param(rngs, (H, 1), dtype) if shared and getattr(cfg, "shared_expert_gate", False) else None

@@ -193,7 +193,7 @@ def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int 
     n_pairs = n_tokens * top_k
     out = loop.out_shape()
     ys_MD = jnp.zeros((n_pairs + chunk_rows, out.shape[-1]), out.dtype)
-    ys_MD = loop.run(ys_MD, lambda ys, start, valid_C, y_CD: jax.lax.dynamic_update_slice_in_dim(ys, y_CD, start, 0))
+    ys_MD = loop.run(ys_MD, lambda ys, start, valid_M, y_MD: jax.lax.dynamic_update_slice_in_dim(ys, y_MD, start, 0))
     y_TKD = jnp.zeros((n_pairs, out.shape[-1]), out.dtype).at[loop.order_M].set(ys_MD[:n_pairs])
     y_TKD = y_TKD.reshape(n_tokens, top_k, -1)
     return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0)
@@ -207,33 +207,33 @@ def exact_expert_loop_combined(x_TD, expert_idx_TK, gate_TK, weights, expert_fn,
     on 17 streams of 1,024 tokens held three such buffers, 0.9 GB each). A token's K terms are
     summed in expert order, not in slot order as `combine` sums them: equal up to float rounding.
 
-    gate_TK may carry trailing columns, gate [T, K, G]: then G outputs at once, [T, G, D], column c
-    weighing the same pair outputs by gate[..., c] (every pruning variant's output from one
+    gate_TK may carry trailing variants, gate [T, K, A]: then A outputs at once, [T, A, D], variant a
+    weighing the same pair outputs by gate[..., a] (every pruning variant's output from one
     evaluation of the pairs any of them routes to: `moejax.evaluation.carried`)."""
     loop = _SortedExpertLoop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows, granule)
     n_tokens, top_k = expert_idx_TK.shape
-    columns = gate_TK.shape[2:]
-    gate_M = gate_TK.reshape((n_tokens * top_k,) + columns).astype(jnp.float32)[loop.order_M]
-    gate_M = jnp.concatenate([gate_M, jnp.zeros((chunk_rows,) + columns, jnp.float32)])
+    variants = gate_TK.shape[2:]
+    gate_M = gate_TK.reshape((n_tokens * top_k,) + variants).astype(jnp.float32)[loop.order_M]
+    gate_M = jnp.concatenate([gate_M, jnp.zeros((chunk_rows,) + variants, jnp.float32)])
 
-    def add(y, start, valid_C, f_CD):
-        token_C = jax.lax.dynamic_slice_in_dim(loop.token_M, start, chunk_rows)
-        g_C = jax.lax.dynamic_slice_in_dim(gate_M, start, chunk_rows)
-        g_C = jnp.where(valid_C.reshape((chunk_rows,) + (1,) * len(columns)), g_C, 0.0)
-        return y.at[token_C].add(g_C[..., None] * f_CD.astype(jnp.float32).reshape(
-            (chunk_rows,) + (1,) * len(columns) + f_CD.shape[-1:]), mode="promise_in_bounds")
+    def add(y, start, valid_M, f_MD):  # one chunk: its chunk_rows pairs
+        token_M = jax.lax.dynamic_slice_in_dim(loop.token_M, start, chunk_rows)
+        g_M = jax.lax.dynamic_slice_in_dim(gate_M, start, chunk_rows)
+        g_M = jnp.where(valid_M.reshape((chunk_rows,) + (1,) * len(variants)), g_M, 0.0)
+        return y.at[token_M].add(g_M[..., None] * f_MD.astype(jnp.float32).reshape(
+            (chunk_rows,) + (1,) * len(variants) + f_MD.shape[-1:]), mode="promise_in_bounds")
 
     out = loop.out_shape()
-    return loop.run(jnp.zeros((n_tokens,) + columns + out.shape[-1:], jnp.float32), add)
+    return loop.run(jnp.zeros((n_tokens,) + variants + out.shape[-1:], jnp.float32), add)
 
 
 class _SortedExpertLoop:
     """The loop behind the exact forward-only paths: the pairs sorted by expert (absent pairs,
     index E, last), then for each expert that has pairs, in expert order, its pairs as full chunks
     of `chunk_rows` rows plus one remainder chunk rounded up to `granule` rows. Each chunk's input
-    rows are gathered as it runs (no [T*K, D] copy of the inputs); `consume(acc, start, valid_C,
-    f_CD)` takes each chunk's expert outputs f_CD [chunk_rows, D] (zero rows past the remainder)
-    at sorted position `start`, valid_C marking the rows that are this expert's pairs."""
+    rows are gathered as it runs (no [T*K, D] copy of the inputs); `consume(acc, start, valid_M,
+    f_MD)` takes each chunk's expert outputs f_MD [chunk_rows, D] (zero rows past the remainder)
+    at sorted position `start`, valid_M marking the rows that are this expert's pairs."""
 
     def __init__(self, x_TD, expert_idx_TK, weights, expert_fn, chunk_rows, granule):
         n_tokens, top_k = expert_idx_TK.shape
@@ -249,13 +249,13 @@ class _SortedExpertLoop:
                                                      self.x_TD[:1]))
 
     def _rows_out(self, w, start, n_rows):
-        x_ND = self.x_TD[jax.lax.dynamic_slice_in_dim(self.token_M, start, n_rows)]
-        y = self.expert_fn(_f32_matmul, w, x_ND)
+        x_MD = self.x_TD[jax.lax.dynamic_slice_in_dim(self.token_M, start, n_rows)]
+        y = self.expert_fn(_f32_matmul, w, x_MD)
         return jnp.pad(y, ((0, self.chunk_rows - n_rows), (0, 0))) if n_rows < self.chunk_rows else y
 
     def run(self, acc, consume):
         chunk_rows, granule = self.chunk_rows, self.granule
-        rows_C = jnp.arange(chunk_rows)
+        rows_M = jnp.arange(chunk_rows)
 
         def one_expert(e, acc, weights):
             w = _expert_weights(weights, e)
@@ -264,7 +264,7 @@ class _SortedExpertLoop:
 
             def full_chunk(i, acc):
                 at = start + i * chunk_rows
-                return consume(acc, at, rows_C < chunk_rows, self._rows_out(w, at, chunk_rows))
+                return consume(acc, at, rows_M < chunk_rows, self._rows_out(w, at, chunk_rows))
 
             acc = jax.lax.fori_loop(0, n_full, full_chunk, acc)
             # The remainder: the branches return a chunk-sized result (zero rows past n), so the
@@ -275,7 +275,7 @@ class _SortedExpertLoop:
                 (lambda n=n: self._rows_out(w, rest_start, n)) for n in range(granule, chunk_rows + 1, granule)]
             rest = size - n_full * chunk_rows
             which = -(-rest // granule)
-            return consume(acc, rest_start, rows_C < rest, jax.lax.switch(which, branches))
+            return consume(acc, rest_start, rows_M < rest, jax.lax.switch(which, branches))
 
         # Only the experts that got pairs, still in expert order (which the spill rule of
         # `_exact_expert_loop` needs): XLA copies an expert's weights out of the stack at the top
