@@ -3,9 +3,9 @@ the attention and MLP halves of a layer, on one stream or on A streams stacked i
 and the routed output's layer-local errors under each variant. The graphdef is static; weights,
 masks and expert maps are arguments, so one compilation serves every layer of a shape.
 
-Shape letters beyond DESIGN.md's legend: A streams stacked (one per variant), V variants measured
-on one stream's inputs, C the columns of `routed_columns` (column 0 the unpruned router, then the
-V variants).
+Shape letters as in `moejax/__init__.py`; A is the variants axis throughout: streams stacked one
+per variant, the variants measured on one stream's inputs, and the columns of `routed_columns`
+(column 0 the unpruned router, then the variants).
 """
 
 from __future__ import annotations
@@ -41,25 +41,25 @@ def streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def routed_errors(graphdef, state, z_TH, em_V: ExpertMap):
-    """Per-token squared norms of the unpruned routed output and of its error under each of the V
-    variants of em_V (mask and rows [V, E], one table): (||y_t||^2 [T], ||y'_t - y_t||^2 [V, T]);
+def routed_errors(graphdef, state, z_TH, em_A: ExpertMap):
+    """Per-token squared norms of the unpruned routed output and of its error under each of the A
+    variants of em_A (mask and rows [A, E], one table): (||y_t||^2 [T], ||y'_t - y_t||^2 [A, T]);
     shared experts excluded (SPEC section 3). Column 0 is the unpruned router (every slot, rows the
     identity), column 1 + v variant v, all from one set of expert calls (`routed_columns`), so a
     token whose choice a variant leaves unchanged has error exactly 0."""
     moe = nnx.merge(graphdef, state).mlp
-    n_slots = em_V.mask_E.shape[-1]
+    n_slots = em_A.mask_E.shape[-1]
     identity = jnp.arange(n_slots, dtype=jnp.int32)
-    mask_CE = jnp.concatenate([jnp.ones((1, n_slots), bool), em_V.mask_E.astype(bool)])
-    rows_CE = jnp.concatenate([identity[None], jnp.broadcast_to(identity, em_V.mask_E.shape)
-                               if em_V.rows_E is None else em_V.rows_E.astype(jnp.int32)])
-    novice_CE = None if em_V.novice_E is None else jnp.concatenate([jnp.zeros((1, n_slots), bool),
-                                                                     em_V.novice_E.astype(bool)])
-    y_TCH = routed_columns(z_TH, moe.router_logits(z_TH), moe.router_cfg, moe.balance_bias(), mask_CE, rows_CE,
-                           em_V.table(moe.expert_weights()), moe.expert_fn, novice_CE, em_V.constants_EH)
-    y_TH = y_TCH[:, 0]
-    err_VT = jnp.sum((y_TCH[:, 1:] - y_TH[:, None]) ** 2, axis=-1).T
-    return jnp.sum(y_TH ** 2, axis=-1), err_VT
+    mask_AE = jnp.concatenate([jnp.ones((1, n_slots), bool), em_A.mask_E.astype(bool)])
+    rows_AE = jnp.concatenate([identity[None], jnp.broadcast_to(identity, em_A.mask_E.shape)
+                               if em_A.rows_E is None else em_A.rows_E.astype(jnp.int32)])
+    novice_AE = None if em_A.novice_E is None else jnp.concatenate([jnp.zeros((1, n_slots), bool),
+                                                                     em_A.novice_E.astype(bool)])
+    y_TAH = routed_columns(z_TH, moe.router_logits(z_TH), moe.router_cfg, moe.balance_bias(), mask_AE, rows_AE,
+                           em_A.table(moe.expert_weights()), moe.expert_fn, novice_AE, em_A.constants_EH)
+    y_TH = y_TAH[:, 0]
+    err_AT = jnp.sum((y_TAH[:, 1:] - y_TH[:, None]) ** 2, axis=-1).T
+    return jnp.sum(y_TH ** 2, axis=-1), err_AT
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -58,12 +58,12 @@ def vocab_chunks(vocab_size: int, chunk: int | None = None):
 
 
 @jax.jit
-def _nll_chunk(x_ABSH, head_CH, ids_BS, start, state):
+def _nll_chunk(x_ABSH, head_VH, ids_BS, start, state):
     """Fold vocabulary rows [start, start + C) of the output head into each stream's running
     next-token log-sum-exp (`moejax.evaluation.nll.chunked_nll_update`); x is already final-normed."""
     def one(args):
         x, st = args
-        return chunked_nll_update(st, linear(x[:, :-1], head_CH.T), ids_BS[:, 1:], start)
+        return chunked_nll_update(st, linear(x[:, :-1], head_VH.T), ids_BS[:, 1:], start)
     return jax.lax.map(one, (x_ABSH, state))
 
 
@@ -96,9 +96,9 @@ def head_nll(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype) -> dict:
             batches[b] = _final_norm(x, norm_H, cfg.rms_norm_eps)
         state[text] = [chunked_nll_init((x.shape[0], i.shape[0], i.shape[1] - 1)) for x, i in zip(batches, ids[text])]
     for v0, v1 in vocab_chunks(cfg.vocab_size):
-        head_CH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))
+        head_VH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))
         for text, batches in xs.items():
-            state[text] = [_nll_chunk(x, head_CH, jnp.asarray(i), v0, st)
+            state[text] = [_nll_chunk(x, head_VH, jnp.asarray(i), v0, st)
                            for x, i, st in zip(batches, ids[text], state[text])]
         jax.block_until_ready(state)  # one head chunk in memory at a time
     return {text: [np.asarray(chunked_nll(st), np.float64) for st in states] for text, states in state.items()}

@@ -3,8 +3,8 @@
 `save_pretrained(..., save_original_format=False)` writes each MoE layer's routed experts as two
 3-D tensors instead of 3 x E per-expert ones:
 
-    model.layers.{l}.mlp.experts.gate_up_proj  [E, 2 * Im, H]   rows [0:Im] gate, [Im:2Im] up
-    model.layers.{l}.mlp.experts.down_proj     [E, H, Im]
+    model.layers.{l}.mlp.experts.gate_up_proj  [E, 2 * F, H]   rows [0:F] gate, [F:2F] up
+    model.layers.{l}.mlp.experts.down_proj     [E, H, F]
 
 `FusedExpertsReader` wraps a CheckpointReader and answers for the per-expert names
 (`...experts.{e}.gate_proj.weight` etc.) by slicing those. It is the one per-expert view of every

@@ -27,11 +27,14 @@ from moejax.moe.grouped import exact_expert_loop_combined, large_experts
 from moejax.moe.routing import route
 
 
-def routed_columns(x_TD, logits_TE, router_cfg, bias_E, mask_CE, rows_CE, table: dict, expert_fn,
-                   novice_CE=None, constants_ED=None):
-    """[T, C, D]: column c's routed output on each token (router slots `mask_CE[c]`, slot e
-    computing with row `rows_CE[c, e]` of `table`), from one call per (token, distinct row).
-    novice_CE: each column's novice slots (MoNE substitution, `ExpertMap.novice_E`), returning
+# Private letters of this module (over the package legend): J each token's (column, slot) pairs,
+# K slots of every column side by side; U the union of a token's distinct table rows (at most
+# min(rows, J)); A the columns (variants), as in the package legend.
+def routed_columns(x_TD, logits_TE, router_cfg, bias_E, mask_AE, rows_AE, table: dict, expert_fn,
+                   novice_AE=None, constants_ED=None):
+    """[T, A, D]: column a's routed output on each token (router slots `mask_AE[a]`, slot e
+    computing with row `rows_AE[a, e]` of `table`), from one call per (token, distinct row).
+    novice_AE: each column's novice slots (MoNE substitution, `ExpertMap.novice_E`), returning
     constants_ED[e] (shared by the columns) times the gate instead of computing; their pairs join
     no union (absent), and their constants are added to the column's output in float32."""
     n_tokens, n_rows = x_TD.shape[0], jax.tree.leaves(table)[0].shape[0]
@@ -42,36 +45,36 @@ def routed_columns(x_TD, logits_TE, router_cfg, bias_E, mask_CE, rows_CE, table:
         r, novices_TD = em.expert_routing(route(logits_TE, router_cfg, bias_E, mask), n_rows)
         return (r.expert_idx_TK, r.gate_TK) + (() if novices_TD is None else (novices_TD,))
 
-    idx_CTK, gate_CTK, *novices = jax.lax.map(column, (mask_CE, rows_CE, novice_CE))
-    n_cols, _, top_k = idx_CTK.shape
-    idx_TJ = jnp.moveaxis(idx_CTK, 0, 1).reshape(n_tokens, -1)
-    gate_TJ = jnp.moveaxis(gate_CTK, 0, 1).reshape(n_tokens, -1)
+    idx_ATK, gate_ATK, *novices = jax.lax.map(column, (mask_AE, rows_AE, novice_AE))
+    n_cols, _, top_k = idx_ATK.shape
+    idx_TJ = jnp.moveaxis(idx_ATK, 0, 1).reshape(n_tokens, -1)
+    gate_TJ = jnp.moveaxis(gate_ATK, 0, 1).reshape(n_tokens, -1)
     owner_J = np.repeat(np.arange(n_cols), top_k)
-    gate_TJC = gate_TJ[..., None] * jnp.asarray(np.eye(n_cols, dtype=np.float32)[owner_J])
+    gate_TJA = gate_TJ[..., None] * jnp.asarray(np.eye(n_cols, dtype=np.float32)[owner_J])
     # the union: each token's distinct rows once (later copies of a row become absent, index n_rows,
     # their gates added to the first copy's)
     order_TJ = jnp.argsort(idx_TJ, axis=1, stable=True)
     idx_sorted = jnp.take_along_axis(idx_TJ, order_TJ, axis=1)
-    gate_sorted = jnp.take_along_axis(gate_TJC, order_TJ[..., None], axis=1)
+    gate_sorted = jnp.take_along_axis(gate_TJA, order_TJ[..., None], axis=1)
     first = jnp.concatenate([jnp.ones((n_tokens, 1), bool), idx_sorted[:, 1:] != idx_sorted[:, :-1]], axis=1)
     segment = jnp.cumsum(first, axis=1) - 1                                    # [T, J]: union slot
     n_union = min(n_rows, idx_TJ.shape[1])
     union_TU = jnp.full((n_tokens, n_union), n_rows, jnp.int32).at[
         jnp.arange(n_tokens)[:, None], jnp.where(first, segment, n_union)].set(idx_sorted, mode="drop")
-    gate_TUC = jnp.zeros((n_tokens, n_union, gate_TJC.shape[-1]), jnp.float32).at[
+    gate_TUA = jnp.zeros((n_tokens, n_union, gate_TJA.shape[-1]), jnp.float32).at[
         jnp.arange(n_tokens)[:, None], segment].add(gate_sorted)
-    y_TCD = union_output(x_TD, union_TU, gate_TUC, table, expert_fn)
-    return y_TCD if not novices else y_TCD + jnp.moveaxis(novices[0], 0, 1)
+    y_TAD = union_output(x_TD, union_TU, gate_TUA, table, expert_fn)
+    return y_TAD if not novices else y_TAD + jnp.moveaxis(novices[0], 0, 1)
 
 
-def union_output(x_TD, idx_TU, gate_TUC, table: dict, expert_fn):
-    """[T, C, D]: column c's sum_u gate[t, u, c] f_{idx_tu}(x_t), each pair's output computed once
+def union_output(x_TD, idx_TU, gate_TUA, table: dict, expert_fn):
+    """[T, A, D]: column a's sum_u gate[t, u, a] f_{idx_tu}(x_t), each pair's output computed once
     (index = table rows: absent); large experts by the exact per-expert loop, small ones through
     the sorted grouped matmul."""
     if large_experts(table):
-        return exact_expert_loop_combined(x_TD, idx_TU, gate_TUC, table, expert_fn)
+        return exact_expert_loop_combined(x_TD, idx_TU, gate_TUA, table, expert_fn)
     f_TUD = pair_outputs(x_TD, idx_TU, table, expert_fn, "sorted", forward_only=True).astype(jnp.float32)
     # term by term in union (= expert) order, the same operations for every column: columns with
     # equal gates give bitwise-equal outputs (a dot over u may round each output row differently)
-    return jax.lax.fori_loop(0, idx_TU.shape[1], lambda u, y: y + gate_TUC[:, u, :, None] * f_TUD[:, u, None, :],
-                             jnp.zeros(gate_TUC.shape[:1] + gate_TUC.shape[2:] + f_TUD.shape[-1:], jnp.float32))
+    return jax.lax.fori_loop(0, idx_TU.shape[1], lambda u, y: y + gate_TUA[:, u, :, None] * f_TUD[:, u, None, :],
+                             jnp.zeros(gate_TUA.shape[:1] + gate_TUA.shape[2:] + f_TUD.shape[-1:], jnp.float32))
