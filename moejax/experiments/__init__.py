@@ -2,7 +2,7 @@
 `settings_from(resolved_hydra_config) -> dict`, `run(cfg, progress, job_dir) -> (tidy DataFrame, timings)`
 (job_dir: the job's folder, for files an experiment keeps beside its results),
 `summary_title(cfg)` and `summary_table(df)`; `moejax.experiments.runner` does validation and files.
-To add one: write `moejax/experiments/NAME.py` and `conf/experiment/NAME.yaml`, and list NAME here
+To add one: write `moejax/experiments/NAME.py` (or a package `NAME/`, as `toy3`) and `conf/experiment/NAME.yaml`, and list NAME here
 and in `_DEFAULTS` below.
 
 Defaults have one source, the dataclass. `register_configs` (called once, when
