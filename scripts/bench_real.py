@@ -72,8 +72,8 @@ def moonlight_checkpoint(path: Path, layers: int = 4, vocab: int = 32768) -> Non
     bfloat16 on disk (router and balance bias float32), random weights."""
     import ml_dtypes
 
+    from moejax.hf.io.checkpoint_writer import write_checkpoint
     from moejax.hf.mapping import tensor_specs
-    from moejax.hf.checkpoint_writer import write_checkpoint
     from moejax.models.deepseek_v3 import DeepseekV3Config
     from moejax.models.deepseek_v3.presets import PRESETS
 
@@ -158,13 +158,13 @@ from moejax.hf.model_io import open_checkpoint
 path, calib, held_a, held_b, out = sys.argv[1], np.load(sys.argv[2]), np.load(sys.argv[3]), np.load(sys.argv[4]), sys.argv[5]
 import jax
 layer_s, head_s = [], []
-def timed(fn, into):
+def timed(fn, into, streams_arg=None):
     def wrapped(*a, **k):  # (_layer_pass's third argument is the streams: wait for the layer's work)
         t0 = time.perf_counter(); r = fn(*a, **k)
-        jax.block_until_ready((a[2].held, a[2].cal) if len(a) > 2 else r)
+        jax.block_until_ready(r if streams_arg is None else (a[streams_arg].held, a[streams_arg].cal))
         into.append(time.perf_counter() - t0); return r
     return wrapped
-ev._layer_pass = timed(ev._layer_pass, layer_s)
+ev._layer_pass = timed(ev._layer_pass, layer_s, streams_arg=2)
 ev._perplexity_rows = timed(ev._perplexity_rows, head_s)
 t0 = time.perf_counter()
 merges = {"merges": tuple(json.loads(sys.argv[8]))} if json.loads(sys.argv[8]) else {}  # old code may lack merges
@@ -382,7 +382,8 @@ def main():
     ap.add_argument("--model", choices=["tiny", "moonlight", "both", "moonlight-full"], default="both")
     ap.add_argument("--old-ref", default="46d0ba0", help="moonlight-full: the code to compare against (a git ref)")
     ap.add_argument("--layers", type=int, nargs="+", default=[3, 5], help="moonlight-full: decoder layer counts (new code)")
-    ap.add_argument("--old-layers", type=int, nargs="+", default=[3], help="moonlight-full: layer counts for the old code")
+    ap.add_argument("--old-layers", type=int, nargs="*", default=[3],
+                    help="moonlight-full: layer counts for the old code (none: the new code only)")
     ap.add_argument("--tokens", type=int, default=512, help="calibration tokens (held-out: half)")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--align", action="store_true", help="time M-SMoE's neuron alignment of one layer only")
