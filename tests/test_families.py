@@ -1,8 +1,9 @@
-"""Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 against transformers 5 (torch), on tiny random
-checkpoints transformers itself writes (tests/family_fixtures.py): chosen experts and logits on a
-padded batch, expert masks against transformers running the pruned checkpoint, load-then-save
-bytes, every score against numpy from transformers' hooks, `moejax prune` (and compressed-tensors'
-pruner for `l1`), every command, generation, full-size shapes, hub spellings and refusals."""
+"""Every registered family with a test config (presets.TEST: Qwen3-MoE, Mixtral, OLMoE, GLM-4.5,
+Qwen2-MoE) against transformers 5 (torch), on tiny random checkpoints transformers itself writes
+(tests/family_fixtures.py): chosen experts and logits on a padded batch, expert masks against
+transformers running the pruned checkpoint, load-then-save bytes, every score against numpy from
+transformers' hooks, `moejax prune` (and compressed-tensors' pruner for `l1`), every command,
+generation, full-size shapes, hub spellings and refusals."""
 
 import json
 
@@ -21,6 +22,7 @@ from moejax import AutoModelForCausalLM  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
 from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.models.registry import FAMILIES as REGISTRY  # noqa: E402
+from moejax.models.registry import config_from_dict, family_for  # noqa: E402
 
 NAMES = list(FAMILIES)
 
@@ -198,7 +200,7 @@ def test_every_command_runs(family_checkpoints, family, tmp_path, capsys):
     has_bias = REGISTRY[family].config_class.HAS_BALANCE_BIAS
     assert ("bias" in set(df.score)) == has_bias
     pruned = tmp_path / "pruned"
-    grouped = ["--group-aware"] if family == "glm4_moe" else []
+    grouped = ["--group-aware"] if model.config.n_group > 1 else []
     assert main(["prune", str(path), str(pruned), "--score", "reap", "--scores-file", str(scores), "--keep", "4",
                  *grouped]) == 0
     assert main(["diff", str(path), str(pruned)]) == 0
@@ -228,6 +230,23 @@ def test_greedy_generation_equals_transformers(family_checkpoints, family):
                            do_sample=False, eos_token_id=None, pad_token_id=0).numpy()
     got = np.asarray(model.generate(ids, mask, max_new_tokens=6))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("family", list(REGISTRY))
+def test_a_registry_line_is_a_tested_family(family):
+    """What a family's folder and registry line give: a config class stating every default (one
+    built in code names its family), presets, tiny preset and test config read as that class, the
+    model class named by ARCHITECTURE; and a test config (presets.TEST) for every family but
+    DeepSeek-V3 (whose transformers checkpoints are hf_fixtures.py's), so the tests here run on it."""
+    fam = REGISTRY[family]
+    cls = fam.config_class
+    assert family_for(cls().default_dict()) is fam
+    for name, d in [*fam.presets.items(), ("tiny", fam.tiny)]:
+        assert type(config_from_dict(d, name)) is cls, name
+    assert (fam.test_config is None) == (family == "deepseek_v3") and (family in NAMES) == (family != "deepseek_v3")
+    if fam.test_config is not None:
+        assert type(config_from_dict(hf_classes(family)[0](**fam.test_config).to_dict(), family)) is cls
+    assert fam.causal_lm().__name__ == fam.architecture and fam.causal_lm().config_class is cls
 
 
 def _preset_cases():

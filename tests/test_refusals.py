@@ -23,6 +23,7 @@ from hf_fixtures import make_checkpoint  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
 from moejax.errors import ConfigError, MoejaxError  # noqa: E402
+from moejax.models.registry import FAMILIES  # noqa: E402
 
 FINGERPRINT_KEY = "fingerprint"  # moejax.hf.provenance.FINGERPRINT_KEY, as records spell it
 
@@ -232,14 +233,12 @@ def test_empty_tokens_file_says_so(ckpts, tmp_path, capsys):
     assert code == 2 and "empty.npy: holds no tokens (shape [0, 16])" in err and "[-, -]" not in err
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_transformers_spelling_is_read_and_must_agree(family):
     """transformers reads a config.json key of its attribute_map as the attribute it names
     (DeepseekV3Config: num_local_experts -> n_routed_experts, ...): moejax reads the same key as the
     same setting, and refuses two spellings that disagree by name (not, later, as tensor shapes)."""
     import transformers
-
-    from moejax.models.registry import FAMILIES
 
     fam = FAMILIES[family]
     cls = fam.config_class
@@ -254,6 +253,8 @@ def test_every_transformers_spelling_is_read_and_must_agree(family):
         value = fam.tiny.get(field, getattr(cls, field))
         with pytest.raises(ConfigError, match=f"{other}={value + 1} \\(int\\) disagrees with {field}={value}"):
             cls.from_dict({**fam.tiny, field: value, other: value + 1})
+        with pytest.raises(ConfigError, match=f"{other}={float(value)} \\(float\\), expected"):  # equal is not enough
+            cls.from_dict({**fam.tiny, field: value, other: float(value)})
         alone = {k: v for k, v in fam.tiny.items() if k != field}
         assert getattr(cls.from_dict({**alone, other: value}), field) == value
 

@@ -1,15 +1,21 @@
-"""What every family's config shares: reading config.json strictly, checking each key's type and
-range, and the questions the rest of moejax asks a config without knowing its family.
+"""What every family's config shares: the fields every MoE language model has, the one reader of
+config.json (strict: each key's type and range checked), and the questions the rest of moejax asks a
+config without knowing its family.
 
-A family config is a frozen dataclass that inherits `MoeConfig` and sets `EXPERTS_FIELD` (its
-field for the routed-expert count). Every key moejax reads is checked before use (an integer size
-must be a JSON integer, not `"8"`, `8.0` or `true`); every problem is reported together in one
-`ConfigError` naming the file, the key, the value given and what was expected. `raw` keeps the
-file's dictionary, so a checkpoint written back carries the same config, spelling included.
+A family config is a frozen dataclass inheriting `MoeConfig`. Each config.json key it reads is a
+field, declared once with `key(rule, default, aliases=, experts=)`: its type/range rule, the other
+spellings transformers reads as the same setting, and (experts=True) that it holds the routed-expert
+count; FIELD_RULES, ALIASES, EXPERTS_FIELD and EXPERTS_KEYS are read off the fields. A size field
+inherited without a default gets the family's in its `DEFAULTS`. Every key moejax reads is checked
+before use (an integer size must be a JSON integer, not `"8"`, `8.0` or `true`); every problem is
+reported together in one `ConfigError` naming the file, the key, the value given and what was
+expected. `raw` keeps the file's dictionary, so a checkpoint written back carries the same config,
+spelling included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import operator
@@ -18,19 +24,156 @@ from typing import ClassVar
 
 from moejax.errors import ConfigError
 
+# --- checking values ----------------------------------------------------------------------------
 
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# rule: (accepts(value), what was expected)
+POS_INT = (lambda v: is_int(v) and v > 0, "a positive integer")
+NONNEG_INT = (lambda v: is_int(v) and v >= 0, "a non-negative integer")
+POS_INT_OR_NULL = (lambda v: v is None or (is_int(v) and v > 0), "a positive integer or null")
+POS_NUMBER = (lambda v: is_number(v) and v > 0, "a positive finite number")
+POS_NUMBER_OR_NULL = (lambda v: v is None or (is_number(v) and v > 0), "a positive finite number or null")
+NONNEG_NUMBER_OR_NULL = (lambda v: v is None or (is_number(v) and v >= 0), "a non-negative finite number or null")
+BOOL = (lambda v: isinstance(v, bool), "true or false")
+STRING = (lambda v: isinstance(v, str), "a string")
+INT_LIST = (lambda v: isinstance(v, list) and all(is_int(x) and x >= 0 for x in v),
+            "a list of non-negative integers")
+FRACTION = (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+
+
+def show(value) -> str:
+    """The value as the file spells it, and its Python type: `"8" (str)`, `true (bool)`."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def check(key: str, value, rule, problems: list) -> bool:
+    ok, expected = rule
+    if ok(value):
+        return True
+    problems.append(f"{key}={show(value)}, expected {expected}")
+    return False
+
+
+def check_fields(given: dict, rules: dict, problems: list) -> dict:
+    """The fields of `given` that pass their rule; a problem for each that does not."""
+    return {k: v for k, v in given.items() if check(k, v, rules[k], problems)}
+
+
+def message(source: str, problems: list, unimplemented: list) -> str:
+    parts = list(problems)
+    if unimplemented:
+        parts.append("not implemented: " + "; ".join(unimplemented))
+    return f"{source}: " + "; ".join(parts)
+
+
+# --- declaring fields ----------------------------------------------------------------------------
+
+def key(rule, default=dataclasses.MISSING, *, aliases: tuple = (), experts: bool = False):
+    """A config field: config.json's key of the same name (and `aliases`, the other spellings
+    transformers reads as the same attribute), checked by `rule`; experts=True marks the field
+    holding the routed-expert count. A field without a default gets each family's in its DEFAULTS."""
+    return dataclasses.field(default=default, metadata={"rule": rule, "aliases": tuple(aliases), "experts": experts})
+
+
+class _FromFields:
+    """A class attribute read off the `key` metadata of the class's fields (once per class)."""
+
+    def __init__(self, read):
+        self.read, self.by_class = read, {}
+
+    def __get__(self, obj, cls):
+        if cls not in self.by_class:
+            self.by_class[cls] = self.read([f for f in dataclasses.fields(cls) if f.metadata.get("rule")])
+        return self.by_class[cls]
+
+
+def _experts_keys(fields) -> tuple:
+    """The field marked experts=True, then its aliases."""
+    marked = [f for f in fields if f.metadata["experts"]]
+    if len(marked) != 1:
+        raise TypeError(f"a family config marks one field experts=True, not {[f.name for f in marked]}")
+    return (marked[0].name, *marked[0].metadata["aliases"])
+
+
+def family_config(title: str, model_types: tuple, architecture: str):
+    """The decorator of a family's config class: the family's name (TITLE), its config.json
+    model_type values (MODEL_TYPES, the first the one written) and transformers architecture
+    (ARCHITECTURE: also the name of its NNX model class); its DEFAULTS made the defaults of the
+    fields it inherits (their type, rule and aliases stay where they are declared); a frozen,
+    keyword-only dataclass."""
+
+    def make(cls):
+        cls.TITLE, cls.MODEL_TYPES, cls.ARCHITECTURE = title, tuple(model_types), architecture
+        inherited = {f.name: f for base in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(base)
+                     for f in dataclasses.fields(base)}
+        annotations = cls.__dict__.get("__annotations__")
+        if annotations is None:
+            cls.__annotations__ = annotations = {}
+        for name, default in cls.__dict__.get("DEFAULTS", {}).items():
+            if name not in inherited:
+                raise TypeError(f"{cls.__name__}.DEFAULTS: {name!r} is not a field {cls.__name__} inherits")
+            f = inherited[name]
+            annotations[name] = f.type
+            setattr(cls, name, dataclasses.field(default=default, repr=f.repr, compare=f.compare, hash=f.hash,
+                                                 metadata=f.metadata, kw_only=True))
+        return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+
+    return make
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MoeConfig:
-    """Mixin for family configs (frozen dataclasses with at least the fields used below). A family
-    config also defines `is_moe_layer(layer)`, `router_settings()` (the keyword arguments of
-    `moejax.moe.routing.RouterConfig`, a dict so configs stay JAX-free), `default_dict()` (config.json
-    written from the fields), `from_dict(d, source, uniform_experts=)`, and `MODEL_TYPES`, `ARCHITECTURE`."""
+    """The base of the family configs: the fields every family reads (the sizes without a default:
+    each family states its own in `DEFAULTS`), the reader (`from_dict`) and the questions asked of
+    any config. A family config (decorated with `family_config`) also states the settings it
+    refuses (`UNIMPLEMENTED`: config.json key -> (accepts, what is implemented)),
+    `is_moe_layer(layer)`, `router_settings()` (the keyword arguments of
+    `moejax.moe.routing.RouterConfig`, a dict so configs stay JAX-free), `_read_rest` (what the
+    fields do not say: rope, relations between fields, per-layer expert counts) and `_written` (the
+    config.json keys `default_dict` writes beside the fields)."""
 
-    EXPERTS_FIELD: ClassVar[str] = "n_routed_experts"   # the field holding the routed-expert count
-    EXPERTS_KEYS: ClassVar[tuple] = ("n_routed_experts",)  # config.json spellings of it, preferred first
-    ALIASES: ClassVar[dict] = {}                        # other config.json spellings -> field (transformers' attribute_map)
+    TITLE: ClassVar[str]                                # these three: see `family_config`
+    MODEL_TYPES: ClassVar[tuple]
+    ARCHITECTURE: ClassVar[str]
+    DEFAULTS: ClassVar[dict] = {}                       # inherited field -> this family's default
+    UNIMPLEMENTED: ClassVar[dict] = {}
     HAS_BALANCE_BIAS: ClassVar[bool] = False            # e_score_correction_bias beside the router
-    num_nextn_predict_layers: int = 0                   # MTP layers on disk after the decoder layers
-    layer_num_experts: tuple | None = None              # moe_sparsity_config.num_experts (per-layer prune)
+    num_nextn_predict_layers = 0                        # MTP layers after the decoder layers (a field where read)
+
+    # field (= its config.json key) -> (accepts, expected) type/range rule
+    FIELD_RULES = _FromFields(lambda fields: {f.name: f.metadata["rule"] for f in fields})
+    # other config.json spellings -> field (transformers' attribute_map)
+    ALIASES = _FromFields(lambda fields: {alias: f.name for f in fields for alias in f.metadata["aliases"]})
+    # the field holding the routed-expert count, and its config.json spellings, preferred first
+    EXPERTS_FIELD = _FromFields(lambda fields: _experts_keys(fields)[0])
+    EXPERTS_KEYS = _FromFields(_experts_keys)
+
+    vocab_size: int = key(POS_INT)
+    hidden_size: int = key(POS_INT)
+    intermediate_size: int = key(POS_INT)
+    num_hidden_layers: int = key(POS_INT)
+    num_attention_heads: int = key(POS_INT)
+    num_experts_per_tok: int = key(POS_INT)
+    rms_norm_eps: float = key(POS_NUMBER)
+    max_position_embeddings: int = key(POS_INT)
+    tie_word_embeddings: bool = key(BOOL, False)
+    # moe_sparsity_config.num_experts of a checkpoint pruned per layer (one entry a layer, None for
+    # dense layers); None when the config has none. See `experts_in_layer`.
+    layer_num_experts: tuple[int | None, ...] | None = None
+    raw: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # --- the routed experts -------------------------------------------------------------------
     @property
@@ -103,19 +246,100 @@ class MoeConfig:
     def from_json_file(cls, path, *, uniform_experts: bool = True):
         return cls.from_dict(read_json_object(path), source=str(path), uniform_experts=uniform_experts)
 
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config", *, uniform_experts: bool = True):
+        """Read a config.json dictionary. Wrong types and ranges, disagreeing spellings, inconsistent
+        sizes and settings moejax does not implement are all collected and raised as one ConfigError.
+
+        uniform_experts: refuse (the default) a moe_sparsity_config.num_experts that gives layers
+        different expert counts, for a caller that needs one count in every layer. The loader, scoring
+        and prune pass False and ask `experts_in_layer` (the model builds each layer with its count)."""
+        check_family(d, source, cls.MODEL_TYPES, cls.ARCHITECTURE, cls.TITLE)
+        d = dict(d)
+        problems: list[str] = []        # wrong types, ranges and inconsistencies
+        unimplemented: list[str] = []   # valid settings moejax does not implement
+        given, spelled = {}, {}         # field -> the value given, and the key that gave it
+        agreeing = []                   # (key, field): a second spelling, equal to the first
+        for name, field in cls.config_keys().items():
+            if name not in d:
+                continue
+            if field not in given:
+                given[field], spelled[field] = d[name], name
+            elif d[name] != given[field]:
+                problems.append(f"{name}={show(d[name])} disagrees with {spelled[field]}={show(given[field])} "
+                                "(two spellings of one setting)")
+            else:
+                agreeing.append((name, field))
+        valid = {f: v for f, v in given.items() if check(spelled[f], v, cls.FIELD_RULES[f], problems)}
+        for name, field in agreeing:    # equal is not enough: 8.0 == 8 and false == 0
+            if field in valid:
+                check(name, d[name], cls.FIELD_RULES[field], problems)
+        for name, (accepts, what) in cls.UNIMPLEMENTED.items():
+            if name in d and not accepts(d[name]):
+                unimplemented.append(f"{name}={show(d[name])} ({what})")
+        # every field's value for the checks between fields; a key given with a bad value has none
+        merged = {f: v for f, v in {**cls.field_defaults(), **valid}.items() if f in valid or f not in given}
+        rest = cls._read_rest(d, valid, merged, problems, unimplemented, uniform_experts)
+        if problems or unimplemented:
+            raise ConfigError(message(source, problems, unimplemented))
+        return cls(**valid, **rest, raw=d)
+
+    @classmethod
+    def _read_rest(cls, d: dict, valid: dict, merged: dict, problems: list, unimplemented: list,
+                   uniform_experts: bool) -> dict:
+        """What the fields do not say (rope, relations between fields, per-layer expert counts):
+        problems noted, the remaining constructor arguments returned. `valid`: the fields given with
+        good values; `merged`: those over the defaults, less the fields given with bad values."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_keys(cls) -> dict:
+        """config.json key -> field: every field under its own name, and the aliases."""
+        return {**{f: f for f in cls.FIELD_RULES}, **cls.ALIASES}
+
+    @classmethod
+    def field_defaults(cls) -> dict:
+        """field -> its default (this family's), for the fields read from config.json."""
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.FIELD_RULES}
+
     def to_dict(self) -> dict:
         """The config as written to config.json: the source dictionary when there is one."""
         if getattr(self, "raw", None):
             return dict(self.raw)
         return self.default_dict()
 
+    def default_dict(self) -> dict:
+        """config.json written from the fields (a config built in code, without a source file)."""
+        d = {field: getattr(self, field) for field in self.FIELD_RULES}
+        d.update(model_type=self.MODEL_TYPES[0], architectures=[self.ARCHITECTURE], **self._written())
+        if self.layer_num_experts is not None:
+            d["moe_sparsity_config"] = {"method": "prune", "num_experts": list(self.layer_num_experts)}
+        return d
 
+    def _written(self) -> dict:
+        """config.json keys `default_dict` writes beside the fields."""
+        return {}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SigmoidGroupRouter:
     """DeepSeek-V3's MoE settings, which GLM-4.5 shares: sigmoid scores with a balance bias,
     group-limited top-k, `norm_topk_prob`, `routed_scaling_factor`, `n_shared_experts` shared
-    experts of `moe_intermediate_size` each, dense layers before `first_k_dense_replace`."""
+    experts of `moe_intermediate_size` each, dense layers before `first_k_dense_replace`, and
+    multi-token-prediction layers on disk after the decoder layers (`num_nextn_predict_layers`)."""
 
     HAS_BALANCE_BIAS: ClassVar[bool] = True
+
+    moe_intermediate_size: int = key(POS_INT)
+    n_routed_experts: int = key(POS_INT, aliases=("num_local_experts",), experts=True)
+    n_shared_experts: int = key(NONNEG_INT, 1)
+    routed_scaling_factor: float = key(POS_NUMBER)
+    n_group: int = key(POS_INT)
+    topk_group: int = key(POS_INT)
+    first_k_dense_replace: int = key(NONNEG_INT)
+    norm_topk_prob: bool = key(BOOL, True)
+    # indices num_hidden_layers .. num_hidden_layers + this - 1
+    num_nextn_predict_layers: int = key(NONNEG_INT, 0, aliases=("num_mtp_layers",))
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
@@ -162,61 +386,6 @@ def _object_noting_repeats(pairs: list, repeated: list) -> dict:
                 repeated.append(key)
             seen.add(key)
     return out
-
-
-# --- checking values ----------------------------------------------------------------------------
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-# rule: (accepts(value), what was expected)
-POS_INT = (lambda v: is_int(v) and v > 0, "a positive integer")
-NONNEG_INT = (lambda v: is_int(v) and v >= 0, "a non-negative integer")
-POS_INT_OR_NULL = (lambda v: v is None or (is_int(v) and v > 0), "a positive integer or null")
-POS_NUMBER = (lambda v: is_number(v) and v > 0, "a positive finite number")
-POS_NUMBER_OR_NULL = (lambda v: v is None or (is_number(v) and v > 0), "a positive finite number or null")
-NONNEG_NUMBER_OR_NULL = (lambda v: v is None or (is_number(v) and v >= 0), "a non-negative finite number or null")
-BOOL = (lambda v: isinstance(v, bool), "true or false")
-STRING = (lambda v: isinstance(v, str), "a string")
-INT_LIST = (lambda v: isinstance(v, list) and all(is_int(x) and x >= 0 for x in v),
-            "a list of non-negative integers")
-FRACTION = (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]")
-
-
-def show(value) -> str:
-    """The value as the file spells it, and its Python type: `"8" (str)`, `true (bool)`."""
-    try:
-        text = json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError):
-        text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def check(key: str, value, rule, problems: list) -> bool:
-    ok, expected = rule
-    if ok(value):
-        return True
-    problems.append(f"{key}={show(value)}, expected {expected}")
-    return False
-
-
-def check_fields(given: dict, rules: dict, problems: list) -> dict:
-    """The fields of `given` that pass their rule; a problem for each that does not."""
-    return {k: v for k, v in given.items() if check(k, v, rules[k], problems)}
-
-
-def message(source: str, problems: list, unimplemented: list) -> str:
-    parts = list(problems)
-    if unimplemented:
-        parts.append("not implemented: " + "; ".join(unimplemented))
-    return f"{source}: " + "; ".join(parts)
 
 
 def check_family(d, source: str, model_types: tuple, architecture: str, family: str) -> list:

@@ -1,12 +1,17 @@
 """What a model family is to the rest of moejax: one folder `moejax/models/<name>/` whose
 `__init__.py` defines `FAMILY = Family(...)`, listed once in `moejax.models.registry`.
 
-    config_class   JAX-free config (reads and checks config.json; `moejax.models.config_base`)
+    config_class   JAX-free config (reads and checks config.json; `moejax.models.config_base`); its
+                   TITLE, MODEL_TYPES and ARCHITECTURE are the family's
     rules          the HF name table (`moejax.models.names`), used both ways
-    model          "module:Class" of its NNX causal LM, imported only when a model is built
     moe_block      the HF name of a decoder layer's MoE block ("mlp"; Mixtral: "block_sparse_moe")
     presets        full-size config.json dictionaries for shape work
     tiny           the small config.json `experiment=train_tiny` trains (byte-level vocabulary added there)
+    test_config    the tiny config (transformers' config arguments) of the random checkpoint the
+                   family's tests have transformers write (tests/family_fixtures.py)
+
+Its NNX causal LM is the class named ARCHITECTURE in the folder's `model.py`, imported only when a
+model is built.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from moejax.models.names import expand, expand_layer
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    title: str
     config_class: type
     rules: tuple
-    model: str
     moe_block: str = "mlp"
     presets: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
     tiny: dict | None = dataclasses.field(default=None, hash=False, compare=False)
+    test_config: dict | None = dataclasses.field(default=None, hash=False, compare=False)
+
+    @property
+    def title(self) -> str:
+        return self.config_class.TITLE
 
     @property
     def model_types(self) -> tuple:
@@ -35,6 +43,11 @@ class Family:
     @property
     def architecture(self) -> str:
         return self.config_class.ARCHITECTURE
+
+    @property
+    def model(self) -> str:
+        """"module:Class" of its NNX causal LM: the class named ARCHITECTURE in the folder's model.py."""
+        return f"{self.config_class.__module__.rpartition('.')[0]}.model:{self.architecture}"
 
     def causal_lm(self) -> type:
         """The family's NNX model class (imports JAX)."""

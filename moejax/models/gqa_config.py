@@ -1,15 +1,9 @@
-"""Config reading shared by the grouped-query-attention MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral,
-OLMoE, GLM-4.5): each family's config is a frozen dataclass inheriting `GqaMoeConfig` and declaring
-
-    FIELD_RULES    field (= its config.json key) -> (accepts, expected) type/range rule
-    ALIASES        other config.json spellings -> field (Qwen3-MoE's expert count is `num_experts` on
-                   the hub, `num_local_experts` from transformers 5)
-    UNIMPLEMENTED  config.json key -> (accepts, what is implemented): a valid setting moejax refuses
-    attention      qk_norm ("head", "full" or None), bias on q/k/v and on o
-
-and the MoE questions (`is_moe_layer`, `router_settings`). Rope: the default rope only, its theta
-and `partial_rotary_factor` read where transformers 5 writes them (`rope_parameters`) or where the
-hub's files have them (top level, `rope_scaling`).
+"""What the grouped-query-attention MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5)
+share: `GqaMoeConfig`, their base, adds to `MoeConfig` the attention fields (key/value heads, head
+width), the default rope (its theta and `partial_rotary_factor` read where transformers 5 writes
+them, `rope_parameters`, or where the hub's files have them, top level or `rope_scaling`), the checks
+between fields, and the attention questions (qk_norm "head", "full" or None; bias on q/k/v and on o).
+The mixins below hold what some of them share: the choice of MoE layers and the softmax router.
 """
 
 from __future__ import annotations
@@ -17,27 +11,40 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from moejax.errors import ConfigError
-from moejax.models.config_base import (FRACTION, POS_NUMBER, STRING, MoeConfig, check, check_family,
-                                       layer_num_experts, message, show)
+from moejax.models.config_base import (BOOL, FRACTION, INT_LIST, POS_INT, POS_INT_OR_NULL, POS_NUMBER, STRING,
+                                       MoeConfig, check, key, layer_num_experts, show)
 
 
+def bool_is(expected: bool, what: str):
+    return (lambda v: v is expected, what)
+
+
+NULL_ONLY = (lambda v: v is None, "only null is implemented")
+SILU_ONLY = (lambda v: v == "silu", "only 'silu' is implemented")
+# Qwen-MoE's attention settings other than full attention, refused
+FULL_ATTENTION_ONLY = {
+    "use_sliding_window": bool_is(False, "sliding-window attention is not implemented"),
+    "layer_types": (lambda v: v is None or all(t == "full_attention" for t in v), "only full attention is implemented"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GqaMoeConfig(MoeConfig):
-    TITLE: ClassVar[str]
-    MODEL_TYPES: ClassVar[tuple]
-    ARCHITECTURE: ClassVar[str]
-    ALIASES: ClassVar[dict] = {}
-    FIELD_RULES: ClassVar[dict]
-    UNIMPLEMENTED: ClassVar[dict] = {}
+    UNIMPLEMENTED: ClassVar[dict] = {"hidden_act": SILU_ONLY}
     QK_NORM: ClassVar[str | None] = None     # "head": RMSNorm over each head; "full": over the whole projection
     O_BIAS_FOLLOWS_ATTENTION_BIAS: ClassVar[bool] = True
+
+    num_key_value_heads: int = key(POS_INT)
+    head_dim: int | None = key(POS_INT_OR_NULL, None)  # None: hidden_size / num_attention_heads
+    # read by `_rope` (rope_parameters, rope_scaling or top level), not as fields
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
 
     # --- attention ----------------------------------------------------------------------------
     @property
     def resolved_head_dim(self) -> int:
         """Per-head width: config.json's head_dim when given, else hidden_size / num_attention_heads."""
-        hd = getattr(self, "head_dim", None)
-        return hd if hd is not None else self.hidden_size // self.num_attention_heads
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:
@@ -56,49 +63,19 @@ class GqaMoeConfig(MoeConfig):
     def qk_norm(self) -> str | None:
         return self.QK_NORM
 
-    # --- reading ------------------------------------------------------------------------------
+    # --- reading (what the fields do not say) -------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config", *, uniform_experts: bool = True):
-        """Read a config.json dictionary; wrong types and ranges, disagreeing spellings and settings
-        moejax does not implement are collected and raised as one ConfigError."""
-        check_family(d, source, cls.MODEL_TYPES, cls.ARCHITECTURE, cls.TITLE)
-        d = dict(d)
-        problems: list[str] = []
-        unimplemented: list[str] = []
-        given, spelled = {}, {}
-        for key, field in cls.config_keys().items():
-            if key not in d:
-                continue
-            if field in given and d[key] != given[field]:
-                problems.append(f"{key}={show(d[key])} disagrees with {spelled[field]}={show(given[field])} "
-                                "(two spellings of one setting)")
-                continue
-            given[field], spelled[field] = d[key], key
-        valid = {f: v for f, v in given.items() if check(spelled[f], v, cls.FIELD_RULES[f], problems)}
-        for key, (accepts, what) in cls.UNIMPLEMENTED.items():
-            if key in d and not accepts(d[key]):
-                unimplemented.append(f"{key}={show(d[key])} ({what})")
-        theta, partial = _rope(d, problems, unimplemented, cls._field_default("partial_rotary_factor", 1.0))
-        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.FIELD_RULES}
-        merged = {**defaults, **valid}
-        for field in given:
-            if field not in valid:
-                merged.pop(field, None)
+    def _read_rest(cls, d, valid, merged, problems, unimplemented, uniform_experts) -> dict:
+        theta, partial = _rope(d, problems, unimplemented, cls.__dataclass_fields__["partial_rotary_factor"].default)
         problems += cls._relations(merged, partial)
+        rope = dict(rope_theta=theta, partial_rotary_factor=partial)
         counts = None
         if not problems:
-            probe = cls(**valid, rope_theta=theta, partial_rotary_factor=partial)
+            probe = cls(**valid, **rope)
             counts = layer_num_experts(d, probe.num_hidden_layers, probe.num_nextn_predict_layers, probe.n_experts,
                                        probe.experts_key, lambda layer: not probe.is_moe_layer(layer), problems,
                                        unimplemented, uniform_experts, router=probe.router_settings())
-        if problems or unimplemented:
-            raise ConfigError(message(source, problems, unimplemented))
-        return cls(**valid, rope_theta=theta, partial_rotary_factor=partial, layer_num_experts=counts, raw=d)
-
-    @classmethod
-    def _field_default(cls, name, fallback):
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        return fields[name].default if name in fields else fallback
+        return dict(rope, layer_num_experts=counts)
 
     @classmethod
     def _relations(cls, v: dict, partial: float) -> list[str]:
@@ -116,21 +93,10 @@ class GqaMoeConfig(MoeConfig):
             out.append(f"rotary width head_dim x partial_rotary_factor = {int(head_dim * partial)} must be even")
         return out
 
-    def default_dict(self) -> dict:
-        """config.json written from the fields (a config built in code, without a source file)."""
-        d = {field: getattr(self, field) for field in self.FIELD_RULES}
-        d.update(model_type=self.MODEL_TYPES[0], architectures=[self.ARCHITECTURE], hidden_act="silu",
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
-                                  **({"partial_rotary_factor": self.partial_rotary_factor}
-                                     if self.partial_rotary_factor != 1.0 else {})})
-        if self.layer_num_experts is not None:
-            d["moe_sparsity_config"] = {"method": "prune", "num_experts": list(self.layer_num_experts)}
-        return d
-
-    @classmethod
-    def config_keys(cls) -> dict:
-        """config.json key -> field: every field under its own name, and the aliases."""
-        return {**{f: f for f in cls.FIELD_RULES}, **cls.ALIASES}
+    def _written(self) -> dict:
+        return dict(hidden_act="silu", rope_parameters={
+            "rope_type": "default", "rope_theta": self.rope_theta,
+            **({"partial_rotary_factor": self.partial_rotary_factor} if self.partial_rotary_factor != 1.0 else {})})
 
 
 class EveryLayerMoe:
@@ -144,9 +110,13 @@ class EveryLayerMoe:
         return True
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SparseStepLayers:
     """Qwen-MoE's choice of MoE layers: not in `mlp_only_layers`, and (layer + 1) divisible by
     `decoder_sparse_step` (transformers' rule); the others dense. No MTP layers."""
+
+    decoder_sparse_step: int = key(POS_INT, 1)
+    mlp_only_layers: tuple = key(INT_LIST, ())
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
@@ -154,6 +124,17 @@ class SparseStepLayers:
     def is_moe_layer(self, layer: int) -> bool:
         return (layer not in self.mlp_only_layers and self.n_experts > 0
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SoftmaxRouter:
+    """A softmax router choosing the top k, renormalised over them when `norm_topk_prob` (Qwen-MoE,
+    OLMoE; false in their released models)."""
+
+    norm_topk_prob: bool = key(BOOL, False)
+
+    def router_settings(self) -> dict:
+        return dict(top_k=self.num_experts_per_tok, scoring_func="softmax", norm_topk_prob=self.norm_topk_prob)
 
 
 def _rope(d: dict, problems: list, unimplemented: list, default_partial: float) -> tuple[float, float]:
@@ -181,11 +162,3 @@ def _rope(d: dict, problems: list, unimplemented: list, default_partial: float) 
     if not check(partial_key, partial, FRACTION, problems):
         partial = 1.0
     return float(theta), float(partial)
-
-
-def bool_is(expected: bool, what: str):
-    return (lambda v: v is expected, what)
-
-
-NULL_ONLY = (lambda v: v is None, "only null is implemented")
-SILU_ONLY = (lambda v: v == "silu", "only 'silu' is implemented")

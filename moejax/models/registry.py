@@ -1,8 +1,10 @@
 """The registry of model families: one line per family. Everything outside `moejax/models/` finds
 a checkpoint's family here (by config.json's model_type, then architectures) and never names one.
 
-Adding a family: a folder `moejax/models/<name>/` (config, names, model, presets; follow
-`qwen3_moe/`), its `FAMILY`, one line below, and tests (`tests/test_families.py`)."""
+Adding a family: a folder `moejax/models/<name>/` (config, names, model, presets with PRESETS, TINY
+and TEST; follow `qwen3_moe/`) whose `__init__.py` defines its `FAMILY`, and its line below (imported
+and listed). setuptools ships the folder; the family tests (`tests/test_families.py`) run on it
+from its TEST config."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ from moejax.models.deepseek_v3.names import RULES
 from moejax.models.deepseek_v3.presets import PRESETS, TINY
 from moejax.models.family import Family
 
-FAMILY = Family("deepseek_v3", "DeepSeek-V3", DeepseekV3Config, RULES,
-                "moejax.models.deepseek_v3.model:DeepseekV3ForCausalLM", presets=PRESETS, tiny=TINY)
+FAMILY = Family("deepseek_v3", DeepseekV3Config, RULES, presets=PRESETS, tiny=TINY)
 
 __all__ = ["DeepseekV3Config", "FAMILY"]

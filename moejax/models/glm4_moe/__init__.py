@@ -3,7 +3,6 @@
 from moejax.models.family import Family
 from moejax.models.glm4_moe.config import Glm4MoeConfig
 from moejax.models.glm4_moe.names import RULES
-from moejax.models.glm4_moe.presets import PRESETS, TINY
+from moejax.models.glm4_moe.presets import PRESETS, TEST, TINY
 
-FAMILY = Family("glm4_moe", "GLM-4.5", Glm4MoeConfig, RULES, "moejax.models.glm4_moe.model:Glm4MoeForCausalLM",
-                presets=PRESETS, tiny=TINY)
+FAMILY = Family("glm4_moe", Glm4MoeConfig, RULES, presets=PRESETS, tiny=TINY, test_config=TEST)

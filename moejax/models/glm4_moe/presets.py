@@ -27,3 +27,12 @@ TINY = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidd
         "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "tie_word_embeddings": False,
         "num_nextn_predict_layers": 0, "rope_theta": 10000.0}
+
+# The random checkpoint the family's tests have transformers write (tests/family_fixtures.py): sigmoid
+# router with balance bias and groups, shared experts, dense first layer, partial rope, per-head q/k
+# norms, q/k/v biases.
+TEST = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.0,
+            norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, rms_norm_eps=1e-5,
+            max_position_embeddings=256, num_nextn_predict_layers=0)

@@ -3,7 +3,7 @@
 from moejax.models.family import Family
 from moejax.models.mixtral.config import MixtralConfig
 from moejax.models.mixtral.names import RULES
-from moejax.models.mixtral.presets import PRESETS, TINY
+from moejax.models.mixtral.presets import PRESETS, TEST, TINY
 
-FAMILY = Family("mixtral", "Mixtral", MixtralConfig, RULES, "moejax.models.mixtral.model:MixtralForCausalLM",
-                moe_block="block_sparse_moe", presets=PRESETS, tiny=TINY)
+FAMILY = Family("mixtral", MixtralConfig, RULES, moe_block="block_sparse_moe", presets=PRESETS, tiny=TINY,
+                test_config=TEST)

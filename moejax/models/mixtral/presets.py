@@ -19,3 +19,9 @@ TINY = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidde
         "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_local_experts": 32, "num_experts_per_tok": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
         "tie_word_embeddings": False, "sliding_window": None, "rope_theta": 10000.0}
+
+# The random checkpoint the family's tests have transformers write (tests/family_fixtures.py): every
+# layer MoE, renormalised over the top-k, no biases or q/k norms.
+TEST = dict(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
+            max_position_embeddings=256, rope_theta=1e6)

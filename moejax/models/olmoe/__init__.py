@@ -3,6 +3,6 @@
 from moejax.models.family import Family
 from moejax.models.olmoe.config import OlmoeConfig
 from moejax.models.olmoe.names import RULES
-from moejax.models.olmoe.presets import PRESETS, TINY
+from moejax.models.olmoe.presets import PRESETS, TEST, TINY
 
-FAMILY = Family("olmoe", "OLMoE", OlmoeConfig, RULES, "moejax.models.olmoe.model:OlmoeForCausalLM", presets=PRESETS, tiny=TINY)
+FAMILY = Family("olmoe", OlmoeConfig, RULES, presets=PRESETS, tiny=TINY, test_config=TEST)

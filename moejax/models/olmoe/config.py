@@ -7,44 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from moejax.models.config_base import BOOL, POS_INT, POS_NUMBER
-from moejax.models.gqa_config import NULL_ONLY, SILU_ONLY, EveryLayerMoe, GqaMoeConfig
+from moejax.models.config_base import BOOL, POS_INT, family_config, key
+from moejax.models.gqa_config import NULL_ONLY, EveryLayerMoe, GqaMoeConfig, SoftmaxRouter
 
 
-@dataclasses.dataclass(frozen=True)
-class OlmoeConfig(EveryLayerMoe, GqaMoeConfig):
-    vocab_size: int = 50304
-    hidden_size: int = 2048
-    intermediate_size: int = 1024
-    num_hidden_layers: int = 16
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 16
-    num_experts: int = 64
-    num_experts_per_tok: int = 8
-    norm_topk_prob: bool = False
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    rope_theta: float = 10000.0
-    partial_rotary_factor: float = 1.0
-    layer_num_experts: tuple | None = None
-    raw: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    TITLE = "OLMoE"
-    MODEL_TYPES = ("olmoe",)
-    ARCHITECTURE = "OlmoeForCausalLM"
-    EXPERTS_FIELD = "num_experts"
-    EXPERTS_KEYS = ("num_experts", "num_local_experts")
-    ALIASES = {"num_local_experts": "num_experts"}  # transformers' OlmoeConfig.attribute_map
+@family_config("OLMoE", ("olmoe",), "OlmoeForCausalLM")
+class OlmoeConfig(EveryLayerMoe, SoftmaxRouter, GqaMoeConfig):
     QK_NORM = "full"
-    FIELD_RULES = {
-        "vocab_size": POS_INT, "hidden_size": POS_INT, "intermediate_size": POS_INT, "num_hidden_layers": POS_INT,
-        "num_attention_heads": POS_INT, "num_key_value_heads": POS_INT, "num_experts": POS_INT,
-        "num_experts_per_tok": POS_INT, "norm_topk_prob": BOOL, "rms_norm_eps": POS_NUMBER,
-        "max_position_embeddings": POS_INT, "tie_word_embeddings": BOOL, "attention_bias": BOOL,
-    }
-    UNIMPLEMENTED = {"hidden_act": SILU_ONLY, "clip_qkv": (NULL_ONLY[0], "clipping q/k/v is not implemented: only null")}
+    UNIMPLEMENTED = {**GqaMoeConfig.UNIMPLEMENTED,
+                     "clip_qkv": (NULL_ONLY[0], "clipping q/k/v is not implemented: only null")}
+    DEFAULTS = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                    num_attention_heads=16, num_key_value_heads=16, num_experts_per_tok=8, rms_norm_eps=1e-5,
+                    max_position_embeddings=4096)
 
-    def router_settings(self) -> dict:
-        return dict(top_k=self.num_experts_per_tok, scoring_func="softmax", norm_topk_prob=self.norm_topk_prob)
+    num_experts: int = key(POS_INT, 64, aliases=("num_local_experts",), experts=True)
+    attention_bias: bool = key(BOOL, False)
+    # OLMoE reads no head_dim: a head is hidden_size / num_attention_heads wide
+    head_dim: None = dataclasses.field(default=None, init=False, repr=False, compare=False)

@@ -3,7 +3,6 @@
 from moejax.models.family import Family
 from moejax.models.qwen2_moe.config import Qwen2MoeConfig
 from moejax.models.qwen2_moe.names import RULES
-from moejax.models.qwen2_moe.presets import PRESETS, TINY
+from moejax.models.qwen2_moe.presets import PRESETS, TEST, TINY
 
-FAMILY = Family("qwen2_moe", "Qwen2-MoE", Qwen2MoeConfig, RULES, "moejax.models.qwen2_moe.model:Qwen2MoeForCausalLM",
-                presets=PRESETS, tiny=TINY)
+FAMILY = Family("qwen2_moe", Qwen2MoeConfig, RULES, presets=PRESETS, tiny=TINY, test_config=TEST)

@@ -19,3 +19,10 @@ TINY = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hi
         "num_key_value_heads": 2, "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": False,
         "qkv_bias": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "tie_word_embeddings": False,
         "use_sliding_window": False, "rope_theta": 10000.0}
+
+# The random checkpoint the family's tests have transformers write (tests/family_fixtures.py): a shared
+# expert gated by sigmoid(x . w), q/k/v biases, no renormalisation, layer 1 dense.
+TEST = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], qkv_bias=True,
+            rms_norm_eps=1e-6, max_position_embeddings=256)

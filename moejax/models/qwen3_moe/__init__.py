@@ -3,7 +3,6 @@
 from moejax.models.family import Family
 from moejax.models.qwen3_moe.config import Qwen3MoeConfig
 from moejax.models.qwen3_moe.names import RULES
-from moejax.models.qwen3_moe.presets import PRESETS, TINY
+from moejax.models.qwen3_moe.presets import PRESETS, TEST, TINY
 
-FAMILY = Family("qwen3_moe", "Qwen3-MoE", Qwen3MoeConfig, RULES, "moejax.models.qwen3_moe.model:Qwen3MoeForCausalLM",
-                presets=PRESETS, tiny=TINY)
+FAMILY = Family("qwen3_moe", Qwen3MoeConfig, RULES, presets=PRESETS, tiny=TINY, test_config=TEST)

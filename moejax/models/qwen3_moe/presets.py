@@ -22,3 +22,10 @@ TINY = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hi
         "head_dim": 32, "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 512, "tie_word_embeddings": False, "attention_bias": False,
         "use_sliding_window": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+# The random checkpoint the family's tests have transformers write (tests/family_fixtures.py): an
+# explicit head_dim (!= hidden / heads), layer 0 dense through mlp_only_layers, renormalised top-k.
+TEST = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, mlp_only_layers=[0], rms_norm_eps=1e-6, max_position_embeddings=256,
+            rope_theta=10000.0)
