@@ -3,17 +3,25 @@
 Importing the package is cheap and never imports JAX, so `moejax.results.load` works in a plain
 pandas notebook. The JAX-backed pieces live in the sub-packages:
 
-- `moejax.AutoModelForCausalLM`    any registered family's model from a checkpoint folder
+- `moejax.from_pretrained`        any registered family's model from a checkpoint folder, and
+                                  `moejax.save_pretrained(model, out_dir)` back (`moejax.hf.model_io`,
+                                  the loader: it imports the model, never the reverse);
+                                  `moejax.AutoModelForCausalLM` spells loading as transformers does
 - `moejax.models.registry`        the model families (one folder each under moejax/models/)
 - `moejax.moe.routing.route`      the one routing function (SPEC section 1)
 - `moejax.moe.dispatch`           the one dispatch signature: the dense oracle, sorted (grouped matmul), ragged, ep
 - `moejax.models.toy`             the toy MoE layer of SPEC section 4 (math: `models.toy_layer`)
 - `moejax.scoring`                expert scores (SPEC section 2) and keep/selection rules
+- `moejax.hf`                     Hugging Face checkpoints: `io` (files and storage), `quant`
+                                  (quantised formats), the model binding (`mapping`, `check`,
+                                  `model_io`, ...)
+- `moejax.surgery`                the checkpoint commands: prune, merge, substitute, reroute, and
+                                  the reports inspect, plan, diff
 - `moejax.experiments.toy3`       the toy3 experiment
 - `moejax.evaluation`             everything that runs a model on text: the carried pass of
                                   prune_real (`carried.evaluate_pruning`), the streamed executor
-                                  (`stream`), KV-cached generation (`generate`: `model.generate`,
-                                  `Generator`), the lm-eval backend `moejax` (`lm_eval`, needs the
+                                  (`stream`), KV-cached generation (`generate`: `generate(model,
+                                  ...)`, `Generator`), the lm-eval backend `moejax` (`lm_eval`, needs the
                                   `eval` extra) and the offline tasks (`tasks`, `skills_tasks`)
 
 Shape-suffix letters: an array's name ends in one capital per axis (`x_BSH` is [batch, sequence,
@@ -40,8 +48,12 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Lazy, so `import moejax` (and moejax.results) never imports JAX. Every family's model class
     # (`moejax.Qwen3MoeForCausalLM`, ...) is reachable here by its transformers name.
+    if name in ("from_pretrained", "save_pretrained"):
+        from moejax.hf import model_io
+
+        return model_io.load_pretrained if name == "from_pretrained" else model_io.save_pretrained
     if name == "AutoModelForCausalLM":
-        from moejax.models.auto import AutoModelForCausalLM
+        from moejax.hf.auto import AutoModelForCausalLM
 
         return AutoModelForCausalLM
     from moejax.models.registry import FAMILIES

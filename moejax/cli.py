@@ -46,7 +46,7 @@ LOW_MEMORY_XLA_FLAGS = "--xla_disable_hlo_passes=while-loop-invariant-code-motio
 def _score(args) -> None:
     import os
 
-    from moejax.hf.storage import require_local
+    from moejax.hf.io.storage import require_local
 
     if args.text is None and args.tokens is None:
         return _score_data_free(args)
@@ -120,7 +120,7 @@ def _read_layers_keep(path: str | None) -> dict | None:
 
 def _prune(args) -> None:
     from moejax.errors import ConfigError
-    from moejax.hf.storage import require_local
+    from moejax.hf.io.storage import require_local
     from moejax.surgery.prune import prune_checkpoint
 
     require_local(args.src, "moejax prune")
@@ -169,7 +169,7 @@ def _substitute(args) -> None:
 
 
 def _merge(args) -> None:
-    from moejax.hf.storage import require_local
+    from moejax.hf.io.storage import require_local
     from moejax.surgery.merge import merge_checkpoint
 
     require_local(args.src, "moejax merge")
@@ -190,7 +190,7 @@ def _merge(args) -> None:
 
 
 def _reroute(args) -> None:
-    from moejax.hf.storage import require_local
+    from moejax.hf.io.storage import require_local
     from moejax.parallel.mesh import MeshConfig, request_cpu_devices
 
     for path in (args.src, args.compressed):
@@ -329,10 +329,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_diff)
 
-    from moejax.hf import inspection, planning
+    from moejax.surgery import inspect, plan
 
-    inspection.register_cli(sub)
-    planning.register_cli(sub)
+    inspect.register_cli(sub)
+    plan.register_cli(sub)
     p = sub.add_parser("clean", help="remove staging folders left in FOLDER by a killed prune or save")
     p.add_argument("folder", nargs="+", help="folders that held the destination of the killed command")
     p.set_defaults(func=_clean)
@@ -370,7 +370,7 @@ def run_command(prog: str, command) -> int:
 def _clean(args) -> None:
     from pathlib import Path
 
-    from moejax.hf.staging import remove_stale_staging
+    from moejax.hf.io.staging import remove_stale_staging
 
     for folder in args.folder:
         if not Path(folder).is_dir():

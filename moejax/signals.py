@@ -4,7 +4,7 @@ failure: staging folders and temporary files are removed, and a Hydra job record
 SIGTERM is how Slurm ends a job at its time limit (and what `timeout` and `kill` send); its default
 action ends the process without running any Python cleanup. `KillSwitch` is the one place that
 turns both signals into `Killed`; the experiment runner wraps each job in one, and
-`moejax.hf.staging.staged_directory` wraps every checkpoint it writes in one. SIGKILL
+`moejax.hf.io.staging.staged_directory` wraps every checkpoint it writes in one. SIGKILL
 cannot be caught: staging folders carry a marker file so that a later run can remove them.
 """
 

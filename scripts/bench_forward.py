@@ -45,7 +45,7 @@ def main():
     from transformers import DeepseekV3Config as HFConfig
     from transformers import DeepseekV3ForCausalLM as HFModel
 
-    from moejax import DeepseekV3ForCausalLM
+    from moejax import from_pretrained
     from moejax.models.deepseek_v3.presets import PRESETS
 
     preset = {k: v for k, v in PRESETS["moonlight-16b-a3b"].items()
@@ -71,7 +71,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        model = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=jnp.float32)
+        model = from_pretrained(tmp, dtype=jnp.float32)
     forward = model.jitted()
     ids_j = jnp.asarray(ids)
     t0 = time.perf_counter()

@@ -67,7 +67,7 @@ def bench(name: str, batch: int, prompt: int, new: int, repeat: int):
     import torch
     from transformers import DeepseekV3ForCausalLM as HFModel
 
-    from moejax import DeepseekV3ForCausalLM
+    from moejax import from_pretrained
     from moejax.evaluation.generate import Generator
 
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def bench(name: str, batch: int, prompt: int, new: int, repeat: int):
     mask = np.ones_like(ids)
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        model = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=jnp.float32)
+        model = from_pretrained(tmp, dtype=jnp.float32)
     n_params = sum(p.numel() for p in hf.parameters()) / 1e9
     print(f"\n{name}: {cfg.num_hidden_layers} layers, {n_params:.3f}B parameters, batch {batch}, prompt {prompt}, "
           f"{new} new tokens, float32; torch {torch.__version__} ({torch.get_num_threads()} threads), "

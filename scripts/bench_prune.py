@@ -27,8 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moejax.hf.checkpoint_writer import write_safetensors_file  # noqa: E402
-from moejax.hf.safetensors_format import INDEX_NAME  # noqa: E402
+from moejax.hf.io.checkpoint_writer import write_safetensors_file  # noqa: E402
+from moejax.hf.io.safetensors_format import INDEX_NAME  # noqa: E402
 
 HIDDEN, FFN = 2048, 1408  # Moonlight-16B-A3B
 
@@ -62,7 +62,7 @@ def synthetic_checkpoint(path: Path, layers: int, experts: int) -> int:
 
 
 def _names(shard: Path) -> list[str]:
-    from moejax.hf.safetensors_format import SafetensorsFile
+    from moejax.hf.io.safetensors_format import SafetensorsFile
 
     return SafetensorsFile(shard).keys()
 

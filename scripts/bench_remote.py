@@ -36,14 +36,14 @@ sys.path.insert(0, str(ROOT / "tests"))  # range_server: the tests' HTTP range s
 from _timing import best_of  # noqa: E402
 from range_server import serve  # noqa: E402
 
-from moejax.hf import remote  # noqa: E402
-from moejax.hf.checkpoint_writer import write_checkpoint  # noqa: E402
-from moejax.hf.inspection import inspect_checkpoint  # noqa: E402
+from moejax.hf.io import remote  # noqa: E402
+from moejax.hf.io.checkpoint_writer import write_checkpoint  # noqa: E402
+from moejax.hf.io.location import open_location  # noqa: E402
 from moejax.hf.mapping import tensor_specs  # noqa: E402
-from moejax.hf.location import open_location  # noqa: E402
 from moejax.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from moejax.scoring.score_checkpoint import score_data_free  # noqa: E402
 from moejax.surgery.diff import diff_checkpoints  # noqa: E402
+from moejax.surgery.inspect import inspect_checkpoint  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

@@ -93,8 +93,8 @@ def compute(tokens: int) -> None:
 def memory(tokens: int, layers: int) -> None:
     import ml_dtypes
 
+    from moejax.hf.io.checkpoint_writer import write_checkpoint
     from moejax.hf.mapping import tensor_specs
-    from moejax.hf.checkpoint_writer import write_checkpoint
     from moejax.models.deepseek_v3 import DeepseekV3Config
 
     raw = moonlight(layers)

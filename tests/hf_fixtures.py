@@ -12,9 +12,9 @@ import re
 
 import numpy as np
 
-from moejax.hf import quant_encode
-from moejax.hf.checkpoint_reader import CheckpointReader
-from moejax.hf.checkpoint_writer import write_checkpoint
+from moejax.hf.io.checkpoint_reader import CheckpointReader
+from moejax.hf.io.checkpoint_writer import write_checkpoint
+from moejax.hf.quant import encode as quant_encode
 
 BASE = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,

@@ -33,7 +33,7 @@ def checks(ckpt, tokens) -> tuple[dict, dict]:
     import numpy as np
 
     from hf_fixtures import batch
-    from moejax import DeepseekV3ForCausalLM
+    from moejax import from_pretrained
     from moejax.experiments import toy3
     from moejax.hf import model_io
     from moejax.parallel import MeshConfig, make_mesh
@@ -55,7 +55,7 @@ def checks(ckpt, tokens) -> tuple[dict, dict]:
     model_io.OpenCheckpoint.read_param_tensor = read
     try:
         mesh = make_mesh(MeshConfig(expert=8))
-        model = DeepseekV3ForCausalLM.from_pretrained(ckpt, mesh=mesh)
+        model = from_pretrained(ckpt, mesh=mesh)
     finally:
         model_io.OpenCheckpoint.read_param_tensor = real_read
     gate = model.model.layers[0].mlp.experts_gate[...]

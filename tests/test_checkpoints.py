@@ -11,10 +11,10 @@ pytest.importorskip("transformers")
 
 from hf_fixtures import QUANT_CONFIGS, aimer_ratio, make_checkpoint, quantize, rewrite  # noqa: E402
 
-from moejax import DeepseekV3ForCausalLM  # noqa: E402
+from moejax import from_pretrained, save_pretrained  # noqa: E402
 from moejax.errors import CheckpointError  # noqa: E402
-from moejax.hf import quant  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.quant import decode as quant  # noqa: E402
 from moejax.scoring.score_checkpoint import score_data_free  # noqa: E402
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,8 @@ def source(tmp_path_factory):
 @pytest.mark.parametrize("fmt", list(QUANT_CONFIGS))
 def test_quantised_checkpoint_decodes_and_round_trips(source, tmp_path, fmt):
     qdir = rewrite(source, tmp_path / fmt, quantize(fmt), {"quantization_config": QUANT_CONFIGS[fmt]})
-    dense = DeepseekV3ForCausalLM.from_pretrained(source)
-    model = DeepseekV3ForCausalLM.from_pretrained(qdir)
+    dense = from_pretrained(source)
+    model = from_pretrained(qdir)
     reader = CheckpointReader(qdir)
     # decoded expert weights: what the format's decoder gives, and close to the unquantised ones
     got = np.asarray(model.model.layers[1].mlp.experts_down[...][3]).T
@@ -52,7 +52,7 @@ def test_quantised_checkpoint_decodes_and_round_trips(source, tmp_path, fmt):
                 for e in range(8)]
         np.testing.assert_allclose(free[free.layer == l].sort_values("expert").value, want, rtol=1e-12)
     # load then save: every tensor back byte for byte, quantised ones with their companions
-    out = model.save_pretrained(tmp_path / f"{fmt}-out")
+    out = save_pretrained(model, tmp_path / f"{fmt}-out")
     a, b = CheckpointReader(qdir), CheckpointReader(out)
     assert a.keys() == b.keys()
     for name in a.keys():
@@ -73,19 +73,19 @@ def test_stray_and_mtp_tensors_are_skipped_then_carried(source, tmp_path, caplog
 
     src = rewrite(source, tmp_path / "extras", add_extras, {"num_nextn_predict_layers": 1})
     with caplog.at_level("INFO", logger="moejax.hf.model_io"):
-        model = DeepseekV3ForCausalLM.from_pretrained(src)
+        model = from_pretrained(src)
     assert "not used by the forward" in caplog.text
-    out = CheckpointReader(model.save_pretrained(tmp_path / "out"))
+    out = CheckpointReader(save_pretrained(model, tmp_path / "out"))
     assert out.read_bytes("model.layers.3.embed_tokens.weight") == np.ones((2, 3), np.float32).tobytes()
     assert "model.layers.1.self_attn.rotary_emb.inv_freq" in out.keys()
 
 
 def test_sharded_save_and_load(source, tmp_path):
-    model = DeepseekV3ForCausalLM.from_pretrained(source)
-    out = model.save_pretrained(tmp_path / "sharded", max_shard_bytes=100_000)
+    model = from_pretrained(source)
+    out = save_pretrained(model, tmp_path / "sharded", max_shard_bytes=100_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
-    again = DeepseekV3ForCausalLM.from_pretrained(out)
+    again = from_pretrained(out)
     np.testing.assert_array_equal(again.model.layers[2].mlp.experts_up[...], model.model.layers[2].mlp.experts_up[...])
 
 
@@ -99,7 +99,7 @@ def test_shape_and_missing_tensor_reported_together(source, tmp_path):
 
     bad = rewrite(source, tmp_path / "bad", break_two)
     with pytest.raises(CheckpointError) as err:
-        DeepseekV3ForCausalLM.from_pretrained(bad)
+        from_pretrained(bad)
     msg = str(err.value)
     assert "model.layers.0.self_attn.o_proj.weight in model.safetensors: shape [64, 5], expected [64, 48]" in msg
     assert "1 tensor(s) missing" in msg and "model.layers.2.mlp.experts.7.up_proj.weight" in msg
@@ -111,37 +111,37 @@ def test_wrong_dtype_is_named(source, tmp_path):
         return [(name, value.astype(np.int32) if name == "model.norm.weight" else value)]
 
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight in model\.safetensors: dtype I32"):
-        DeepseekV3ForCausalLM.from_pretrained(rewrite(source, tmp_path / "bad", as_int))
+        from_pretrained(rewrite(source, tmp_path / "bad", as_int))
 
 
 def test_missing_shard_truncated_file_and_unknown_quantisation(source, tmp_path):
-    sharded = DeepseekV3ForCausalLM.from_pretrained(source).save_pretrained(tmp_path / "s", max_shard_bytes=100_000)
+    sharded = save_pretrained(from_pretrained(source), tmp_path / "s", max_shard_bytes=100_000)
     victim = sorted(sharded.glob("model-*.safetensors"))[1]
     victim.unlink()
     with pytest.raises(CheckpointError, match=victim.name):
-        DeepseekV3ForCausalLM.from_pretrained(sharded)
+        from_pretrained(sharded)
 
     truncated = tmp_path / "t"
     shutil.copytree(source, truncated)
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[:1000])
     with pytest.raises(CheckpointError, match="model.safetensors"):
-        DeepseekV3ForCausalLM.from_pretrained(truncated)
+        from_pretrained(truncated)
 
     awq = rewrite(source, tmp_path / "awq", config_update={"quantization_config": {"quant_method": "awq"}})
     with pytest.raises(CheckpointError, match="'awq'"):
-        DeepseekV3ForCausalLM.from_pretrained(awq)
+        from_pretrained(awq)
 
 
 def test_save_refuses_existing_folder_and_source(source, tmp_path):
-    model = DeepseekV3ForCausalLM.from_pretrained(source)
+    model = from_pretrained(source)
     existing = tmp_path / "exists"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="already exists"):
-        model.save_pretrained(existing)
+        save_pretrained(model, existing)
     assert (existing / "keep.txt").read_text() == "mine" and len(list(existing.iterdir())) == 1
     before = {p.name: p.read_bytes() for p in source.iterdir()}
     with pytest.raises(CheckpointError, match="refusing to write into, or replace a folder holding, the source"):
-        model.save_pretrained(source, overwrite=True)
+        save_pretrained(model, source, overwrite=True)
     assert {p.name: p.read_bytes() for p in source.iterdir()} == before

@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 
 from hf_fixtures import DEFAULT_ROPE, batch, make_checkpoint, reference, unreachable  # noqa: E402
 
-from moejax import DeepseekV3ForCausalLM  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax import from_pretrained, save_pretrained  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 
 CASES = {
     # q LoRA, group-limited routing (topk_group < n_group), YaRN, untied head, one dense layer
@@ -48,7 +48,7 @@ def test_routing_and_logits_match_transformers(checkpoints, case):
     path, hf = checkpoints[case]
     ids, mask = batch(hf.config.vocab_size)
     want_logits, want_chosen = reference(hf, ids, mask)
-    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.float32)
+    model = from_pretrained(path, dtype=jnp.float32)
     logits, chosen = run(model, ids, mask)
     valid = mask.reshape(-1).astype(bool)
     assert sorted(chosen) == sorted(want_chosen) and chosen
@@ -68,7 +68,7 @@ def test_bfloat16_within_stated_tolerance(checkpoints):
     assert hf.model.layers[1].mlp.gate.weight.dtype == torch.float32  # transformers keeps the router in f32
     ids, mask = batch(hf.config.vocab_size)
     want, want_chosen = reference(hf, ids, mask)
-    logits, chosen = run(DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.bfloat16), ids, mask)
+    logits, chosen = run(from_pretrained(path, dtype=jnp.bfloat16), ids, mask)
     # In bfloat16 a near-tie can route a token differently from transformers (rounding differs
     # between XLA and torch), and that token's logits then differ by O(1). The stated tolerance:
     # at least 90% of tokens route identically in every layer, and every such token's logits are
@@ -85,7 +85,7 @@ def test_expert_mask_equals_unreachable_experts_in_transformers(checkpoints):
     path, hf = checkpoints["plain-q-default-rope-tied"]
     ids, mask = batch(hf.config.vocab_size, seed=1)
     pruned = [1, 5, 6]
-    model = DeepseekV3ForCausalLM.from_pretrained(path)
+    model = from_pretrained(path)
     keep = np.ones((hf.config.num_hidden_layers, hf.config.n_routed_experts), bool)
     keep[:, pruned] = False
     logits, chosen = run(model, ids, mask, variant=jnp.asarray(keep))
@@ -102,8 +102,8 @@ def test_expert_mask_equals_unreachable_experts_in_transformers(checkpoints):
 def test_load_then_save_gives_back_every_tensor(tmp_path, dtype):
     src = tmp_path / "src"
     make_checkpoint(src, seed=3, dtype=dtype)
-    model = DeepseekV3ForCausalLM.from_pretrained(src, dtype=jnp.float32)
-    out = model.save_pretrained(tmp_path / "out")
+    model = from_pretrained(src, dtype=jnp.float32)
+    out = save_pretrained(model, tmp_path / "out")
     a, b = CheckpointReader(src), CheckpointReader(out)
     assert a.keys() == b.keys()
     for name in a.keys():
@@ -125,10 +125,10 @@ def test_fused_expert_names_of_transformers_5_load_too(checkpoints, tmp_path):
     assert not any(".experts.0." in n for n in names)
     ids, mask = batch(hf.config.vocab_size)
     want, _ = reference(hf, ids, mask)
-    logits, _ = run(DeepseekV3ForCausalLM.from_pretrained(fused), ids, mask)
+    logits, _ = run(from_pretrained(fused), ids, mask)
     assert np.abs(logits[mask.astype(bool)] - want[mask.astype(bool)]).max() < 1e-4
     # saved back under the canonical per-expert names, values unchanged
-    out = CheckpointReader(DeepseekV3ForCausalLM.from_pretrained(fused).save_pretrained(tmp_path / "out"))
+    out = CheckpointReader(save_pretrained(from_pretrained(fused), tmp_path / "out"))
     canonical = CheckpointReader(path)
     assert out.keys() == canonical.keys()
     assert out.read_bytes("model.layers.2.mlp.experts.5.up_proj.weight") == \

@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 from hf_fixtures import make_checkpoint, rewrite  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
-from moejax.hf.safetensors_format import SafetensorsFile  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.io.safetensors_format import SafetensorsFile  # noqa: E402
 from moejax.scoring.scores import rank_correlation  # noqa: E402
 from moejax.surgery.diff import diff_checkpoints, match_rows  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402

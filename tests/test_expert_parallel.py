@@ -116,13 +116,13 @@ def ckpt(tmp_path_factory):
 def test_deepseek_logits_identical_across_meshes(ckpt):
     from hf_fixtures import batch
 
-    from moejax import DeepseekV3ForCausalLM
+    from moejax import from_pretrained
 
     ids, mask = (jnp.asarray(a) for a in batch(96, seed=9))
-    want = np.asarray(DeepseekV3ForCausalLM.from_pretrained(ckpt).jitted()(ids, mask).logits_BSV)
+    want = np.asarray(from_pretrained(ckpt).jitted()(ids, mask).logits_BSV)
     for shape in MESHES:
         mesh = make_mesh(MeshConfig(*shape))
-        model = DeepseekV3ForCausalLM.from_pretrained(ckpt, mesh=mesh)
+        model = from_pretrained(ckpt, mesh=mesh)
         gate = model.model.layers[1].mlp.experts_gate[...]
         assert gate.sharding.spec == jax.sharding.PartitionSpec("expert")
         assert gate.addressable_shards[0].data.shape[0] == 8 // shape[1]
@@ -132,7 +132,7 @@ def test_deepseek_logits_identical_across_meshes(ckpt):
 
 
 def test_each_device_block_is_read_from_its_own_experts(ckpt, monkeypatch):
-    from moejax import DeepseekV3ForCausalLM
+    from moejax import from_pretrained
     from moejax.hf import model_io
 
     reads, calls = [], []
@@ -152,7 +152,7 @@ def test_each_device_block_is_read_from_its_own_experts(ckpt, monkeypatch):
 
     monkeypatch.setattr(model_io.OpenCheckpoint, "read_param_tensor", read)
     monkeypatch.setattr(model_io.jax, "make_array_from_callback", make)
-    DeepseekV3ForCausalLM.from_pretrained(ckpt, mesh=make_mesh(MeshConfig(data=2, expert=4)))
+    from_pretrained(ckpt, mesh=make_mesh(MeshConfig(data=2, expert=4)))
     assert len(calls) == 2 * 3 * 8  # 2 MoE layers x 3 expert stacks x 8 devices
     for experts, read_now in calls:
         assert read_now in ([], list(experts))  # its own experts, or nothing (a data-axis replica)

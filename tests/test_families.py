@@ -20,7 +20,7 @@ from hf_fixtures import batch, hook_router, reference_scores  # noqa: E402
 
 from moejax import AutoModelForCausalLM  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.models.registry import FAMILIES as REGISTRY  # noqa: E402
 from moejax.models.registry import config_from_dict, family_for  # noqa: E402
 

@@ -26,10 +26,10 @@ pytest.importorskip("transformers")
 from hf_fixtures import QUANT_CONFIGS, make_checkpoint, quantize, rewrite  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
-from moejax.hf.checkpoint_writer import write_safetensors_file  # noqa: E402
-from moejax.hf.safetensors_format import INDEX_NAME  # noqa: E402
-from moejax.hf.staging import STAGING_MARKER  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.io.checkpoint_writer import write_safetensors_file  # noqa: E402
+from moejax.hf.io.safetensors_format import INDEX_NAME  # noqa: E402
+from moejax.hf.io.staging import STAGING_MARKER  # noqa: E402
 
 E = 8
 
@@ -163,11 +163,11 @@ def test_every_command_refuses_what_the_loader_refuses(bad_sources, src, tmp_pat
 
 
 def test_from_pretrained_refuses_surplus_layers(bad_sources):
-    from moejax import DeepseekV3ForCausalLM
+    from moejax import from_pretrained
     from moejax.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"decoder layer\(s\) \[2\]"):
-        DeepseekV3ForCausalLM.from_pretrained(bad_sources["fewer_layers_in_config"])
+        from_pretrained(bad_sources["fewer_layers_in_config"])
 
 
 def test_unindexed_tensor_is_refused_not_dropped(src, tmp_path, capsys):
@@ -417,16 +417,16 @@ sys.exit(main(sys.argv[2:]))
 
 SLOW_SAVE = """
 import pathlib, sys, time
-import moejax.hf.checkpoint_writer as writer
-from moejax import DeepseekV3ForCausalLM
-model = DeepseekV3ForCausalLM.from_pretrained(sys.argv[2])
+import moejax.hf.io.checkpoint_writer as writer
+from moejax import from_pretrained, save_pretrained
+model = from_pretrained(sys.argv[2])
 real = writer._write_safetensors
 def slow(*args, **kwargs):
     pathlib.Path(sys.argv[1]).write_text("writing")
     time.sleep(60)
     return real(*args, **kwargs)
 writer._write_safetensors = slow
-model.save_pretrained(sys.argv[3])
+save_pretrained(model, sys.argv[3])
 """
 
 
@@ -518,8 +518,8 @@ def test_nan_score_names_the_layer_wherever_experts_are_selected():
 def test_a_write_nested_in_a_staging_folder_keeps_it_marked(tmp_path):
     """train_tiny saves a checkpoint into its own staging folder (replacing it): the folder stays
     marked as moejax's until the outer write completes, and the result carries no marker."""
-    from moejax.hf.checkpoint_writer import write_checkpoint
-    from moejax.hf.staging import staged_directory
+    from moejax.hf.io.checkpoint_writer import write_checkpoint
+    from moejax.hf.io.staging import staged_directory
 
     with staged_directory(tmp_path / "out", overwrite=False) as staging:
         write_checkpoint(staging, [("a", np.ones(2, np.float32))], {"x": 1}, overwrite=True)

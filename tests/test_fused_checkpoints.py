@@ -23,7 +23,7 @@ from hf_fixtures import batch, make_checkpoint  # noqa: E402
 from test_merge_variants import layer_merges, logits  # noqa: E402
 from test_prune import kept_of  # noqa: E402
 
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.hf.model_io import load_pretrained  # noqa: E402
 
 E = 8
@@ -72,9 +72,9 @@ def test_header_tools_see_the_experts_of_the_same_model_saved_per_expert(fused, 
     """inspect, plan and data-free score give the same numbers on a fused checkpoint as on the same
     model saved per expert (only the path and the stored tensor count differ)."""
     from moejax.hf.check import check_checkpoint
-    from moejax.hf.inspection import inspect_checkpoint
-    from moejax.hf.planning import plan_checkpoint
     from moejax.scoring.score_checkpoint import score_data_free
+    from moejax.surgery.inspect import inspect_checkpoint
+    from moejax.surgery.plan import plan_checkpoint
 
     root, _ = source(fused, family)
     a, b = root / "fused", root / "per_expert"

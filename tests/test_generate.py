@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 
 from hf_fixtures import DEFAULT_ROPE, make_checkpoint, unreachable  # noqa: E402
 
-from moejax import DeepseekV3ForCausalLM  # noqa: E402
+from moejax import from_pretrained  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
-from moejax.evaluation.generate import Generator, Sampling, filtered_logits, next_tokens  # noqa: E402
+from moejax.evaluation.generate import Generator, Sampling, filtered_logits, generate, next_tokens  # noqa: E402
 
 CASES = {  # the parity tests' hardened checkpoints (tests/test_deepseek_v3.py)
     "qlora-groups-yarn": {},
@@ -34,7 +34,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for i, (name, kw) in enumerate(CASES.items()):
         hf = make_checkpoint(root / name, seed=10 + i, **kw)
-        model = DeepseekV3ForCausalLM.from_pretrained(root / name)
+        model = from_pretrained(root / name)
         out[name] = (hf, model, Generator(model))
     return out
 
@@ -129,15 +129,15 @@ def test_prompt_past_the_context_limit_is_refused_before_compute(checkpoints):
     hf, model, _ = checkpoints["qlora-groups-yarn"]
     ids = np.ones((1, 250), np.int32)
     with pytest.raises(ConfigError, match=r"250 tokens.*max_new_tokens=7 = 257 > max_position_embeddings=256"):
-        model.generate(ids, max_new_tokens=7)
+        generate(model, ids, max_new_tokens=7)
     with pytest.raises(ConfigError, match="padded on the left"):
-        model.generate(ids[:, :5], np.array([[1, 1, 1, 1, 0]]), max_new_tokens=2)
+        generate(model, ids[:, :5], np.array([[1, 1, 1, 1, 0]]), max_new_tokens=2)
     with pytest.raises(ConfigError, match="top_p"):
-        model.generate(ids[:, :5], max_new_tokens=2, temperature=1.0, top_p=1.5)
+        generate(model, ids[:, :5], max_new_tokens=2, temperature=1.0, top_p=1.5)
 
 
 def test_variants_below_top_k_are_refused_by_the_forward_and_generate(checkpoints):
-    """One rule (moejax.variants.check.check_variant) for every form of variant and every entry point:
+    """One rule (moejax.models.variant.check_variant) for every form of variant and every entry point:
     a MoE layer keeping fewer than num_experts_per_tok=2 experts, none, or 2 that group-limited
     routing (4 groups of 2, 2 chosen) cannot always reach (experts 0 and 7: a token is given
     groups 0 and 1 and routed to expert 1, pruned) is refused before any compute. A dense layer's
@@ -168,7 +168,7 @@ def test_variants_below_top_k_are_refused_by_the_forward_and_generate(checkpoint
         with pytest.raises(ConfigError, match=match):
             gen(ids, mask, max_new_tokens=N, variant=variant)
         with pytest.raises(ConfigError, match=match):
-            model.generate(ids, mask, max_new_tokens=N, variant=variant)
+            generate(model, ids, mask, max_new_tokens=N, variant=variant)
     assert gen(ids, mask, max_new_tokens=N, variant=masks(1, [6, 7])).shape == (4, 9 + N)  # one full group routes
 
 
@@ -201,7 +201,7 @@ def test_generate_settings_are_refused_by_name_before_compute(checkpoints, monke
     for dtype, shown in [(jnp.int8, "int8"), ("hot", "'hot'"), (jnp.float64, "float64")]:
         with pytest.raises(ConfigError, match=rf"dtype={shown}; expected a floating dtype the model computes in: "
                                               "float32, bfloat16, float16"):
-            DeepseekV3ForCausalLM.from_pretrained(path, dtype=dtype)
+            from_pretrained(path, dtype=dtype)
         with pytest.raises(ConfigError, match="expected a floating dtype"):
             AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
@@ -210,7 +210,7 @@ def test_sampling_is_reproducible_and_seeded(checkpoints):
     hf, model, gen = checkpoints["qlora-groups-yarn"]
     ids, mask = prompts(hf.config.vocab_size)
     kw = dict(max_new_tokens=N, temperature=1.5, top_k=20, top_p=0.95)
-    a = model.generate(ids, mask, seed=3, **kw)  # the model's own method: a fresh Generator
+    a = generate(model, ids, mask, seed=3, **kw)  # one call: a fresh Generator
     np.testing.assert_array_equal(a, gen(ids, mask, seed=3, **kw))
     assert (a != gen(ids, mask, seed=4, **kw)).any()
 

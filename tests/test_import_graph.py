@@ -1,12 +1,20 @@
 """The import graph of `moejax/` (issue 31): every `import` and `from ... import` of a moejax module,
 at module level or inside a function, is an edge, read from the source with `ast` (nothing is
 imported; a package's `__init__`, which Python runs before any module below it, is an edge only
-where it is imported by name). There is no cycle, and a new one fails here by name."""
+where it is imported by name). There is no cycle, and a new one fails here by name. The models are
+a layer: nothing under `moejax/models/` imports a moejax module outside `MODELS_MAY_IMPORT` (the
+loader `moejax.hf.model_io` imports the model, generation takes it as an argument, never the
+reverse)."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "moejax"
+# What the models stand on: their own package, the MoE layer (routing, dispatch, expert maps), the
+# errors and the mesh; the checkpoint loader, evaluation, variants, scoring and commands are above.
+MODELS_MAY_IMPORT = ("moejax.models", "moejax.moe", "moejax.errors", "moejax.parallel")
+
+
 def modules() -> dict:
     out = {}
     for f in ROOT.rglob("*.py"):
@@ -88,7 +96,32 @@ def test_no_import_cycle():
 
 def test_the_cycle_finder_finds_a_planted_cycle():
     graph = import_graph()
-    graph["moejax.hf.storage"].add("moejax.hf.location")   # location imports storage (and remote, which does too)
-    assert frozenset({"moejax.hf.storage", "moejax.hf.location", "moejax.hf.remote"}) in cycles(graph)
-    assert "moejax.hf.location" in graph["moejax.hf.checkpoint_reader"]   # a module-level import
-    assert "moejax.hf.remote" in graph["moejax.hf.location"]              # one inside a function
+    graph["moejax.hf.io.storage"].add("moejax.hf.io.location")   # location imports storage (and remote, which does too)
+    assert frozenset({"moejax.hf.io.storage", "moejax.hf.io.location", "moejax.hf.io.remote"}) in cycles(graph)
+    assert "moejax.hf.io.location" in graph["moejax.hf.io.checkpoint_reader"]   # a module-level import
+    assert "moejax.hf.io.remote" in graph["moejax.hf.io.location"]              # one inside a function
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def upward_imports(graph: dict) -> list:
+    """(module under moejax.models, moejax module it imports outside MODELS_MAY_IMPORT), sorted."""
+    return sorted((m, t) for m, targets in graph.items() if _within(m, "moejax.models") for t in targets
+                  if not any(_within(t, allowed) for allowed in MODELS_MAY_IMPORT))
+
+
+def test_models_import_nothing_above_them():
+    found = upward_imports(import_graph())
+    assert not found, (f"moejax/models/ imports above its layer (function-level imports count; allowed: "
+                       f"{MODELS_MAY_IMPORT}): {found}")
+
+
+def test_the_layer_check_finds_a_planted_upward_import():
+    graph = import_graph()
+    graph["moejax.models.causal_lm"].add("moejax.hf.model_io")   # from_pretrained as a method, once
+    graph["moejax.models.qwen3_moe.model"].add("moejax")          # `from moejax import ...`: the root is above too
+    assert upward_imports(graph) == [("moejax.models.causal_lm", "moejax.hf.model_io"),
+                                     ("moejax.models.qwen3_moe.model", "moejax")]
+    assert "moejax.moe.dispatch" in graph["moejax.models.layers"]   # an edge it allows is still an edge

@@ -1,4 +1,4 @@
-"""`moejax inspect` / `moejax plan` (moejax.hf.inspection, moejax.hf.planning): parameter counts
+"""`moejax inspect` / `moejax plan` (moejax.surgery.inspect, moejax.surgery.plan): parameter counts
 checked against transformers and the safetensors package, packed 4-bit tensors counted in logical
 values, active parameters recomputed from the config, device plans hand-computed on sparse
 header-only checkpoints, and all of it without reading a byte of tensor data."""
@@ -19,11 +19,13 @@ import pytest
 from hf_fixtures import QUANT_CONFIGS, full_config, spec_shapes
 from hf_fixtures import quantised_linear as fixture_linear
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf import inspection, planning
-from moejax.hf.checkpoint_reader import CheckpointReader
-from moejax.hf.checkpoint_writer import write_checkpoint
-from moejax.hf.inspection import format_inspect, human_bytes, human_count, inspect_checkpoint
-from moejax.hf.planning import (
+from moejax.hf.io.checkpoint_reader import CheckpointReader
+from moejax.hf.io.checkpoint_writer import write_checkpoint
+from moejax.hf.io.safetensors_format import SafetensorsFile
+from moejax.surgery import inspect as inspection
+from moejax.surgery import plan as planning
+from moejax.surgery.inspect import format_inspect, human_bytes, human_count, inspect_checkpoint
+from moejax.surgery.plan import (
     ACCELERATORS_GB,
     format_plan,
     matrix_bytes,
@@ -31,7 +33,6 @@ from moejax.hf.planning import (
     plan_checkpoint,
     smallest_device_count,
 )
-from moejax.hf.safetensors_format import SafetensorsFile
 
 BF16 = ml_dtypes.bfloat16
 
@@ -504,7 +505,7 @@ def test_human_units():
 
 
 def test_module_imports_no_jax_or_torch():
-    code = ("import sys, moejax.hf.inspection, moejax.hf.planning; "
+    code = ("import sys, moejax.surgery.inspect, moejax.surgery.plan; "
             "print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -218,7 +218,7 @@ def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(set
     import jax.numpy as jnp
     from lm_eval.models.huggingface import HFLM
 
-    from moejax.hf.model_io import load_pretrained
+    from moejax.hf.model_io import load_pretrained, save_pretrained
     from moejax.evaluation.lm_eval import MoejaxLM
     from moejax.merging.calibration import merge_stats
     from moejax.merging.layer import merge_layer
@@ -236,7 +236,7 @@ def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(set
         moe = model.model.layers[l].mlp
         for key, attr in (("gate", "experts_gate"), ("up", "experts_up"), ("down", "experts_down")):
             getattr(moe, attr)[...] = jnp.asarray(m.weights[key][m.labels_E])
-    model.save_pretrained(tmp_path / "in_place")
+    save_pretrained(model, tmp_path / "in_place")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (ckpt / name).is_file():
             (tmp_path / "in_place" / name).write_bytes((ckpt / name).read_bytes())
@@ -253,7 +253,7 @@ def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(set
 def test_settings_and_variants_below_top_k_fail_before_the_model_is_loaded(setup, monkeypatch):
     """model_args out of range, and a variant keeping fewer than top_k=4 experts in a layer (or 4
     that group-limited routing, 4 groups of 4 with 2 chosen, cannot always reach), are refused by
-    name before loading; the same rule as the forward's (moejax.variants.check.check_variant)."""
+    name before loading; the same rule as the forward's (moejax.models.variant.check_variant)."""
     import moejax.evaluation.lm_eval
     from moejax.evaluation.lm_eval import MoejaxLM
 

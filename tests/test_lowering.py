@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from jax import export
 
-from moejax.models.auto import AutoModelForCausalLM
+from moejax.hf.auto import AutoModelForCausalLM
 from moejax.models.registry import config_from_dict
 from moejax.training.config import ArchConfig
 

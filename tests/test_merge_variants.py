@@ -28,11 +28,11 @@ from hf_fixtures import batch, make_checkpoint  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from moejax.errors import ConfigError, MoejaxError  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.evaluation.nll import next_token_nll  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.hf.model_io import load_pretrained, open_checkpoint  # noqa: E402
 from moejax.merging.calibration import merge_stats  # noqa: E402
 from moejax.merging.layer import merge_clusters, merge_layer  # noqa: E402
-from moejax.evaluation.nll import next_token_nll  # noqa: E402
 
 E = 8
 

@@ -278,7 +278,7 @@ def in_memory(src, ids):
 
 
 def test_the_checkpoint_is_constant_v1_with_byte_identical_survivors(substituted):
-    from moejax.hf.checkpoint_reader import CheckpointReader
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
 
     src, dst, ids, record, before = substituted
     assert file_hashes(src) == before  # the source is never modified
@@ -307,7 +307,7 @@ def test_the_checkpoint_is_constant_v1_with_byte_identical_survivors(substituted
 
 
 def forward_logits(model, ids, mask, variant):
-    """The model's forward under `variant` traced inside jit (`moejax.variants.check.check_variant`,
+    """The model's forward under `variant` traced inside jit (`moejax.models.variant.check_variant`,
     which the model's own checked entry points run, rebuilds ExpertMaps without their novice fields)."""
     graphdef, state = nnx.split(model)
 

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from hf_fixtures import batch, hook_router, make_checkpoint, reference_mean_outputs, reference_scores  # noqa: E402
 
-from moejax import DeepseekV3ForCausalLM  # noqa: E402
+from moejax import from_pretrained  # noqa: E402
 from moejax.scoring.observe import calibrate  # noqa: E402
 from moejax.scoring.scores import compute_scores  # noqa: E402
 
@@ -36,7 +36,7 @@ def test_scores_match_definitions_on_transformers_model(tmp_path, stored):
     ids, mask = batch(hf.config.vocab_size, seed=3, B=3, S=16)
     want = hf_reference(hf, ids, mask)
     constants = reference_mean_outputs(hf, hook_router(hf, ids, mask)[1], mask)
-    model = DeepseekV3ForCausalLM.from_pretrained(path)
+    model = from_pretrained(path)
     # two batches, to exercise accumulation: the same tokens split in halves along the batch
     stats = calibrate(model, [(ids[:2], mask[:2]), (ids[2:], mask[2:])])
     assert sorted(stats) == sorted(want)
@@ -61,7 +61,7 @@ def test_streamed_pass_equals_in_memory_pass(tmp_path):
     ids, mask = batch(hf.config.vocab_size, seed=4, B=3, S=16)
     batches = [(ids[:2], mask[:2]), (ids[2:], mask[2:])]
     streamed = calibrate_streamed(path, batches, progress=False)
-    in_memory = calibrate(DeepseekV3ForCausalLM.from_pretrained(path), batches)
+    in_memory = calibrate(from_pretrained(path), batches)
     assert sorted(streamed) == sorted(in_memory) == [1, 2]
     for layer in streamed:
         for name, a in compute_scores(streamed[layer], SCORES).items():

@@ -18,14 +18,16 @@ pytest.importorskip("transformers")
 from family_fixtures import make_family_checkpoint  # noqa: E402
 from hf_fixtures import batch, make_checkpoint, with_mtp_layer  # noqa: E402
 
-from moejax import AutoModelForCausalLM, DeepseekV3ForCausalLM  # noqa: E402
+from moejax import AutoModelForCausalLM, from_pretrained, save_pretrained  # noqa: E402
 from moejax.cli import main  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
+from moejax.evaluation.generate import generate  # noqa: E402
 from moejax.hf.check import check_checkpoint  # noqa: E402
 from moejax.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from moejax.models.deepseek_v3.presets import PRESETS  # noqa: E402
+from moejax.models.variant import check_variant  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402
-from moejax.variants.check import check_variant, masks_from_pruning_record  # noqa: E402
+from moejax.variants.check import masks_from_pruning_record  # noqa: E402
 
 E = 8
 # one global threshold over these shares keeps 5 experts in layer 1 and 3 in layer 2 (keep=4, top_k=2)
@@ -79,7 +81,7 @@ def source(tmp_path_factory):
                   for e, v in enumerate(vs)]).to_parquet(root / "skew.parquet")
     dst = root / "global"
     prune_checkpoint(src, dst, score="skew", scores_file=root / "skew.parquet", keep=4, allocation="global")
-    return src, dst, DeepseekV3ForCausalLM.from_pretrained(src)
+    return src, dst, from_pretrained(src)
 
 
 def test_global_pruning_is_loaded_with_each_layers_count(source):
@@ -88,17 +90,17 @@ def test_global_pruning_is_loaded_with_each_layers_count(source):
     config = json.loads((dst / "config.json").read_text())
     assert config["n_routed_experts"] == 5
     assert config["moe_sparsity_config"] == {"method": "prune", "num_experts": [None, 5, 3]}
-    model = DeepseekV3ForCausalLM.from_pretrained(dst)
+    model = from_pretrained(dst)
     assert [model.model.layers[l].mlp.router.shape for l in (1, 2)] == [(5, 64), (3, 64)]
     assert_logits_equal_masked_source(model, src_model, SKEW_KEPT)
     # generation: each greedy token is the masked source's argmax after the tokens before it
     prompt = np.random.default_rng(5).integers(1, 256, (2, 6))
-    out = np.asarray(model.generate(jnp.asarray(prompt), max_new_tokens=4))
+    out = np.asarray(generate(model, jnp.asarray(prompt), max_new_tokens=4))
     logits = src_model(jnp.asarray(out[:, :-1]), variant=jnp.asarray(source_masks(SKEW_KEPT, 3, E))).logits_BSV
     np.testing.assert_array_equal(out[:, 6:], np.asarray(logits).argmax(-1)[:, 5:])
     # saved back by moejax: the same tensors and config
-    model.save_pretrained(dst.parent / "saved")
-    again = DeepseekV3ForCausalLM.from_pretrained(dst.parent / "saved")
+    save_pretrained(model, dst.parent / "saved")
+    again = from_pretrained(dst.parent / "saved")
     assert again.config.layer_num_experts == (None, 5, 3)
     np.testing.assert_array_equal(np.asarray(again.model.layers[2].mlp.experts_down[...]),
                                   np.asarray(model.model.layers[2].mlp.experts_down[...]))
@@ -106,7 +108,7 @@ def test_global_pruning_is_loaded_with_each_layers_count(source):
 
 def test_variants_of_a_per_layer_model(source):
     src, dst, _ = source
-    model = DeepseekV3ForCausalLM.from_pretrained(dst)
+    model = from_pretrained(dst)
     cfg = model.config
     masks = np.zeros((3, 5), bool)
     masks[1, [0, 3, 4]] = True
@@ -114,7 +116,7 @@ def test_variants_of_a_per_layer_model(source):
     ids, mask = batch(256, seed=7)
     got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), variant=check_variant(masks, cfg)).logits_BSV)
     # the same pruning of the source: layer 1 keeps source experts [0, 6, 7], layer 2 [0, 2]
-    want = np.asarray(DeepseekV3ForCausalLM.from_pretrained(src)(
+    want = np.asarray(from_pretrained(src)(
         jnp.asarray(ids), jnp.asarray(mask),
         variant=jnp.asarray(source_masks({1: [0, 6, 7], 2: [0, 2]}, 3, E))).logits_BSV)
     assert np.abs(got - want)[mask.astype(bool)].max() < 2e-4 * max(1.0, np.abs(want).max())
@@ -194,7 +196,7 @@ def test_pruned_again_uniform_and_global(source, tmp_path):
     assert {l: v["n_experts"] for l, v in record["layers"].items()} == {"1": 5, "2": 3}
     config = json.loads((uniform / "config.json").read_text())
     assert config["n_routed_experts"] == 3 and "moe_sparsity_config" not in config
-    assert_logits_equal_masked_source(DeepseekV3ForCausalLM.from_pretrained(uniform), src_model,
+    assert_logits_equal_masked_source(from_pretrained(uniform), src_model,
                                       compose(first, kept_of(uniform)))
 
     score_data_free(dst, scores=["l1", "signed"], out=tmp_path / "free.parquet")
@@ -204,10 +206,10 @@ def test_pruned_again_uniform_and_global(source, tmp_path):
     assert sum(counts.values()) == 3 + 2  # the ratio resolved per layer: 0.7 of 5 and of 3
     config = json.loads((again / "config.json").read_text())
     assert config.get("moe_sparsity_config", {"num_experts": [None, 3, 3]})["num_experts"] == [None, *counts.values()]
-    model = DeepseekV3ForCausalLM.from_pretrained(again)
+    model = from_pretrained(again)
     assert_logits_equal_masked_source(model, src_model, compose(first, kept_of(again)))
     # the record of the second pruning, applied to the per-layer checkpoint it was made from
-    dst_model = DeepseekV3ForCausalLM.from_pretrained(dst)
+    dst_model = from_pretrained(dst)
     masks = masks_from_pruning_record(again, dst_model.config)
     ids, mask = batch(256, seed=9)
     want = np.asarray(dst_model(jnp.asarray(ids), jnp.asarray(mask),
@@ -230,12 +232,12 @@ def test_grouped_per_layer_counts_keep_their_groups(tmp_path):
     config = json.loads((dst / "config.json").read_text())
     assert (config["n_group"], config["n_routed_experts"]) == (2, 12)
     assert config["moe_sparsity_config"]["num_experts"] == [None, 12, 8]
-    src_model = DeepseekV3ForCausalLM.from_pretrained(src)
-    assert_logits_equal_masked_source(DeepseekV3ForCausalLM.from_pretrained(dst), src_model, kept, seed=4)
+    src_model = from_pretrained(src)
+    assert_logits_equal_masked_source(from_pretrained(dst), src_model, kept, seed=4)
     again = tmp_path / "again"
     assert prune_checkpoint(dst, again, score="l1", keep=8, group_aware=True)["groups"] == "preserved"
     assert "moe_sparsity_config" not in json.loads((again / "config.json").read_text())
-    assert_logits_equal_masked_source(DeepseekV3ForCausalLM.from_pretrained(again), src_model,
+    assert_logits_equal_masked_source(from_pretrained(again), src_model,
                                       compose(kept, kept_of(again)), seed=4)
     # a global budget does not allocate whole groups: refused by name when groups are to be kept
     with pytest.raises(ConfigError, match="keep=7 is the count --allocation global gave layer 1; it does not "

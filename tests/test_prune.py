@@ -13,10 +13,10 @@ pytest.importorskip("transformers")
 
 from hf_fixtures import QUANT_CONFIGS, batch, make_checkpoint, quantize, rewrite, with_mtp_layer  # noqa: E402
 
-from moejax import DeepseekV3ForCausalLM  # noqa: E402
+from moejax import from_pretrained  # noqa: E402
 from moejax.cli import main  # noqa: E402
 from moejax.errors import CheckpointError, ConfigError, MoejaxError  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.surgery import prune as prune_module  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402
 
@@ -150,7 +150,7 @@ def test_transformers_loads_it_and_matches_the_masked_source(flat, tmp_path):
     ids, mask = batch(96, seed=3)
     with torch.no_grad():
         want = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask)).logits.numpy()
-    model = DeepseekV3ForCausalLM.from_pretrained(flat, dtype=jnp.float32)
+    model = from_pretrained(flat, dtype=jnp.float32)
     masks = np.zeros((3, E), bool)
     for layer, k in kept.items():
         masks[layer, k] = True
@@ -177,7 +177,7 @@ def test_group_aware_keeps_groups_and_matches_the_masked_source(grouped, tmp_pat
     ids, mask = batch(96, seed=4)
     with torch.no_grad():
         want = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask)).logits.numpy()
-    model = DeepseekV3ForCausalLM.from_pretrained(grouped)
+    model = from_pretrained(grouped)
     masks = np.zeros((3, 16), bool)
     for layer, k in kept.items():
         masks[layer, k] = True
@@ -199,7 +199,7 @@ def test_uneven_groups_refused_unless_collapsed(grouped, tmp_path):
     assert kept_of(dst) == {1: list(range(8)), 2: list(range(8))}
     config = json.loads((dst / "config.json").read_text())
     assert (config["n_group"], config["topk_group"]) == (1, 1)
-    DeepseekV3ForCausalLM.from_pretrained(dst)  # a well-defined routing the model accepts
+    from_pretrained(dst)  # a well-defined routing the model accepts
 
 
 def test_scores_file_and_per_layer_counts(flat, tmp_path):
@@ -216,7 +216,7 @@ def test_scores_file_and_per_layer_counts(flat, tmp_path):
     assert config["n_routed_experts"] == 6
     assert config["moe_sparsity_config"] == {"method": "prune", "num_experts": [None, 6, 3]}
     assert tensors(dst) == expected_tensors(flat, kept)
-    model = DeepseekV3ForCausalLM.from_pretrained(dst)  # each layer with its own count (test_per_layer_experts)
+    model = from_pretrained(dst)  # each layer with its own count (test_per_layer_experts)
     assert [model.model.layers[l].mlp.router.shape[0] for l in (1, 2)] == [6, 3]
 
 
@@ -244,8 +244,8 @@ def test_quantised_experts_travel_with_their_companions(flat, tmp_path, fmt):
     companions = {"fp8_block": "weight_scale_inv", "int4_pack": "weight_shape", "mxfp4": "weight_scale"}[fmt]
     assert sum(n.endswith(companions) and ".experts." in n for n in got) == 2 * 4 * 3
     assert json.loads((dst / "config.json").read_text())["quantization_config"] == QUANT_CONFIGS[fmt]
-    source = DeepseekV3ForCausalLM.from_pretrained(src)
-    pruned = DeepseekV3ForCausalLM.from_pretrained(dst)
+    source = from_pretrained(src)
+    pruned = from_pretrained(dst)
     ids, mask = batch(96, seed=5)
     masks = np.zeros((3, E), bool)
     for layer, k in kept.items():

@@ -12,8 +12,8 @@ from hf_fixtures import make_checkpoint  # noqa: E402
 from moejax.evaluation import carried as evaluate
 from moejax.evaluation import stream  # noqa: E402
 from moejax.evaluation.carried import evaluate_pruning  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.hf.model_io import open_checkpoint  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
 
 E, K, SEQ = 16, 2, 24  # top-2 of 4 groups of 4, 2 chosen: every keep >= 4 routes each token to 2 kept experts
 
@@ -296,7 +296,7 @@ def test_a_selection_leaving_a_token_short_of_top_k_kept_experts_is_refused(tmp_
     """Group-limited routing (4 groups of 4, 2 chosen, top-4): l1's 4 kept experts of the first MoE
     layer lie one per group, so a token is given 2 groups holding 2 kept experts and would be
     routed to 2 pruned ones at their full gates. The pass refuses it at that layer, by the rule of
-    every variant (moejax.variants.check.check_routable), instead of reporting that model's numbers."""
+    every variant (moejax.models.variant.check_routable), instead of reporting that model's numbers."""
     from moejax.errors import ConfigError
 
     path = tmp_path / "src"

@@ -1,4 +1,4 @@
-"""moejax.hf.quant (decoders) and moejax.hf.quant_encode (encoders): hand-computed decodes of each
+"""moejax.hf.quant.decode (decoders) and moejax.hf.quant.encode (encoders): hand-computed decodes of each
 quantised layout, encoder -> decoder round trips, shape checks, config detection, and (when
 compressed-tensors is installed) its own pack/unpack functions as an independent reference."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moejax.errors import CheckpointError
-from moejax.hf.quant import (
+from moejax.hf.quant.decode import (
     QUANT_FORMATS,
     companion_tensor_names,
     dequant_fp8_block,
@@ -15,7 +15,7 @@ from moejax.hf.quant import (
     detect_format,
     unpack_int4,
 )
-from moejax.hf.quant_encode import pack_int4, quantize_fp8_block, quantize_mxfp4
+from moejax.hf.quant.encode import pack_int4, quantize_fp8_block, quantize_mxfp4
 
 E4M3 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16

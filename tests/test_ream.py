@@ -420,7 +420,7 @@ def test_ream_checkpoint_equals_the_definitions_on_transformers_numbers_and_load
 
     from hf_fixtures import batch, hook_router, reference_scores
     from moejax.cli import main
-    from moejax.hf.checkpoint_reader import CheckpointReader
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
 
     path, _, calib = dsv3
     tokens = tmp_path / "calib.npy"
@@ -491,7 +491,7 @@ def test_sequential_ream_checkpoint_is_the_carried_pass_sequential_merge(dsv3, t
     checked against the whole model's forward in test_variants), not the one-shot one."""
     from moejax.cli import main
     from moejax.evaluation.carried import evaluate_pruning
-    from moejax.hf.checkpoint_reader import CheckpointReader
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
     from moejax.hf.model_io import open_checkpoint
 
     path, _, calib = dsv3

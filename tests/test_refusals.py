@@ -284,7 +284,7 @@ def test_config_naming_only_its_architecture_is_read(ckpts, tmp_path, capsys):
 
 def test_disk_full_names_the_destination(ckpts, tmp_path, capsys, monkeypatch):
     """A failed write() names no file: the error names the output, keeps errno 28, exits 1."""
-    import moejax.hf.checkpoint_writer as writer
+    import moejax.hf.io.checkpoint_writer as writer
     import moejax.surgery.prune as prune_module
     from moejax.hf.model_io import load_pretrained, save_pretrained
 
@@ -328,7 +328,7 @@ def test_eval_tasks_errors_carry_its_own_name(ckpts):
 
 
 def test_hf_location_must_name_a_repository(capsys):
-    from moejax.hf.remote import parse_hf_location
+    from moejax.hf.io.remote import parse_hf_location
 
     for location in ("hf://../../etc", "hf://org/na..me", "hf://-org/name", "hf://org/name/../../x"):
         with pytest.raises(ConfigError, match=f"^{location}: "):

@@ -1,4 +1,4 @@
-"""Remote checkpoints (moejax.hf.storage, moejax.hf.remote): a range-capable HTTP server started
+"""Remote checkpoints (moejax.hf.io.storage, moejax.hf.io.remote): a range-capable HTTP server started
 here on 127.0.0.1 serves a tiny checkpoint; inspect, diff and data-free scores of the served copy
 equal those of the local folder, the bytes sent are exactly config.json + index + headers (+ the
 router and bias tensors), and a missing shard, a server that ignores Range, a truncated body and a
@@ -23,15 +23,15 @@ from range_server import serve
 
 from moejax.cli import main  # noqa: E402
 from moejax.errors import CheckpointError, ConfigError  # noqa: E402
-from moejax.hf import remote  # noqa: E402
-from moejax.hf.checkpoint_reader import CheckpointReader  # noqa: E402
-from moejax.hf.checkpoint_writer import write_checkpoint  # noqa: E402
-from moejax.hf.inspection import inspect_checkpoint  # noqa: E402
-from moejax.hf.safetensors_format import CONFIG_NAME, INDEX_NAME  # noqa: E402
-from moejax.hf.location import open_location  # noqa: E402
-from moejax.hf.storage import MissingFile  # noqa: E402
+from moejax.hf.io import remote  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.io.checkpoint_writer import write_checkpoint  # noqa: E402
+from moejax.hf.io.location import open_location  # noqa: E402
+from moejax.hf.io.safetensors_format import CONFIG_NAME, INDEX_NAME  # noqa: E402
+from moejax.hf.io.storage import MissingFile  # noqa: E402
 from moejax.scoring.score_checkpoint import score_data_free  # noqa: E402
 from moejax.surgery.diff import diff_checkpoints  # noqa: E402
+from moejax.surgery.inspect import inspect_checkpoint  # noqa: E402
 from moejax.surgery.prune import prune_checkpoint  # noqa: E402
 
 ROUTER = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")

@@ -129,7 +129,7 @@ def test_the_unpruned_model_rerouted_against_itself_stays(dsv3):
 
 
 def _same_but_routers(a_dir, b_dir, routers):
-    from moejax.hf.checkpoint_reader import CheckpointReader
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
 
     a, b = CheckpointReader(a_dir), CheckpointReader(b_dir)
     assert sorted(a.keys()) == sorted(b.keys())
@@ -321,7 +321,7 @@ def test_reroute_on_a_mesh_equals_one_device(dsv3, tmp_path):
     over 2: the same losses and written routers as on one device, to float rounding."""
     import jax
 
-    from moejax.hf.checkpoint_reader import CheckpointReader
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
     from moejax.parallel import MeshConfig
     from moejax.surgery.reroute import reroute_checkpoint
 

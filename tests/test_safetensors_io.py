@@ -12,9 +12,9 @@ import safetensors
 from safetensors.numpy import load_file, save_file
 
 from moejax.errors import CheckpointError
-from moejax.hf.checkpoint_reader import CheckpointReader
-from moejax.hf.checkpoint_writer import write_checkpoint
-from moejax.hf.safetensors_format import INDEX_NAME, RawTensor, SafetensorsFile
+from moejax.hf.io.checkpoint_reader import CheckpointReader
+from moejax.hf.io.checkpoint_writer import write_checkpoint
+from moejax.hf.io.safetensors_format import INDEX_NAME, RawTensor, SafetensorsFile
 
 def sample_tensors() -> dict[str, np.ndarray]:
     """One tensor per dtype the checkpoints use, plus a scalar and an empty tensor; the same on
@@ -442,8 +442,8 @@ def test_byte_range_copy_falls_back_to_reading(tmp_path, monkeypatch, kernel):
     import errno
     import os
 
-    from moejax.hf.checkpoint_writer import write_safetensors_file
-    from moejax.hf.safetensors_format import SafetensorsFile
+    from moejax.hf.io.checkpoint_writer import write_safetensors_file
+    from moejax.hf.io.safetensors_format import SafetensorsFile
 
     rng = np.random.default_rng(0)
     src = tmp_path / "src.safetensors"

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from hf_fixtures import aimer_ratio, make_checkpoint  # noqa: E402
 
-from moejax import DeepseekV3ForCausalLM  # noqa: E402
+from moejax import from_pretrained  # noqa: E402
 from moejax.cli import main  # noqa: E402
 from moejax.scoring.observe import calibrate  # noqa: E402
 from moejax.scoring.scores import ALL_SCORES  # noqa: E402
@@ -42,7 +42,7 @@ def test_text_scoring_writes_table_and_sidecar_equal_to_in_memory_pass(ckpt, tmp
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["tokens"] == 96 and side["tokenizer"].startswith("byte-level")
     ids = np.frombuffer(STDLIB_TEXT.read_text().encode("utf-8")[:96], np.uint8).astype(np.int32).reshape(6, 16)
-    want = calibrate(DeepseekV3ForCausalLM.from_pretrained(ckpt), [(ids[:4], None), (ids[4:], None)])
+    want = calibrate(from_pretrained(ckpt), [(ids[:4], None), (ids[4:], None)])
     for layer, st in want.items():
         np.testing.assert_array_equal(side["layers"][str(layer)]["counts"], st.counts_E)
         for key, value in [("norm_sq_sum", st.norm_sq_sum_E), ("norm_max", st.norm_max_E),
@@ -97,7 +97,7 @@ def test_aimer_without_data_equals_numpy_on_the_safetensors_and_the_calibrated_p
     for l in (1, 2):
         assert record["layers"][str(l)]["kept"] == sorted(np.argsort(-want[l], kind="stable")[:4].tolist())
     ids = np.random.default_rng(2).integers(0, 300, size=(2, 8))
-    stats = calibrate(DeepseekV3ForCausalLM.from_pretrained(ckpt), [(ids, None)])
+    stats = calibrate(from_pretrained(ckpt), [(ids, None)])
     for l in (1, 2):
         got = compute_scores(stats[l], ["aimer"])["aimer"]
         np.testing.assert_allclose(got, want[l], rtol=1e-6, err_msg=f"calibrated aimer, layer {l}")

@@ -64,9 +64,9 @@ def test_loss_falls_and_balance_biases_move(trained):
     record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
     assert record["heldout_ppl"] == pytest.approx(math.exp(record["heldout_loss"]))
     assert record["steps"] == N and record["train_s"] > 0 and "jax" in record["versions"]
-    from moejax import DeepseekV3ForCausalLM
+    from moejax import from_pretrained
 
-    model = DeepseekV3ForCausalLM.from_pretrained(cfg.path)
+    model = from_pretrained(cfg.path)
     for layer in model.model.layers[cfg.model_config().first_k_dense_replace:]:
         bias = np.asarray(layer.mlp.bias[...])
         assert (bias != 0).any() and (bias < 0).any() and (bias > 0).any()
@@ -154,7 +154,7 @@ def test_interrupted_run_resumed_equals_uninterrupted(trained, tmp_path):
     df2, _ = tt.run(again)
     assert metric(df2, "start_step").value.tolist() == [10]
     np.testing.assert_allclose(metric(df2, "train_loss").value, metric(df, "train_loss").value, rtol=1e-5)
-    from moejax.hf.checkpoint_reader import CheckpointReader
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
 
     a, b = CheckpointReader(cfg.path), CheckpointReader(tmp_path / "tiny")
     for name in a.keys():
@@ -177,7 +177,7 @@ def test_transformers_loads_it_and_agrees_on_heldout_perplexity(trained):
     transformers = pytest.importorskip("transformers")
     import jax.numpy as jnp
 
-    from moejax import DeepseekV3ForCausalLM
+    from moejax import from_pretrained
 
     cfg, _, _, _ = trained
     record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
@@ -192,7 +192,7 @@ def test_transformers_loads_it_and_agrees_on_heldout_perplexity(trained):
         logits = hf(torch.as_tensor(ids, dtype=torch.long)).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1)
         hf_loss = -logp.gather(-1, torch.as_tensor(ids[:, 1:, None], dtype=torch.long)).mean().item()
-    model = DeepseekV3ForCausalLM.from_pretrained(cfg.path, dtype=jnp.float32)
+    model = from_pretrained(cfg.path, dtype=jnp.float32)
     ours = float(next_token_loss(model.jitted()(jnp.asarray(ids)).logits_BSV, jnp.asarray(ids)))
     assert math.exp(hf_loss) == pytest.approx(math.exp(ours), rel=1e-4)
     assert math.exp(hf_loss) == pytest.approx(record["heldout_ppl"], rel=1e-4)
@@ -389,7 +389,7 @@ def test_every_family_has_a_tiny_preset(family):
     import jax.numpy as jnp
     from flax import nnx
 
-    from moejax.models.auto import AutoModelForCausalLM
+    from moejax.hf.auto import AutoModelForCausalLM
     from moejax.models.registry import FAMILIES
 
     assert set(REDUCED) | {"deepseek_v3"} == set(FAMILIES)

@@ -123,7 +123,7 @@ def test_the_one_check_keeps_and_checks_novices():
     from moejax.models.deepseek_v3 import DeepseekV3Config
     from moejax.models.deepseek_v3.presets import TINY
     from moejax.moe.expert_map import ExpertMap
-    from moejax.variants.check import check_variant
+    from moejax.models.variant import check_variant
 
     cfg = DeepseekV3Config.from_dict(TINY)
     E, H, layer = cfg.n_experts, cfg.hidden_size, cfg.moe_layers[0]
@@ -232,7 +232,7 @@ def test_a_rerouted_spec_and_the_router_override_check():
     from moejax.models.deepseek_v3 import DeepseekV3Config
     from moejax.models.deepseek_v3.presets import TINY
     from moejax.moe.expert_map import ExpertMap
-    from moejax.variants.check import check_variant
+    from moejax.models.variant import check_variant
 
     spec = VariantSpec("reap", 8, "one_shot", rerouted=True)
     assert spec.name == "reap@8+rerouted" and spec.row()["rerouted"] is True

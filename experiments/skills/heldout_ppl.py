@@ -21,7 +21,7 @@ def heldout_loss(ckpt, seq_len: int, batch: int = 32) -> float:
     import jax.numpy as jnp
 
     from moejax.data import byte_stream
-    from moejax.models.auto import AutoModelForCausalLM
+    from moejax.hf.auto import AutoModelForCausalLM
     from moejax.evaluation.nll import next_token_nll
 
     record = json.loads((Path(ckpt) / "moejax_tiny.json").read_text())

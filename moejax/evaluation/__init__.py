@@ -4,7 +4,7 @@
                    decoder layer together, layer errors and perplexity in one pass
 - `stream`         the streamed executor: one decoder layer in memory at a time
 - `nll`            next-token negative log-likelihood, whole or over vocabulary chunks
-- `generate`       KV-cached generation (`model.generate`, `Generator`)
+- `generate`       KV-cached generation (`generate(model, ...)`, `Generator`)
 - `lm_eval`        the lm-eval backend `moejax` (`MoejaxLM`, the `moejax-lm-eval` command)
 - `tasks`          offline lm-eval tasks built from local text (stdlib_*), and the task runner
                    helpers eval_tasks uses

@@ -55,7 +55,7 @@ from moejax.scoring.select import resolve_keep, select_kept
 from moejax.evaluation.stream import batch_geometry, embed, head_nll
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
 from moejax.variants.plan import stacked_expert_map
-from moejax.variants.check import check_routable
+from moejax.models.variant import check_routable
 from moejax.evaluation.carried_layer import (attention, mlp, routed_errors, routed_errors_each, stacked_attention,
                                              stacked_mlp, streams_slice)
 from moejax.evaluation.carried_rows import METRICS, ErrorSums, analysis_rows, ppl_row  # noqa: F401 (METRICS: the rows' legend)

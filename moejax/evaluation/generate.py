@@ -1,6 +1,8 @@
 """Generation with a preallocated KV cache: one jitted prefill, then a jitted decode loop.
 
-Any model family that offers three methods can generate (DeepSeek-V3's are in its model.py):
+    out = generate(model, input_ids, attention_mask, max_new_tokens=128)   # or Generator(model)(...)
+
+Any model that offers three methods can generate (every family's are in `moejax.models.causal_lm`):
 
     model.init_cache(batch, length) -> cache                  # preallocated, `length` columns
     model.prefill(ids_BP, positions_BP, mask_BP, cache, variant) -> (logits [B, 1, V], cache)
@@ -30,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import ConfigError
-from moejax.variants.check import check_variant
+from moejax.models.variant import check_variant
 
 
 class Sampling(NamedTuple):
@@ -148,7 +150,7 @@ def check_prompts(input_ids, attention_mask, max_new_tokens, vocab_size: int, ma
 class Generator:
     """A model's compiled prefill and decode loop, kept for reuse: each call with new shapes
     (batch, prompt length, max_new_tokens) or new sampling settings compiles once, later calls
-    with the same shapes run at once. `model.generate` builds one per call; keep a Generator when
+    with the same shapes run at once. `generate(model, ...)` builds one per call; keep a Generator when
     generating repeatedly (the lm-eval backend does). It captures the weights as they are now."""
 
     def __init__(self, model):
@@ -192,7 +194,7 @@ class Generator:
         """Prompt then continuation, int32 [B, P + max_new_tokens] (module docstring).
 
         variant: a pruning as bool [num_hidden_layers, E] (True = kept; pruned experts are never
-        routed to) or {MoE layer: ExpertMap} (pruned or merged experts; moejax.variants.check.check_variant).
+        routed to) or {MoE layer: ExpertMap} (pruned or merged experts; moejax.models.variant.check_variant).
         stop_token_ids: a row ends after it emits one of them (it is kept); ids in [0, vocab_size).
         seed: an integer in [0, 2**32) (`check_seed`).
         pad_token_id: fills every position after a row stops (default: config pad_token_id, else

@@ -39,10 +39,10 @@ from flax import nnx
 from moejax.errors import ConfigError, MoejaxError
 from moejax.evaluation.chat_template import read_chat_template, render_chat, special_token_texts
 from moejax.evaluation.generate import SEEDS, Generator, Sampling, check_seed
-from moejax.variants.check import check_variant
 from moejax.evaluation.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
 from moejax.models.registry import read_config
+from moejax.models.variant import check_variant
 
 try:
     import lm_eval.models  # noqa: F401  (before registering: see lm-eval-notes.md)

@@ -214,7 +214,7 @@ def write_skills_tasks(out_dir, *, skills=None, n: int = 100, n_mc: int = 50, n_
     process_results shim) into out_dir (replaced, atomically) and return its path."""
     import yaml
 
-    from moejax.hf.staging import staged_directory
+    from moejax.hf.io.staging import staged_directory
 
     skills = list(SKILLS) if skills is None else list(skills)
     unknown = [s for s in skills if s not in SKILLS]

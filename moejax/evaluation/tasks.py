@@ -301,7 +301,7 @@ def write_stdlib_tasks(out_dir, files=None, *, checkpoint=None, n_nextline: int 
     max_context_bytes: default min(DEFAULT_MAX_CONTEXT_BYTES, max_positions - MAX_TARGET_BYTES - 1)."""
     import yaml
 
-    from moejax.hf.staging import staged_directory
+    from moejax.hf.io.staging import staged_directory
 
     _Dumper = _dumper()
     if max_positions is None:

@@ -35,10 +35,10 @@ What it does
 - Cost: the defaults (4 layers, 32 experts top 4, hidden 128, 1600 steps of 16 x 128 bytes, ~3.3M
   tokens) take about 10 minutes on 2 idle CPU cores (~6,000 tokens/s) and about 15-17 on cores
   shared with another job (~3,300 tokens/s measured); held-out loss ~1.55 nats/byte (ppl ~4.7).
-- Output: `model.save_pretrained` into a staged folder plus `moejax_tiny.json` (stdlib root,
+- Output: `moejax.save_pretrained` into a staged folder plus `moejax_tiny.json` (stdlib root,
   training and held-out files, config, steps, losses, seconds, versions) and a byte-level Hugging
   Face tokenizer (`moejax.data.write_byte_tokenizer`: id == UTF-8 byte, byte 0 is eos/pad, no
-  BOS), renamed into place as one folder (`moejax.hf.staging.staged_directory`).
+  BOS), renamed into place as one folder (`moejax.hf.io.staging.staged_directory`).
 
 Results: a tidy table with columns step, metric, layer, value; metrics train_loss (every step),
 lr, train_max_load_share (largest expert share of the step's routing decisions, mean over MoE
@@ -104,7 +104,8 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     import pandas as pd
 
     from moejax.data import write_byte_tokenizer
-    from moejax.hf.staging import staged_directory
+    from moejax.hf.io.staging import staged_directory
+    from moejax.hf.model_io import save_pretrained
 
     timings = {}
     t0 = time.perf_counter()
@@ -210,7 +211,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     ts = time.perf_counter()
     out = Path(cfg.path).expanduser()
     with staged_directory(out, overwrite=True) as staging:   # checkpoint + record appear as one folder
-        model.save_pretrained(staging, overwrite=True)
+        save_pretrained(model, staging, overwrite=True)
         write_byte_tokenizer(staging, trainer.model_cfg.max_position_embeddings)   # for transformers / lm-eval
         (staging / RECORD).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     timings["save_s"] = time.perf_counter() - ts

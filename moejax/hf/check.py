@@ -1,7 +1,7 @@
 """The one check of a checkpoint folder against its config.json, run by every command before work.
 
 `check_checkpoint(path)` (a local folder, or a remote location for the read-only tools: see
-`moejax.hf.storage`) is what `from_pretrained`, `moejax score`, `prune`, `inspect`, `plan` and
+`moejax.hf.io.storage`) is what `from_pretrained`, `moejax score`, `prune`, `inspect`, `plan` and
 `diff` all call first, so each refuses exactly what the others refuse:
 
 * files: the index's shard paths are relative and stay inside the folder (a Hugging Face cache
@@ -31,15 +31,15 @@ import re
 from pathlib import Path
 
 from moejax.errors import CheckpointError
-from moejax.hf import quant
-from moejax.hf.checkpoint_reader import CheckpointReader, parse_json_object
 from moejax.hf.fused_experts import FusedExpertsReader
+from moejax.hf.io.checkpoint_reader import CheckpointReader, parse_json_object
+from moejax.hf.io.location import open_location
+from moejax.hf.io.safetensors_format import CONFIG_NAME
+from moejax.hf.io.storage import MissingFile, Storage
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
-from moejax.hf.safetensors_format import CONFIG_NAME
+from moejax.hf.quant import decode as quant
 from moejax.hf.substitution import SubstitutedExpertsView, describe, parse_substitution
-from moejax.hf.location import open_location
-from moejax.hf.storage import MissingFile, Storage
 from moejax.models.family import Family
 from moejax.models.registry import config_from_dict, family_of, read_config
 

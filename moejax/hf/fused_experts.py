@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from moejax.hf.checkpoint_reader import CheckpointReader
-from moejax.hf.safetensors_format import TensorInfo, check_complete_read, tensor_nbytes
+from moejax.hf.io.checkpoint_reader import CheckpointReader
+from moejax.hf.io.safetensors_format import TensorInfo, check_complete_read, tensor_nbytes
 
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # transformers 5 writes its own module names (`mlp.experts`) whatever the family's hub names are

@@ -20,8 +20,8 @@ import dataclasses
 import re
 
 from moejax.errors import CheckpointError
-from moejax.hf.checkpoint_reader import CheckpointReader
 from moejax.hf.fused_experts import FusedExpertsReader
+from moejax.hf.io.checkpoint_reader import CheckpointReader
 
 _DECODER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.")
 

@@ -1,4 +1,9 @@
-"""Any registered family's model from and to Hugging Face checkpoint folders.
+"""Any registered family's model from and to Hugging Face checkpoint folders: the loader. It
+imports the model, never the reverse (the model classes know nothing of files):
+
+    from moejax import from_pretrained, save_pretrained   # this module's load_pretrained, save_pretrained
+    model = from_pretrained("path/to/checkpoint", dtype=jnp.bfloat16)   # the family config.json names
+    save_pretrained(model, "out_dir")
 
 Loading reads one tensor at a time through `CheckpointReader`, checks every name, shape and dtype
 against what the config implies (all mismatches reported together, before any tensor data is
@@ -26,15 +31,14 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf import quant
 from moejax.hf.check import check_checkpoint
-from moejax.hf.checkpoint_reader import CheckpointReader
-from moejax.hf.checkpoint_writer import write_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
+from moejax.hf.io.checkpoint_reader import CheckpointReader
+from moejax.hf.io.checkpoint_writer import write_checkpoint
+from moejax.hf.io.safetensors_format import RawTensor, numpy_dtype
+from moejax.hf.io.storage import require_local
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
-from moejax.hf.quant import read_decoded
-from moejax.hf.safetensors_format import RawTensor, numpy_dtype
-from moejax.hf.storage import require_local
+from moejax.hf.quant.decode import read_decoded
 from moejax.models.family import Family
 
 log = logging.getLogger(__name__)
@@ -223,7 +227,8 @@ def check_compute_dtype(dtype) -> None:
 
 def load_pretrained(path, dtype=jnp.float32, backend: str | None = None, mesh=None, model_class=None):
     """Build the model of a checkpoint folder (config.json + safetensors), of the family its
-    config.json names (`moejax.models.registry`); model_class: refuse any other family's checkpoint.
+    config.json names (`moejax.models.registry`); model_class (a family's model class, e.g.
+    `moejax.MixtralForCausalLM`): refuse any other family's checkpoint. `moejax.from_pretrained`.
 
     mesh: a `moejax.parallel.make_mesh` mesh; routed experts are loaded split over its expert axis
     (each device's experts read for it alone) and the MoE layers use the "ep" dispatch backend
@@ -242,7 +247,8 @@ def load_opened(ckpt: OpenCheckpoint, dtype=jnp.float32, backend: str | None = N
     cls = ckpt.family.causal_lm()
     if model_class is not None and not issubclass(cls, model_class):
         raise ConfigError(f"{ckpt.path}: a {ckpt.family.title} checkpoint ({cls.__name__}); "
-                          f"{model_class.__name__}.from_pretrained cannot load it (use moejax.AutoModelForCausalLM)")
+                          f"from_pretrained(model_class={model_class.__name__}) cannot load it (leave model_class "
+                          "out to load the family its config.json names)")
     abstract = nnx.eval_shape(lambda: cls(ckpt.config, dtype, backend=backend, hf_source=source))
     return ckpt.fill(abstract, ckpt.specs, dtype, mesh=mesh)
 
@@ -264,7 +270,8 @@ class _HostParams:
 
 def save_pretrained(model, out_dir, *, max_shard_bytes: int = 5 * 2**30,
                     overwrite: bool = False) -> Path:
-    """Write the model as a Hugging Face checkpoint folder (atomically: temporary folder, then rename).
+    """Write the model as a Hugging Face checkpoint folder (atomically: temporary folder, then
+    rename); `moejax.save_pretrained`. Returns out_dir.
 
     Tensors get the dtype they had in the source checkpoint (or the model's dtype); tensors the
     model has no parameter for are copied from the source byte for byte; other files of the source

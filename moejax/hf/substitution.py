@@ -44,7 +44,7 @@ import re
 import numpy as np
 
 from moejax.errors import CheckpointError
-from moejax.hf.safetensors_format import numpy_dtype
+from moejax.hf.io.safetensors_format import numpy_dtype
 
 FORMAT = "constant-v1"
 WHERE = "compression_config.transform_config.expert_substitution"

@@ -1,5 +1,5 @@
 """The decoder stack every family shares: embedding, decoder layers (attention + dense MLP or the
-MoE block), final norm and head; the forward, cached generation and checkpoint I/O.
+MoE block), final norm and head; the forward and the cache steps generation drives.
 
 A family supplies its attention module and rope tables by subclassing `CausalLM`:
 
@@ -9,6 +9,10 @@ A family supplies its attention module and rope tables by subclassing `CausalLM`
         rope_tables = staticmethod(gqa_rope)     # (cfg, positions, dtype) -> (cos, sin)
 
     logits_BSV = model(input_ids_BS, attention_mask_BS, variant).logits_BSV
+
+Nothing here imports above `moejax.models` (tests/test_import_graph.py): a model is loaded and saved
+by `moejax.hf.model_io` (`moejax.from_pretrained`, `moejax.save_pretrained`), and generates through
+`moejax.evaluation.generate.generate(model, ...)`.
 """
 
 from __future__ import annotations
@@ -20,10 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.evaluation import generate as generate_lib
 from moejax.models.layers import MLP, RMSNorm, causal_allowed, linear, param
 from moejax.models.moe_block import MoE
-from moejax.variants.check import check_variant, maps_from_masks
+from moejax.models.variant import check_variant, maps_from_masks
 
 
 def _checked(variant, config):
@@ -126,7 +129,8 @@ class Decoder(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """`logits = model(input_ids).logits_BSV`; from_pretrained / save_pretrained live in `moejax.hf.model_io`."""
+    """`logits = model(input_ids).logits_BSV`; loaded and saved by `moejax.from_pretrained` /
+    `moejax.save_pretrained` (`moejax.hf.model_io`)."""
 
     config_class: ClassVar[type]
     attention_class: ClassVar[type]
@@ -181,7 +185,7 @@ class CausalLM(nnx.Module):
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return linear(self.model.norm(x_BSH), head)
 
-    # --- generation (moejax.evaluation.generate drives these three) ---
+    # --- generation (moejax.evaluation.generate.generate drives these three) ---
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache of `length` columns in the model's dtype (what each column holds is the
@@ -230,15 +234,6 @@ class CausalLM(nnx.Module):
             return None
         return variant.get(layer)
 
-    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, variant=None,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 stop_token_ids=None, **kw):
-        """Prompt then continuation, int32 [B, prompt + max_new_tokens], as transformers' `generate`
-        lays it out (see moejax.evaluation.generate.generate)."""
-        return generate_lib.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                     variant=variant, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     seed=seed, stop_token_ids=stop_token_ids, **kw)
-
     def jitted(self):
         """A jitted inference forward (no gradients through it) with the same arguments as calling
         the model. The weights are passed as arguments (not captured as constants, not
@@ -259,16 +254,3 @@ class CausalLM(nnx.Module):
                            return_routing=return_routing, return_moe_inputs=return_moe_inputs, positions=positions)
 
         return checked
-
-    # thin forwards to the checkpoint code, so the API is where researchers expect it
-    @classmethod
-    def from_pretrained(cls, path, dtype=jnp.float32, **kw):
-        """The model of the checkpoint folder `path` (refused when it holds another family)."""
-        from moejax.hf.model_io import load_pretrained
-
-        return load_pretrained(path, dtype=dtype, model_class=cls, **kw)
-
-    def save_pretrained(self, out_dir, **kw):
-        from moejax.hf.model_io import save_pretrained
-
-        return save_pretrained(self, out_dir, **kw)

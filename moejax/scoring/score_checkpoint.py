@@ -4,7 +4,7 @@ statistics and the run's settings. The scores file is what pruning and evaluatio
 
 Without calibration data, `score_data_free` computes the data-free scores (bias, signed, l1,
 random from the router tensors alone; aimer from the routed experts' weight matrices, read one
-tensor at a time), of a local or a remote checkpoint (`moejax.hf.storage`)."""
+tensor at a time), of a local or a remote checkpoint (`moejax.hf.io.storage`)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     routers and statistics stay float32/float64 either way). scores: names, or None for every score
     the model supports (`bias` only where routers have a balance bias). mesh: run the pass expert-parallel
     (routed experts split over mesh.expert devices); the scores are the same."""
-    from moejax.hf.storage import require_local
+    from moejax.hf.io.storage import require_local
 
     require_local(checkpoint, "moejax score with calibration data")  # before JAX starts
     import jax
@@ -102,8 +102,8 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     (one at a time, one layer after another) when `aimer` is asked for. seed: the `random` score's."""
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
+    from moejax.hf.io.location import open_location
     from moejax.hf.provenance import FINGERPRINT_KEY, router_fingerprint
-    from moejax.hf.location import open_location
     from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.scores import DATA_FREE_SCORES
     from moejax.surgery.prune_plan import data_free_stats

@@ -19,10 +19,10 @@ import itertools
 import numpy as np
 
 from moejax.hf.check import audit_checkpoint, check_checkpoint
-from moejax.hf.checkpoint_reader import CheckpointReader
+from moejax.hf.io.checkpoint_reader import CheckpointReader
+from moejax.hf.io.location import open_location
+from moejax.hf.io.safetensors_format import TensorInfo, numpy_dtype
 from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
-from moejax.hf.safetensors_format import TensorInfo, numpy_dtype
-from moejax.hf.location import open_location
 from moejax.scoring.scores import DATA_FREE_SCORES, EXPERT_WEIGHT_SCORES, compute_scores, rank_correlation
 from moejax.scoring.select import select_kept
 from moejax.surgery.prune_plan import router_stats

@@ -214,10 +214,11 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     import jax.numpy as jnp
 
     from moejax import __version__
+    from moejax.evaluation.stream import stream_layers
     from moejax.hf.check import check_checkpoint
+    from moejax.hf.io.staging import check_destination
     from moejax.hf.model_io import opened
     from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
-    from moejax.hf.staging import check_destination
     from moejax.merging.allocation import ALLOCATIONS
     from moejax.merging.calibration import merge_stats
     from moejax.merging.clusters import HC_SMOE_METHODS
@@ -225,7 +226,6 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     from moejax.scoring.observe import accumulate_layer
     from moejax.scoring.score_checkpoint import calibration_ids
     from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
-    from moejax.evaluation.stream import stream_layers
     from moejax.surgery.prune import other_files, write_folder
     from moejax.surgery.prune_plan import plan_pruning
 

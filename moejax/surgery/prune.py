@@ -32,13 +32,13 @@ from tqdm import tqdm
 
 from moejax.errors import CheckpointError
 from moejax.hf.check import check_checkpoint
-from moejax.hf.checkpoint_reader import CheckpointReader, allowed_root, check_regular_file
-from moejax.hf.checkpoint_writer import JoinedTensor, write_safetensors_file
 from moejax.hf.fused_experts import FusedExpertsReader
+from moejax.hf.io.checkpoint_reader import CheckpointReader, allowed_root, check_regular_file
+from moejax.hf.io.checkpoint_writer import JoinedTensor, write_safetensors_file
+from moejax.hf.io.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
+from moejax.hf.io.staging import check_destination, staged_directory
 from moejax.hf.layout import CheckpointLayout, layer_of
 from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
-from moejax.hf.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
-from moejax.hf.staging import check_destination, staged_directory
 from moejax.surgery.prune_plan import PrunePlan, plan_pruning
 
 PRUNING_RECORD = "pruning.json"

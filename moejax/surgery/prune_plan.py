@@ -18,10 +18,10 @@ import numpy as np
 
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import stored_as
-from moejax.hf.checkpoint_reader import CheckpointReader
 from moejax.hf.fused_experts import FusedExpertsReader
+from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
-from moejax.hf.quant import detect_format, read_decoded
+from moejax.hf.quant.decode import detect_format, read_decoded
 from moejax.models.registry import family_of
 from moejax.scoring.scores import DATA_FREE_SCORES, EXPERT_WEIGHT_SCORES, SCORES, LayerStats, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped

@@ -86,11 +86,11 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
 
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
+    from moejax.hf.io.staging import check_destination
+    from moejax.hf.io.storage import require_local
     from moejax.hf.model_io import load_opened, opened
     from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
     from moejax.hf.substitution import SubstitutedExpertsView
-    from moejax.hf.staging import check_destination
-    from moejax.hf.storage import require_local
     from moejax.scoring.score_checkpoint import calibration_ids
     from moejax.surgery.substitute import load_substituted
     from moejax.training.reroute import RerouteSettings, reroute, teacher_log_probs
@@ -172,8 +172,8 @@ def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, over
     to the family's names)."""
     import ml_dtypes
 
-    from moejax.hf.safetensors_format import INDEX_NAME
-    from moejax.hf.staging import staged_directory
+    from moejax.hf.io.safetensors_format import INDEX_NAME
+    from moejax.hf.io.staging import staged_directory
     from moejax.surgery.prune import write_index, write_shard
 
     stored = fused.reader

@@ -93,8 +93,8 @@ def load_substituted(path, dtype=None, backend: str | None = None, mesh=None):
     import jax.numpy as jnp
 
     from moejax.hf.check import check_checkpoint
+    from moejax.hf.io.storage import require_local
     from moejax.hf.model_io import check_compute_dtype, load_opened, opened
-    from moejax.hf.storage import require_local
     from moejax.moe.expert_map import ExpertMap
 
     dtype = jnp.float32 if dtype is None else dtype
@@ -189,9 +189,9 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
 
     from moejax import __version__
     from moejax.hf.check import check_checkpoint
+    from moejax.hf.io.staging import check_destination
     from moejax.hf.model_io import opened
     from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
-    from moejax.hf.staging import check_destination
     from moejax.scoring.observe import calibrate_streamed
     from moejax.scoring.score_checkpoint import calibration_ids
     from moejax.surgery.prune import other_files, write_folder

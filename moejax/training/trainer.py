@@ -107,7 +107,7 @@ class Trainer:
         import jax.numpy as jnp
         from flax import nnx
 
-        from moejax.models.auto import AutoModelForCausalLM
+        from moejax.hf.auto import AutoModelForCausalLM
 
         self.cfg = cfg
         self.model_cfg = cfg.model_config()

@@ -7,9 +7,10 @@
 - `plan`: `VariantPlan(spec, {MoE layer: Kept | Merged | Substituted})`, what was decided per
   layer, and `.expert_maps()`, the one place a plan becomes the `{layer: ExpertMap}` the forward,
   prefill, decode, generate and the lm-eval backend take.
-- `check`: the one check of a variant given from outside (expert masks, expert maps, a
-  `pruning.json`, a scores file, kept sets) against the checkpoint's config, before any compute;
-  masks are converted there, once, into expert maps.
+- `check`: expert masks built from what is on disk or in memory (a `pruning.json`, a scores
+  file, kept sets), checked against the checkpoint's config before any compute. The check of a
+  variant given to the forward (expert masks, expert maps), and the one conversion of masks into
+  expert maps, are the model's own: `moejax.models.variant`.
 
 `moejax.evaluation.carried.evaluate_pruning` returns plans; `eval_tasks` hands them to the lm-eval
 backend unchanged.

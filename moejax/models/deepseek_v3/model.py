@@ -5,7 +5,7 @@ bias, groups and shared experts).
 Weights are stored [in, out] (x @ W). The forward follows transformers' eager implementation
 (ref: shared/reference/deepseek-v3-hf.md section 2).
 
-    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=jnp.float32)
+    model = moejax.from_pretrained(path, dtype=jnp.float32)   # a DeepSeek-V3 checkpoint: this class
     logits_BSV = model(input_ids_BS, attention_mask_BS, variant).logits_BSV
 """
 

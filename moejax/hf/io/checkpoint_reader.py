@@ -1,12 +1,12 @@
 """A Hugging Face checkpoint read one tensor at a time (`CheckpointReader`), from a local folder or
 a remote location (an https:// base URL, hf://org/name[@revision]) through the same code: the
-location is opened once (`moejax.hf.location.open_location`) and every read goes through it.
+location is opened once (`moejax.hf.io.location.open_location`) and every read goes through it.
 
 For a local folder, the path checks keep reads inside it: a shard named by the index, or a symbolic
 link, must resolve to a regular file inside the checkpoint (or, for a Hugging Face cache snapshot,
 inside the cached repository's folder). A remote checkpoint is read by range requests only.
 
-Only headers are parsed up front (`moejax.hf.safetensors_format`); tensor data is read on demand
+Only headers are parsed up front (`moejax.hf.io.safetensors_format`); tensor data is read on demand
 and never cached, so a ~700 GB checkpoint is only ever visited tensor by tensor.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from moejax.errors import CheckpointError
-from moejax.hf.safetensors_format import (CONFIG_NAME, INDEX_NAME, SINGLE_SHARD_NAME, SafetensorsFile,
+from moejax.hf.io.safetensors_format import (CONFIG_NAME, INDEX_NAME, SINGLE_SHARD_NAME, SafetensorsFile,
                                           TensorInfo, refuse_duplicate_keys)
-from moejax.hf.location import open_location
-from moejax.hf.storage import MissingFile, Storage, allowed_root, check_regular_file
+from moejax.hf.io.location import open_location
+from moejax.hf.io.storage import MissingFile, Storage, allowed_root, check_regular_file
 
 __all__ = ["CheckpointReader", "allowed_root", "check_regular_file", "parse_json_object", "read_json_object"]
 

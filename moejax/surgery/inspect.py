@@ -1,11 +1,11 @@
 """`moejax inspect`: what a checkpoint holds, from the safetensors headers and config.json alone;
-also the per-tensor header facts and the text tables that `moejax plan` (`moejax.hf.planning`)
+also the per-tensor header facts and the text tables that `moejax plan` (`moejax.surgery.plan`)
 builds on.
 
 No tensor data is read (only each shard's header), so inspect and plan answer in seconds for a
 700 GB checkpoint and work on a checkpoint whose shards are still being downloaded as sparse files,
 or on one that is not downloaded at all (`moejax inspect https://host/ckpt` or `hf://org/name@rev`:
-one or two range requests per shard, `moejax.hf.remote`).
+one or two range requests per shard, `moejax.hf.io.remote`).
 The module imports neither JAX nor torch, so the commands start fast.
 
 Parameter counting follows Hugging Face (SPEC section 6): every tensor in the checkpoint counts its
@@ -27,10 +27,10 @@ from pathlib import Path
 
 from moejax.errors import CheckpointError
 from moejax.hf.check import PACKED_DTYPES, check_checkpoint
+from moejax.hf.io.location import open_location
+from moejax.hf.io.safetensors_format import DTYPE_BITS, TensorInfo
 from moejax.hf.layout import CheckpointLayout
-from moejax.hf.quant import QUANT_FORMATS
-from moejax.hf.safetensors_format import DTYPE_BITS, TensorInfo
-from moejax.hf.location import open_location
+from moejax.hf.quant.decode import QUANT_FORMATS
 
 PACKED_SUFFIX = "weight_packed"
 
@@ -114,7 +114,7 @@ class CheckpointFacts:
 
 
 def checkpoint_facts(path) -> CheckpointFacts:
-    """`path`: a local folder or a remote location (https://, hf://; `moejax.hf.storage`)."""
+    """`path`: a local folder or a remote location (https://, hf://; `moejax.hf.io.storage`)."""
     storage = open_location(path)
     checked = check_checkpoint(storage, uniform_experts=False)  # the check every command runs first
     reader, layout, fmt = checked.reader, checked.layout, checked.fmt  # the per-expert view, as the layout's
@@ -307,7 +307,7 @@ def _run_inspect(args) -> None:
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add `inspect CKPT [--json]` to an argparse subparsers object; it sets `func(args)`, which
-    prints the report. `moejax.hf.planning.register_cli` adds `plan`."""
+    prints the report. `moejax.surgery.plan.register_cli` adds `plan`."""
     p = subparsers.add_parser("inspect", help="parameters, bytes and MoE structure of a checkpoint (headers only)")
     p.add_argument("checkpoint", help="a local folder, an https:// base URL or hf://org/name[@revision]")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

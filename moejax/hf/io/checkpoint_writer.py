@@ -1,5 +1,5 @@
 """Writing Hugging Face checkpoints: `write_checkpoint` streams tensors into a sharded folder
-(index and config.json included) published atomically through `moejax.hf.staging`, and
+(index and config.json included) published atomically through `moejax.hf.io.staging`, and
 `write_safetensors_file` writes one safetensors file, copying tensors of other files by byte range.
 
 Only the current shard is ever in memory, so a ~700 GB checkpoint is written tensor by tensor.
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from moejax.errors import CheckpointError
-from moejax.hf.safetensors_format import (CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SINGLE_SHARD_NAME, RawTensor,
+from moejax.hf.io.safetensors_format import (CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SINGLE_SHARD_NAME, RawTensor,
                                           TensorInfo, check_complete_read, encode_header, is_natural,
                                           safetensors_dtype, tensor_nbytes)
-from moejax.hf.staging import check_destination, staged_directory
+from moejax.hf.io.staging import check_destination, staged_directory
 
 DEFAULT_METADATA = {"format": "pt"}  # transformers refuses to load a file without it
 

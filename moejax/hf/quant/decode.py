@@ -13,7 +13,7 @@ shared/reference/deepseek-v3-hf.md §4.1, §4.4, §4.5). Only numpy and ml_dtype
 pure but `read_decoded`, which reads a weight and its companions through a checkpoint reader.
 Arrays are 2-D ``[out_features, in_features]`` as torch Linear stores them; groups and packing
 run along the input (last) dimension. The encoders, which build quantised checkpoints for the tests,
-are in `moejax.hf.quant_encode`.
+are in `moejax.hf.quant.encode`.
 """
 
 from __future__ import annotations
@@ -402,7 +402,7 @@ def _check_int4_weights(group_name: str, weights: dict) -> None:
 
 def read_decoded(reader, name: str, stored: tuple, fmt: str | None, qcfg: dict | None):
     """The tensor `name` as a numpy array, decoded to float32 when stored quantised. `reader`: a
-    checkpoint reader (`moejax.hf.checkpoint_reader`); `stored`: the on-disk tensors holding `name`
+    checkpoint reader (`moejax.hf.io.checkpoint_reader`); `stored`: the on-disk tensors holding `name`
     (`moejax.hf.check.stored_as`). Here, not in the loader, so that JAX-free tools (the data-free
     scores that read expert weights) decode exactly as the model does."""
     if stored == (name,):

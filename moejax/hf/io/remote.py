@@ -2,7 +2,7 @@
 config.json) through fsspec's HTTP file system, and a Hugging Face repository
 `hf://org/name[@revision][/subfolder]` through huggingface_hub's `HfFileSystem`.
 
-The reader (`moejax.hf.checkpoint_reader`) and the header parser (`moejax.hf.safetensors_format`)
+The reader (`moejax.hf.io.checkpoint_reader`) and the header parser (`moejax.hf.io.safetensors_format`)
 are the local ones; these storages only fetch bytes:
 
 * a shard's header: one request for its first `header_prefetch` bytes (128 KiB: most shards'
@@ -34,7 +34,7 @@ from pathlib import PurePosixPath
 from urllib.parse import quote, urlsplit
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.storage import MissingFile, Storage
+from moejax.hf.io.storage import MissingFile, Storage
 
 HEADER_PREFETCH = 128 * 1024
 RETRY_DELAYS = (0.25, 1.0, 4.0)  # seconds before the 2nd, 3rd and 4th attempt

@@ -1,12 +1,12 @@
 """Opening a checkpoint location: `open_location` turns a local folder, an `https://` base URL or an
-`hf://` repository into its `Storage`. It sits above both kinds of storage (`moejax.hf.storage`:
-the interface and the local folder; `moejax.hf.remote`: HTTP range reads and the Hub, imported
+`hf://` repository into its `Storage`. It sits above both kinds of storage (`moejax.hf.io.storage`:
+the interface and the local folder; `moejax.hf.io.remote`: HTTP range reads and the Hub, imported
 only when a remote location is opened), so neither imports the other's module back."""
 
 from __future__ import annotations
 
 from moejax.errors import ConfigError
-from moejax.hf.storage import LocalStorage, Storage
+from moejax.hf.io.storage import LocalStorage, Storage
 
 
 def open_location(location, **options) -> Storage:
@@ -17,11 +17,11 @@ def open_location(location, **options) -> Storage:
         return location
     if isinstance(location, str) and "://" in location:
         if location.startswith(("http://", "https://")):
-            from moejax.hf.remote import HttpStorage
+            from moejax.hf.io.remote import HttpStorage
 
             return HttpStorage(location, **options)
         if location.startswith("hf://"):
-            from moejax.hf.remote import HubStorage
+            from moejax.hf.io.remote import HubStorage
 
             return HubStorage(location, **options)
         raise ConfigError(f"{location}: unsupported location; expected a local folder, an https:// base URL "

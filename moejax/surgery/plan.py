@@ -1,5 +1,5 @@
 """`moejax plan`: how many accelerators a checkpoint's weights need, as stored and re-priced in
-other storage formats (BF16, FP8, MXFP4), from the header facts of `moejax.hf.inspection` alone;
+other storage formats (BF16, FP8, MXFP4), from the header facts of `moejax.surgery.inspect` alone;
 also the accelerator memory table and the pricings.
 
 No tensor data is read, so the plan of a 700 GB checkpoint takes seconds. The module imports
@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 
 from moejax.errors import ConfigError
-from moejax.hf.inspection import CheckpointFacts, TensorFacts, checkpoint_facts, human_bytes, text_table
-from moejax.hf.quant import FP8_BLOCK, MXFP4_GROUP_SIZE, ceil_div
+from moejax.hf.quant.decode import FP8_BLOCK, MXFP4_GROUP_SIZE, ceil_div
+from moejax.surgery.inspect import CheckpointFacts, TensorFacts, checkpoint_facts, human_bytes, text_table
 
 GB = 10**9  # decimal, as accelerator vendors quote memory
 

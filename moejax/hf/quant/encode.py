@@ -1,4 +1,4 @@
-"""Encoders for the quantised weight formats of `moejax.hf.quant`: float weights to the tensors a
+"""Encoders for the quantised weight formats of `moejax.hf.quant.decode`: float weights to the tensors a
 quantised checkpoint stores, each the exact layout its decoder reads. The library itself only
 decodes; the tests and their fixtures build quantised checkpoints with these, and check them
 against compressed-tensors' own pack functions.
@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.errors import CheckpointError
-from moejax.hf.quant import (E8M0_NAN, FLOAT_SCALE_DTYPES, FP8_BLOCK, INT4_NIBBLES_PER_WORD, INT4_OFFSET,
+from moejax.hf.quant.decode import (E8M0_NAN, FLOAT_SCALE_DTYPES, FP8_BLOCK, INT4_NIBBLES_PER_WORD, INT4_OFFSET,
                              MXFP4_GROUP_SIZE, ceil_div, e8m0_to_float32, expand_per_block, require_2d,
                              require_positive_pair)
 
@@ -84,7 +84,7 @@ def quantize_fp8_block(
 
 def _pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
     """uint [R, C] values 0..15 -> int32 [R, ceil(C/8)], the inverse of the decoder's
-    ``moejax.hf.quant._unpack_nibbles``; a short last word is filled with zero nibbles (as
+    ``moejax.hf.quant.decode._unpack_nibbles``; a short last word is filled with zero nibbles (as
     compressed-tensors pads)."""
     rows, cols = nibbles.shape
     words = ceil_div(cols, INT4_NIBBLES_PER_WORD)

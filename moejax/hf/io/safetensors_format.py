@@ -11,7 +11,7 @@ buffer. Offsets in the header are relative to the buffer; the tensors must tile 
 
 Also here: the dtype codes (bits per element, numpy equivalents), `TensorInfo` (where a tensor
 lives), `RawTensor` (a tensor as bytes), and the file names of a Hugging Face checkpoint folder.
-A folder is read by `moejax.hf.checkpoint_reader` and written by `moejax.hf.checkpoint_writer`.
+A folder is read by `moejax.hf.io.checkpoint_reader` and written by `moejax.hf.io.checkpoint_writer`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.errors import CheckpointError
-from moejax.hf.storage import LOCAL_FILES, Storage
+from moejax.hf.io.storage import LOCAL_FILES, Storage
 
 # The files of a Hugging Face checkpoint folder.
 INDEX_NAME = "model.safetensors.index.json"

@@ -1,12 +1,12 @@
-"""Where a checkpoint's files are read from: `moejax.hf.location.open_location` turns a local
+"""Where a checkpoint's files are read from: `moejax.hf.io.location.open_location` turns a local
 folder, an `https://` base URL or a Hugging Face repository `hf://org/name[@revision]` into a
-`Storage`, so that one reader (`moejax.hf.checkpoint_reader`) and one strict header parser
-(`moejax.hf.safetensors_format`) serve all three.
+`Storage`, so that one reader (`moejax.hf.io.checkpoint_reader`) and one strict header parser
+(`moejax.hf.io.safetensors_format`) serve all three.
 
 What the reader asks of a storage, and nothing more: a file's first bytes and its size (a shard's
 header), an exact byte range (one tensor), a small file whole (config.json, the index), the shard
 list of a folder without an index, and, for a local folder, the checks that keep reads inside it.
-`LocalStorage` is the folder on disk; the remote storages (`moejax.hf.remote`, imported only when a
+`LocalStorage` is the folder on disk; the remote storages (`moejax.hf.io.remote`, imported only when a
 remote location is opened, so fsspec and huggingface_hub stay optional) read by range requests only.
 
 Commands that write (prune, merge, save) or read every weight (a calibration pass, `from_pretrained`)
@@ -33,7 +33,7 @@ class MissingFile(CheckpointError):
 
 class Storage(abc.ABC):
     """The reads a checkpoint reader needs. Paths are `root / name` objects (a `Path`, or a
-    `moejax.hf.remote.RemotePath`); every error names the file (its path or URL)."""
+    `moejax.hf.io.remote.RemotePath`); every error names the file (its path or URL)."""
 
     remote: bool = False
     root: object

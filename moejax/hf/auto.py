@@ -1,4 +1,5 @@
-"""`AutoModelForCausalLM`: the model of any registered family, chosen by the checkpoint's config.json.
+"""`AutoModelForCausalLM`: the model of any registered family, chosen by the checkpoint's config.json
+(transformers' spelling of `moejax.from_pretrained`, which it calls).
 
     from moejax import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=jnp.float32)
