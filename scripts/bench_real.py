@@ -364,8 +364,23 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
         print(f"  keep={keep}: {len(a[0])} members; each keep alone {a[1]:5.1f} s (CPU {a[2]:5.1f} s); "
               f"with the shared memo {b[1]:5.1f} s (CPU {b[2]:5.1f} s)")
     before, after = sum(a[1] for a in each), sum(b[1] for b in shared)
-    print(f"  every keep together: {before:.1f} s before, {after:.1f} s with the memo ({before / after:.2f}x; "
+    print(f"  every keep together: {before:.1f} s each keep alone, {after:.1f} s with the memo ({before / after:.2f}x; "
           f"target < 10 s); permutations identical: {same}")
+    # the code before the bfloat16 similarities (and the path of a float32 checkpoint): float32
+    # copies of the weights, numpy float32 similarities; same memo, same assignment threads
+    f32 = {k: w.astype(np.float32) for k, w in weights.items()}
+    memo32 = {}
+    old = [timed(lambda: align_layer(f32, labels, lead, memo32)) for _, labels, lead in plans]
+    del f32
+    agree = sum(np.array_equal(memo[pair], memo32[pair]) for pair in memo)
+    print(f"  with numpy float32 similarities (the code before; float32 checkpoints): {sum(o[1] for o in old):.1f} s "
+          f"(CPU {sum(o[2] for o in old):.1f} s) against {after:.1f} s with XLA's bfloat16 ones; "
+          f"{agree} of {len(memo)} permutations identical (the same products summed in another order)")
+    sim = _align_similarity(weights, plans[0][2][0], int(np.flatnonzero(plans[0][1] == 0)[-1]))
+    from moejax.merging.average import _assign
+    lsa = min(timed(lambda: _assign(sim))[1] for _ in range(3))
+    print(f"  one assignment ({ffn} x {ffn}, scipy): {lsa:.2f} s, so {unique * lsa:.1f} s of one core for the "
+          f"{unique} distinct pairs")
     # the machine's limit: each distinct alignment's similarity is one [F, 3H] x [3H, F] float32 product
     a = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
     b = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
@@ -375,6 +390,15 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
           f"{flops / rate:.1f} s at this run's numpy float32 matmul rate of the same shape ({rate / 1e9:.0f} GFLOP/s), "
           f"before any assignment; the memo's pass reached {flops / after / 1e9:.0f} GFLOP/s "
           f"({flops / after / rate:.0%} of it)")
+
+
+def _align_similarity(weights: dict, lead: int, member: int) -> np.ndarray:
+    """One alignment's similarity [F, F], float32 (numpy), for timing the assignment alone."""
+    from moejax.merging.average import _neuron_blocks, _similarity
+
+    def blocks(j):
+        return _neuron_blocks({k: w[j] for k, w in weights.items()}, np.float32)
+    return _similarity(blocks(lead), blocks(member))
 
 
 def main():
