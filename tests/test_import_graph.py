@@ -7,6 +7,8 @@ loader `moejax.hf.model_io` imports the model, generation takes it as an argumen
 reverse)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "moejax"
@@ -125,3 +127,70 @@ def test_the_layer_check_finds_a_planted_upward_import():
     assert upward_imports(graph) == [("moejax.models.causal_lm", "moejax.hf.model_io"),
                                      ("moejax.models.qwen3_moe.model", "moejax")]
     assert "moejax.moe.dispatch" in graph["moejax.models.layers"]   # an edge it allows is still an edge
+
+
+# The modules that import no JAX (nor flax, optax, orbax): `import moejax` and `moejax.results`
+# (a notebook loads a sweep without JAX), the commands' parsers (`moejax.cli`, `moejax.run`: --help and
+# the sweep controller), the experiments' configs and runner (Hydra composes and validates before a job
+# asks for devices), the model configs, families and presets, the checkpoint files (`moejax.hf.io`,
+# `quant`, the name maps) and the checkpoint tools' modules, which import JAX inside the job. A lazy
+# import in one of these is the guarantee; everywhere else imports sit at module level.
+JAX_FREE = (
+    "moejax",
+    "moejax.cli",
+    "moejax.data",
+    "moejax.errors",
+    "moejax.evaluation", "moejax.evaluation.carried_rows", "moejax.evaluation.chat_template",
+    "moejax.evaluation.routing_table", "moejax.evaluation.skills_tasks", "moejax.evaluation.tasks",
+    "moejax.experiments", "moejax.experiments.eval_tasks", "moejax.experiments.prune_real",
+    "moejax.experiments.runner", "moejax.experiments.score", "moejax.experiments.toy3",
+    "moejax.experiments.toy3.config", "moejax.experiments.toy3.draw", "moejax.experiments.toy3.eq6",
+    "moejax.experiments.toy3.host", "moejax.experiments.toy3.job", "moejax.experiments.toy3.results",
+    "moejax.experiments.toy3.stage_one", "moejax.experiments.toy3.stage_two",
+    "moejax.experiments.toy3.variants", "moejax.experiments.train_tiny",
+    "moejax.hf", "moejax.hf.auto", "moejax.hf.check", "moejax.hf.fused_experts", "moejax.hf.io",
+    "moejax.hf.io.checkpoint_reader", "moejax.hf.io.checkpoint_writer", "moejax.hf.io.location",
+    "moejax.hf.io.remote", "moejax.hf.io.safetensors_format", "moejax.hf.io.staging", "moejax.hf.io.storage",
+    "moejax.hf.layout", "moejax.hf.mapping", "moejax.hf.provenance", "moejax.hf.quant",
+    "moejax.hf.quant.decode", "moejax.hf.quant.encode", "moejax.hf.substitution",
+    "moejax.merging", "moejax.merging.allocation", "moejax.merging.method",
+    "moejax.models", "moejax.models.config_base", "moejax.models.deepseek_v3",
+    "moejax.models.deepseek_v3.config", "moejax.models.deepseek_v3.names", "moejax.models.deepseek_v3.presets",
+    "moejax.models.family", "moejax.models.glm4_moe", "moejax.models.glm4_moe.config",
+    "moejax.models.glm4_moe.names", "moejax.models.glm4_moe.presets", "moejax.models.gqa_config",
+    "moejax.models.gqa_names", "moejax.models.mixtral", "moejax.models.mixtral.config",
+    "moejax.models.mixtral.names", "moejax.models.mixtral.presets", "moejax.models.names",
+    "moejax.models.olmoe", "moejax.models.olmoe.config", "moejax.models.olmoe.names",
+    "moejax.models.olmoe.presets", "moejax.models.qwen2_moe", "moejax.models.qwen2_moe.config",
+    "moejax.models.qwen2_moe.names", "moejax.models.qwen2_moe.presets", "moejax.models.qwen3_moe",
+    "moejax.models.qwen3_moe.config", "moejax.models.qwen3_moe.names", "moejax.models.qwen3_moe.presets",
+    "moejax.models.registry", "moejax.models.variant",
+    "moejax.moe",
+    "moejax.parallel", "moejax.parallel.distributed", "moejax.parallel.mesh",
+    "moejax.results",
+    "moejax.run",
+    "moejax.scoring", "moejax.scoring.score_checkpoint", "moejax.scoring.scores", "moejax.scoring.select",
+    "moejax.signals",
+    "moejax.surgery", "moejax.surgery.diff", "moejax.surgery.inspect", "moejax.surgery.plan",
+    "moejax.surgery.prune", "moejax.surgery.prune_plan", "moejax.surgery.reroute", "moejax.surgery.substitute",
+    "moejax.training", "moejax.training.checkpoints", "moejax.training.config", "moejax.training.corpus",
+    "moejax.training.progress", "moejax.training.skill_match", "moejax.training.skills",
+    "moejax.training.trainer",
+    "moejax.variants", "moejax.variants.check", "moejax.variants.plan", "moejax.variants.spec",
+)
+JAX_MODULES = ("jax", "flax", "optax", "orbax")
+
+
+def test_jax_free_modules_import_no_jax():
+    code = ("import importlib, sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    importlib.import_module(name)\n"
+            f"    pulled = sorted(m for m in {JAX_MODULES!r} if m in sys.modules)\n"
+            "    if pulled:\n"
+            "        sys.exit(f'{name} imports {pulled}')\n")
+    run = subprocess.run([sys.executable, "-c", code, *JAX_FREE], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode
+
+
+def test_the_jax_free_list_names_modules_that_exist():
+    assert not set(JAX_FREE) - set(modules())
