@@ -30,11 +30,16 @@ import contextlib
 import json
 import logging
 from pathlib import Path
+import copy
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+import jinja2
+from tokenizers import Tokenizer as HFTokenizer
+from tqdm import tqdm
 
 from moejax.errors import ConfigError, MoejaxError
 from moejax.evaluation.chat_template import read_chat_template, render_chat, special_token_texts
@@ -43,6 +48,8 @@ from moejax.evaluation.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
 from moejax.models.registry import read_config
 from moejax.models.variant import check_variant
+from moejax.parallel.mesh import MeshConfig, make_mesh
+from moejax.variants import check as variant
 
 try:
     import lm_eval.models  # noqa: F401  (before registering: see lm-eval-notes.md)
@@ -68,8 +75,6 @@ class Tokenizer:
     wrap it) with the special tokens its tokenizer_config.json names."""
 
     def __init__(self, path: Path, config: dict):
-        from tokenizers import Tokenizer as HFTokenizer
-
         file = path / "tokenizer.json"
         if not file.is_file():
             raise ConfigError(f"{path}: no tokenizer.json; lm-eval tasks are text, so the checkpoint needs its "
@@ -178,8 +183,6 @@ class MoejaxLM(TemplateLM):
         (bool [num_hidden_layers, E], True = kept), {MoE layer: ExpertMap} (pruned or merged
         experts), or None (every expert): how one job evaluates many variants without reloading
         (a variant of a new kind or table size compiles once)."""
-        import copy
-
         from lm_eval.api.model import CacheHook
 
         cfg = self.model.config
@@ -192,8 +195,6 @@ class MoejaxLM(TemplateLM):
     def _mesh(data, expert, config, path):
         """The data x expert mesh of the model args (None for 1 x 1), the experts checked to split
         over it before loading (`MeshConfig.check_experts`, as `moejax score` and `reroute` check)."""
-        from moejax.parallel.mesh import MeshConfig, make_mesh
-
         mesh = MeshConfig(data=_int_arg("mesh_data", data, 1), expert=_int_arg("mesh_expert", expert, 1))
         for count in sorted({config.experts_in_layer(l) for l in config.moe_layers}):
             mesh.check_experts(count, f"{path} (model_args mesh_expert)")
@@ -213,8 +214,6 @@ class MoejaxLM(TemplateLM):
         """The chat rendered with the checkpoint's chat template (its "default" when it has several),
         as the hf backend renders it: a template that refuses the chat is tried again without its
         system messages."""
-        import jinja2
-
         template = self.tokenizer.chat_template
         if isinstance(template, dict):
             template = template.get("default")
@@ -237,8 +236,6 @@ class MoejaxLM(TemplateLM):
 
     @staticmethod
     def _variant_masks(config, pruning, scores, score, keep, checkpoint):
-        from moejax.variants import check as variant
-
         if pruning is not None and (scores is not None or score is not None or keep is not None):
             raise ConfigError("moejax lm-eval model: give either pruning= or scores=/score=/keep=, not both")
         if pruning is not None:
@@ -289,8 +286,6 @@ class MoejaxLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether it is the greedy continuation)
         for each (request, context tokens, continuation tokens)."""
-        from tqdm import tqdm
-
         def longest_first(req):
             toks = req[1] + req[2]
             return -len(toks), tuple(toks)
@@ -378,8 +373,6 @@ class MoejaxLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or the task's sampling) continuations with the KV-cached generator, cut at the
         first stop string; the EOS token id always stops a row."""
-        from tqdm import tqdm
-
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
@@ -447,8 +440,6 @@ def cli() -> None:
     """`moejax-lm-eval ...`: lm-eval's own command line with the `moejax` model registered. A task
     list lm-eval refuses (unknown or empty) and moejax's own errors (model_args) end in one line
     on stderr and exit status 2, as `moejax`'s commands do, rather than in a traceback."""
-    import sys
-
     from lm_eval.__main__ import cli_evaluate
 
     try:

@@ -40,6 +40,7 @@ from moejax.hf.io.storage import require_local
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
 from moejax.hf.quant.decode import read_decoded
 from moejax.models.family import Family
+from moejax.parallel.sharding import spec_for
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +175,6 @@ class OpenCheckpoint:
     def _expert_sharded(self, abstract, path: str, by_expert: dict, dtype, mesh):
         """A stacked [E, ...] expert parameter split over the mesh's expert axis, each device's
         block read from its own experts' tensors only (replicas over other axes share one read)."""
-        from moejax.parallel.sharding import spec_for
-
         shape = get_path(abstract, path).shape
         target = np.float32 if path.endswith(_ALWAYS_F32) else dtype
         blocks = {}

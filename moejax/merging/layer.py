@@ -33,7 +33,7 @@ import numpy as np
 
 from moejax.errors import ConfigError
 from moejax.merging.calibration import MergeStats
-from moejax.merging.clusters import HC_SMOE, M_SMOE, cluster_leaders  # noqa: F401 (cluster_leaders: the leader rule)
+from moejax.merging.clusters import HC_SMOE, M_SMOE, canonical_labels, cluster_leaders  # noqa: F401 (cluster_leaders: the leader rule)
 from moejax.merging.method import MergeContext
 from moejax.merging.ream import GROUP_SIZE, REAM
 from moejax.moe.expert_map import ExpertMap
@@ -93,8 +93,6 @@ def leader_first_clusters(labels_E, leaders) -> list[list[int]]:
 
 def labels_from_clusters(clusters, n_experts: int) -> np.ndarray:
     """int [E] from a list of clusters (each a list of experts), renumbered by lowest member."""
-    from moejax.merging.clusters import canonical_labels
-
     labels = np.full(n_experts, -1, np.int64)
     for c, members in enumerate(clusters):
         labels[np.asarray(members, np.int64)] = c

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import nnx
 
 # (pattern on the dotted parameter path, partition spec); the first match wins.
 SHARDING_RULES = (
@@ -26,16 +26,12 @@ def spec_for(path: str) -> P:
 
 def partition_specs(module) -> dict[str, P]:
     """Dotted parameter path -> PartitionSpec for every variable of an NNX module."""
-    from flax import nnx
-
     return {".".join(str(p) for p in path): spec_for(".".join(str(p) for p in path))
             for path, _ in nnx.to_flat_state(nnx.state(module))}
 
 
 def shard_model(module, mesh):
     """Place every variable of `module` on `mesh` by the rule table (in place; returns module)."""
-    from flax import nnx
-
     state = nnx.state(module)
     flat = nnx.to_flat_state(state)
     for path, var in flat:

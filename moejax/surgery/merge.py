@@ -36,12 +36,28 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import jax
+import jax.numpy as jnp
 
 from moejax.errors import CheckpointError, ConfigError
 from moejax.merging.layer import (LayerMerge, check_merge_names, layer_clusters, layer_leaders, leader_first_clusters,
                                   merge_clusters)
-from moejax.merging.ream import GROUP_SIZE
+from moejax.merging.ream import GROUP_SIZE, check_group_size, check_ream_score
 from moejax.scoring.select import resolve_keep
+from moejax import __version__
+from moejax.hf.check import check_checkpoint
+from moejax.hf.io.staging import check_destination
+from moejax.hf.model_io import opened
+from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
+from moejax.merging.allocation import ALLOCATIONS, layer_counts
+from moejax.merging.calibration import REAM_TOKENS, merge_stats
+from moejax.merging.clusters import HC_SMOE_METHODS
+from moejax.merging.layer import MERGE_METHODS, merge_layer, merge_stats_options
+from moejax.scoring.observe import accumulate_layer
+from moejax.scoring.score_checkpoint import calibration_ids
+from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
+from moejax.surgery.prune import other_files, write_folder
+from moejax.surgery.prune_plan import plan_pruning
 
 PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -86,8 +102,6 @@ def cluster_counts(stats: dict, keep, top_k: int, allocation: str) -> dict[int, 
     """Clusters per MoE layer: `keep` (a count or ratio of E) in every layer, or with
     allocation="global" the same total spread by M-SMoE's rule on normalised frequency
     (`moejax.merging.allocation`)."""
-    from moejax.merging.allocation import layer_counts
-
     E = next(iter(stats.values())).counts_E.shape[0]
     count = resolve_keep(keep, E, top_k)
     return layer_counts({l: st.counts_E for l, st in stats.items()}, count, top_k, allocation)
@@ -173,9 +187,6 @@ def _check_before_pass(checked, count: int, keep, allocation: str, collapse_grou
 def _check_ream_args(method: str, score, group_size, ream_tokens):
     """(score, group_size, ream_tokens) with REAM's defaults filled in; refused unless method is
     ream when any is given, or when one is out of range."""
-    from moejax.merging.calibration import REAM_TOKENS
-    from moejax.merging.ream import check_group_size, check_ream_score
-
     if method != "ream":
         given = [n for n, v in (("--score", score), ("--group-size", group_size), ("--ream-tokens", ream_tokens))
                  if v is not None]
@@ -210,24 +221,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     that sample. sequential: each layer merged on the calibration stream of the model merged up
     to the layer before (uniform allocation only; group-limited routing kept, not collapsed, so
     the stream routes as the written checkpoint does)."""
-    import jax
-    import jax.numpy as jnp
-
-    from moejax import __version__
     from moejax.evaluation.stream import stream_layers
-    from moejax.hf.check import check_checkpoint
-    from moejax.hf.io.staging import check_destination
-    from moejax.hf.model_io import opened
-    from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
-    from moejax.merging.allocation import ALLOCATIONS
-    from moejax.merging.calibration import merge_stats
-    from moejax.merging.clusters import HC_SMOE_METHODS
-    from moejax.merging.layer import MERGE_METHODS, merge_layer, merge_stats_options
-    from moejax.scoring.observe import accumulate_layer
-    from moejax.scoring.score_checkpoint import calibration_ids
-    from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
-    from moejax.surgery.prune import other_files, write_folder
-    from moejax.surgery.prune_plan import plan_pruning
 
     check_merge_names([method], "--method")
     score, group_size, ream_tokens = _check_ream_args(method, score, group_size, ream_tokens)

@@ -36,6 +36,8 @@ import optax
 from flax import nnx
 
 from moejax.errors import ConfigError
+from moejax.models.causal_lm import _checked
+from moejax.moe.expert_map import ExpertMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +132,6 @@ def train_routers(model, teacher_logp: list, batches: list, settings: RerouteSet
     (its expert maps: a pruned, merged or substituted variant of it, or None), trained for
     `settings.steps` steps, batch i % len(batches) at step i (batches: (ids [B, S], mask [B, S] or
     None); teacher_logp: their teacher log-probs). The model itself is left as it was."""
-    from moejax.models.causal_lm import _checked
-
     settings.check()
     if len(teacher_logp) != len(batches) or not batches:
         raise ConfigError(f"reroute: {len(batches)} batches and {len(teacher_logp)} teacher log-prob arrays")
@@ -170,8 +170,6 @@ def reroute(student, teacher_logp: list, batches: list, settings: RerouteSetting
 def rerouted_maps(maps: dict | None, trained: dict) -> dict:
     """A variant's expert maps with each MoE layer routing by its trained router weights
     (`ExpertMap.router_EH`); a layer the variant leaves whole gets a map of every slot."""
-    from moejax.moe.expert_map import ExpertMap
-
     maps = dict(maps or {})
     return {layer: (maps[layer] if layer in maps else ExpertMap(jnp.ones(router.shape[0], bool)))._replace(
         router_EH=jnp.asarray(router, jnp.float32)) for layer, router in trained.items()}
