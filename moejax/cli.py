@@ -31,7 +31,11 @@ prune, merge and calibrated score read every weight and take local folders only.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
 import sys
+from pathlib import Path
 
 from moejax.errors import MoejaxError
 
@@ -44,8 +48,6 @@ LOW_MEMORY_XLA_FLAGS = "--xla_disable_hlo_passes=while-loop-invariant-code-motio
 
 
 def _score(args) -> None:
-    import os
-
     from moejax.hf.io.storage import require_local
 
     if args.text is None and args.tokens is None:
@@ -101,8 +103,6 @@ def parse_keep(text: str):
 
 
 def _read_layers_keep(path: str | None) -> dict | None:
-    import json
-
     from moejax.errors import ConfigError
 
     if path is None:
@@ -224,8 +224,6 @@ def _calibration_arguments(p, required: bool = True, dtype: bool = True) -> None
 
 
 def _diff(args) -> None:
-    import json
-
     from moejax.surgery.diff import diff_checkpoints, failed_checks, format_diff
 
     report = diff_checkpoints(args.src, args.pruned, hash_tensors=args.hash)
@@ -346,8 +344,6 @@ def run_command(prog: str, command) -> int:
     2 for moejax's own errors (bad input, named), 1 for an OS error (disk full, read-only output:
     the path and the errno), 128 + signal number for SIGINT / SIGTERM. Staging folders are already
     gone by then (`staged_directory`). Anything else is a bug and keeps its traceback."""
-    import signal
-
     from moejax.signals import Killed
 
     try:
@@ -368,8 +364,6 @@ def run_command(prog: str, command) -> int:
 
 
 def _clean(args) -> None:
-    from pathlib import Path
-
     from moejax.hf.io.staging import remove_stale_staging
 
     for folder in args.folder:

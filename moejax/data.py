@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from moejax.errors import ConfigError
 
@@ -152,8 +155,6 @@ STDLIB_EXCLUDE_DIRS = ("site-packages", "dist-packages", "test", "tests", "idle_
 
 def python_stdlib_root() -> Path:
     """The running Python's standard-library folder (sysconfig's "stdlib" path)."""
-    import sysconfig
-
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -175,8 +176,6 @@ def stdlib_sources(root=None, exclude_dirs=STDLIB_EXCLUDE_DIRS) -> list[str]:
 def heldout_by_hash(name: str, fraction: float, salt: str = "moejax-heldout") -> bool:
     """Whether `name` falls in the held-out `fraction`: a stable hash (sha256 of salt and name, the
     same on every machine and Python version), not Python's randomised hash()."""
-    import hashlib
-
     digest = hashlib.sha256(f"{salt}:{name}".encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
 
@@ -229,8 +228,6 @@ def byte_tokenizer():
     drops it. Its `encode_special_tokens` is set (the text "Ā" encodes as its bytes 196, 128, not
     as id 0), but tokenizer.json does not store that flag: readers set it themselves
     (`split_special_tokens` in tokenizer_config.json for transformers; `Tokenizer` here)."""
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
     vocab = {c: b for b, c in enumerate(_gpt2_byte_chars())}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

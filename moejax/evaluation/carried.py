@@ -214,7 +214,7 @@ def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_siz
     """{(score or merge method, keep): {MoE layer: count}} under one global threshold, from a
     statistics pass over the calibration tokens (the unpruned model's scores; merges allocate by
     M-SMoE's rule on normalised frequency)."""
-    from moejax.evaluation.stream import stream_layers
+    from moejax.evaluation.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
     cfg = ckpt.config
     batches = [(calib[i:i + batch_size], None) for i in range(0, len(calib), batch_size)]

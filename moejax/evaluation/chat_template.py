@@ -18,6 +18,7 @@ transformers requires, for its sandbox fixes). Tested against transformers'
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from pathlib import Path
@@ -89,8 +90,6 @@ def _compiled(template: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt):
-        import datetime
-
         return datetime.datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,

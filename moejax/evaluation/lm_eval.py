@@ -27,17 +27,17 @@ computed separately (the `hf` backend reuses one forward for them: same numbers,
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
-from pathlib import Path
-import copy
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jinja2
 import numpy as np
 from flax import nnx
-import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 

@@ -34,7 +34,12 @@ import string
 import sys
 from pathlib import Path
 
+import yaml
+
+from moejax.data import python_stdlib_root
 from moejax.errors import ConfigError
+from moejax.evaluation.tasks import _dumper as stdlib_dumper, heldout_files
+from moejax.hf.io.staging import staged_directory
 from moejax.training.skills import SKILLS, TERMINATOR, documents
 
 DEGEN_TASK = "skills_degen"
@@ -174,8 +179,6 @@ class _Function(str):
 
 
 def _dumper():
-    from moejax.evaluation.tasks import _dumper as stdlib_dumper
-
     dumper = stdlib_dumper()
     dumper.add_representer(_Function, lambda d, f: d.represent_scalar("!function", f"{METRICS_MODULE}.{f}"))
     return dumper
@@ -212,10 +215,6 @@ def write_skills_tasks(out_dir, *, skills=None, n: int = 100, n_mc: int = 50, n_
                        code_files=(), prose_file=None, seed: int = 0) -> Path:
     """Write every task of `task_names(skills)` (YAML + JSON lines, and the degeneration task's
     process_results shim) into out_dir (replaced, atomically) and return its path."""
-    import yaml
-
-    from moejax.hf.io.staging import staged_directory
-
     skills = list(SKILLS) if skills is None else list(skills)
     unknown = [s for s in skills if s not in SKILLS]
     if unknown:
@@ -249,9 +248,6 @@ def write_skills_tasks(out_dir, *, skills=None, n: int = 100, n_mc: int = 50, n_
 def default_sources(checkpoint) -> tuple[list[Path], Path | None]:
     """(held-out code files, prose file) for skills_degen: the files train_tiny held out (its
     moejax_tiny.json) and the standard library's LICENSE.txt."""
-    from moejax.data import python_stdlib_root
-    from moejax.evaluation.tasks import heldout_files
-
     code = [p for _, p in heldout_files(checkpoint)] if checkpoint is not None else []
     return code, python_stdlib_root() / "LICENSE.txt"
 

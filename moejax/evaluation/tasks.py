@@ -53,7 +53,10 @@ import sys
 import tokenize
 from pathlib import Path
 
+import yaml
+
 from moejax.errors import ConfigError
+from moejax.hf.io.staging import staged_directory
 
 TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
 RECORD = "moejax_tiny.json"          # written by experiment=train_tiny next to the checkpoint
@@ -241,8 +244,6 @@ def _task_config(task: str, data_file: Path) -> dict:
 
 
 def _dumper():
-    import yaml
-
     class Dumper(yaml.SafeDumper):
         """Strings with control characters (the "\\n" stop sequence) as double-quoted escapes."""
 
@@ -299,10 +300,6 @@ def write_stdlib_tasks(out_dir, files=None, *, checkpoint=None, n_nextline: int 
     the first window), so a rolling window never reaches an untrained position. A generation that
     runs past max_positions is already longer than any target, so already wrong.
     max_context_bytes: default min(DEFAULT_MAX_CONTEXT_BYTES, max_positions - MAX_TARGET_BYTES - 1)."""
-    import yaml
-
-    from moejax.hf.io.staging import staged_directory
-
     _Dumper = _dumper()
     if max_positions is None:
         max_positions, source = position_budget(checkpoint)

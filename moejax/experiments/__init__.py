@@ -17,6 +17,8 @@ The nodes are plain dicts, not typed structured configs: values are checked by t
 import dataclasses
 import importlib
 
+from hydra.core.config_store import ConfigStore
+
 from moejax.errors import ConfigError
 
 EXPERIMENTS = ("toy3", "score", "train_tiny", "prune_real", "eval_tasks")
@@ -24,8 +26,6 @@ EXPERIMENTS = ("toy3", "score", "train_tiny", "prune_real", "eval_tasks")
 
 def refuse_unknown_settings(cls, settings: dict, experiment: str) -> None:
     """Every experiment's typed config refuses keys it does not have, naming the valid ones."""
-    import dataclasses
-
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(settings) - fields)
     if unknown:
@@ -112,8 +112,6 @@ def register_configs() -> None:
     """Store every experiment's dataclass defaults in Hydra's ConfigStore (`experiment_defaults/NAME`,
     package _global_), for conf/experiment/NAME.yaml's defaults list. Idempotent; Hydra is imported
     here only, so the rest of the library stays free of it."""
-    from hydra.core.config_store import ConfigStore
-
     store = ConfigStore.instance()
     for name in EXPERIMENTS:
         store.store(group=DEFAULTS_GROUP, name=name, node=hydra_defaults(name), package="_global_")

@@ -29,10 +29,18 @@ import math
 import os
 from pathlib import Path
 
+import pandas as pd
+from tqdm import tqdm
+
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_repeats, refuse_unknown_settings
-from moejax.experiments.prune_real import PruneRealConfig
-from moejax.evaluation.skills_tasks import skill_of, task_names
+from moejax.evaluation.routing_table import routing_rows, routing_shares
+from moejax.evaluation.skills_tasks import default_sources, skill_of, task_names, write_skills_tasks
+from moejax.evaluation.tasks import heldout_files, position_budget, write_stdlib_tasks
+from moejax.experiments import prune_real, refuse_repeats, refuse_unknown_settings
+from moejax.experiments.prune_real import PruneRealConfig, rerouted_as_form
+from moejax.models.registry import read_config
+from moejax.scoring.select import resolve_keep
+from moejax.training.skills import documents, text
 from moejax.variants import VariantPlan, VariantSpec, is_rerouted
 
 COLUMNS = ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]   # + rerouted (reroute=true)
@@ -103,9 +111,6 @@ class EvalTasksConfig:
     def validate(self) -> None:
         """Everything checkable before a model is loaded: the checkpoint and its tokenizer, the
         scores and keeps (prune_real's checks, keeps resolved against E and top-k), the task names."""
-        from moejax.models.registry import read_config
-        from moejax.scoring.select import resolve_keep
-
         with prune_real_as_eval_tasks():
             self.prune_real().validate()
         if not self.tasks:
@@ -195,8 +200,6 @@ def build_tasks(cfg: EvalTasksConfig, job_dir: Path) -> Path | None:
     stdlib, skills = set(cfg.tasks) & set(DEFAULT_TASKS), set(cfg.tasks) & set(SKILL_TASKS)
     if not stdlib and not skills:
         return None
-    from moejax.evaluation.tasks import write_stdlib_tasks
-    from moejax.evaluation.skills_tasks import default_sources, write_skills_tasks
 
     out = job_dir / "tasks"
     if stdlib:
@@ -230,12 +233,8 @@ def task_rows(results: dict, variant: dict) -> list[dict]:
 
 
 def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
-    import pandas as pd
-    from tqdm import tqdm
-
     from lm_eval import evaluator
 
-    from moejax.experiments import prune_real
     from moejax.evaluation.lm_eval import MoejaxLM
 
     job_dir = Path(job_dir or ".")
@@ -292,10 +291,6 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
 def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:
     """The routing table of the unpruned model (moejax.evaluation.routing_table) on each named skill's
     held-out documents and on held-out code, when skills tasks are evaluated (else [])."""
-    from moejax.evaluation.tasks import heldout_files, position_budget
-    from moejax.evaluation.routing_table import routing_rows, routing_shares
-    from moejax.training.skills import documents, text
-
     skills = sorted({skill_of(t) for t in cfg.tasks} - {None})
     if not skills:
         return []
@@ -312,8 +307,6 @@ def summary_title(cfg: EvalTasksConfig) -> str:
 
 
 def summary_table(df):
-    from moejax.experiments.prune_real import rerouted_as_form
-
     df = rerouted_as_form(df[~df.metric.isin(["routing_share"]) & ~df.metric.str.startswith("experts_for_")])
     unpruned = df[df["form"] == "none"].set_index(["task", "metric"]).value
     wide = df[df["form"] != "none"].pivot_table(index=["form", "method"], columns=["task", "metric", "keep"],

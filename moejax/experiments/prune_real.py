@@ -23,14 +23,24 @@ as prose when present. Any text files can be named instead.
 from __future__ import annotations
 
 import dataclasses
+import dataclasses as dc
 import json
 import sysconfig
 import time
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+
+from moejax.data import Tokenizer, pack
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_repeats, refuse_unknown_settings
+from moejax.merging.allocation import ALLOCATIONS
+from moejax.models.registry import read_config
 from moejax.scoring.scores import check_score_names, scores_for
+from moejax.scoring.select import resolve_keep
+from moejax.training.skills import CODE, calibration_documents, calibration_mix
+from moejax.variants import is_rerouted
 
 DEFAULT_HELDOUT = ("difflib.py", "textwrap.py", "fractions.py")  # when the model lists none of its own
 TINY_RECORD = "moejax_tiny.json"
@@ -78,10 +88,7 @@ class PruneRealConfig:
         return cfg
 
     def validate(self) -> None:
-        from moejax.merging.allocation import ALLOCATIONS
         from moejax.merging.layer import check_merge_names
-        from moejax.models.registry import read_config
-        from moejax.scoring.select import resolve_keep
 
         if not self.path:
             raise ConfigError("prune_real: set model=tiny or model.path=CHECKPOINT_FOLDER")
@@ -144,8 +151,6 @@ class PruneRealConfig:
     def calibration_mix(self) -> dict:
         """Shares of the calibration tokens by text (moejax.training.skills.calibration_mix), the
         model's training mix read from its moejax_tiny.json for calibration=train."""
-        from moejax.training.skills import calibration_mix
-
         record = Path(self.path) / TINY_RECORD
         trained = None
         if record.is_file():
@@ -213,9 +218,7 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
     """(tidy DataFrame, evaluate_pruning's info with every variant's plan and kept sets, timings);
     merged_weights: merges' plans keep their merged experts (evaluate_pruning)."""
     import jax.numpy as jnp
-    import pandas as pd
 
-    from moejax.data import Tokenizer, pack
     from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
 
@@ -265,10 +268,7 @@ def rerouted_variants(cfg: PruneRealConfig, calib, heldout: dict, plans: list) -
     teacher, on the calibration tokens; then its held-out perplexity per text and over all, by the
     whole model's forward under the rerouted expert maps. Returns (rows, {rerouted VariantSpec: its
     expert maps}). The model is held whole (router distillation trains end to end)."""
-    import dataclasses as dc
-
     import jax.numpy as jnp
-    import numpy as np
 
     from moejax.hf.model_io import load_pretrained
     from moejax.training.reroute import rerouted_maps, teacher_log_probs, train_routers
@@ -295,7 +295,6 @@ def forward_perplexity_rows(forward, heldout: dict, maps: dict, batch_size: int,
     `maps` (`CausalLM.jitted()`), batch by batch: the path for variants the carried pass cannot
     stream (rerouted ones). A test holds it equal to the carried pass's rows for the same plan."""
     import jax.numpy as jnp
-    import numpy as np
 
     from moejax.evaluation.nll import next_token_nll
 
@@ -313,11 +312,6 @@ def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):
     """[n_seq, seq_len] calibration ids: `calibration`'s shares of calib_tokens, the code part
     from the calibration files, each skill's part from its training-split documents (one row may
     hold several skills' documents: they are shuffled together)."""
-    import numpy as np
-
-    from moejax.data import pack
-    from moejax.training.skills import CODE, calibration_documents
-
     mix = cfg.calibration_mix()
     parts = []
     if mix.get(CODE, 0) > 0:
@@ -341,15 +335,12 @@ def rerouted_as_form(df):
     and method, which would otherwise average a variant with its rerouted self)."""
     if "rerouted" not in df.columns:
         return df
-    from moejax.variants import is_rerouted
 
     flag = df["rerouted"].map(is_rerouted)
     return df.assign(form=df["form"].where(~flag, df["form"] + "+rerouted"))
 
 
 def summary_table(df):
-    import pandas as pd
-
     df = rerouted_as_form(df)
     ppl = df[(df.metric == "perplexity") & (df.text == "all")]
     base = ppl[ppl["form"] == "none"]["value"]

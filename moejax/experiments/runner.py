@@ -26,6 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
+from tqdm import tqdm
+
 from moejax.errors import ConfigError
 from moejax.experiments import EXPERIMENTS, get, register_configs
 from moejax.parallel.distributed import DistributedConfig, initialize
@@ -96,8 +98,6 @@ class _Progress:
         return self.update if sys.stderr.isatty() else None
 
     def update(self, n: int) -> None:
-        from tqdm import tqdm
-
         if self.done == 0:
             self.bar = tqdm(total=self.total, desc=self.name, unit="seed")
         self.done += n

@@ -57,16 +57,24 @@ import dataclasses
 import json
 import logging
 import math
+import platform
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
+import moejax
+from moejax.data import write_byte_tokenizer
+from moejax.hf.io.staging import staged_directory
+from moejax.parallel.mesh import MeshConfig
 from moejax.training.checkpoints import checkpoint_manager, restore, save_checkpoint
 from moejax.training.config import TrainTinyConfig
 from moejax.training.corpus import build_corpus
 from moejax.training.progress import Progress
+from moejax.training.skill_match import exact_match
+from moejax.training.skills import CODE, documents
 from moejax.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -77,8 +85,6 @@ Config = TrainTinyConfig
 
 
 def settings_from(cfg: dict) -> dict:
-    from moejax.parallel.mesh import MeshConfig
-
     mesh = MeshConfig.from_dict(cfg.get("mesh"))
     return {"path": (cfg.get("model") or {}).get("path") or "", "seed": cfg.get("seed", 0),
             "arch": cfg.get("arch"), "data": cfg.get("data"), "train": cfg.get("train"),
@@ -86,14 +92,10 @@ def settings_from(cfg: dict) -> dict:
 
 
 def versions() -> dict:
-    import platform
-
     import flax
     import jax
     import optax
     import orbax.checkpoint
-
-    import moejax
 
     return {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
             "optax": optax.__version__, "orbax_checkpoint": getattr(orbax.checkpoint, "__version__", "?"),
@@ -101,10 +103,6 @@ def versions() -> dict:
 
 
 def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
-    import pandas as pd
-
-    from moejax.data import write_byte_tokenizer
-    from moejax.hf.io.staging import staged_directory
     from moejax.hf.model_io import save_pretrained
 
     timings = {}
@@ -241,8 +239,6 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
 
 def _skill_docs(cfg: TrainTinyConfig) -> dict:
     """The held-out skills documents of the learning curve ({} without a skills mix)."""
-    from moejax.training.skills import CODE, documents
-
     dc = cfg.data
     return {k: documents(k, dc.skill_eval_docs, cfg.seed, "heldout") for k, v in dc.mix.items() if k != CODE and v > 0}
 
@@ -251,7 +247,6 @@ def _skill_curve(trainer, skill_docs: dict, step: int) -> list:
     """[(step, skill, greedy exact match)] of the model now, on the learning curve's documents."""
     if not skill_docs:
         return []
-    from moejax.training.skill_match import exact_match
 
     scores = exact_match(trainer.model, skill_docs)
     log.info("train_tiny: step %d skills exact match %s", step, {k: round(v, 3) for k, v in scores.items()})
@@ -263,8 +258,6 @@ def summary_title(cfg: TrainTinyConfig) -> str:
 
 
 def summary_table(df):
-    import pandas as pd
-
     last = df["step"].max()
     train = df[df.metric == "train_loss"].sort_values("step")
     out = {"train_loss (last 20 steps)": train.value.tail(20).mean(),

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from moejax.models.registry import family_of
+
 
 class AutoModelForCausalLM:
     """Not instantiated: `from_pretrained` returns the family's own model class."""
@@ -29,7 +31,5 @@ class AutoModelForCausalLM:
     def from_config(cfg, dtype=None, **kw):
         """A randomly initialised model of the family of `cfg` (a typed config of any family)."""
         import jax.numpy as jnp
-
-        from moejax.models.registry import family_of
 
         return family_of(cfg).causal_lm()(cfg, jnp.float32 if dtype is None else dtype, **kw)

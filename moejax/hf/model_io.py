@@ -136,8 +136,6 @@ class OpenCheckpoint:
         reads only the expert tensors of its own devices."""
         sharded = {}
         if mesh is not None:
-            from moejax.parallel.sharding import spec_for
-
             for s in specs:
                 spec = spec_for(s.param[len(prefix):])
                 if s.expert is not None and spec != jax.sharding.PartitionSpec():

@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from moejax.errors import ConfigError
+from moejax.hf.layout import layer_of
 
 FINGERPRINT_KEY = "fingerprint"
 
@@ -51,8 +52,6 @@ def router_fingerprint(routers: dict) -> str:
 def checkpoint_fingerprint(checked) -> str:
     """The fingerprint of a checked checkpoint (`moejax.hf.check.CheckedCheckpoint` or an
     `OpenCheckpoint`): its decoder layers' router tensors, read (local or remote) one at a time."""
-    from moejax.hf.layout import layer_of
-
     n_layers = checked.config.num_hidden_layers
     routers = {}
     for spec in checked.specs:

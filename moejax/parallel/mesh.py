@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
+
+import numpy as np
 
 from moejax.errors import ConfigError
 
@@ -49,9 +54,6 @@ class MeshConfig:
 def request_cpu_devices(n: int) -> None:
     """Ask XLA:CPU for n simulated devices; only possible before JAX is imported (it changes
     nothing on GPU/TPU). Later, make_mesh says what is missing."""
-    import os
-    import sys
-
     flags = os.environ.get("XLA_FLAGS", "")
     if n > 1 and "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
@@ -59,8 +61,6 @@ def request_cpu_devices(n: int) -> None:
 
 def mesh_context(cfg: MeshConfig):
     """`with mesh_context(cfg):` runs under jax.set_mesh(make_mesh(cfg)), or plainly on one device."""
-    import contextlib
-
     if cfg.n_devices == 1:
         return contextlib.nullcontext()
     import jax
@@ -73,7 +73,6 @@ def make_mesh(cfg: MeshConfig, devices=None):
     multi-process job (moejax.parallel.distributed) it must span every process's devices: process p's
     devices follow process p-1's, so each holds a contiguous block of the expert axis."""
     import jax
-    import numpy as np
 
     if devices is None and jax.process_count() > 1 and cfg.n_devices != jax.device_count():
         raise ConfigError(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 # (pattern on the dotted parameter path, partition spec); the first match wins.
 SHARDING_RULES = (

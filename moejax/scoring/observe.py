@@ -152,7 +152,7 @@ def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, me
     every pair computed on the device holding its expert, the statistics summed across shards.
     outputs: also the routed outputs' sums (`accumulate_layer`; `mone` and substitution need them,
     no other score does)."""
-    from moejax.evaluation.stream import stream_layers
+    from moejax.evaluation.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
     masks = [None if m is None else np.asarray(m, bool).reshape(-1) for _, m in batches]
     stats = {}

@@ -14,11 +14,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
+from moejax import __version__
+from moejax.data import Tokenizer, npy_tokens, text_files, text_tokens
 from moejax.errors import CheckpointError, ConfigError
-from moejax.results import check_output_file
+from moejax.hf.check import check_checkpoint
+from moejax.hf.io.location import open_location
+from moejax.hf.io.storage import require_local
+from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint, router_fingerprint
 from moejax.parallel.mesh import MeshConfig, make_mesh
-from moejax.scoring.scores import check_score_names, compute_scores, scores_for
+from moejax.results import check_output_file, write_json_atomic, write_parquet_atomic
+from moejax.scoring.scores import DATA_FREE_SCORES, check_score_names, compute_scores, scores_for
+from moejax.surgery.prune_plan import data_free_stats
 
 DEFAULT_SEQ_LEN = 512  # or the model's max_position_embeddings when that is shorter
 
@@ -34,15 +42,10 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     routers and statistics stay float32/float64 either way). scores: names, or None for every score
     the model supports (`bias` only where routers have a balance bias). mesh: run the pass expert-parallel
     (routed experts split over mesh.expert devices); the scores are the same."""
-    from moejax.hf.io.storage import require_local
-
     require_local(checkpoint, "moejax score with calibration data")  # before JAX starts
     import jax
 
-    from moejax import __version__
     from moejax.hf.model_io import open_checkpoint
-    from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
-    from moejax.results import write_json_atomic, write_parquet_atomic
     from moejax.scoring.observe import calibrate_streamed
 
     if scores is not None:
@@ -100,14 +103,6 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     folder or a remote location (https:// base URL, hf://org/name[@revision]), of which only the
     headers, config.json and the router and bias tensors are read, and the routed experts' tensors
     (one at a time, one layer after another) when `aimer` is asked for. seed: the `random` score's."""
-    from moejax import __version__
-    from moejax.hf.check import check_checkpoint
-    from moejax.hf.io.location import open_location
-    from moejax.hf.provenance import FINGERPRINT_KEY, router_fingerprint
-    from moejax.results import write_json_atomic, write_parquet_atomic
-    from moejax.scoring.scores import DATA_FREE_SCORES
-    from moejax.surgery.prune_plan import data_free_stats
-
     names = check_score_names(scores)
     calibrated = [n for n in names if n not in DATA_FREE_SCORES]
     if calibrated:
@@ -137,8 +132,6 @@ def score_table(layer_stats, names):
     """The (layer, expert, score, value) table of every score in `names` from each (layer,
     statistics) pair; a score that is not finite is refused naming the layer, score and experts
     (before anything is written)."""
-    import pandas as pd
-
     rows = []
     for layer, st in layer_stats:
         for name, values in compute_scores(st, names).items():
@@ -164,8 +157,6 @@ def calibration_ids(checkpoint, config, text=None, tokens=None, seq_len: int | N
     """(token ids [n_seq, seq_len], what tokenised them) for a calibration pass over `checkpoint`:
     text files (folders, globs) packed into sequences of seq_len (default 512, or the model's
     max_position_embeddings if shorter) by the checkpoint's tokenizer, or a pre-tokenised .npy."""
-    from moejax.data import Tokenizer, npy_tokens, text_files, text_tokens
-
     check_calibration_args(text, tokens, seq_len, max_tokens)
     if text is not None:  # a missing file is named as such, before the tokenizer is looked for
         text = text_files(text if isinstance(text, (list, tuple)) else [text])

@@ -35,16 +35,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from moejax.errors import CheckpointError, ConfigError
-from moejax.merging.layer import (LayerMerge, check_merge_names, layer_clusters, layer_leaders, leader_first_clusters,
-                                  merge_clusters)
-from moejax.merging.ream import GROUP_SIZE, check_group_size, check_ream_score
-from moejax.scoring.select import resolve_keep
 from moejax import __version__
+from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination
 from moejax.hf.model_io import opened
@@ -52,10 +48,13 @@ from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import REAM_TOKENS, merge_stats
 from moejax.merging.clusters import HC_SMOE_METHODS
-from moejax.merging.layer import MERGE_METHODS, merge_layer, merge_stats_options
+from moejax.merging.layer import (MERGE_METHODS, LayerMerge, check_merge_names, layer_clusters, layer_leaders,
+                                  leader_first_clusters, merge_clusters, merge_layer, merge_stats_options)
+from moejax.merging.ream import GROUP_SIZE, check_group_size, check_ream_score
 from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
+from moejax.scoring.select import resolve_keep
 from moejax.surgery.prune import other_files, write_folder
 from moejax.surgery.prune_plan import plan_pruning
 
@@ -140,8 +139,6 @@ class MergedTensors:
 
     def _layer_merge(self, layer: int) -> LayerMerge:
         if self._layer != layer:
-            import jax.numpy as jnp
-
             name = next(n for n, t in self.targets.items() if t[0] == layer)
             dtype = jnp.dtype(PLAIN_DTYPES[self.ckpt.reader.info(name).dtype])
             weights = self.ckpt.decoder_layer(layer, dtype).mlp.expert_weights()
@@ -221,7 +218,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     that sample. sequential: each layer merged on the calibration stream of the model merged up
     to the layer before (uniform allocation only; group-limited routing kept, not collapsed, so
     the stream routes as the written checkpoint does)."""
-    from moejax.evaluation.stream import stream_layers
+    from moejax.evaluation.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
     check_merge_names([method], "--method")
     score, group_size, ream_tokens = _check_ream_args(method, score, group_size, ream_tokens)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from moejax import __version__
 from moejax.errors import CheckpointError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
@@ -191,8 +192,6 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
     before the first byte is written."""
-    from moejax import __version__
-
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, protect=src)
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json

@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import stored_as
@@ -102,8 +103,6 @@ def finite_rows(reader: CheckpointReader, name: str, layer: int) -> np.ndarray:
 def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> dict[int, np.ndarray]:
     """One score per layer from a `moejax score` parquet (columns layer, expert, score, value),
     checked to cover exactly the experts of every layer being pruned."""
-    import pandas as pd
-
     try:
         df = pd.read_parquet(path)
     except (OSError, ValueError) as error:

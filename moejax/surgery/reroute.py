@@ -21,6 +21,7 @@ devices `mesh=` loads the student's experts split over the mesh's expert axis.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,9 +30,21 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
+from moejax import __version__
 from moejax.errors import CheckpointError, ConfigError
+from moejax.hf.check import check_checkpoint
+from moejax.hf.io.safetensors_format import INDEX_NAME
+from moejax.hf.io.staging import check_destination, staged_directory
+from moejax.hf.io.storage import require_local
+from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
+from moejax.hf.substitution import SubstitutedExpertsView
+from moejax.parallel.mesh import MeshConfig, make_mesh
+from moejax.scoring.score_checkpoint import calibration_ids
+from moejax.surgery.prune import write_index, write_shard
+from moejax.surgery.substitute import load_substituted
 
 RECORD = "reroute.json"
 
@@ -77,22 +90,10 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
     DST/reroute.json). mesh: a `moejax.parallel.MeshConfig`; with several devices the teacher and
     the student are loaded with their routed experts split over its expert axis (the "ep"
     dispatch, gradients included) and the tokens over its data axis."""
-    import contextlib
-
     import jax
     import jax.numpy as jnp
 
-    from moejax.parallel.mesh import MeshConfig, make_mesh
-
-    from moejax import __version__
-    from moejax.hf.check import check_checkpoint
-    from moejax.hf.io.staging import check_destination
-    from moejax.hf.io.storage import require_local
     from moejax.hf.model_io import load_opened, opened
-    from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
-    from moejax.hf.substitution import SubstitutedExpertsView
-    from moejax.scoring.score_checkpoint import calibration_ids
-    from moejax.surgery.substitute import load_substituted
     from moejax.training.reroute import RerouteSettings, reroute, teacher_log_probs
 
     settings = RerouteSettings(steps=steps, lr=lr, warmup=warmup, final_lr_fraction=final_lr_fraction,
@@ -170,12 +171,6 @@ def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, over
     """DST: COMPRESSED's shards with the routers replaced (in their stored dtype), its other files
     copied byte for byte, and reroute.json. fused: COMPRESSED's `FusedExpertsReader` (stored names
     to the family's names)."""
-    import ml_dtypes
-
-    from moejax.hf.io.safetensors_format import INDEX_NAME
-    from moejax.hf.io.staging import staged_directory
-    from moejax.surgery.prune import write_index, write_shard
-
     stored = fused.reader
     dtypes = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F64": np.float64}
     names_of = {name: fused.view_name(name) for name in stored.keys() if fused.view_name(name) in routers}

@@ -45,10 +45,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from moejax import __version__
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf import substitution as fmt
+from moejax.hf.check import check_checkpoint
+from moejax.hf.io.staging import check_destination
+from moejax.hf.io.storage import require_local
+from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
+from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import DATA_FREE_SCORES, LayerStats, check_score_names, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
+from moejax.surgery.prune import other_files, write_folder, write_index, write_shard
+from moejax.surgery.prune_plan import PrunePlan
 
 METHOD = "mone"
 
@@ -92,8 +100,6 @@ def load_substituted(path, dtype=None, backend: str | None = None, mesh=None):
     substitution is refused (load it with `load_pretrained`)."""
     import jax.numpy as jnp
 
-    from moejax.hf.check import check_checkpoint
-    from moejax.hf.io.storage import require_local
     from moejax.hf.model_io import check_compute_dtype, load_opened, opened
     from moejax.moe.expert_map import ExpertMap
 
@@ -130,8 +136,6 @@ def write_substituted(reader, layout, substituted: dict[int, list[int]], constan
     added as float32 `{experts prefix}.{e}.approx_value` to the shard of its layer's router.
     Returns the weight map (name -> shard file); the index is written when the source has one or
     there are several shards."""
-    from moejax.surgery.prune import write_index, write_shard
-
     stored = reader.reader
     dropped, added = set(), {}
     for layer, experts in substituted.items():
@@ -187,15 +191,8 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     the calibration pass; nothing is written before the plan is made."""
     import jax.numpy as jnp
 
-    from moejax import __version__
-    from moejax.hf.check import check_checkpoint
-    from moejax.hf.io.staging import check_destination
     from moejax.hf.model_io import opened
-    from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
     from moejax.scoring.observe import calibrate_streamed
-    from moejax.scoring.score_checkpoint import calibration_ids
-    from moejax.surgery.prune import other_files, write_folder
-    from moejax.surgery.prune_plan import PrunePlan
 
     if keep is None:
         raise ConfigError("--substitute needs --keep (experts kept computing per MoE layer: a count or a ratio of E)")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
+from moejax.models.registry import FAMILIES
 
 ORBAX_SUFFIX = ".orbax"   # the orbax checkpoints of model.path=P are in P.orbax/ (TrainTinyConfig.orbax_dir)
 
@@ -72,8 +73,6 @@ class ArchConfig:
 
     def hf_dict(self) -> dict:
         """A complete config.json for the family's transformers and moejax models."""
-        from moejax.models.registry import FAMILIES
-
         if self.family not in FAMILIES:
             raise ConfigError(f"train_tiny: arch.family={self.family!r}; registered families: {sorted(FAMILIES)}")
         family = FAMILIES[self.family]
@@ -204,8 +203,6 @@ class TrainTinyConfig:
 
     def model_config(self):
         """The family's typed config of the architecture (every key checked by the family's class)."""
-        from moejax.models.registry import FAMILIES
-
         d = self.arch.hf_dict()  # refuses an unknown family by name
         return FAMILIES[self.arch.family].config_class.from_dict(d, source="train_tiny: arch")
 

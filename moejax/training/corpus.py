@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
+from moejax.data import byte_stream, python_stdlib_root, split_heldout, stdlib_sources, text_files
 from moejax.errors import ConfigError
 from moejax.training.config import TrainTinyConfig
-from moejax.training.skills import CODE
+from moejax.training.skills import CODE, skill_stream
 
 
 @dataclasses.dataclass
@@ -40,8 +41,6 @@ def _resolve(root: Path, name: str) -> Path:
 
 
 def build_corpus(cfg: TrainTinyConfig) -> Corpus:
-    from moejax.data import byte_stream, python_stdlib_root, split_heldout, stdlib_sources, text_files
-
     dc = cfg.data
     root = python_stdlib_root()
     names = stdlib_sources(root, dc.exclude_dirs) if dc.stdlib else []
@@ -65,7 +64,6 @@ def build_corpus(cfg: TrainTinyConfig) -> Corpus:
     ids = held[: n_seq * dc.seq_len].reshape(n_seq, dc.seq_len).astype(np.int32)
     if not dc.mix:
         return Corpus(root, train, heldout, stream, ids)
-    from moejax.training.skills import skill_stream
 
     skills, starts = skill_stream(dc.mix, dc.skill_bytes, cfg.seed)
     usable = starts[starts + dc.seq_len <= len(skills)]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 
+from tqdm import tqdm
+
 
 class Progress:
     """`train_tiny: 120/2000 steps [..] loss=1.234, tok/s=12,345` (tqdm) on stderr when it is a terminal."""
 
     def __init__(self, total: int, start: int, stream=None):
-        from tqdm import tqdm
-
         stream = stream if stream is not None else sys.stderr
         self.bar = tqdm(total=total, initial=start, desc="train_tiny", unit="step", file=stream,
                         disable=not stream.isatty(), mininterval=0.5)

@@ -8,6 +8,7 @@ import functools
 
 import numpy as np
 
+from moejax.hf.auto import AutoModelForCausalLM
 from moejax.training.config import TrainTinyConfig
 
 
@@ -106,8 +107,6 @@ class Trainer:
         import jax
         import jax.numpy as jnp
         from flax import nnx
-
-        from moejax.hf.auto import AutoModelForCausalLM
 
         self.cfg = cfg
         self.model_cfg = cfg.model_config()

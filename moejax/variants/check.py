@@ -17,8 +17,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from moejax.errors import ConfigError
+from moejax.hf.check import check_checkpoint
+from moejax.hf.provenance import check_made_from, checkpoint_fingerprint
 from moejax.models.variant import check_routable
 from moejax.scoring.select import resolve_keep, select_kept
 
@@ -83,9 +86,6 @@ def masks_from_pruning_record(path, config, checkpoint=None) -> np.ndarray:
 def check_source(record: dict, record_path, source_key: str, checkpoint, what: str) -> None:
     """`moejax.hf.provenance.check_made_from` against the local checkpoint folder `checkpoint`
     (its router fingerprint read only when the record has one to compare)."""
-    from moejax.hf.check import check_checkpoint
-    from moejax.hf.provenance import check_made_from, checkpoint_fingerprint
-
     check_made_from(record, record_path, source_key, checkpoint,
                     lambda: checkpoint_fingerprint(check_checkpoint(checkpoint, uniform_experts=False)), what)
 
@@ -94,8 +94,6 @@ def masks_from_scores(path, score: str, keep, config, checkpoint=None) -> np.nda
     """bool [L, E] keeping, in every MoE layer, the `keep` experts with the highest `score` in a
     scores file of `moejax score` (float64 ranking, ties to the lower index). The folder
     `checkpoint`, when given, is checked to be the one the file's sidecar names."""
-    import pandas as pd
-
     E, top_k = config.n_experts, config.num_experts_per_tok
     count = resolve_keep(keep, E, top_k)
     path = Path(path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import pandas as pd
 
 from moejax.experiments.toy3.config import Toy3Config
 from moejax.experiments.toy3.eq6 import eq6_metrics
@@ -80,8 +81,6 @@ def error_rows(cfg: Toy3Config, lay: Layout, seeds, pairs: dict, measured: Measu
 
 def to_frame(rows: list[dict]):
     """The tidy table (pandas), keep as a nullable integer."""
-    import pandas as pd
-
     df = pd.DataFrame(rows, columns=COLUMNS)
     df["keep"] = df["keep"].astype("Int64")
     return df
