@@ -34,13 +34,14 @@ from tqdm import tqdm
 
 from moejax.errors import ConfigError
 from moejax.evaluation.routing_table import routing_rows, routing_shares
-from moejax.evaluation.skills_tasks import default_sources, skill_of, task_names, write_skills_tasks
+from moejax.evaluation.skills_tasks import (DEGEN_BYTES, DEGEN_TASK, default_sources, skill_of, task_names,
+                                            write_skills_tasks)
 from moejax.evaluation.tasks import heldout_files, position_budget, write_stdlib_tasks
 from moejax.experiments import prune_real, refuse_repeats, refuse_unknown_settings
 from moejax.experiments.prune_real import PruneRealConfig, rerouted_as_form
 from moejax.models.registry import read_config
 from moejax.scoring.select import resolve_keep
-from moejax.training.skills import documents, text
+from moejax.training.skills import documents, longest_document, text
 from moejax.variants import VariantPlan, VariantSpec, is_rerouted
 
 COLUMNS = ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]   # + rerouted (reroute=true)
@@ -136,10 +137,6 @@ class EvalTasksConfig:
             raise ConfigError(f"eval_tasks: tasks {sorted(set(self.tasks) - built)} need task_dir=... "
                               "or include_defaults=true")
         if not self.task_dir and set(self.tasks) & set(SKILL_TASKS):
-            from moejax.evaluation.tasks import position_budget
-            from moejax.evaluation.skills_tasks import DEGEN_BYTES, DEGEN_TASK
-            from moejax.training.skills import longest_document
-
             budget, source = position_budget(self.path)
             longest = DEGEN_BYTES if DEGEN_TASK in self.tasks else longest_document(
                 {skill_of(t) for t in self.tasks} - {None})

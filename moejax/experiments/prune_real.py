@@ -32,11 +32,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from moejax.data import Tokenizer, pack
+from moejax.data import Tokenizer, pack, text_files
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.merging.allocation import ALLOCATIONS
 from moejax.models.registry import read_config
+from moejax.results import write_json_atomic
 from moejax.scoring.scores import check_score_names, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.training.skills import CODE, calibration_documents, calibration_mix
@@ -183,8 +184,6 @@ def default_texts(cfg: PruneRealConfig) -> tuple[list[Path], list[Path]]:
     root = stdlib_root()
     record = Path(cfg.path) / TINY_RECORD
     if cfg.heldout:
-        from moejax.data import text_files
-
         heldout = text_files(list(cfg.heldout))
     elif record.is_file():
         listed = json.loads(record.read_text()).get("heldout") or []
@@ -194,8 +193,6 @@ def default_texts(cfg: PruneRealConfig) -> tuple[list[Path], list[Path]]:
     if not cfg.heldout and (root / "LICENSE.txt").is_file():
         heldout.append(root / "LICENSE.txt")  # prose
     if cfg.calib:
-        from moejax.data import text_files
-
         calib = text_files(list(cfg.calib))
     else:
         exclude = {p.resolve() for p in heldout}
@@ -208,8 +205,6 @@ def default_texts(cfg: PruneRealConfig) -> tuple[list[Path], list[Path]]:
 def run(cfg: PruneRealConfig, progress=None, job_dir=None):
     df, info, timings = evaluate(cfg, progress)
     if job_dir is not None and info["clusters"] and any(info["clusters"].values()):
-        from moejax.results import write_json_atomic
-
         write_json_atomic(Path(job_dir) / "clusters.json", {str(l): c for l, c in info["clusters"].items()})
     return df, timings
 

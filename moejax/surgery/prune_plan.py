@@ -23,6 +23,7 @@ from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
 from moejax.hf.quant.decode import detect_format, read_decoded
+from moejax.merging.allocation import layer_counts
 from moejax.models.registry import family_of
 from moejax.scoring.scores import DATA_FREE_SCORES, EXPERT_WEIGHT_SCORES, SCORES, LayerStats, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
@@ -208,8 +209,6 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     counts = _keep_counts(layers, keep, layers_keep, top_k)
     scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
     if allocation != "uniform":
-        from moejax.merging.allocation import layer_counts
-
         if layers_keep:
             raise ConfigError("--allocation global spreads one --keep over the layers; it takes no --layers-keep")
         # the budget: `keep` per layer (resolved against each layer's own count when they differ)

@@ -12,6 +12,7 @@ from pathlib import Path
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_unknown_settings
 from moejax.models.registry import FAMILIES
+from moejax.training.skills import CODE, check_mix, longest_document
 
 ORBAX_SUFFIX = ".orbax"   # the orbax checkpoints of model.path=P are in P.orbax/ (TrainTinyConfig.orbax_dir)
 
@@ -170,8 +171,6 @@ class TrainTinyConfig:
         if not dc.stdlib and not dc.text and not dc.mix:
             raise ConfigError("train_tiny: no training text: data.stdlib=false and data.text=[] (name files)")
         if dc.mix:
-            from moejax.training.skills import CODE, check_mix, longest_document
-
             mix = check_mix(dict(dc.mix))
             if mix.get(CODE, 0) > 0 and not dc.stdlib and not dc.text:
                 raise ConfigError(f"train_tiny: data.mix.{CODE}={mix[CODE]} but there is no code text "

@@ -21,7 +21,7 @@ import pandas as pd
 
 from moejax.errors import ConfigError
 from moejax.hf.check import check_checkpoint
-from moejax.hf.provenance import check_made_from, checkpoint_fingerprint
+from moejax.hf.provenance import check_made_from, checkpoint_fingerprint, scores_sidecar
 from moejax.models.variant import check_routable
 from moejax.scoring.select import resolve_keep, select_kept
 
@@ -106,8 +106,6 @@ def masks_from_scores(path, score: str, keep, config, checkpoint=None) -> np.nda
     if not {"layer", "expert", "score", "value"} <= set(df.columns):
         raise ConfigError(f"{path}: expected columns layer, expert, score, value; got {list(df.columns)}")
     if checkpoint is not None:
-        from moejax.hf.provenance import scores_sidecar
-
         sidecar, where = scores_sidecar(path)
         check_source(sidecar or {}, where, "checkpoint", checkpoint, "scores file")
     names = sorted(df.score.unique())
