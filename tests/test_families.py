@@ -233,6 +233,21 @@ def test_greedy_generation_equals_transformers(family_checkpoints, family):
     np.testing.assert_array_equal(got, want)
 
 
+def test_a_family_config_without_its_hooks_is_refused_when_defined():
+    """`family_config` checks the hooks the reader calls (`FAMILY_HOOKS`) when the class is made,
+    naming what is missing, instead of failing at the first config.json read."""
+    from moejax.models.config_base import family_config
+    from moejax.models.gqa_config import EveryLayerMoe, GqaMoeConfig, SoftmaxRouter
+
+    class NoRouter(EveryLayerMoe, GqaMoeConfig):
+        pass
+
+    with pytest.raises(TypeError, match=r"NoRouter: a family config defines \['router_settings'\]"):
+        family_config("X", ("x",), "XForCausalLM")(NoRouter)
+    made = family_config("X", ("x",), "XForCausalLM")(type("Complete", (SoftmaxRouter, NoRouter), {}))
+    assert made.TITLE == "X" and callable(made._read_rest)
+
+
 @pytest.mark.parametrize("family", list(REGISTRY))
 def test_a_registry_line_is_a_tested_family(family):
     """What a family's folder and registry line give: a config class stating every default (one

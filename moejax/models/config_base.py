@@ -108,6 +108,14 @@ def _experts_keys(fields) -> tuple:
     return (marked[0].name, *marked[0].metadata["aliases"])
 
 
+# What a family config defines (itself or through a mixin), checked when the class is made:
+# `_read_rest(d, valid, merged, problems, unimplemented, uniform_experts) -> dict` reads what the
+# fields do not say (rope, relations between fields, per-layer expert counts), noting problems and
+# returning the remaining constructor arguments (`valid`: the fields given with good values;
+# `merged`: those over the defaults, less the fields given with bad values).
+FAMILY_HOOKS = ("_read_rest", "is_moe_layer", "router_settings")
+
+
 def family_config(title: str, model_types: tuple, architecture: str):
     """The decorator of a family's config class: the family's name (TITLE), its config.json
     model_type values (MODEL_TYPES, the first the one written) and transformers architecture
@@ -116,6 +124,9 @@ def family_config(title: str, model_types: tuple, architecture: str):
     keyword-only dataclass."""
 
     def make(cls):
+        missing = [hook for hook in FAMILY_HOOKS if not callable(getattr(cls, hook, None))]
+        if missing:
+            raise TypeError(f"{cls.__name__}: a family config defines {missing} (see MoeConfig's docstring)")
         cls.TITLE, cls.MODEL_TYPES, cls.ARCHITECTURE = title, tuple(model_types), architecture
         inherited = {f.name: f for base in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(base)
                      for f in dataclasses.fields(base)}
@@ -283,14 +294,6 @@ class MoeConfig:
         if problems or unimplemented:
             raise ConfigError(message(source, problems, unimplemented))
         return cls(**valid, **rest, raw=d)
-
-    @classmethod
-    def _read_rest(cls, d: dict, valid: dict, merged: dict, problems: list, unimplemented: list,
-                   uniform_experts: bool) -> dict:
-        """What the fields do not say (rope, relations between fields, per-layer expert counts):
-        problems noted, the remaining constructor arguments returned. `valid`: the fields given with
-        good values; `merged`: those over the defaults, less the fields given with bad values."""
-        raise NotImplementedError
 
     @classmethod
     def config_keys(cls) -> dict:
