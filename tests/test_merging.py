@@ -252,6 +252,11 @@ def test_merge_weights_precision_singletons_and_the_toy_layout():
         alone = merge_weights(layer, np.arange(8), freq, align=True, leaders=np.arange(8))
         for k in layer:
             np.testing.assert_array_equal(alone[k], layer[k].astype(want))
+        # rounded into the layer's dtype a cluster at a time: the float32 result rounded, bitwise
+        narrow = merge_weights(layer, LABELS, freq, align=True, leaders=LEADERS, out_dtype=dtype)
+        for k in layer:
+            assert narrow[k].dtype == dtype
+            np.testing.assert_array_equal(narrow[k].view(np.uint8), merged[k].astype(dtype).view(np.uint8))
     np.testing.assert_allclose(merge_weights(layer_of(experts), LABELS, freq)["up"],
                                merge_reference(experts, LABELS, freq)["up"], rtol=1e-6, atol=1e-6)
     toy = {"w1": rng.normal(size=(3, 4, 6)), "w2": rng.normal(size=(3, 6, 4))}   # relu_mlp: w1 [d, F], w2 [F, d]

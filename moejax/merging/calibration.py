@@ -75,12 +75,22 @@ def _sums(graphdef, state, x_TH, valid_T, ream: bool):
     w = valid_T.astype(jnp.float32)[:, None]
     p_ET = jax.nn.softmax(raw, axis=-1).T if ream else None
 
-    def out_sums(args):  # one expert on every token, summed: [H] (a loop over experts keeps memory at [T, F])
-        weights, p_T = args
-        f = moe.expert_fn(lambda a, b: jnp.matmul(a, b, precision=HIGHEST), weights, x_TH).astype(jnp.float32) * w
-        return jnp.sum(f, axis=0), None if p_T is None else jnp.sum(f * p_T[:, None], axis=0)
+    def out_sums(e, carry):  # expert e on every token, summed: [H] (a loop over experts keeps memory at [T, F])
+        sums, gated, weights = carry
+        # the weights ride in the carry through a barrier, so XLA cannot hoist the float32
+        # conversion of a bfloat16 stack out of the loop (a float32 copy of every expert, 2.2 GB at
+        # Moonlight's shape; as in `moejax.moe.grouped._SortedExpertLoop.run`)
+        weights = jax.lax.optimization_barrier(weights)
+        w_e = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False), weights)
+        f = moe.expert_fn(lambda a, b: jnp.matmul(a, b, precision=HIGHEST), w_e, x_TH).astype(jnp.float32) * w
+        sums = sums.at[e].set(jnp.sum(f, axis=0))
+        if p_ET is not None:
+            gated = gated.at[e].set(jnp.sum(f * p_ET[e][:, None], axis=0))
+        return sums, gated, weights
 
-    sums, gated = jax.lax.map(out_sums, (moe.expert_weights(), p_ET))
+    E, H = moe.router.shape
+    zeros = jnp.zeros((E, H), jnp.float32)
+    sums, gated, _ = jax.lax.fori_loop(0, E, out_sums, (zeros, zeros if ream else None, moe.expert_weights()))
     idx = moe.route(x_TH).expert_idx_TK
     counts = jnp.zeros(logits.shape[1], jnp.float32).at[idx.reshape(-1)].add(jnp.repeat(valid_T, idx.shape[1]))
     return gram, sums, counts, gated

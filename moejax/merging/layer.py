@@ -147,8 +147,11 @@ def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores
     check_merge_names([method])
     labels = np.asarray(labels_E)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
-    ctx = MergeContext(None, counts_E, scores_E, seed=seed, act_inputs_NH=act_inputs_NH, alignments=alignments)
+    dtypes = {np.dtype(w.dtype) for w in host.values()}
+    ctx = MergeContext(None, counts_E, scores_E, seed=seed, act_inputs_NH=act_inputs_NH, alignments=alignments,
+                       out_dtype=dtypes.pop() if len(dtypes) == 1 else None)
     m = MERGE_METHODS[method]
     leaders = m.leaders(labels, ctx)
-    merged = m.merge(host, labels, leaders, ctx)
-    return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype) for k in host})
+    merged = m.merge(host, labels, leaders, ctx)   # in the layer's dtype: rounded a cluster at a time
+    return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype, copy=False)
+                                                for k in host})

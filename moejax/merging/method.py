@@ -33,6 +33,7 @@ class MergeContext:
     act_inputs_NH: np.ndarray | None = None   # REAM: sampled router inputs for its alignment
     alignments: dict | None = None       # M-SMoE: {(leader, member): perm} of this layer's weights, shared
                                          # by its merges at several keeps (`average.align_layer`)
+    out_dtype: object = None             # the merged experts' dtype (None: the compute dtype, float32)
 
 
 @dataclasses.dataclass(frozen=True)
