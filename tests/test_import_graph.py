@@ -140,6 +140,7 @@ JAX_FREE = (
     "moejax.cli",
     "moejax.data",
     "moejax.errors",
+    "moejax.host_memory",
     "moejax.evaluation", "moejax.evaluation.carried_rows", "moejax.evaluation.chat_template",
     "moejax.evaluation.routing_table", "moejax.evaluation.skills_tasks", "moejax.evaluation.tasks",
     "moejax.experiments", "moejax.experiments.eval_tasks", "moejax.experiments.prune_real",

@@ -441,7 +441,8 @@ def test_merge_refuses_before_the_pass(merged_qwen3, tmp_path):
 def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, tmp_path):
     """evaluate_pruning(merges=..., allocation="global"): the per-layer counts are the allocation
     rule's on in-memory calibration statistics (normalised frequency; the same total as uniform, not
-    uniform here); at keep=E every variant reproduces the unpruned numbers exactly; each pruned and
+    uniform here); at keep=E every variant reproduces the unpruned numbers (pruning exactly, merging
+    up to float rounding); each pruned and
     merged variant's perplexity equals the whole model's forward under the same variant built from
     in-memory merges; `moejax prune --allocation global` keeps the same counts."""
     import pandas as pd
@@ -463,9 +464,15 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
     ppl = df[(df.metric == "perplexity") & (df.text == "a")]
     unpruned = ppl[ppl["form"] == "none"].value.item()
     full = ppl[ppl.keep == E]
-    assert len(full) == 1 + 2 and (full.value == unpruned).all()  # frequency; m_smoe tied and shrunk
+    assert len(full) == 1 + 2   # frequency; m_smoe tied and shrunk
+    # pruning computes with the layer's own experts in the unpruned stream's calls: exactly its numbers;
+    # a merge computes with its own table (every cluster a singleton: copies of the experts) in calls
+    # of its own, so only up to float rounding
+    assert full[full.method == "frequency"].value.item() == unpruned
+    np.testing.assert_allclose(full.value, unpruned, rtol=1e-6)
     err = df[(df.keep == E) & (df.metric == "rel_error")]
-    assert len(err) == 3 * 2 and (err.value == 0).all()  # 3 variants x 2 MoE layers
+    assert len(err) == 3 * 2 and (err[err.method == "frequency"].value == 0).all()  # 3 variants x 2 MoE layers
+    assert (err.value < 1e-10).all()
     for name in ("frequency@3", "m_smoe@3"):
         assert info["layer_counts"][name] == want
     got = df[(df.metric == "experts") & (df.method == "frequency") & (df.keep == 3)].set_index("layer").value
@@ -502,6 +509,50 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
     assert {int(l): len(layer["kept"]) for l, layer in record["layers"].items()} == want
 
 
+def test_carried_pass_holds_one_merges_experts_at_a_time(dsv3, monkeypatch):
+    """The carried pass makes a merge's experts only when its held-out streams run, and drops them
+    before the next merge's are made (the 3 GB budget at Moonlight's shape: four merges' experts
+    held together were 1.7 GB, and appending them to the layer's own experts 2.7 GB more); no merge
+    table holds the layer's own experts; with merged_weights=True every plan keeps its experts."""
+    import gc
+    import weakref
+
+    import moejax.evaluation.carried as carried
+
+    path, _, calib = dsv3
+    made, tables, checking = [], [], True
+    real_merge, real_map = carried.merge_clusters, carried.stacked_expert_map
+
+    def merge_clusters(*args, **kwargs):
+        gc.collect()
+        assert not checking or all(r() is None for r in made), "a merge's experts outlived its held-out streams"
+        lm = real_merge(*args, **kwargs)
+        made.extend(weakref.ref(w) for w in lm.weights.values())
+        return lm
+
+    def stacked_expert_map(plans, own, n_experts):
+        em = real_map(plans, own, n_experts)
+        if em.weights is not None:
+            tables.append({k: w.shape[0] for k, w in em.weights.items()})
+        return em
+
+    monkeypatch.setattr(carried, "merge_clusters", merge_clusters)
+    monkeypatch.setattr(carried, "stacked_expert_map", stacked_expert_map)
+    ckpt = open_checkpoint(path)
+    E_moe, keeps = ckpt.config.n_experts, [4, 3]
+    _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], keeps, merges=("hc_smoe", "m_smoe"),
+                                       batch_size=4)
+    n_moe = len(ckpt.config.moe_layers)
+    assert len(made) == 3 * 2 * len(keeps) * n_moe      # gate, up, down of each merge, each made once
+    assert len(tables) == 2 * len(keeps) * n_moe and all(set(t.values()) == {16} for t in tables)  # padded, no own rows
+    assert E_moe < 16 and all(p.layers[l].merge.weights is None for p in info["plans"] if p.spec.merged
+                              for l in p.layers)
+    checking = False
+    _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], [4], merges=("m_smoe",),
+                                       batch_size=4, merged_weights=True)
+    assert all(p.layers[l].merge.weights is not None for p in info["plans"] if p.spec.merged for l in p.layers)
+
+
 def test_merge_refuses_a_quantised_source_before_the_pass(dsv3, tmp_path):
     """Merged experts would need re-quantising, which moejax does not do: refused by name, nothing written."""
     from hf_fixtures import QUANT_CONFIGS, quantize, rewrite
@@ -520,7 +571,7 @@ def test_merge_refuses_a_quantised_source_before_the_pass(dsv3, tmp_path):
 def test_a_bfloat16_checkpoints_merged_experts_are_what_moejax_merge_writes(tmp_path):
     """A bfloat16 checkpoint: the carried pass holds its experts as stored and its merged experts in
     bfloat16, as `moejax merge` writes them (so the pass measures the checkpoint a user would get,
-    and its stacked table is not promoted to float32: half the memory); each merged tensor equals the
+    and its expert table is not promoted to float32: half the memory); each merged tensor equals the
     written one (both round a float32/float64 average to bfloat16: at most one bfloat16 step apart)."""
     import ml_dtypes
 
@@ -545,7 +596,7 @@ def test_a_bfloat16_checkpoints_merged_experts_are_what_moejax_merge_writes(tmp_
         assert layer["clusters"] == sorted(lm.clusters())
         assert {np.dtype(w.dtype) for w in lm.weights.values()} == {np.dtype(ml_dtypes.bfloat16)}
         held = ckpt.decoder_layer(int(l), jnp.float32, expert_dtype=ckpt.stored_expert_dtype(jnp.float32))
-        table = stacked_expert_map([None, plan.layers[int(l)]], held.mlp.expert_weights(), E).weights
+        table = stacked_expert_map([plan.layers[int(l)]], held.mlp.expert_weights(), E).weights
         assert {np.dtype(w.dtype) for w in table.values()} == {np.dtype(jnp.bfloat16)}
         for new, members in enumerate(layer["clusters"]):
             if len(members) == 1:

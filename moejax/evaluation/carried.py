@@ -27,16 +27,20 @@ by the merge `method` under the router form tied or shrunk, one-shot or sequenti
 the unpruned model). Each
 variant's decisions come back as a `moejax.variants.VariantPlan`.
 
-Every variant of a layer is an `ExpertMap` (moejax.moe.expert_map): the held-out streams run as one
-batch, stream n routed over its remaining router slots and computing with its rows of one expert
-table (the layer's own experts, then each merge's merged experts).
+Every variant of a layer is an `ExpertMap` (moejax.moe.expert_map): stream n routed over its
+remaining router slots and computing with its rows of an expert table. The held-out streams run
+by table group (`moejax.evaluation.carried_heldout`): those computing with the layer's own experts
+stacked into one batch, then each merge's router forms with that merge's experts, made when its
+group runs and dropped after, so beside the layer's experts at most one merge's are held.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -44,11 +48,12 @@ from tqdm import tqdm
 from flax import nnx
 
 from moejax.hf.model_io import OpenCheckpoint
+from moejax.host_memory import release_free_memory
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
-from moejax.merging.layer import MERGE_METHODS, merge_layer, merge_stats_options
-from moejax.moe.expert_map import ExpertMap
+from moejax.merging.layer import (MERGE_METHODS, LayerMerge, layer_clusters, layer_leaders, merge_clusters,
+                                  merge_stats_options)
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
@@ -56,8 +61,8 @@ from moejax.evaluation.stream import batch_geometry, embed, head_nll
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
 from moejax.variants.plan import stacked_expert_map
 from moejax.models.variant import check_routable
-from moejax.evaluation.carried_layer import (attention, mlp, routed_errors, routed_errors_each, stacked_attention,
-                                             stacked_mlp, streams_slice)
+from moejax.evaluation.carried_heldout import TableGroup, carry_heldout
+from moejax.evaluation.carried_layer import attention, mlp
 from moejax.evaluation.carried_rows import METRICS, ErrorSums, analysis_rows, ppl_row  # noqa: F401 (METRICS: the rows' legend)
 
 # Held-out tokens a decoder layer runs in one call (all streams of a batch together would hold
@@ -135,6 +140,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
         layer_rows, layer_plans, clusters = _layer_pass(ckpt, layer_idx, streams, methods, keeps, counts, errors,
                                                         seed, dtype, merged_weights)
         rows += layer_rows
+        release_free_memory()   # the layer's weights' pages, before the next layer's are read
         if layer_plans is not None:
             for v, layer_plan in layer_plans.items():
                 plans[v].layers[layer_idx] = layer_plan
@@ -163,7 +169,8 @@ class _Streams:
 
     Held-out streams are stacked, [A, B, S, H] per batch, in the order of `order`; until the first
     MoE layer every one of them is the unpruned stream, held once ([1, B, S, H]). A layer runs on
-    `chunk` streams at a time (STREAM_TOKENS tokens per call), which bounds its intermediates."""
+    `chunk` streams at a time (STREAM_TOKENS tokens per call), which bounds its intermediates, and
+    writes its output over its input (`carried_heldout.carry_heldout`)."""
 
     order: list        # the held-out streams: None (unpruned), then the variants measured on the unpruned
                        # model's inputs (one-shot and merged), then the sequential variants
@@ -198,16 +205,6 @@ class _Streams:
                    held_geo={text: _geometry(ckpt, b, dtype) for text, b in held_ids.items()}, held_ids=held_ids,
                    group={key: None for key in [None, *seq_variants]}, cal={None: xs[:len(cal_batches)]},
                    held=held, chunk=max(1, STREAM_TOKENS // tokens))
-
-    def chunks(self) -> list[tuple[int, int, int]]:
-        """The held-out streams a layer runs at once: (a0, a1, skip) ranges of `order`, all of one
-        size (at most `chunk`, balanced), the last one moved back to end at the last stream, its
-        first `skip` streams already computed by the one before. One size means one compiled
-        program whose every row computes alike: a variant that prunes nothing gets the unpruned
-        stream's numbers bitwise (a last call of another size may round differently)."""
-        n = len(self.order)
-        size = -(-n // -(-n // self.chunk))
-        return [(min(a0, n - size), min(a0, n - size) + size, a0 - min(a0, n - size)) for a0 in range(0, n, size)]
 
 
 def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_size, dtype, seed, show) -> dict:
@@ -297,10 +294,10 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
                 seq_kept = select_kept(own[v.method], counts[v.method, v.keep][layer_idx],
                                        f"layer {layer_idx}: score {v.method!r} (sequential)")
                 carry_maps[v] = jnp.asarray(seq_kept)
-        merge_of = {}   # merged variant -> its LayerMerge at this layer
+        merge_of, merged_experts = {}, None   # merged variant -> its LayerMerge here (clusters; experts if sequential)
         if methods.merges:
-            merge_of, merge_counts = _layer_merges(layer, layer_idx, cal_hz, streams, methods, counts, scores_of, seed,
-                                                   dtype)
+            merge_of, merge_counts, merged_experts = _layer_merges(layer, layer_idx, cal_hz, streams, methods, counts,
+                                                                   scores_of, seed)
             one_shot = {(v.method, v.keep): lm for v, lm in merge_of.items() if not v.sequential}
             clusters = {"counts": merge_counts.tolist(),
                         **{f"{m}@{k}": lm.clusters() for (m, k), lm in one_shot.items()},
@@ -325,18 +322,23 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
             carried[new_group] = [mlp(graphdef, state, h, z, variant) for h, z in cal_hz[group]]
         streams.group[key] = new_group
     streams.cal = carried
-    em_A = stacked_expert_map([None if v is None else layer_plans[v] for v in streams.order],
-                              layer.mlp.expert_weights(), E) if layer.is_moe else None
-    carry_maps = merge_of = None   # (sequential merges' tables: used by the calibration streams above)
-    if layer.is_moe and not merged_weights:  # the clusters are kept; the merged experts live on in em_A's
-        stripped = {}                        # table only, and go with it after this layer
-        for v, p in layer_plans.items():
-            if v.merged:
-                stripped.setdefault(id(p.merge), dataclasses.replace(p.merge, weights=None))
-                layer_plans[v] = Merged(stripped[id(p.merge)], v.router)
-    energy_pos0 = _carry_heldout(graphdef, state, streams, em_A, errors, layer_idx)
+    groups = None
+    if layer.is_moe:
+        plans = [None if v is None else layer_plans[v] for v in streams.order]
+        kept_experts = {} if merged_weights else None   # merges made with their experts, kept for the plans
+        groups = _table_groups(plans, layer.mlp.expert_weights(), E, merged_experts, kept_experts)
+    carry_maps = merge_of = plans = None   # (sequential merges' experts: used by the calibration streams above)
+    first_seq = 1 + streams.n_unpruned_inputs
+    energy_pos0 = carry_heldout(graphdef, state, streams.held, streams.held_geo, groups, streams.chunk, first_seq,
+                                lambda a, norm, err: errors.add((streams.order[a], layer_idx), norm, err,
+                                                                np.ones(norm.shape, bool)))
+    groups = None
     if not layer.is_moe:
         return [], None, None
+    for v, p in layer_plans.items():  # a merge's plan keeps its clusters, and its experts with merged_weights
+        if v.merged:
+            merge = (kept_experts or {}).get(id(p.merge), p.merge)
+            layer_plans[v] = Merged(merge if merged_weights else dataclasses.replace(merge, weights=None), v.router)
     rows = [dict(form="one_shot", **r) for r in analysis_rows(layer_idx, stats, {s: layer_sc[s] for s in methods.scores},
                                                                 kept, keeps, energy_pos0)]
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
@@ -344,97 +346,80 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     return rows, layer_plans, clusters
 
 
-def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods, counts, scores_of, seed,
-                  dtype) -> tuple[dict, np.ndarray]:
+def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods, counts, scores_of, seed
+                  ) -> tuple[dict, np.ndarray, Callable]:
     """({merged variant: its LayerMerge at this layer}, the routing decisions per expert on the
-    unpruned calibration stream): one-shot merges from the unpruned calibration stream, sequential
-    ones from their own (a sequential variant whose stream is still the unpruned one shares the
-    one-shot merge). Statistics and merges are computed once per calibration group."""
+    unpruned calibration stream, experts(merge) -> the merge with its merged experts): one-shot
+    merges from the unpruned calibration stream, sequential ones from their own (a sequential
+    variant whose stream is still the unpruned one shares the one-shot merge). Statistics and
+    clusters are computed once per calibration group. A merge comes with its merged experts only
+    when a sequential variant's calibration stream runs under it here; the others' are made by
+    `experts` when their held-out streams run (`_table_groups`: one merge's at a time)."""
     # the experts as held (their stored dtype where it is exact: `stored_expert_dtype`), no copy: the
     # merge code casts one expert at a time, and returns the merged experts in this dtype, as
     # `moejax merge` writes them (a bfloat16 checkpoint's merged experts are bfloat16)
     host = {k: np.asarray(v) for k, v in layer.mlp.expert_weights().items()}
     options = merge_stats_options(methods.merges)
-    group_stats, done = {}, {}
+    group_stats, done, source = {}, {}, {}
     alignments = {}   # M-SMoE's (leader, member) alignments of these weights, shared by every keep and stream
 
-    def merged(method, keep, group):
+    def experts(lm: LayerMerge) -> LayerMerge:
+        if lm.weights is not None:
+            return lm
+        stats, scores_E = source[id(lm)]
+        return merge_clusters(lm.method, lm.labels_E, stats.counts_E, host, scores_E=scores_E,
+                              act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
+
+    def merged(method, keep, group, with_experts):
         if (method, keep, group) not in done:
             if group not in group_stats:
                 zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
                 group_stats[group] = merge_stats(layer.mlp, zs, [None] * len(zs), **options)
             _, layer_sc = scores_of(group)
             # every method gets the same settings (REAM reads its centroid score and group size)
-            done[method, keep, group] = merge_layer(method, counts[method, keep][layer_idx], group_stats[group], host,
-                                                    seed=seed, scores_E=layer_sc.get(methods.merge_score),
-                                                    group_size=methods.group_size, alignments=alignments)
+            stats, scores_E = group_stats[group], layer_sc.get(methods.merge_score)
+            labels = layer_clusters(method, counts[method, keep][layer_idx], stats, seed=seed, scores_E=scores_E,
+                                    group_size=methods.group_size)
+            lm = LayerMerge(method, labels, layer_leaders(method, labels, stats.counts_E, scores_E), None)
+            source[id(lm)] = stats, scores_E
+            done[method, keep, group] = experts(lm) if with_experts else lm
+            source[id(done[method, keep, group])] = stats, scores_E
         return done[method, keep, group]
 
-    merge_of = {v: merged(v.method, v.keep, streams.group[v] if v.sequential else None)
-                for v in streams.order[1:] if v.merged}
-    return merge_of, group_stats[None].counts_E
+    variants = [v for v in streams.order[1:] if v.merged]
+    for v in sorted(variants, key=lambda v: not v.sequential):   # the merges a calibration stream runs under first
+        merged(v.method, v.keep, streams.group[v] if v.sequential else None, v.sequential)
+    merge_of = {v: done[v.method, v.keep, streams.group[v] if v.sequential else None] for v in variants}
+    return merge_of, group_stats[None].counts_E, experts
+
+
+def _table_groups(plans: list, own: dict, n_experts: int, experts: Callable | None,
+                  kept_experts: dict | None) -> list[TableGroup]:
+    """A MoE layer's held-out streams by the expert table they compute with (plans[a]: stream a's
+    LayerPlan, None for the unpruned stream): the layer's own experts first, then one group per
+    merge, whose experts `experts(merge)` makes when the group runs (kept_experts: {id(merge): the
+    merge with its experts}, filled for the plans when given)."""
+    own_streams = [a for a, p in enumerate(plans) if not isinstance(p, Merged)]
+    groups = [TableGroup(own_streams, lambda: stacked_expert_map([plans[a] for a in own_streams], own, n_experts))]
+    by_merge = {}
+    for a, p in enumerate(plans):
+        if isinstance(p, Merged):
+            by_merge.setdefault(id(p.merge), []).append(a)
+
+    def merge_map(streams):
+        lm = experts(plans[streams[0]].merge)
+        if kept_experts is not None:
+            kept_experts[id(plans[streams[0]].merge)] = lm
+        return stacked_expert_map([Merged(lm, plans[a].form) for a in streams], own, n_experts)
+
+    return groups + [TableGroup(streams, functools.partial(merge_map, streams), own=False)
+                     for streams in by_merge.values()]
 
 
 def _novice_constants(stats) -> np.ndarray:
     """[E, H]: what a substituted expert returns, its mean output over the calibration tokens routed
     to it (MoNE's novice; 0 for an expert no token chose)."""
     return np.asarray(stats.mean_output_EH, np.float32)
-
-
-def _carry_heldout(graphdef, state, streams: _Streams, em_A: ExpertMap | None, errors: ErrorSums,
-                   layer_idx: int) -> float:
-    """The layer on every held-out stream, `streams.chunk` streams per call, stream n under variant
-    n of em_A (None: a dense layer), and at a MoE layer the layer-local errors: one-shot and merged
-    variants' on the unpruned router inputs (stream 0), sequential variants' on their own. Returns
-    the unpruned routed output's share of energy at position 0 (NaN at a dense layer)."""
-    is_moe = em_A is not None
-    energy0, energy = 0.0, 0.0
-    first_seq = 1 + streams.n_unpruned_inputs
-    on_unpruned, seq_variants = streams.order[1:first_seq], streams.order[first_seq:]
-    chunks = streams.chunks()
-    for text, xs in streams.held.items():
-        new = []
-        for b, (cos, sin, allowed) in enumerate(streams.held_geo[text]):
-            x_ABSH, xs[b] = xs[b], None  # the batch's input is dropped as soon as its output exists
-            outs, z_seq = [], []
-            if x_ABSH.shape[0] == 1:  # every stream is still the unpruned one: its attention once
-                h, z = stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed[0])
-                if not is_moe:
-                    outs.append(stacked_mlp(graphdef, state, h, z, 1, None))
-                else:
-                    outs += [stacked_mlp(graphdef, state, h, z, a1 - a0, streams_slice(em_A, slice(a0, a1)))[skip:]
-                             for a0, a1, skip in chunks]
-                    z_seq = [jnp.broadcast_to(z, (len(seq_variants),) + z.shape[1:])]
-                z0 = z[0]
-            else:
-                for a0, a1, skip in chunks:
-                    h, z = stacked_attention(graphdef, state, x_ABSH[a0:a1], cos, sin, allowed[0])
-                    z0 = z[0] if a0 == 0 else z0
-                    z_seq.append(z[max(first_seq - a0, skip):])
-                    outs.append(stacked_mlp(graphdef, state, h, z, a1 - a0,
-                                            streams_slice(em_A, slice(a0, a1)) if is_moe else None)[skip:])
-            if is_moe:  # layer-local errors: one-shot and merged variants on the unpruned inputs (stream 0)
-                B, S, H = z0.shape
-                norm, err = routed_errors(graphdef, state, z0.reshape(B * S, H),
-                                          streams_slice(em_A, slice(1, first_seq)))
-                norm, err = norm.reshape(B, S), err.reshape(-1, B, S)
-                for i, variant in enumerate(on_unpruned):
-                    errors.add((variant, layer_idx), norm, err[i], np.ones(norm.shape, bool))
-                n = np.asarray(norm, np.float64)
-                energy0, energy = energy0 + n[:, 0].sum(), energy + n.sum()
-            if is_moe and seq_variants:  # sequential variants on their own (pruned) inputs
-                norms, errs = routed_errors_each(graphdef, state, jnp.concatenate(z_seq)[:len(seq_variants)],
-                                                 streams_slice(em_A, slice(first_seq, None)))
-                for i, variant in enumerate(seq_variants):
-                    errors.add((variant, layer_idx), norms[i], errs[i], np.ones(norms[i].shape, bool))
-            del x_ABSH, h, z
-            new.append(outs[0] if len(outs) == 1 else jnp.concatenate(outs))
-            del outs, z_seq
-            # one batch in flight: dispatching ahead would keep every queued call's buffers alive
-            # (the next layer's weights beside this one's, at worst)
-            new[-1].block_until_ready()
-        streams.held[text] = new
-    return float(energy0 / energy) if energy else float("nan")
 
 
 def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dict]:

@@ -43,10 +43,11 @@ def streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
 @functools.partial(jax.jit, static_argnums=0)
 def routed_errors(graphdef, state, z_TH, em_A: ExpertMap):
     """Per-token squared norms of the unpruned routed output and of its error under each of the A
-    variants of em_A (mask and rows [A, E], one table): (||y_t||^2 [T], ||y'_t - y_t||^2 [A, T]);
-    shared experts excluded (SPEC section 3). Column 0 is the unpruned router (every slot, rows the
-    identity), column 1 + v variant v, all from one set of expert calls (`routed_columns`), so a
-    token whose choice a variant leaves unchanged has error exactly 0."""
+    variants of em_A (mask and rows [A, E] over the layer's own experts), and the unpruned routed
+    output itself: (||y_t||^2 [T], ||y'_t - y_t||^2 [A, T], y [T, H]); shared experts excluded
+    (SPEC section 3). Column 0 is the unpruned router (every slot, rows the identity), column 1 + v
+    variant v, all from one set of expert calls (`routed_columns`), so a token whose choice a
+    variant leaves unchanged has error exactly 0."""
     moe = nnx.merge(graphdef, state).mlp
     n_slots = em_A.mask_E.shape[-1]
     identity = jnp.arange(n_slots, dtype=jnp.int32)
@@ -59,17 +60,36 @@ def routed_errors(graphdef, state, z_TH, em_A: ExpertMap):
                            em_A.table(moe.expert_weights()), moe.expert_fn, novice_AE, em_A.constants_EH)
     y_TH = y_TAH[:, 0]
     err_AT = jnp.sum((y_TAH[:, 1:] - y_TH[:, None]) ** 2, axis=-1).T
-    return jnp.sum(y_TH ** 2, axis=-1), err_AT
+    return jnp.sum(y_TH ** 2, axis=-1), err_AT, y_TH
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap):
-    """`routed_errors` of stream n's own inputs under its own variant n: ([A, B, S], [A, B, S])."""
+def routed_errors_vs(graphdef, state, z_TH, y_TH, em_A: ExpertMap):
+    """||y'_t - y_t||^2 [A, T] of em_A's A variants computing with em_A's own table (a merge's
+    experts), against the unpruned routed output y [T, H] given (`routed_errors`' third result)."""
+    moe = nnx.merge(graphdef, state).mlp
+    rows_AE = jnp.broadcast_to(jnp.arange(em_A.mask_E.shape[-1], dtype=jnp.int32), em_A.mask_E.shape) \
+        if em_A.rows_E is None else em_A.rows_E.astype(jnp.int32)
+    y_TAH = routed_columns(z_TH, moe.router_logits(z_TH), moe.router_cfg, moe.balance_bias(), em_A.mask_E.astype(bool),
+                           rows_AE, em_A.table(moe.expert_weights()), moe.expert_fn,
+                           None if em_A.novice_E is None else em_A.novice_E.astype(bool), em_A.constants_EH)
+    return jnp.sum((y_TAH - y_TH[:, None]) ** 2, axis=-1).T
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap, own: bool = True):
+    """`routed_errors` of stream n's own inputs under its own variant n: ([A, B, S], [A, B, S]).
+    own=False: em_A computes with its own table (a merge's), the unpruned output from the layer's."""
     def one(args):
         z, mask, rows, novice = args
         em = em_A._replace(mask_E=mask[None], rows_E=None if rows is None else rows[None],
                            novice_E=None if novice is None else novice[None])
-        norm, err = routed_errors(graphdef, state, z.reshape(-1, z.shape[-1]), em)
+        z_TH = z.reshape(-1, z.shape[-1])
+        if own:
+            norm, err, _ = routed_errors(graphdef, state, z_TH, em)
+        else:
+            norm, _, y_TH = routed_errors(graphdef, state, z_TH, ExpertMap(jnp.ones((0,) + mask.shape, bool)))
+            err = routed_errors_vs(graphdef, state, z_TH, y_TH, em)
         return norm.reshape(z.shape[:-1]), err[0].reshape(z.shape[:-1])
     return jax.lax.map(one, (z_ABSH, em_A.mask_E, em_A.rows_E, em_A.novice_E))
 

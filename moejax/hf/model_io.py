@@ -39,6 +39,7 @@ from moejax.hf.io.safetensors_format import RawTensor, numpy_dtype
 from moejax.hf.io.storage import require_local
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
 from moejax.hf.quant.decode import read_decoded
+from moejax.host_memory import aligned_empty
 from moejax.models.family import Family
 from moejax.parallel.sharding import spec_for
 
@@ -153,8 +154,8 @@ class OpenCheckpoint:
             target = np.float32 if s.param.endswith(_ALWAYS_F32) else (
                 expert_dtype if s.expert is not None and expert_dtype is not None else dtype)
             buf = buffers.get(path)
-            if buf is None:
-                buf = buffers[path] = np.empty(get_path(abstract, path).shape, jnp.dtype(target))
+            if buf is None:   # aligned: JAX uses it in place (no second copy of a layer's experts in memory)
+                buf = buffers[path] = aligned_empty(get_path(abstract, path).shape, jnp.dtype(target))
             value = self.read_param_tensor(s, buf.dtype)
             if s.expert is None:
                 buf[...] = value
@@ -163,7 +164,7 @@ class OpenCheckpoint:
             remaining[s.param] -= 1
             if not remaining[s.param]:  # complete: hand it to JAX and free the host copy now
                 host = buffers.pop(path)
-                arrays[path] = jnp.asarray(host) if mesh is None else jax.device_put(
+                arrays[path] = jax.device_put(host) if mesh is None else jax.device_put(
                     host, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         graphdef, state = nnx.split(abstract)
         flat = [(p, v.replace(arrays[".".join(str(x) for x in p)])) for p, v in nnx.to_flat_state(state)]

@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.errors import ConfigError
+from moejax.host_memory import aligned_empty
 
 NEURON_AXES = {"swiglu": {"gate": 1, "up": 1, "down": 0}, "relu_mlp": {"w1": 1, "w2": 0}}
 
@@ -235,7 +236,7 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     dtype = _compute_dtype(weights.values())
     n_clusters = labels.max() + 1
     out_dtype = dtype if out_dtype is None else out_dtype
-    out = {k: np.empty((n_clusters, *np.shape(w)[1:]), out_dtype) for k, w in weights.items()}
+    out = {k: aligned_empty((n_clusters, *np.shape(w)[1:]), out_dtype) for k, w in weights.items()}  # JAX can use in place
     # one cluster's scratch in the compute dtype when the rows are narrower (else the row itself)
     scratch = None if np.dtype(out_dtype) == np.dtype(dtype) else {k: np.empty(np.shape(w)[1:], dtype)
                                                                   for k, w in weights.items()}

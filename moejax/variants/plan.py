@@ -10,8 +10,9 @@
     VariantPlan(spec, layers)                 {MoE layer: one of the above} for a `VariantSpec`
       .expert_maps()                          {layer: ExpertMap}
       .kept()                                 {layer: [router slots that remain as experts]}
-    stacked_expert_map(plans, own, E)         many variants of one layer as one ExpertMap stacked
-                                              over variants (the carried pass's held-out streams)
+    stacked_expert_map(plans, own, E)         variants of one layer computing with one expert table
+                                              (the layer's own, or one merge's) as one ExpertMap
+                                              stacked over them (the carried pass's held-out streams)
 
 A merged plan can be recorded without its merged weights (`merge.weights` None: the clusters only,
 what `prune_real` writes); it then has no expert maps.
@@ -112,50 +113,46 @@ class VariantPlan:
         return {layer: plan.experts() for layer, plan in self.layers.items()}
 
 
-TABLE_PAD = 16   # merged rows of a stacked expert table come in multiples of this
+TABLE_PAD = 16   # a merge's expert table comes in multiples of this many rows
 
 
 def stacked_expert_map(plans: list, own: dict, n_experts: int):
-    """Several variants of one MoE layer as one ExpertMap stacked over them (mask, rows and
-    novices [A, E]; one expert table, one set of constants): plans[a] is variant a's LayerPlan, or
-    None for the unpruned layer (every slot, its own experts). A pruned variant keeps its slots
-    and the layer's own experts; a merged one its router form's slots, computing with its merge's
-    experts; a substituted one every slot, its removed slots returning their constants. The
-    table is the layer's own experts, then each merge's merged experts of clusters of two or more
-    (a singleton's merged expert is its expert exactly, so its slot keeps its own row). Without
-    merges the rows are the identity and are left out (None); without substitutions, the novices."""
+    """Several variants of one MoE layer that compute with one expert table, as one ExpertMap
+    stacked over them (mask, rows and novices [A, E]; one table, one set of constants). Either
+    variants of the layer's own experts (plans[a] None for the unpruned layer: every slot; Kept: its
+    slots; Substituted: every slot, its removed slots returning their constants), whose table is
+    `own` (rows the identity, left out: None), or the router forms of *one* merge (Merged plans
+    sharing one LayerMerge, its weights present), whose table is that merge's experts: slot e
+    computes with row labels_E[e], its cluster's merged expert (a singleton's is its expert
+    exactly), the table padded with zero rows no slot points at to a multiple of TABLE_PAD rows, so
+    layers whose merges keep different numbers of clusters share a few compiled shapes. The
+    carried pass runs one such group at a time (`moejax.evaluation.carried_heldout`), so a merge's
+    experts are never concatenated to the layer's own."""
+    import jax
     import jax.numpy as jnp
 
     from moejax.moe.expert_map import ExpertMap
 
     E = n_experts
     mask_AE = jnp.stack([jnp.ones((E,), bool) if p is None else jnp.asarray(p.routable_E) for p in plans])
+    merges = {id(p.merge): p.merge for p in plans if isinstance(p, Merged)}
+    if merges:
+        if len(merges) > 1 or len(merges) == 1 and not all(isinstance(p, Merged) for p in plans):
+            raise ValueError("stacked_expert_map: a merge's variants compute with its own table; stack them "
+                             "apart from the layer's own experts and from other merges")
+        (lm,) = merges.values()
+        if lm.weights is None:
+            raise ConfigError(f"a {lm.method} merge recorded without its merged weights has no expert table")
+        pad = -lm.n_clusters % TABLE_PAD
+        # device_put, not asarray: the merge's (aligned) host arrays are used in place, not copied
+        table = {k: jnp.concatenate([jnp.asarray(w), jnp.zeros((pad,) + w.shape[1:], w.dtype)]) if pad
+                 else jax.device_put(w) for k, w in lm.weights.items()}
+        rows = jnp.asarray(lm.labels_E, jnp.int32)
+        return ExpertMap(mask_AE, jnp.broadcast_to(rows, mask_AE.shape), table)
     substituted = [p for p in plans if isinstance(p, Substituted)]
-    novices = {}
-    if substituted:  # every substituted variant of a layer returns the same constants (its experts' means)
-        novices = dict(novice_E=jnp.asarray(np.stack([~np.asarray(p.kept_E, bool) if isinstance(p, Substituted)
-                                                      else np.zeros(E, bool) for p in plans])),
-                       constants_EH=jnp.asarray(substituted[0].constants_EH, jnp.float32))
-    merges = {id(p.merge): p.merge for p in plans if isinstance(p, Merged)}   # tied and shrunk share one
-    if not merges:
-        return ExpertMap(mask_AE, **novices)
-    rows_of, extra, n_rows = {}, [], E
-    for key, lm in merges.items():
-        rows = np.arange(E, dtype=np.int32)
-        for c in range(lm.n_clusters):
-            members = lm.labels_E == c
-            if members.sum() > 1:
-                extra.append({k: np.asarray(v[c]) for k, v in lm.weights.items()})
-                rows[members] = n_rows
-                n_rows += 1
-        rows_of[key] = rows
-    # padded with zero experts no slot points at to a multiple of TABLE_PAD rows, so layers whose
-    # merges leave different numbers of clusters of two or more share a few compiled shapes; the
-    # merged rows in the dtype the layer holds its experts in (the table is one array)
-    pad = -len(extra) % TABLE_PAD
-    table = {k: jnp.concatenate([own[k], jnp.asarray(np.stack([e[k] for e in extra]).astype(own[k].dtype, copy=False)),
-                                 jnp.zeros((pad,) + own[k].shape[1:], own[k].dtype)]) if extra else own[k]
-             for k in own}
-    identity = jnp.arange(E, dtype=jnp.int32)
-    rows_AE = jnp.stack([jnp.asarray(rows_of[id(p.merge)]) if isinstance(p, Merged) else identity for p in plans])
-    return ExpertMap(mask_AE, rows_AE, table, **novices)
+    if not substituted:
+        return ExpertMap(mask_AE)
+    # every substituted variant of a layer returns the same constants (its experts' means)
+    return ExpertMap(mask_AE, novice_E=jnp.asarray(np.stack([~np.asarray(p.kept_E, bool) if isinstance(p, Substituted)
+                                                             else np.zeros(E, bool) for p in plans])),
+                     constants_EH=jnp.asarray(substituted[0].constants_EH, jnp.float32))

@@ -1,0 +1,50 @@
+"""Host memory for the streamed passes, which hold one layer's weights at a time and must stay
+within a laptop's memory (3 GB for Moonlight-16B-A3B, `docs/benchmarks.md`):
+
+    aligned_empty(shape, dtype)   an uninitialised numpy array whose data starts on a 64-byte
+                                  boundary: `jax.device_put` on the CPU then uses it in place
+                                  instead of copying it (numpy's large arrays start 16 bytes past
+                                  a page, which JAX copies; `jnp.asarray` always copies)
+    release_free_memory()         hands the C heap's free pages back to the system (glibc's
+                                  `malloc_trim`); a streamed pass frees a layer's weights, a merge's
+                                  experts and the streams' buffers, whose pages would otherwise stay
+                                  resident for later allocations (0.4 GB at Moonlight's shape)
+
+An array from `aligned_empty` handed to `jax.device_put` is the JAX array's memory: it must not be
+written after that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+import numpy as np
+
+ALIGNMENT = 64   # bytes: what XLA's CPU client needs to use a host buffer in place
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """np.empty(shape, dtype), its data 64-byte aligned."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to call
+        return None
+
+
+def release_free_memory() -> None:
+    """Return the C heap's free pages to the system where the C library can (glibc); else nothing."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
