@@ -291,6 +291,15 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
                 print(f"      the whole pass needs {total / 1e12:.1f} TFLOP ("
                       + ", ".join(f"{k} {v / 1e12:.1f}" for k, v in parts.items()) + f"): {total / r['total'] / 1e9:.0f} "
                       f"GFLOP/s = {total / r['total'] / 1e9 / dense:.0%} of dense (target >= 50%)")
+            if merges and layers == min(layer_counts):  # the same pass without merges: what both merges cost
+                out = tmp / f"pruning{layers}.json"
+                subprocess.run([sys.executable, "-c", FULL_CHILD, str(ckpt), str(ids["calib"]), str(ids["a"]),
+                                str(ids["b"]), str(out), json.dumps(SCORES), json.dumps(KEEPS), "[]"], check=True,
+                               env={**os.environ, "MOEJAX_BENCH_CODE": str(ROOT), "MOEJAX_JAX_CACHE": ""})
+                r = json.loads(out.read_text())
+                with_merges = results["new", layers]["total"]
+                print(f"    new code without merges: total {r['total']:7.1f} s, peak {r['peak_mb']:,.0f} MB; both merges "
+                      f"cost {with_merges / r['total']:.2f}x the pruning-only pass (target <= 1.5x)")
         for layers in old_layers:
             if ("new", layers) in results:
                 compare_runs(results["old", layers], results["new", layers], layers)

@@ -111,6 +111,7 @@ def carry_heldout(graphdef, state, held: dict, held_geo: dict, groups: list[Tabl
                 # one batch in flight: dispatching ahead would keep every queued call's buffers alive
                 xs[b] = out.block_until_ready()
                 del out, z_at
+                release_free_memory()   # the batch's temporaries
         del em   # a merge's table goes before the next group's is made,
         release_free_memory()   # and its pages with it
     return float(energy0 / energy) if energy else float("nan")
