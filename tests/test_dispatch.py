@@ -163,3 +163,24 @@ def test_exact_loop_with_bfloat16_experts_equals_float32_bitwise():
     got = f(x, r.expert_idx_TK, r.gate_TK, w16, fn, 8, 2)
     want = f(x, r.expert_idx_TK, r.gate_TK, {k: v.astype(jnp.float32) for k, v in w16.items()}, fn, 8, 2)
     assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("split", [0, 3, E])
+def test_a_table_in_parts_computes_what_the_joined_table_does(split):
+    """An expert table in parts (the carried pass's merge: the layer's own experts, then merged rows,
+    never concatenated) gives the joined table's numbers bitwise through the exact loop (which reads
+    the parts in place, one loop per part, an empty part skipped) and through every other path
+    (which joins them), absent pairs (index = all rows) zero."""
+    x, _, w, fn, _ = setup(10, "swiglu")
+    parts = ({k: v[:split] for k, v in w.items()}, {k: v[split:] for k, v in w.items()})
+    assert G.table_rows(parts) == E and all(G.joined(parts)[k].shape == w[k].shape for k in w)
+    rng = np.random.default_rng(4)
+    idx = jnp.asarray(rng.choice(E + 1, size=(T, K)))
+    gate = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+    loop = jax.jit(G.exact_expert_loop_combined, static_argnums=(4, 5, 6))
+    np.testing.assert_array_equal(loop(x, idx, gate, parts, fn, 8, 2), loop(x, idx, gate, w, fn, 8, 2))
+    pairs = jax.jit(G._exact_expert_loop, static_argnums=(3, 4, 5))
+    np.testing.assert_array_equal(pairs(x, idx, parts, fn, 8, 2), pairs(x, idx, w, fn, 8, 2))
+    for backend in ("sorted", "dense"):
+        np.testing.assert_array_equal(D.pair_outputs(x, idx, parts, fn, backend, forward_only=True),
+                                      D.pair_outputs(x, idx, w, fn, backend, forward_only=True))

@@ -510,10 +510,12 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
 
 
 def test_carried_pass_holds_one_merges_experts_at_a_time(dsv3, monkeypatch):
-    """The carried pass makes a merge's experts only when its held-out streams run, and drops them
-    before the next merge's are made (the 3 GB budget at Moonlight's shape: four merges' experts
-    held together were 1.7 GB, and appending them to the layer's own experts 2.7 GB more); no merge
-    table holds the layer's own experts; with merged_weights=True every plan keeps its experts."""
+    """The carried pass makes a merge's merged experts only when its held-out streams run, only for
+    its clusters of two or more (a singleton's slot computes with the layer's own expert), and drops
+    them before the next merge's are made (the 3 GB budget at Moonlight's shape: four merges' experts
+    held together were 1.7 GB, and appending them to a copy of the layer's own experts 2.7 GB more).
+    A merge's table is the layer's own experts (not a copy) and those rows, each bitwise the merged
+    expert `merge_clusters` makes; with merged_weights=True every plan keeps its experts."""
     import gc
     import weakref
 
@@ -521,32 +523,38 @@ def test_carried_pass_holds_one_merges_experts_at_a_time(dsv3, monkeypatch):
 
     path, _, calib = dsv3
     made, tables, checking = [], [], True
-    real_merge, real_map = carried.merge_clusters, carried.stacked_expert_map
+    real_rows, real_map = carried.merged_rows, carried.stacked_expert_map
 
-    def merge_clusters(*args, **kwargs):
+    def merged_rows(method, labels, counts, host, clusters, **kwargs):
         gc.collect()
         assert not checking or all(r() is None for r in made), "a merge's experts outlived its held-out streams"
-        lm = real_merge(*args, **kwargs)
-        made.extend(weakref.ref(w) for w in lm.weights.values())
-        return lm
+        rows = real_rows(method, labels, counts, host, clusters, **kwargs)
+        made.extend(weakref.ref(w) for w in rows.values())
+        whole = merge_clusters(method, labels, counts, host, **{k: v for k, v in kwargs.items() if k != "alignments"})
+        sizes = np.bincount(labels)
+        assert [c for c in clusters if c is not None] == np.flatnonzero(sizes > 1).tolist()
+        for i, c in enumerate(clusters):
+            for k, w in rows.items():
+                np.testing.assert_array_equal(w[i], whole.weights[k][c] if c is not None else 0)
+        return rows
 
-    def stacked_expert_map(plans, own, n_experts):
-        em = real_map(plans, own, n_experts)
-        if em.weights is not None:
-            tables.append({k: w.shape[0] for k, w in em.weights.items()})
+    def stacked_expert_map(plans, own, n_experts, *rows):
+        em = real_map(plans, own, n_experts, *rows)
+        if isinstance(em.weights, tuple):
+            assert em.weights[0] is own
+            tables.append({k: w.shape[0] for k, w in em.weights[1].items()})
         return em
 
-    monkeypatch.setattr(carried, "merge_clusters", merge_clusters)
+    monkeypatch.setattr(carried, "merged_rows", merged_rows)
     monkeypatch.setattr(carried, "stacked_expert_map", stacked_expert_map)
     ckpt = open_checkpoint(path)
-    E_moe, keeps = ckpt.config.n_experts, [4, 3]
+    keeps = [4, 3]
     _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], keeps, merges=("hc_smoe", "m_smoe"),
                                        batch_size=4)
     n_moe = len(ckpt.config.moe_layers)
     assert len(made) == 3 * 2 * len(keeps) * n_moe      # gate, up, down of each merge, each made once
-    assert len(tables) == 2 * len(keeps) * n_moe and all(set(t.values()) == {16} for t in tables)  # padded, no own rows
-    assert E_moe < 16 and all(p.layers[l].merge.weights is None for p in info["plans"] if p.spec.merged
-                              for l in p.layers)
+    assert len(tables) == 2 * len(keeps) * n_moe and all(set(t.values()) == {16} for t in tables)  # padded
+    assert all(p.layers[l].merge.weights is None for p in info["plans"] if p.spec.merged for l in p.layers)
     checking = False
     _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], [4], merges=("m_smoe",),
                                        batch_size=4, merged_weights=True)
@@ -597,7 +605,7 @@ def test_a_bfloat16_checkpoints_merged_experts_are_what_moejax_merge_writes(tmp_
         assert {np.dtype(w.dtype) for w in lm.weights.values()} == {np.dtype(ml_dtypes.bfloat16)}
         held = ckpt.decoder_layer(int(l), jnp.float32, expert_dtype=ckpt.stored_expert_dtype(jnp.float32))
         table = stacked_expert_map([plan.layers[int(l)]], held.mlp.expert_weights(), E).weights
-        assert {np.dtype(w.dtype) for w in table.values()} == {np.dtype(jnp.bfloat16)}
+        assert {np.dtype(w.dtype) for part in table for w in part.values()} == {np.dtype(jnp.bfloat16)}
         for new, members in enumerate(layer["clusters"]):
             if len(members) == 1:
                 continue

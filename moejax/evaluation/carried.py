@@ -53,13 +53,13 @@ from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import (MERGE_METHODS, LayerMerge, layer_clusters, layer_leaders, merge_clusters,
-                                  merge_stats_options)
+                                  merge_stats_options, merged_rows)
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.evaluation.stream import batch_geometry, embed, head_nll
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
-from moejax.variants.plan import stacked_expert_map
+from moejax.variants.plan import padded_shared, stacked_expert_map
 from moejax.models.variant import check_routable
 from moejax.evaluation.carried_heldout import TableGroup, carry_heldout
 from moejax.evaluation.carried_layer import attention, mlp
@@ -349,7 +349,8 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
 def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods, counts, scores_of, seed
                   ) -> tuple[dict, np.ndarray, Callable]:
     """({merged variant: its LayerMerge at this layer}, the routing decisions per expert on the
-    unpruned calibration stream, experts(merge) -> the merge with its merged experts): one-shot
+    unpruned calibration stream, experts(merge, clusters=None): the merge with its merged experts,
+    or those of `clusters` only): one-shot
     merges from the unpruned calibration stream, sequential ones from their own (a sequential
     variant whose stream is still the unpruned one shares the one-shot merge). Statistics and
     clusters are computed once per calibration group. A merge comes with its merged experts only
@@ -363,10 +364,15 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
     group_stats, done, source = {}, {}, {}
     alignments = {}   # M-SMoE's (leader, member) alignments of these weights, shared by every keep and stream
 
-    def experts(lm: LayerMerge) -> LayerMerge:
-        if lm.weights is not None:
+    def experts(lm: LayerMerge, clusters=None):
+        """The merge with its merged experts (clusters None), or {name: rows}: the merged experts
+        of `clusters` only (`merged_rows`: a merge's table in the held-out pass)."""
+        if lm.weights is not None and clusters is None:
             return lm
         stats, scores_E = source[id(lm)]
+        if clusters is not None:
+            return merged_rows(lm.method, lm.labels_E, stats.counts_E, host, clusters, scores_E=scores_E,
+                               act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
         return merge_clusters(lm.method, lm.labels_E, stats.counts_E, host, scores_E=scores_E,
                               act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
 
@@ -397,8 +403,9 @@ def _table_groups(plans: list, own: dict, n_experts: int, experts: Callable | No
                   kept_experts: dict | None) -> list[TableGroup]:
     """A MoE layer's held-out streams by the expert table they compute with (plans[a]: stream a's
     LayerPlan, None for the unpruned stream): the layer's own experts first, then one group per
-    merge, whose experts `experts(merge)` makes when the group runs (kept_experts: {id(merge): the
-    merge with its experts}, filled for the plans when given)."""
+    merge, whose merged experts `experts(merge, clusters)` makes when the group runs, only those of
+    its clusters of two or more (kept_experts: {id(merge): the merge with all its experts}, filled
+    for the plans when given)."""
     own_streams = [a for a, p in enumerate(plans) if not isinstance(p, Merged)]
     groups = [TableGroup(own_streams, lambda: stacked_expert_map([plans[a] for a in own_streams], own, n_experts))]
     by_merge = {}
@@ -407,10 +414,14 @@ def _table_groups(plans: list, own: dict, n_experts: int, experts: Callable | No
             by_merge.setdefault(id(p.merge), []).append(a)
 
     def merge_map(streams):
-        lm = experts(plans[streams[0]].merge)
-        if kept_experts is not None:
-            kept_experts[id(plans[streams[0]].merge)] = lm
-        return stacked_expert_map([Merged(lm, plans[a].form) for a in streams], own, n_experts)
+        lm = plans[streams[0]].merge
+        if kept_experts is not None or lm.weights is not None:   # the whole merge: kept for the plans
+            lm = experts(lm)
+            if kept_experts is not None:
+                kept_experts[id(plans[streams[0]].merge)] = lm
+            return stacked_expert_map([Merged(lm, plans[a].form) for a in streams], own, n_experts)
+        # only the merged experts of clusters of two or more (a singleton computes with its own expert)
+        return stacked_expert_map([plans[a] for a in streams], own, n_experts, experts(lm, padded_shared(lm)))
 
     return groups + [TableGroup(streams, functools.partial(merge_map, streams), own=False)
                      for streams in by_merge.values()]

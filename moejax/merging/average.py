@@ -206,7 +206,7 @@ def _bf16_similarity(axes: tuple, dominant: dict, member: dict):
 
 
 def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=None, perms=None,
-                  alignments: dict | None = None, out_dtype=None) -> dict:
+                  alignments: dict | None = None, out_dtype=None, clusters=None) -> dict:
     """A layer's clusters merged: {"gate": [C, H, F], ...}, row c the merged expert of the cluster
     labelled c (labels_E: int [E] numbering the C clusters 0..C-1; `canonical_labels` numbers them by
     lowest member, as the clusterings do):
@@ -222,7 +222,9 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     its expert exactly. One cluster at a time, one member's matrix cast at a time; float32 unless an
     input is float64. out_dtype: the merged experts' dtype (a bfloat16 layer's: what `moejax merge`
     writes), each cluster computed as above and rounded into its row, so no float32 [C, ...] copy is
-    ever held (None: the compute dtype)."""
+    ever held (None: the compute dtype). clusters: only these clusters, row i the merged expert of
+    clusters[i], a zero row where clusters[i] is None (padding) (None: every cluster, row c of
+    cluster c)."""
     labels = _check_labels(weights, labels_E)
     freq = np.asarray(freq_E, np.float64)
     if freq.shape != labels.shape or not (np.isfinite(freq).all() and (freq >= 0).all()):
@@ -234,18 +236,22 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     if perms is None:
         perms = align_layer(weights, labels, leaders, alignments) if align else {}
     dtype = _compute_dtype(weights.values())
-    n_clusters = labels.max() + 1
+    clusters = list(range(labels.max() + 1)) if clusters is None else [None if c is None else int(c) for c in clusters]
     out_dtype = dtype if out_dtype is None else out_dtype
-    out = {k: aligned_empty((n_clusters, *np.shape(w)[1:]), out_dtype) for k, w in weights.items()}  # JAX can use in place
+    out = {k: aligned_empty((len(clusters), *np.shape(w)[1:]), out_dtype) for k, w in weights.items()}  # JAX uses in place
     # one cluster's scratch in the compute dtype when the rows are narrower (else the row itself)
     scratch = None if np.dtype(out_dtype) == np.dtype(dtype) else {k: np.empty(np.shape(w)[1:], dtype)
                                                                   for k, w in weights.items()}
-    for c in range(n_clusters):
+    for row, c in enumerate(clusters):
+        if c is None:
+            for k in out:
+                out[k][row] = 0
+            continue
         members = np.flatnonzero(labels == c).tolist()
-        acc = {k: out[k][c] for k in out} if scratch is None else scratch
+        acc = {k: out[k][row] for k in out} if scratch is None else scratch
         _average_into(acc, [{k: w[j] for k, w in weights.items()} for j in members],
                       freq[members], [perms.get(j) for j in members])
         if scratch is not None:
             for k in out:
-                out[k][c] = scratch[k]
+                out[k][row] = scratch[k]
     return out

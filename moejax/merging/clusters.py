@@ -99,7 +99,8 @@ def _frequency_average(align: bool):
     the identity)."""
     def merge(weights, labels_E, leaders, ctx: MergeContext) -> dict:
         return merge_weights(weights, labels_E, np.asarray(ctx.counts_E, np.float64), align=align, leaders=leaders,
-                             alignments=ctx.alignments if align else None, out_dtype=ctx.out_dtype)
+                             alignments=ctx.alignments if align else None, out_dtype=ctx.out_dtype,
+                             clusters=ctx.clusters)
     return merge
 
 

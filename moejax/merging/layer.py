@@ -80,6 +80,10 @@ class LayerMerge:
         return ExpertMap(jnp.asarray(self.kept_E(router)), jnp.asarray(self.labels_E, jnp.int32),
                          {k: jnp.asarray(v) for k, v in self.weights.items()})
 
+    def shared_clusters(self) -> list[int]:
+        """The clusters of two or more experts, ascending (a singleton's merged expert is its expert)."""
+        return np.flatnonzero(np.bincount(self.labels_E, minlength=self.n_clusters) > 1).tolist()
+
     def clusters(self) -> list[list[int]]:
         """Each cluster's experts, the leader first, clusters by label."""
         return leader_first_clusters(self.labels_E, self.leaders)
@@ -146,12 +150,26 @@ def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores
     router inputs `act_inputs_NH` plus their weights, weighted by `scores_E`)."""
     check_merge_names([method])
     labels = np.asarray(labels_E)
+    leaders = MERGE_METHODS[method].leaders(labels, MergeContext(None, counts_E, scores_E))
+    return LayerMerge(method, labels, leaders, merged_rows(method, labels, counts_E, expert_weights, scores_E=scores_E,
+                                                           act_inputs_NH=act_inputs_NH, seed=seed,
+                                                           alignments=alignments))
+
+
+def merged_rows(method: str, labels_E, counts_E, expert_weights: dict, clusters=None, scores_E=None,
+                act_inputs_NH=None, seed: int = 0, alignments: dict | None = None) -> dict:
+    """{name: [len(clusters), ...]}: the merged experts of `clusters` (None: every cluster), row i
+    of clusters[i] (a zero row for an entry None: padding), bitwise what `merge_clusters`' weights
+    hold for them; in the layer's dtype
+    (rounded a cluster at a time). The carried pass merges only the clusters of two or more (a
+    singleton's merged expert is its expert exactly: it computes with the layer's own row)."""
+    check_merge_names([method])
+    labels = np.asarray(labels_E)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
     dtypes = {np.dtype(w.dtype) for w in host.values()}
     ctx = MergeContext(None, counts_E, scores_E, seed=seed, act_inputs_NH=act_inputs_NH, alignments=alignments,
-                       out_dtype=dtypes.pop() if len(dtypes) == 1 else None)
+                       out_dtype=dtypes.pop() if len(dtypes) == 1 else None,
+                       clusters=None if clusters is None else tuple(None if c is None else int(c) for c in clusters))
     m = MERGE_METHODS[method]
-    leaders = m.leaders(labels, ctx)
-    merged = m.merge(host, labels, leaders, ctx)   # in the layer's dtype: rounded a cluster at a time
-    return LayerMerge(method, labels, leaders, {k: np.asarray(merged[k]).astype(host[k].dtype, copy=False)
-                                                for k in host})
+    merged = m.merge(host, labels, m.leaders(labels, ctx), ctx)   # in the layer's dtype: a cluster at a time
+    return {k: np.asarray(merged[k]).astype(host[k].dtype, copy=False) for k in host}

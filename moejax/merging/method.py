@@ -9,7 +9,8 @@ tests.
                      (a score per expert, REAM's group size, HC-SMoE's linkage, the seed, the
                      sampled router inputs, M-SMoE's alignments already computed for this layer)
     MergeMethod      clusters(keep, ctx) -> labels [E]; leaders(labels, ctx) -> [C];
-                     merge(weights, labels, leaders, ctx) -> {name: [C, ...]}; stats: what
+                     merge(weights, labels, leaders, ctx) -> {name: [C, ...]} (ctx.clusters:
+                     those rows only); stats: what
                      `merge_stats` must gather for it beyond the baselines' statistics; scored:
                      whether it reads a score per expert; check: its settings' check
 """
@@ -34,6 +35,7 @@ class MergeContext:
     alignments: dict | None = None       # M-SMoE: {(leader, member): perm} of this layer's weights, shared
                                          # by its merges at several keeps (`average.align_layer`)
     out_dtype: object = None             # the merged experts' dtype (None: the compute dtype, float32)
+    clusters: tuple | None = None        # merge only these clusters, in this order (None: every cluster)
 
 
 @dataclasses.dataclass(frozen=True)

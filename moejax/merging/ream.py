@@ -299,7 +299,7 @@ def ream_align(weights: dict, labels_E, leaders, x_NH, pca_dim: int = PCA_DIM, s
 
 
 def ream_merge(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = PCA_DIM, seed: int = 0,
-               out_dtype=None) -> dict:
+               out_dtype=None, clusters=None) -> dict:
     """A layer's REAM groups merged: {"gate": [K, H, F], ...}, row c the merged expert of group c:
 
         W_c = sum_{j in c} w_j P_j(W_j) / sum_{j in c} w_j,   w = `saliency_weights`(scores)
@@ -312,7 +312,7 @@ def ream_merge(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = 
     labels = _check_labels(weights, labels_E)
     w = saliency_weights(_scores(scores_E, len(labels)))
     perms = ream_align(weights, labels, leaders, x_NH, pca_dim, seed)
-    return merge_weights(weights, labels, w, leaders=leaders, perms=perms, out_dtype=out_dtype)
+    return merge_weights(weights, labels, w, leaders=leaders, perms=perms, out_dtype=out_dtype, clusters=clusters)
 
 
 def _needs_scores(ctx) -> np.ndarray:
@@ -335,7 +335,7 @@ REAM = MergeMethod(
     "ream", clusters=_ream_clusters, leaders=lambda labels, ctx: centroid_leaders(labels, _needs_scores(ctx)),
     merge=lambda weights, labels, leaders, ctx: ream_merge(weights, labels, leaders, _needs_scores(ctx),
                                                            ctx.act_inputs_NH, seed=ctx.seed,
-                                                           out_dtype=ctx.out_dtype),
+                                                           out_dtype=ctx.out_dtype, clusters=ctx.clusters),
     stats={"ream": True}, scored=True,
     check=lambda keep, n_experts, score, group_size: (check_ream_score(score, "merge_score"),
                                                       check_group_size(group_size, keep, n_experts)))

@@ -31,6 +31,7 @@ from moejax.models.layers import HIGHEST, MLP, linear, param
 from moejax.models.toy import BalanceBias
 from moejax.moe import dispatch as dispatch_lib
 from moejax.moe.expert_map import as_expert_map
+from moejax.moe.grouped import table_rows
 from moejax.moe.routing import RouterConfig, route
 
 
@@ -91,7 +92,7 @@ class MoE(nnx.Module):
             return self.routed(x_TH, r, forward_only), r
         r = self.route(x_TH, em.mask_E, em.router_EH)
         table = em.table(self.expert_weights())
-        absent = jax.tree.leaves(table)[0].shape[0] if forward_only else None
+        absent = table_rows(table) if forward_only else None
         experts_r, novices_TH = em.expert_routing(r, absent)
         y = self.routed(x_TH, experts_r, forward_only, table)
         if novices_TH is not None:

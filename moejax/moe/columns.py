@@ -23,7 +23,7 @@ import numpy as np
 
 from moejax.moe.dispatch import pair_outputs
 from moejax.moe.expert_map import ExpertMap
-from moejax.moe.grouped import exact_expert_loop_combined, large_experts
+from moejax.moe.grouped import exact_expert_loop_combined, large_experts, table_rows
 from moejax.moe.routing import route
 
 
@@ -37,7 +37,7 @@ def routed_columns(x_TD, logits_TE, router_cfg, bias_E, mask_AE, rows_AE, table:
     novice_AE: each column's novice slots (MoNE substitution, `ExpertMap.novice_E`), returning
     constants_ED[e] (shared by the columns) times the gate instead of computing; their pairs join
     no union (absent), and their constants are added to the column's output in float32."""
-    n_tokens, n_rows = x_TD.shape[0], jax.tree.leaves(table)[0].shape[0]
+    n_tokens, n_rows = x_TD.shape[0], table_rows(table)
 
     def column(per_column):
         mask, rows, novice = per_column

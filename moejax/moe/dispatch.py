@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from moejax.moe.expert_parallel import ep_pair_outputs
-from moejax.moe.grouped import (ExpertFn, Linear, dense_pair_outputs, exact_expert_loop_combined, large_experts,
-                                ragged_pair_outputs, sorted_pair_outputs)
+from moejax.moe.grouped import (ExpertFn, Linear, dense_pair_outputs, exact_expert_loop_combined, joined,
+                                large_experts, ragged_pair_outputs, sorted_pair_outputs)
 
 
 BACKENDS = ("dense", "sorted", "ragged", "ep")
@@ -85,7 +85,7 @@ def pair_outputs(x_TD, expert_idx_TK, weights, expert_fn: ExpertFn, backend: str
         impl = _PAIR_OUTPUTS[backend]
     except KeyError:
         raise ValueError(f"unknown dispatch backend {backend!r}; valid: {', '.join(BACKENDS)}") from None
-    return impl(x_TD, expert_idx_TK, weights, expert_fn, forward_only=forward_only)
+    return impl(x_TD, expert_idx_TK, joined(weights), expert_fn, forward_only=forward_only)
 
 
 def combine(gate_TK: jax.Array, f_TKD: jax.Array) -> jax.Array:
@@ -116,7 +116,9 @@ def dispatch(x_TD, expert_idx_TK, gate_TK, weights, expert_fn: ExpertFn, backend
     """Routed output y_TD = sum_k gate_tk * expert_{idx_tk}(x_t) (SPEC section 1).
     forward_only: no gradients will be taken (faster large experts, see `pair_outputs`); with the
     sorted backend, large experts' outputs are then added into y as they are computed
-    (`exact_expert_loop_combined`: no [T, K, D] pair outputs held; summed in expert order)."""
+    (`exact_expert_loop_combined`: no [T, K, D] pair outputs held; summed in expert order).
+    weights: an expert table, or a table in parts (`moejax.moe.grouped`), which only that loop reads
+    in place (every other path joins the parts)."""
     if forward_only and backend == "sorted" and large_experts(weights):
         return exact_expert_loop_combined(x_TD, expert_idx_TK, gate_TK, weights, expert_fn).astype(x_TD.dtype)
     f_TKD = pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, backend, forward_only=forward_only)

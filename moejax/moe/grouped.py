@@ -5,10 +5,16 @@
 
 Experts are a pure `expert_fn(linear, w, x)` (see `moejax.moe.dispatch.swiglu`); `linear` is the
 matmul to use, so the same function runs vmapped as the oracle and blocked as a grouped matmul.
+
+An expert table is {name: [R, ...]}, or a table *in parts*: a tuple of such tables whose rows are
+numbered on from one part to the next (the carried pass's merge: the layer's own experts, then
+the merged experts, never concatenated into a copy). The exact forward-only loop reads the parts
+in place; every other path joins them first (`joined`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -20,6 +26,23 @@ ExpertFn = Callable[[Linear, dict, jax.Array], jax.Array]
 
 def _matmul(x, w):
     return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def _parts(table) -> tuple:
+    return table if isinstance(table, tuple) else (table,)
+
+
+def table_rows(table) -> int:
+    """The number of rows of an expert table (or of a table in parts, all parts together)."""
+    return sum(jax.tree.leaves(part)[0].shape[0] for part in _parts(table))
+
+
+def joined(table) -> dict:
+    """A table in parts as one table (a copy); a table as it is."""
+    parts = _parts(table)
+    if len(parts) == 1:
+        return parts[0]
+    return {k: jnp.concatenate([part[k] for part in parts]) for k in parts[0]}
 
 
 def expert_output_table(x_TD: jax.Array, weights: dict, expert_fn: ExpertFn) -> jax.Array:
@@ -92,7 +115,7 @@ EXACT_LOOP_MIN_WEIGHTS = 1 << 18
 def large_experts(weights) -> bool:
     """Experts large enough for the exact forward-only loop (every matrix at least
     EXACT_LOOP_MIN_WEIGHTS numbers)."""
-    return min(w[0].size for w in jax.tree.leaves(weights)) >= EXACT_LOOP_MIN_WEIGHTS
+    return min(math.prod(w.shape[1:]) for w in jax.tree.leaves(weights)) >= EXACT_LOOP_MIN_WEIGHTS
 
 
 def _default_block_rows(n_pairs: int, n_experts: int, weights) -> int:
@@ -188,7 +211,7 @@ def _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows: int 
     zeroed at the end. 512-row chunks ran the Moonlight-shaped layer 7% faster than 128 (fewer,
     larger matmuls per expert) for 0.3 s more compilation (16 remainder sizes instead of 4)."""
     n_tokens, top_k = expert_idx_TK.shape
-    n_experts = jax.tree.leaves(weights)[0].shape[0]
+    n_experts = table_rows(weights)
     loop = _SortedExpertLoop(x_TD, expert_idx_TK, weights, expert_fn, chunk_rows, granule)
     n_pairs = n_tokens * top_k
     out = loop.out_shape()
@@ -237,7 +260,7 @@ class _SortedExpertLoop:
 
     def __init__(self, x_TD, expert_idx_TK, weights, expert_fn, chunk_rows, granule):
         n_tokens, top_k = expert_idx_TK.shape
-        self.n_experts = jax.tree.leaves(weights)[0].shape[0]
+        self.n_experts = table_rows(weights)
         _, self.order_M, self.sizes_E = _sort_by_expert(expert_idx_TK, self.n_experts + 1)
         self.starts_E = jnp.cumsum(self.sizes_E) - self.sizes_E
         self.token_M = jnp.concatenate([self.order_M // top_k, jnp.zeros((chunk_rows,), self.order_M.dtype)])
@@ -245,8 +268,8 @@ class _SortedExpertLoop:
         self.chunk_rows, self.granule = chunk_rows, granule
 
     def out_shape(self):
-        return jax.eval_shape(lambda: self.expert_fn(_f32_matmul, jax.tree.map(lambda w: w[0], self.weights),
-                                                     self.x_TD[:1]))
+        one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), _parts(self.weights)[0])
+        return jax.eval_shape(lambda w: self.expert_fn(_f32_matmul, w, self.x_TD[:1]), one)
 
     def _rows_out(self, w, start, n_rows):
         x_MD = self.x_TD[jax.lax.dynamic_slice_in_dim(self.token_M, start, n_rows)]
@@ -257,8 +280,7 @@ class _SortedExpertLoop:
         chunk_rows, granule = self.chunk_rows, self.granule
         rows_M = jnp.arange(chunk_rows)
 
-        def one_expert(e, acc, weights):
-            w = _expert_weights(weights, e)
+        def one_expert(e, acc, w):   # w: expert e's weights
             start, size = self.starts_E[e], self.sizes_E[e]
             n_full = size // chunk_rows
 
@@ -279,19 +301,29 @@ class _SortedExpertLoop:
 
         # Only the experts that got pairs, still in expert order (which the spill rule of
         # `_exact_expert_loop` needs): XLA copies an expert's weights out of the stack at the top
-        # of each iteration, so an iteration for an empty expert would still cost a copy of its weights.
-        used_E = self.sizes_E[:self.n_experts] > 0
-        used_in_order = jnp.argsort(~used_E, stable=True).astype(jnp.int32)
+        # of each iteration, so an iteration for an empty expert would still cost a copy of its
+        # weights. A table in parts: one loop per part, in row order.
         # The weights ride in the loop's carry through an optimisation barrier, so XLA cannot see
         # them as loop-invariant: it would otherwise hoist the float32 conversion of a bfloat16
         # stack out of the loop (a float32 copy of every expert: +2.2 GB at Moonlight's shape)
         # instead of converting one expert per iteration.
-        def body(i, carry):
-            acc, weights = carry
-            weights = jax.lax.optimization_barrier(weights)
-            return one_expert(used_in_order[i], acc, weights), weights
+        first = 0
+        for part in _parts(self.weights):
+            rows = jax.tree.leaves(part)[0].shape[0]
+            if not rows:   # (a merge whose every cluster is a singleton adds no rows)
+                continue
+            used_E = self.sizes_E[first:first + rows] > 0
+            used_in_order = jnp.argsort(~used_E, stable=True).astype(jnp.int32)
 
-        return jax.lax.fori_loop(0, jnp.sum(used_E, dtype=jnp.int32), body, (acc, self.weights))[0]
+            def body(i, carry, used_in_order=used_in_order, first=first):
+                acc, weights = carry
+                weights = jax.lax.optimization_barrier(weights)
+                e = used_in_order[i]
+                return one_expert(first + e, acc, _expert_weights(weights, e)), weights
+
+            acc = jax.lax.fori_loop(0, jnp.sum(used_E, dtype=jnp.int32), body, (acc, part))[0]
+            first += rows
+        return acc
 
 
 def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):

@@ -113,21 +113,23 @@ class VariantPlan:
         return {layer: plan.experts() for layer, plan in self.layers.items()}
 
 
-TABLE_PAD = 16   # a merge's expert table comes in multiples of this many rows
+TABLE_PAD = 16   # a merge's merged rows come in multiples of this many
 
 
-def stacked_expert_map(plans: list, own: dict, n_experts: int):
-    """Several variants of one MoE layer that compute with one expert table, as one ExpertMap
-    stacked over them (mask, rows and novices [A, E]; one table, one set of constants). Either
-    variants of the layer's own experts (plans[a] None for the unpruned layer: every slot; Kept: its
-    slots; Substituted: every slot, its removed slots returning their constants), whose table is
-    `own` (rows the identity, left out: None), or the router forms of *one* merge (Merged plans
-    sharing one LayerMerge, its weights present), whose table is that merge's experts: slot e
-    computes with row labels_E[e], its cluster's merged expert (a singleton's is its expert
-    exactly), the table padded with zero rows no slot points at to a multiple of TABLE_PAD rows, so
-    layers whose merges keep different numbers of clusters share a few compiled shapes. The
-    carried pass runs one such group at a time (`moejax.evaluation.carried_heldout`), so a merge's
-    experts are never concatenated to the layer's own."""
+def stacked_expert_map(plans: list, own: dict, n_experts: int, merged_rows: dict | None = None):
+    """Several variants of one MoE layer as one ExpertMap stacked over them (mask, rows and novices
+    [A, E]; one table, one set of constants). Either variants of the layer's own experts (plans[a]
+    None for the unpruned layer: every slot; Kept: its slots; Substituted: every slot, its removed
+    slots returning their constants), whose table is `own` (rows the identity, left out: None), or
+    the router forms of *one* merge (Merged plans sharing one LayerMerge), whose table comes in two
+    parts (`moejax.moe.grouped`): the layer's own experts, then the merge's merged experts of its
+    clusters of two or more in cluster order, padded with zero rows no slot points at to a multiple
+    of TABLE_PAD rows, so layers whose merges leave different numbers of shared clusters share a few
+    compiled shapes (merged_rows: those rows, padding included, as `padded_shared` lists them;
+    None: taken from the merge's weights). A slot in such a
+    cluster computes with its merged row; a singleton's slot with its own expert, which is its merged
+    expert exactly. Neither part is copied into the other: beside the layer's experts a merge adds
+    only its merged rows."""
     import jax
     import jax.numpy as jnp
 
@@ -137,18 +139,23 @@ def stacked_expert_map(plans: list, own: dict, n_experts: int):
     mask_AE = jnp.stack([jnp.ones((E,), bool) if p is None else jnp.asarray(p.routable_E) for p in plans])
     merges = {id(p.merge): p.merge for p in plans if isinstance(p, Merged)}
     if merges:
-        if len(merges) > 1 or len(merges) == 1 and not all(isinstance(p, Merged) for p in plans):
+        if len(merges) > 1 or not all(isinstance(p, Merged) for p in plans):
             raise ValueError("stacked_expert_map: a merge's variants compute with its own table; stack them "
                              "apart from the layer's own experts and from other merges")
         (lm,) = merges.values()
-        if lm.weights is None:
-            raise ConfigError(f"a {lm.method} merge recorded without its merged weights has no expert table")
-        pad = -lm.n_clusters % TABLE_PAD
-        # device_put, not asarray: the merge's (aligned) host arrays are used in place, not copied
-        table = {k: jnp.concatenate([jnp.asarray(w), jnp.zeros((pad,) + w.shape[1:], w.dtype)]) if pad
-                 else jax.device_put(w) for k, w in lm.weights.items()}
-        rows = jnp.asarray(lm.labels_E, jnp.int32)
-        return ExpertMap(mask_AE, jnp.broadcast_to(rows, mask_AE.shape), table)
+        padded = padded_shared(lm)
+        if merged_rows is None:
+            if lm.weights is None:
+                raise ConfigError(f"a {lm.method} merge recorded without its merged weights has no expert table")
+            merged_rows = {k: np.stack([w[c] if c is not None else np.zeros_like(w[0]) for c in padded])
+                           if padded else w[:0] for k, w in lm.weights.items()}
+        rows = np.arange(E, dtype=np.int32)
+        for i, c in enumerate(padded):
+            if c is not None:
+                rows[lm.labels_E == c] = E + i
+        # device_put, not asarray: the merge's (aligned) host rows are used in place, not copied
+        extra = {k: jax.device_put(w) for k, w in merged_rows.items()}
+        return ExpertMap(mask_AE, jnp.broadcast_to(jnp.asarray(rows), mask_AE.shape), (own, extra))
     substituted = [p for p in plans if isinstance(p, Substituted)]
     if not substituted:
         return ExpertMap(mask_AE)
@@ -156,3 +163,10 @@ def stacked_expert_map(plans: list, own: dict, n_experts: int):
     return ExpertMap(mask_AE, novice_E=jnp.asarray(np.stack([~np.asarray(p.kept_E, bool) if isinstance(p, Substituted)
                                                              else np.zeros(E, bool) for p in plans])),
                      constants_EH=jnp.asarray(substituted[0].constants_EH, jnp.float32))
+
+
+def padded_shared(merge) -> list:
+    """A merge's clusters of two or more, ascending, then None (a zero row) up to a multiple of
+    TABLE_PAD: the merged rows of its table in `stacked_expert_map`."""
+    shared = merge.shared_clusters()
+    return shared + [None] * (-len(shared) % TABLE_PAD)
