@@ -3,9 +3,10 @@
 At a MoE layer the streams run by *table group*: the variants computing with the same expert
 table, stacked into one ExpertMap (`moejax.variants.plan.stacked_expert_map`). The layer's own
 experts come first (the unpruned stream, pruned, substituted and sequential pruned variants), then
-one group per merge (its router forms; a sequential merge, its own). A merge's experts exist only
-while its group runs (`TableGroup.expert_map` makes them), so beside the layer's experts at most
-one merge's table is held, and never a copy of the layer's experts with merged rows appended.
+one group per merge (its router forms; a sequential merge, its own), whose table is in two parts:
+the layer's own experts, read in place, and the merge's merged experts of its clusters of two or
+more. Those exist only while the group runs (`TableGroup.expert_map` makes them), so beside the
+layer's experts at most one merge's merged rows are held.
 
 Each batch's streams [A, B, S, H] are updated in place, group by group (the groups' streams are
 disjoint): a call's output is written over its inputs (a donated buffer), its chunks taken last
@@ -14,7 +15,7 @@ to first so that a chunk moved back to share one compiled size reads only inputs
 Layer-local errors (SPEC section 3): one-shot, merged and substituted variants on the unpruned
 stream's router inputs z0, against its routed output y0 (computed with the own group: every
 pruned variant's columns come from the same expert calls, so a token whose choice a variant leaves
-unchanged has error exactly 0; a merge's columns come from its own table's calls, so such a token's
+unchanged has error exactly 0; a merge's columns come from calls of their own, so such a token's
 error is 0 up to float rounding); sequential variants on their own inputs.
 
 Shape letters as in `moejax/__init__.py`; A is the variants axis.

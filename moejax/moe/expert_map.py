@@ -7,7 +7,9 @@ kind of variant, evaluated by the same forward).
                    to; the router itself is unchanged (softmax over the remaining slots, -inf
                    elsewhere: `moejax.moe.routing.route`)
       rows_E       int [E] (or [T, E]): the row of `weights` that slot e computes with; None: row e
-      weights      the expert table {name: [R, ...]} that rows index; None: the layer's own experts
+      weights      the expert table {name: [R, ...]} that rows index; None: the layer's own experts;
+                   or a table in parts, rows numbered on across them (`moejax.moe.grouped`: the
+                   carried pass's merge, the layer's own experts then the merged rows, uncopied)
       novice_E     bool [E] (or [T, E]): slots that return a constant instead of computing (MoNE's
                    "novices", arXiv 2507.00390); None: none. A novice slot keeps its router row and
                    stays routable (mask True); only what it returns changes
