@@ -141,9 +141,13 @@ def test_merged_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
     from moejax.merging import layer as merging_layer
     from moejax.models.registry import read_config
 
+    import moejax.evaluation.carried as carried
+
     calls = []
     real = merging_layer.merge_clusters
-    monkeypatch.setattr(merging_layer, "merge_clusters", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    counted = lambda *a, **k: calls.append(a[0]) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(merging_layer, "merge_clusters", counted)
+    monkeypatch.setattr(carried, "merge_clusters", counted)   # (the carried pass imports it by name)
     run_job(job(ckpt, scores=["frequency"], merges=["hc_smoe"], tasks=["stdlib_ppl"]), tmp_path)
     assert len(calls) == 2 * len(read_config(ckpt / "config.json").moe_layers)   # 2 keeps
     df = pd.read_parquet(tmp_path / "results.parquet")
