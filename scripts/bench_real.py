@@ -225,6 +225,14 @@ def pass_flops(cfg, seq_len: int, n_tokens: dict, n_streams: int, merges: tuple)
     return parts
 
 
+def full_run(src, ckpt: Path, ids: dict, out: Path, merges: tuple) -> dict:
+    """One child process running the code at `src` over the checkpoint and token files: its result."""
+    subprocess.run([sys.executable, "-c", FULL_CHILD, str(ckpt), str(ids["calib"]), str(ids["a"]), str(ids["b"]),
+                    str(out), json.dumps(SCORES), json.dumps(KEEPS), json.dumps(list(merges))], check=True,
+                   env={**os.environ, "MOEJAX_BENCH_CODE": str(src), "MOEJAX_JAX_CACHE": ""})
+    return json.loads(out.read_text())
+
+
 def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), calib_seqs: int = 16,
                held_seqs: int = 8, seq_len: int = 128, merges: tuple = ()) -> None:
     """The seed article's headline run on a synthetic Moonlight-shaped checkpoint with the full
@@ -271,11 +279,7 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
             for code, src in (("old", old_src), ("new", ROOT)):
                 if layers not in (old_layers if code == "old" else layer_counts):
                     continue
-                out = tmp / f"{code}{layers}.json"
-                subprocess.run([sys.executable, "-c", FULL_CHILD, str(ckpt), str(ids["calib"]), str(ids["a"]),
-                                str(ids["b"]), str(out), json.dumps(SCORES), json.dumps(KEEPS), json.dumps(list(merges))], check=True,
-                               env={**os.environ, "MOEJAX_BENCH_CODE": str(src), "MOEJAX_JAX_CACHE": ""})
-                r = results[code, layers] = json.loads(out.read_text())
+                r = results[code, layers] = full_run(src, ckpt, ids, tmp / f"{code}{layers}.json", merges)
                 cfg = DeepseekV3Config.from_dict(json.loads((ckpt / "config.json").read_text()))
                 n_streams = len(SCORES) * len(KEEPS) + 1 + len(merges) * len(KEEPS) * 2  # 2 router forms a merge
                 flops = (n_streams * n_tokens["held"] + n_tokens["calib"]) * layer_flops(cfg, seq_len, moe=True)
@@ -292,11 +296,7 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
                       + ", ".join(f"{k} {v / 1e12:.1f}" for k, v in parts.items()) + f"): {total / r['total'] / 1e9:.0f} "
                       f"GFLOP/s = {total / r['total'] / 1e9 / dense:.0%} of dense (target >= 50%)")
             if merges and layers == min(layer_counts):  # the same pass without merges: what both merges cost
-                out = tmp / f"pruning{layers}.json"
-                subprocess.run([sys.executable, "-c", FULL_CHILD, str(ckpt), str(ids["calib"]), str(ids["a"]),
-                                str(ids["b"]), str(out), json.dumps(SCORES), json.dumps(KEEPS), "[]"], check=True,
-                               env={**os.environ, "MOEJAX_BENCH_CODE": str(ROOT), "MOEJAX_JAX_CACHE": ""})
-                r = json.loads(out.read_text())
+                r = full_run(ROOT, ckpt, ids, tmp / f"pruning{layers}.json", ())
                 with_merges = results["new", layers]["total"]
                 print(f"    new code without merges: total {r['total']:7.1f} s, peak {r['peak_mb']:,.0f} MB; both merges "
                       f"cost {with_merges / r['total']:.2f}x the pruning-only pass (target <= 1.5x)")

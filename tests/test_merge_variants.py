@@ -526,10 +526,12 @@ def test_carried_pass_holds_one_merges_experts_at_a_time(dsv3, monkeypatch):
     made, tables, checking = [], [], True
     real_rows, real_map = carried.merged_rows, carried.stacked_expert_map
 
-    def merged_rows(method, labels, counts, host, clusters, **kwargs):
+    def merged_rows(method, labels, leaders, counts, host, clusters, **kwargs):
         gc.collect()
         assert not checking or all(r() is None for r in made), "a merge's experts outlived its held-out streams"
-        rows = real_rows(method, labels, counts, host, clusters, **kwargs)
+        rows = real_rows(method, labels, leaders, counts, host, clusters, **kwargs)
+        if clusters is None:   # a whole merge (merged_weights=True)
+            return rows
         made.extend(weakref.ref(w) for w in rows.values())
         whole = merge_clusters(method, labels, counts, host, **{k: v for k, v in kwargs.items() if k != "alignments"})
         sizes = np.bincount(labels)

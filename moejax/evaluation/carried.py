@@ -52,8 +52,8 @@ from moejax.host_memory import release_free_memory
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
-from moejax.merging.layer import (MERGE_METHODS, LayerMerge, layer_clusters, layer_leaders, merge_clusters,
-                                  merge_stats_options, merged_rows)
+from moejax.merging.layer import (MERGE_METHODS, LayerMerge, layer_clusters, layer_leaders, merge_stats_options,
+                                  merged_rows)
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
@@ -335,10 +335,13 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     groups = None
     if not layer.is_moe:
         return [], None, None
-    for v, p in layer_plans.items():  # a merge's plan keeps its clusters, and its experts with merged_weights
+    recorded = {}   # id(merge) -> what its plans keep (one object for its router forms): its clusters, and
+    for v, p in layer_plans.items():   # with merged_weights all its merged experts
         if v.merged:
-            merge = (kept_experts or {}).get(id(p.merge), p.merge)
-            layer_plans[v] = Merged(merge if merged_weights else dataclasses.replace(merge, weights=None), v.router)
+            if id(p.merge) not in recorded:
+                recorded[id(p.merge)] = kept_experts.get(id(p.merge), p.merge) if merged_weights else (
+                    p.merge if p.merge.weights is None else dataclasses.replace(p.merge, weights=None))
+            layer_plans[v] = Merged(recorded[id(p.merge)], v.router)
     rows = [dict(form="one_shot", **r) for r in analysis_rows(layer_idx, stats, {s: layer_sc[s] for s in methods.scores},
                                                                 kept, keeps, energy_pos0)]
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
@@ -349,8 +352,8 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
 def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods, counts, scores_of, seed
                   ) -> tuple[dict, np.ndarray, Callable]:
     """({merged variant: its LayerMerge at this layer}, the routing decisions per expert on the
-    unpruned calibration stream, experts(merge, clusters=None): the merge with its merged experts,
-    or those of `clusters` only): one-shot
+    unpruned calibration stream, experts(merge, clusters=None): its merged experts, of `clusters`
+    only when given): one-shot
     merges from the unpruned calibration stream, sequential ones from their own (a sequential
     variant whose stream is still the unpruned one shares the one-shot merge). Statistics and
     clusters are computed once per calibration group. A merge comes with its merged experts only
@@ -364,17 +367,11 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
     group_stats, done, source = {}, {}, {}
     alignments = {}   # M-SMoE's (leader, member) alignments of these weights, shared by every keep and stream
 
-    def experts(lm: LayerMerge, clusters=None):
-        """The merge with its merged experts (clusters None), or {name: rows}: the merged experts
-        of `clusters` only (`merged_rows`: a merge's table in the held-out pass)."""
-        if lm.weights is not None and clusters is None:
-            return lm
+    def experts(lm: LayerMerge, clusters=None) -> dict:
+        """{name: rows}: the merge's merged experts of `clusters` (None: every cluster; `merged_rows`)."""
         stats, scores_E = source[id(lm)]
-        if clusters is not None:
-            return merged_rows(lm.method, lm.labels_E, stats.counts_E, host, clusters, scores_E=scores_E,
-                               act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
-        return merge_clusters(lm.method, lm.labels_E, stats.counts_E, host, scores_E=scores_E,
-                              act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
+        return merged_rows(lm.method, lm.labels_E, lm.leaders, stats.counts_E, host, clusters, scores_E=scores_E,
+                           act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
 
     def merged(method, keep, group, with_experts):
         if (method, keep, group) not in done:
@@ -388,8 +385,10 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
                                     group_size=methods.group_size)
             lm = LayerMerge(method, labels, layer_leaders(method, labels, stats.counts_E, scores_E), None)
             source[id(lm)] = stats, scores_E
-            done[method, keep, group] = experts(lm) if with_experts else lm
-            source[id(done[method, keep, group])] = stats, scores_E
+            if with_experts:
+                lm = dataclasses.replace(lm, weights=experts(lm))
+                source[id(lm)] = stats, scores_E
+            done[method, keep, group] = lm
         return done[method, keep, group]
 
     variants = [v for v in streams.order[1:] if v.merged]
@@ -416,10 +415,10 @@ def _table_groups(plans: list, own: dict, n_experts: int, experts: Callable | No
     def merge_map(streams):
         lm = plans[streams[0]].merge
         if kept_experts is not None or lm.weights is not None:   # the whole merge: kept for the plans
-            lm = experts(lm)
+            whole = lm if lm.weights is not None else dataclasses.replace(lm, weights=experts(lm))
             if kept_experts is not None:
-                kept_experts[id(plans[streams[0]].merge)] = lm
-            return stacked_expert_map([Merged(lm, plans[a].form) for a in streams], own, n_experts)
+                kept_experts[id(lm)] = whole
+            return stacked_expert_map([Merged(whole, plans[a].form) for a in streams], own, n_experts)
         # only the merged experts of clusters of two or more (a singleton computes with its own expert)
         return stacked_expert_map([plans[a] for a in streams], own, n_experts, experts(lm, padded_shared(lm)))
 

@@ -164,8 +164,8 @@ class OpenCheckpoint:
             remaining[s.param] -= 1
             if not remaining[s.param]:  # complete: hand it to JAX and free the host copy now
                 host = buffers.pop(path)
-                arrays[path] = jax.device_put(host) if mesh is None else jax.device_put(
-                    host, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                arrays[path] = jax.device_put(host, None if mesh is None else jax.sharding.NamedSharding(
+                    mesh, jax.sharding.PartitionSpec()))
         graphdef, state = nnx.split(abstract)
         flat = [(p, v.replace(arrays[".".join(str(x) for x in p)])) for p, v in nnx.to_flat_state(state)]
         return nnx.merge(graphdef, nnx.from_flat_state(flat))

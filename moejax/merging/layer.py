@@ -151,18 +151,18 @@ def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores
     check_merge_names([method])
     labels = np.asarray(labels_E)
     leaders = MERGE_METHODS[method].leaders(labels, MergeContext(None, counts_E, scores_E))
-    return LayerMerge(method, labels, leaders, merged_rows(method, labels, counts_E, expert_weights, scores_E=scores_E,
-                                                           act_inputs_NH=act_inputs_NH, seed=seed,
+    return LayerMerge(method, labels, leaders, merged_rows(method, labels, leaders, counts_E, expert_weights,
+                                                           scores_E=scores_E, act_inputs_NH=act_inputs_NH, seed=seed,
                                                            alignments=alignments))
 
 
-def merged_rows(method: str, labels_E, counts_E, expert_weights: dict, clusters=None, scores_E=None,
+def merged_rows(method: str, labels_E, leaders, counts_E, expert_weights: dict, clusters=None, scores_E=None,
                 act_inputs_NH=None, seed: int = 0, alignments: dict | None = None) -> dict:
     """{name: [len(clusters), ...]}: the merged experts of `clusters` (None: every cluster), row i
     of clusters[i] (a zero row for an entry None: padding), bitwise what `merge_clusters`' weights
-    hold for them; in the layer's dtype
-    (rounded a cluster at a time). The carried pass merges only the clusters of two or more (a
-    singleton's merged expert is its expert exactly: it computes with the layer's own row)."""
+    hold for them; in the layer's dtype (rounded a cluster at a time). leaders: each cluster's
+    (`layer_leaders`). The carried pass merges only the clusters of two or more (a singleton's
+    merged expert is its expert exactly: it computes with the layer's own row)."""
     check_merge_names([method])
     labels = np.asarray(labels_E)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
@@ -171,5 +171,5 @@ def merged_rows(method: str, labels_E, counts_E, expert_weights: dict, clusters=
                        out_dtype=dtypes.pop() if len(dtypes) == 1 else None,
                        clusters=None if clusters is None else tuple(None if c is None else int(c) for c in clusters))
     m = MERGE_METHODS[method]
-    merged = m.merge(host, labels, m.leaders(labels, ctx), ctx)   # in the layer's dtype: a cluster at a time
+    merged = m.merge(host, labels, np.asarray(leaders), ctx)   # in the layer's dtype: a cluster at a time
     return {k: np.asarray(merged[k]).astype(host[k].dtype, copy=False) for k in host}
