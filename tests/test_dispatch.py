@@ -184,3 +184,35 @@ def test_a_table_in_parts_computes_what_the_joined_table_does(split):
     for backend in ("sorted", "dense"):
         np.testing.assert_array_equal(D.pair_outputs(x, idx, parts, fn, backend, forward_only=True),
                                       D.pair_outputs(x, idx, w, fn, backend, forward_only=True))
+
+
+def test_averaged_rows_in_a_table_compute_what_their_made_rows_do():
+    """A table (own experts, AveragedRows over them): the exact loop, making each averaged row as
+    it reaches it, gives bitwise what the table with those rows made first gives (`joined`), on
+    pairs of own rows, averaged rows (members permuted, weighted) and absent ones; and a made row
+    is the weighted sum of its permuted members (numpy, to float rounding)."""
+    from moejax.moe.averaged_rows import AveragedRows
+
+    x, _, w, fn, _ = setup(11, "swiglu")
+    rng = np.random.default_rng(5)
+    F = w["gate"].shape[-1]
+    members = np.zeros((4, E), np.int32)
+    members[0, :3], members[1, :2], members[2, :1] = [1, 5, 9], [0, 2], [7]   # row 3: empty (zero)
+    counts = np.array([3, 2, 1, 0], np.int32)
+    shares = rng.uniform(0.1, 1.0, E).astype(np.float32)
+    perms = np.stack([rng.permutation(F) for _ in range(E)]).astype(np.int32)
+    rows = AveragedRows(jnp.asarray(members), jnp.asarray(counts), jnp.asarray(shares), jnp.asarray(perms),
+                        (("down", 0), ("gate", 1), ("up", 1)), np.float32)
+    parts = (w, rows)
+    assert G.table_rows(parts) == E + 4
+    made = G.joined(parts)
+    want = sum(shares[j] * np.take(np.asarray(w["gate"][j]), perms[j], axis=1) for j in (1, 5, 9))
+    np.testing.assert_allclose(made["gate"][E], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(made["down"][E + 3], 0)
+    idx = jnp.asarray(rng.choice(E + 5, size=(T, K)))
+    gate = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+    loop = jax.jit(G.exact_expert_loop_combined, static_argnums=(4, 5, 6))
+    np.testing.assert_array_equal(loop(x, idx, gate, parts, fn, 8, 2), loop(x, idx, gate, made, fn, 8, 2))
+    for backend in ("sorted", "dense"):
+        np.testing.assert_array_equal(D.pair_outputs(x, idx, parts, fn, backend, forward_only=True),
+                                      D.pair_outputs(x, idx, made, fn, backend, forward_only=True))

@@ -143,11 +143,11 @@ def test_merged_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
 
     import moejax.evaluation.carried as carried
 
-    calls = []   # every merge's experts are made by merged_rows (merge_clusters calls it)
-    real = merging_layer.merged_rows
+    calls = []   # every merge's experts are made from its merge_averaging (merged_rows and the carried pass call it)
+    real = merging_layer.merge_averaging
     counted = lambda *a, **k: calls.append(a[0]) or real(*a, **k)  # noqa: E731
-    monkeypatch.setattr(merging_layer, "merged_rows", counted)
-    monkeypatch.setattr(carried, "merged_rows", counted)   # (the carried pass imports it by name)
+    monkeypatch.setattr(merging_layer, "merge_averaging", counted)
+    monkeypatch.setattr(carried, "merge_averaging", counted)   # (the carried pass imports it by name)
     run_job(job(ckpt, scores=["frequency"], merges=["hc_smoe"], tasks=["stdlib_ppl"]), tmp_path)
     assert len(calls) == 2 * len(read_config(ckpt / "config.json").moe_layers)   # 2 keeps
     df = pd.read_parquet(tmp_path / "results.parquet")

@@ -510,61 +510,69 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
     assert {int(l): len(layer["kept"]) for l, layer in record["layers"].items()} == want
 
 
-def test_carried_pass_holds_one_merges_experts_at_a_time(dsv3, monkeypatch):
-    """The carried pass makes a merge's merged experts only when its held-out streams run, only for
-    its clusters of two or more (a singleton's slot computes with the layer's own expert), and drops
-    them before the next merge's are made (the 3 GB budget at Moonlight's shape: four merges' experts
-    held together were 1.7 GB, and appending them to a copy of the layer's own experts 2.7 GB more).
-    A merge's table is the layer's own experts (not a copy) and those rows, each bitwise the merged
-    expert `merge_clusters` makes; with merged_weights=True every plan keeps its experts."""
-    import gc
-    import weakref
+def test_carried_pass_holds_no_merged_experts(dsv3, monkeypatch):
+    """The carried pass holds no merge's merged experts (the 3 GB budget at Moonlight's shape: four
+    merges' experts held together were 1.7 GB, one merge's 0.4 GB): a merge's table is the layer's
+    own experts (not a copy) and an `AveragedRows` over them, index arrays smaller than one expert,
+    whose rows (made when read) are its clusters of two or more in order, each bitwise the merged
+    expert `merge_clusters` makes (a singleton's slot computes with the layer's own expert, which
+    is its merged expert exactly); every merge's has E rows (one compiled shape). With
+    merged_weights=True every plan keeps its experts."""
+    import jax
 
     import moejax.evaluation.carried as carried
+    from moejax.moe.averaged_rows import AveragedRows
 
     path, _, calib = dsv3
-    made, tables, checking = [], [], True
-    real_rows, real_map = carried.merged_rows, carried.stacked_expert_map
-
-    def merged_rows(method, labels, leaders, counts, host, clusters, **kwargs):
-        gc.collect()
-        assert not checking or all(r() is None for r in made), "a merge's experts outlived its held-out streams"
-        rows = real_rows(method, labels, leaders, counts, host, clusters, **kwargs)
-        if clusters is None:   # a whole merge (merged_weights=True)
-            return rows
-        made.extend(weakref.ref(w) for w in rows.values())
-        whole = merge_clusters(method, labels, counts, host, **{k: v for k, v in kwargs.items() if k != "alignments"})
-        sizes = np.bincount(labels)
-        assert [c for c in clusters if c is not None] == np.flatnonzero(sizes > 1).tolist()
-        for i, c in enumerate(clusters):
-            for k, w in rows.items():
-                np.testing.assert_array_equal(w[i], whole.weights[k][c] if c is not None else 0)
-        return rows
+    tables = []
+    real_map = carried.stacked_expert_map
 
     def stacked_expert_map(plans, own, n_experts, *rows):
         em = real_map(plans, own, n_experts, *rows)
         if isinstance(em.weights, tuple):
             assert em.weights[0] is own
-            tables.append({k: w.shape[0] for k, w in em.weights[1].items()})
+            lm = plans[0].merge
+            tables.append((lm, own, em.weights[1]))
         return em
 
-    monkeypatch.setattr(carried, "merged_rows", merged_rows)
     monkeypatch.setattr(carried, "stacked_expert_map", stacked_expert_map)
     ckpt = open_checkpoint(path)
     keeps = [4, 3]
     _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], keeps, merges=("hc_smoe", "m_smoe"),
                                        batch_size=4)
     n_moe = len(ckpt.config.moe_layers)
-    assert len(made) == 3 * 2 * len(keeps) * n_moe      # gate, up, down of each merge, each made once
-    from moejax.variants.plan import TABLE_PAD
-
     assert len(tables) == 2 * len(keeps) * n_moe
-    assert all(len(set(t.values())) == 1 and next(iter(t.values())) % TABLE_PAD == 0 for t in tables)  # padded
+    for lm, own, rows in tables:
+        assert isinstance(rows, AveragedRows)
+        E = lm.labels_E.shape[0]
+        assert rows.n_rows == E
+        smallest_expert = min(w[0].size for w in own.values())
+        assert all(leaf.size < smallest_expert for leaf in jax.tree.leaves(rows)), "a merge holds expert-sized arrays"
+        counts = np.bincount(lm.labels_E)
+        made = jax.jit(rows.materialize)(own)
+        shared = lm.shared_clusters()
+        assert shared == np.flatnonzero(counts > 1).tolist() and np.asarray(rows.counts)[len(shared):].sum() == 0
+        for w in made.values():
+            np.testing.assert_array_equal(np.asarray(w)[len(shared):], 0)
+    made_of = {id(lm): (lm, own, rows) for lm, own, rows in tables}
+    where = {(p.spec.method, p.spec.keep, l): made_of[id(p.layers[l].merge)]
+             for p in info["plans"] if p.spec.merged for l in p.layers}
+    assert len({id(t[0]) for t in where.values()}) == len(tables)
     assert all(p.layers[l].merge.weights is None for p in info["plans"] if p.spec.merged for l in p.layers)
-    checking = False
-    _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], [4], merges=("m_smoe",),
+    _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], keeps, merges=("hc_smoe", "m_smoe"),
                                        batch_size=4, merged_weights=True)
-    assert all(p.layers[l].merge.weights is not None for p in info["plans"] if p.spec.merged for l in p.layers)
+    checked = 0
+    for p in info["plans"]:
+        for l, plan in p.layers.items() if p.spec.merged else ():
+            lm, own, rows = where[p.spec.method, p.spec.keep, l]
+            assert plan.merge.weights is not None
+            np.testing.assert_array_equal(plan.merge.labels_E, lm.labels_E)
+            made = jax.jit(rows.materialize)(own)
+            for i, c in enumerate(lm.shared_clusters()):   # bitwise `merge_weights`' merged expert
+                for k, w in made.items():
+                    np.testing.assert_array_equal(np.asarray(w[i]), plan.merge.weights[k][c])
+                    checked += 1
+    assert checked > 0
 
 
 def test_merge_refuses_a_quantised_source_before_the_pass(dsv3, tmp_path):

@@ -266,6 +266,37 @@ def test_merge_weights_precision_singletons_and_the_toy_layout():
     np.testing.assert_allclose(merged["w2"][1], toy["w2"][1])
 
 
+def test_averaged_rows_are_merge_weights_rows_bitwise():
+    """The carried pass's merged rows made when read (`averaged_rows`, JAX) equal the host merge
+    (`merge_weights`, numpy) bit for bit, the same shares, permutations, order of terms and rounding:
+    float32 and bfloat16 layers, aligned (M-SMoE's permutations) and not, a cluster whose counts are
+    all zero (uniform shares); clusters in any order, rows past them zero. (Under XLA's optimisations,
+    as CI runs, a product fused into its sum as one multiply-add breaks it: seen.)"""
+    import jax
+
+    from moejax.merging.average import averaged_rows
+    from moejax.merging.method import Averaging
+
+    rng = np.random.default_rng(12)
+    experts = near_copies(rng, 256, 192, LABELS, LEADERS, dtype=np.float32)   # wide: XLA fuses (CI optimises)
+    freq = rng.integers(0, 50, 8).astype(np.float64)
+    freq[[1, 4, 5]] = 0                                     # cluster 1: no routing decisions
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        layer = {k: v.astype(dtype) for k, v in layer_of(experts).items()}
+        for align in (False, True):
+            perms = align_layer(layer, LABELS, LEADERS) if align else {}
+            want = merge_weights(layer, LABELS, freq, perms=perms, out_dtype=dtype)
+            rows = averaged_rows(layer, LABELS, Averaging(freq, perms), [1, 0, 3], 5)
+            made = jax.jit(rows.materialize)({k: jax.numpy.asarray(v) for k, v in layer.items()})
+            for k in layer:
+                got = np.asarray(made[k])
+                assert got.dtype == dtype and got.shape == (5,) + layer[k].shape[1:]
+                np.testing.assert_array_equal(got[:3].view(np.uint8), want[k][[1, 0, 3]].view(np.uint8))
+                np.testing.assert_array_equal(got[3:], 0)
+    with pytest.raises(ConfigError, match="do not fit"):
+        averaged_rows(layer, LABELS, Averaging(freq, {}), [0, 1, 2], 2)
+
+
 def test_merge_weights_refuses_bad_requests():
     rng = np.random.default_rng(10)
     layer = layer_of(near_copies(rng, 4, 5, LABELS, LEADERS))

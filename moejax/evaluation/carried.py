@@ -52,14 +52,15 @@ from moejax.host_memory import release_free_memory
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
-from moejax.merging.layer import (MERGE_METHODS, LayerMerge, layer_clusters, layer_leaders, merge_stats_options,
-                                  merged_rows)
+from moejax.merging.average import averaged_rows
+from moejax.merging.layer import (MERGE_METHODS, LayerMerge, layer_clusters, layer_leaders, merge_averaging,
+                                  merge_stats_options, merged_rows)
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.evaluation.stream import batch_geometry, embed, head_nll
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
-from moejax.variants.plan import padded_shared, stacked_expert_map
+from moejax.variants.plan import stacked_expert_map
 from moejax.models.variant import check_routable
 from moejax.evaluation.carried_heldout import TableGroup, carry_heldout
 from moejax.evaluation.carried_layer import attention, mlp
@@ -352,13 +353,14 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
 def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods, counts, scores_of, seed
                   ) -> tuple[dict, np.ndarray, Callable]:
     """({merged variant: its LayerMerge at this layer}, the routing decisions per expert on the
-    unpruned calibration stream, experts(merge, clusters=None): its merged experts, of `clusters`
-    only when given): one-shot
-    merges from the unpruned calibration stream, sequential ones from their own (a sequential
-    variant whose stream is still the unpruned one shares the one-shot merge). Statistics and
-    clusters are computed once per calibration group. A merge comes with its merged experts only
-    when a sequential variant's calibration stream runs under it here; the others' are made by
-    `experts` when their held-out streams run (`_table_groups`: one merge's at a time)."""
+    unpruned calibration stream, experts(merge, rows_only): its merged experts, as `AveragedRows`
+    of its clusters of two or more over the layer's experts (rows_only; made when read) or as every
+    cluster's rows): one-shot merges from the unpruned calibration stream, sequential ones from
+    their own (a sequential variant whose stream is still the unpruned one shares the one-shot
+    merge). Statistics and clusters are computed once per calibration group. A merge comes with
+    its merged experts only when a sequential variant's calibration stream runs under it here; the
+    others' are made by `experts` when their held-out streams run (`_table_groups`: one merge's at
+    a time)."""
     # the experts as held (their stored dtype where it is exact: `stored_expert_dtype`), no copy: the
     # merge code casts one expert at a time, and returns the merged experts in this dtype, as
     # `moejax merge` writes them (a bfloat16 checkpoint's merged experts are bfloat16)
@@ -366,12 +368,18 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
     options = merge_stats_options(methods.merges)
     group_stats, done, source = {}, {}, {}
     alignments = {}   # M-SMoE's (leader, member) alignments of these weights, shared by every keep and stream
+    n_experts = len(next(iter(host.values())))
 
-    def experts(lm: LayerMerge, clusters=None) -> dict:
-        """{name: rows}: the merge's merged experts of `clusters` (None: every cluster; `merged_rows`)."""
+    def experts(lm: LayerMerge, rows_only: bool = True):
+        """The merge's `AveragedRows` (rows_only: its clusters of two or more, in n_experts rows so
+        every merge of the layer's shape shares one compiled program), or its merged experts
+        {name: [C, ...]} (bitwise the same rows: `averaged_rows`)."""
         stats, scores_E = source[id(lm)]
-        return merged_rows(lm.method, lm.labels_E, lm.leaders, stats.counts_E, host, clusters, scores_E=scores_E,
-                           act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
+        how = dict(scores_E=scores_E, act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
+        if not rows_only:
+            return merged_rows(lm.method, lm.labels_E, lm.leaders, stats.counts_E, host, **how)
+        a = merge_averaging(lm.method, lm.labels_E, lm.leaders, stats.counts_E, host, **how)
+        return averaged_rows(host, lm.labels_E, a, lm.shared_clusters(), n_experts)
 
     def merged(method, keep, group, with_experts):
         if (method, keep, group) not in done:
@@ -386,7 +394,7 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
             lm = LayerMerge(method, labels, layer_leaders(method, labels, stats.counts_E, scores_E), None)
             source[id(lm)] = stats, scores_E
             if with_experts:
-                lm = dataclasses.replace(lm, weights=experts(lm))
+                lm = dataclasses.replace(lm, weights=experts(lm, rows_only=False))
                 source[id(lm)] = stats, scores_E
             done[method, keep, group] = lm
         return done[method, keep, group]
@@ -402,9 +410,8 @@ def _table_groups(plans: list, own: dict, n_experts: int, experts: Callable | No
                   kept_experts: dict | None) -> list[TableGroup]:
     """A MoE layer's held-out streams by the expert table they compute with (plans[a]: stream a's
     LayerPlan, None for the unpruned stream): the layer's own experts first, then one group per
-    merge, whose merged experts `experts(merge, clusters)` makes when the group runs, only those of
-    its clusters of two or more (kept_experts: {id(merge): the merge with all its experts}, filled
-    for the plans when given)."""
+    merge, whose merged experts `experts(merge)` gives when the group runs, as rows made when read
+    (kept_experts: {id(merge): the merge with all its experts}, filled for the plans when given)."""
     own_streams = [a for a, p in enumerate(plans) if not isinstance(p, Merged)]
     groups = [TableGroup(own_streams, lambda: stacked_expert_map([plans[a] for a in own_streams], own, n_experts))]
     by_merge = {}
@@ -415,12 +422,12 @@ def _table_groups(plans: list, own: dict, n_experts: int, experts: Callable | No
     def merge_map(streams):
         lm = plans[streams[0]].merge
         if kept_experts is not None or lm.weights is not None:   # the whole merge: kept for the plans
-            whole = lm if lm.weights is not None else dataclasses.replace(lm, weights=experts(lm))
+            whole = lm if lm.weights is not None else dataclasses.replace(lm, weights=experts(lm, rows_only=False))
             if kept_experts is not None:
                 kept_experts[id(lm)] = whole
             return stacked_expert_map([Merged(whole, plans[a].form) for a in streams], own, n_experts)
         # only the merged experts of clusters of two or more (a singleton computes with its own expert)
-        return stacked_expert_map([plans[a] for a in streams], own, n_experts, experts(lm, padded_shared(lm)))
+        return stacked_expert_map([plans[a] for a in streams], own, n_experts, experts(lm))
 
     return groups + [TableGroup(streams, functools.partial(merge_map, streams), own=False)
                      for streams in by_merge.values()]

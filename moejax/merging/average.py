@@ -32,6 +32,7 @@ import numpy as np
 
 from moejax.errors import ConfigError
 from moejax.host_memory import aligned_empty
+from moejax.moe.averaged_rows import AveragedRows
 
 NEURON_AXES = {"swiglu": {"gate": 1, "up": 1, "down": 0}, "relu_mlp": {"w1": 1, "w2": 0}}
 
@@ -206,7 +207,7 @@ def _bf16_similarity(axes: tuple, dominant: dict, member: dict):
 
 
 def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=None, perms=None,
-                  alignments: dict | None = None, out_dtype=None, clusters=None) -> dict:
+                  alignments: dict | None = None, out_dtype=None) -> dict:
     """A layer's clusters merged: {"gate": [C, H, F], ...}, row c the merged expert of the cluster
     labelled c (labels_E: int [E] numbering the C clusters 0..C-1; `canonical_labels` numbers them by
     lowest member, as the clusterings do):
@@ -222,9 +223,7 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     its expert exactly. One cluster at a time, one member's matrix cast at a time; float32 unless an
     input is float64. out_dtype: the merged experts' dtype (a bfloat16 layer's: what `moejax merge`
     writes), each cluster computed as above and rounded into its row, so no float32 [C, ...] copy is
-    ever held (None: the compute dtype). clusters: only these clusters, row i the merged expert of
-    clusters[i], a zero row where clusters[i] is None (padding) (None: every cluster, row c of
-    cluster c)."""
+    ever held (None: the compute dtype)."""
     labels = _check_labels(weights, labels_E)
     freq = np.asarray(freq_E, np.float64)
     if freq.shape != labels.shape or not (np.isfinite(freq).all() and (freq >= 0).all()):
@@ -236,18 +235,14 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     if perms is None:
         perms = align_layer(weights, labels, leaders, alignments) if align else {}
     dtype = _compute_dtype(weights.values())
-    clusters = list(range(labels.max() + 1)) if clusters is None else [None if c is None else int(c) for c in clusters]
+    n_clusters = labels.max() + 1
     out_dtype = dtype if out_dtype is None else out_dtype
-    out = {k: aligned_empty((len(clusters), *np.shape(w)[1:]), out_dtype) for k, w in weights.items()}  # JAX uses in place
+    out = {k: aligned_empty((n_clusters, *np.shape(w)[1:]), out_dtype) for k, w in weights.items()}  # JAX uses in place
     # one cluster's scratch in the compute dtype when the rows are narrower (else the row itself)
     scratch = None if np.dtype(out_dtype) == np.dtype(dtype) else {k: np.empty(np.shape(w)[1:], dtype)
                                                                   for k, w in weights.items()}
-    for row, c in enumerate(clusters):
-        if c is None:
-            for k in out:
-                out[k][row] = 0
-            continue
-        members = np.flatnonzero(labels == c).tolist()
+    for row in range(n_clusters):
+        members = np.flatnonzero(labels == row).tolist()
         acc = {k: out[k][row] for k in out} if scratch is None else scratch
         _average_into(acc, [{k: w[j] for k, w in weights.items()} for j in members],
                       freq[members], [perms.get(j) for j in members])
@@ -255,3 +250,29 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
             for k in out:
                 out[k][row] = scratch[k]
     return out
+
+
+def averaged_rows(weights: dict, labels_E, averaging, clusters, n_rows: int) -> AveragedRows:
+    """The merged experts of `clusters` as table rows made when read (`moejax.moe.averaged_rows`),
+    over the layer's experts `weights` ({name: [E, ...]}): row i the merged expert of clusters[i]
+    under `averaging` (a `moejax.merging.method.Averaging`), bit for bit `merge_weights`' row
+    (the same shares, permutations, order of terms and rounding into the layer's dtype); rows from
+    len(clusters) to n_rows are zero (padding, so merges share one compiled shape). Holds index
+    arrays and one share per expert: no expert is copied."""
+    labels = _check_labels(weights, labels_E)
+    E, axes = len(labels), _axes(weights)
+    if len(clusters) > n_rows:
+        raise ConfigError(f"averaged_rows: {len(clusters)} clusters do not fit in {n_rows} rows")
+    dtype = _compute_dtype(weights.values())
+    n_neurons = np.shape(weights[next(iter(axes))])[1 + axes[next(iter(axes))]]
+    members, counts = np.zeros((n_rows, E), np.int32), np.zeros(n_rows, np.int32)
+    shares, perms = np.zeros(E, dtype), np.tile(np.arange(n_neurons, dtype=np.int32), (E, 1))
+    for i, c in enumerate(clusters):
+        m = np.flatnonzero(labels == c)
+        members[i, :len(m)], counts[i] = m, len(m)
+        shares[m] = _shares(np.asarray(averaging.weights_E, np.float64)[m])   # as `_average_into` rounds them
+    for j, perm in averaging.perms.items():
+        perms[j] = perm
+    dtypes = {np.dtype(w.dtype) for w in weights.values()}
+    return AveragedRows(jnp.asarray(members), jnp.asarray(counts), jnp.asarray(shares), jnp.asarray(perms),
+                        tuple(sorted(axes.items())), dtypes.pop() if len(dtypes) == 1 else dtype)

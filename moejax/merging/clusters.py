@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from moejax.errors import ConfigError
-from moejax.merging.average import merge_weights
-from moejax.merging.method import MergeContext, MergeMethod
+from moejax.merging.average import align_layer
+from moejax.merging.method import Averaging, MergeContext, MergeMethod
 from moejax.scoring.select import select_kept
 
 HC_SMOE_METHODS = ("average", "kmeans")
@@ -97,17 +97,16 @@ def _frequency_leaders(labels_E, ctx: MergeContext) -> np.ndarray:
 def _frequency_average(align: bool):
     """W_G = sum_{j in G} freq_j P_j(W_j) / sum_{j in G} freq_j (P_j: alignment onto the leader, or
     the identity)."""
-    def merge(weights, labels_E, leaders, ctx: MergeContext) -> dict:
-        return merge_weights(weights, labels_E, np.asarray(ctx.counts_E, np.float64), align=align, leaders=leaders,
-                             alignments=ctx.alignments if align else None, out_dtype=ctx.out_dtype,
-                             clusters=ctx.clusters)
-    return merge
+    def averaging(weights, labels_E, leaders, ctx: MergeContext) -> Averaging:
+        return Averaging(np.asarray(ctx.counts_E, np.float64),
+                         align_layer(weights, labels_E, leaders, ctx.alignments) if align else {})
+    return averaging
 
 
 HC_SMOE = MergeMethod(
     "hc_smoe", clusters=lambda keep, ctx: hc_smoe_clusters(ctx.stats.mean_output_EH, keep, method=ctx.hc_method,
                                                            seed=ctx.seed),
-    leaders=_frequency_leaders, merge=_frequency_average(align=False))
+    leaders=_frequency_leaders, averaging=_frequency_average(align=False))
 M_SMOE = MergeMethod(
     "m_smoe", clusters=lambda keep, ctx: m_smoe_groups_from_gram(ctx.stats.logit_gram_EE, ctx.counts_E, keep),
-    leaders=_frequency_leaders, merge=_frequency_average(align=True))
+    leaders=_frequency_leaders, averaging=_frequency_average(align=True))

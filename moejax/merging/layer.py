@@ -34,7 +34,8 @@ import numpy as np
 from moejax.errors import ConfigError
 from moejax.merging.calibration import MergeStats
 from moejax.merging.clusters import HC_SMOE, M_SMOE, canonical_labels, cluster_leaders  # noqa: F401 (cluster_leaders: the leader rule)
-from moejax.merging.method import MergeContext
+from moejax.merging.average import merge_weights
+from moejax.merging.method import Averaging, MergeContext
 from moejax.merging.ream import GROUP_SIZE, REAM
 from moejax.moe.expert_map import ExpertMap
 from moejax.variants.spec import ROUTER_FORMS
@@ -156,20 +157,24 @@ def merge_clusters(method: str, labels_E, counts_E, expert_weights: dict, scores
                                                            alignments=alignments))
 
 
-def merged_rows(method: str, labels_E, leaders, counts_E, expert_weights: dict, clusters=None, scores_E=None,
-                act_inputs_NH=None, seed: int = 0, alignments: dict | None = None) -> dict:
-    """{name: [len(clusters), ...]}: the merged experts of `clusters` (None: every cluster), row i
-    of clusters[i] (a zero row for an entry None: padding), bitwise what `merge_clusters`' weights
-    hold for them; in the layer's dtype (rounded a cluster at a time). leaders: each cluster's
-    (`layer_leaders`). The carried pass merges only the clusters of two or more (a singleton's
-    merged expert is its expert exactly: it computes with the layer's own row)."""
+def merge_averaging(method: str, labels_E, leaders, counts_E, expert_weights: dict, scores_E=None,
+                    act_inputs_NH=None, seed: int = 0, alignments: dict | None = None) -> Averaging:
+    """How `method` makes each cluster of `labels_E` one expert (`Averaging`: each member's weight,
+    and the neuron permutations M-SMoE and REAM align the members by). leaders: each cluster's
+    (`layer_leaders`). The averaging's work (alignment) is done here; applying it is cheap."""
     check_merge_names([method])
-    labels = np.asarray(labels_E)
+    ctx = MergeContext(None, counts_E, scores_E, seed=seed, act_inputs_NH=act_inputs_NH, alignments=alignments)
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
+    return MERGE_METHODS[method].averaging(host, np.asarray(labels_E), np.asarray(leaders), ctx)
+
+
+def merged_rows(method: str, labels_E, leaders, counts_E, expert_weights: dict, scores_E=None, act_inputs_NH=None,
+                seed: int = 0, alignments: dict | None = None) -> dict:
+    """{name: [C, ...]}: the merged experts, row c of cluster c, in the layer's dtype (rounded a
+    cluster at a time): `merge_averaging` applied by `merge_weights`."""
+    host = {k: np.asarray(v) for k, v in expert_weights.items()}
+    a = merge_averaging(method, labels_E, leaders, counts_E, host, scores_E, act_inputs_NH, seed, alignments)
     dtypes = {np.dtype(w.dtype) for w in host.values()}
-    ctx = MergeContext(None, counts_E, scores_E, seed=seed, act_inputs_NH=act_inputs_NH, alignments=alignments,
-                       out_dtype=dtypes.pop() if len(dtypes) == 1 else None,
-                       clusters=None if clusters is None else tuple(None if c is None else int(c) for c in clusters))
-    m = MERGE_METHODS[method]
-    merged = m.merge(host, labels, np.asarray(leaders), ctx)   # in the layer's dtype: a cluster at a time
+    merged = merge_weights(host, labels_E, a.weights_E, perms=a.perms,
+                           out_dtype=dtypes.pop() if len(dtypes) == 1 else None)
     return {k: np.asarray(merged[k]).astype(host[k].dtype, copy=False) for k in host}

@@ -8,11 +8,16 @@ tests.
                      recorded clusters are merged again), the routing counts, and the settings
                      (a score per expert, REAM's group size, HC-SMoE's linkage, the seed, the
                      sampled router inputs, M-SMoE's alignments already computed for this layer)
+    Averaging        how a cluster's members become one expert, for every method: a weighted
+                     average of the members, each one's neurons permuted first (or not)
     MergeMethod      clusters(keep, ctx) -> labels [E]; leaders(labels, ctx) -> [C];
-                     merge(weights, labels, leaders, ctx) -> {name: [C, ...]} (ctx.clusters:
-                     those rows only); stats: what
+                     averaging(weights, labels, leaders, ctx) -> Averaging; stats: what
                      `merge_stats` must gather for it beyond the baselines' statistics; scored:
                      whether it reads a score per expert; check: its settings' check
+
+A method's merged experts are its `Averaging` applied to the layer's experts
+(`moejax.merging.average.merge_weights` on the host; `moejax.merging.average.averaged_rows` for a
+table whose rows are made when read).
 """
 
 from __future__ import annotations
@@ -34,8 +39,15 @@ class MergeContext:
     act_inputs_NH: np.ndarray | None = None   # REAM: sampled router inputs for its alignment
     alignments: dict | None = None       # M-SMoE: {(leader, member): perm} of this layer's weights, shared
                                          # by its merges at several keeps (`average.align_layer`)
-    out_dtype: object = None             # the merged experts' dtype (None: the compute dtype, float32)
-    clusters: tuple | None = None        # merge only these clusters, in this order (None: every cluster)
+
+
+@dataclasses.dataclass(frozen=True)
+class Averaging:
+    """W_c = sum_{j in c} weights_E[j] P_j(W_j) / sum_{j in c} weights_E[j] for each cluster c
+    (uniform where a cluster's weights sum to 0), P_j the permutation perms[j] of expert j's
+    intermediate neurons (the identity for an expert not in perms)."""
+    weights_E: np.ndarray   # float64 [E], >= 0: frequencies (HC-SMoE, M-SMoE) or saliencies (REAM)
+    perms: dict             # {expert: int [F]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +55,7 @@ class MergeMethod:
     name: str
     clusters: Callable      # (keep, MergeContext) -> labels_E
     leaders: Callable       # (labels_E, MergeContext) -> leaders_C
-    merge: Callable         # (host weights {name: [E, ...]}, labels_E, leaders_C, MergeContext) -> {name: [C, ...]}
+    averaging: Callable     # (host weights {name: [E, ...]}, labels_E, leaders_C, MergeContext) -> Averaging
     stats: dict = dataclasses.field(default_factory=dict)   # merge_stats options it needs
     scored: bool = False    # reads a score per expert (MergeContext.scores_E): the experiments compute it
     check: Callable | None = None   # (keep or None, n_experts, score, group_size) -> None: its settings,

@@ -21,7 +21,7 @@ import numpy as np
 from moejax.errors import ConfigError
 from moejax.merging.average import _assign, _axes, _check_labels, _check_leaders, _neuron_blocks, merge_weights
 from moejax.merging.clusters import _check_keep, canonical_labels
-from moejax.merging.method import MergeMethod
+from moejax.merging.method import Averaging, MergeMethod
 
 GROUP_SIZE = 16          # REAM's C (`merge.py --group_size`, default 16)
 PCA_DIM = 64             # REAM's `Merger.pca_dim` ("heuristic")
@@ -298,21 +298,27 @@ def ream_align(weights: dict, labels_E, leaders, x_NH, pca_dim: int = PCA_DIM, s
     return perms
 
 
-def ream_merge(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = PCA_DIM, seed: int = 0,
-               out_dtype=None, clusters=None) -> dict:
-    """A layer's REAM groups merged: {"gate": [K, H, F], ...}, row c the merged expert of group c:
+def ream_averaging(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = PCA_DIM, seed: int = 0
+                   ) -> Averaging:
+    """How REAM's groups become one expert each (`Averaging`):
 
         W_c = sum_{j in c} w_j P_j(W_j) / sum_{j in c} w_j,   w = `saliency_weights`(scores)
 
     for every matrix separately (`merger.py: Merger._merge`: "use sorted saliency as weights"), P_j
     the `ream_align` permutation of member j onto its centroid (the identity for the centroid).
-    leaders: the centroid of each group (`centroid_leaders`). Precision as
-    `moejax.merging.average.merge_weights` (float32 unless an input is float64; REAM accumulates
-    in the checkpoint's dtype member by member)."""
+    leaders: the centroid of each group (`centroid_leaders`)."""
     labels = _check_labels(weights, labels_E)
-    w = saliency_weights(_scores(scores_E, len(labels)))
-    perms = ream_align(weights, labels, leaders, x_NH, pca_dim, seed)
-    return merge_weights(weights, labels, w, leaders=leaders, perms=perms, out_dtype=out_dtype, clusters=clusters)
+    return Averaging(saliency_weights(_scores(scores_E, len(labels))),
+                     ream_align(weights, labels, leaders, x_NH, pca_dim, seed))
+
+
+def ream_merge(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = PCA_DIM, seed: int = 0,
+               out_dtype=None) -> dict:
+    """A layer's REAM groups merged, {"gate": [K, H, F], ...}, row c group c's `ream_averaging`.
+    Precision as `moejax.merging.average.merge_weights` (float32 unless an input is float64; REAM
+    accumulates in the checkpoint's dtype member by member)."""
+    a = ream_averaging(weights, labels_E, leaders, scores_E, x_NH, pca_dim, seed)
+    return merge_weights(weights, labels_E, a.weights_E, leaders=leaders, perms=a.perms, out_dtype=out_dtype)
 
 
 def _needs_scores(ctx) -> np.ndarray:
@@ -333,9 +339,8 @@ def _ream_clusters(keep: int, ctx) -> np.ndarray:
 
 REAM = MergeMethod(
     "ream", clusters=_ream_clusters, leaders=lambda labels, ctx: centroid_leaders(labels, _needs_scores(ctx)),
-    merge=lambda weights, labels, leaders, ctx: ream_merge(weights, labels, leaders, _needs_scores(ctx),
-                                                           ctx.act_inputs_NH, seed=ctx.seed,
-                                                           out_dtype=ctx.out_dtype, clusters=ctx.clusters),
+    averaging=lambda weights, labels, leaders, ctx: ream_averaging(weights, labels, leaders, _needs_scores(ctx),
+                                                                   ctx.act_inputs_NH, seed=ctx.seed),
     stats={"ream": True}, scored=True,
     check=lambda keep, n_experts, score, group_size: (check_ream_score(score, "merge_score"),
                                                       check_group_size(group_size, keep, n_experts)))

@@ -6,10 +6,12 @@
 Experts are a pure `expert_fn(linear, w, x)` (see `moejax.moe.dispatch.swiglu`); `linear` is the
 matmul to use, so the same function runs vmapped as the oracle and blocked as a grouped matmul.
 
-An expert table is {name: [R, ...]}, or a table *in parts*: a tuple of such tables whose rows are
-numbered on from one part to the next (the carried pass's merge: the layer's own experts, then
-the merged experts, never concatenated into a copy). The exact forward-only loop reads the parts
-in place; every other path joins them first (`joined`).
+An expert table is {name: [R, ...]}, or a table *in parts*: a tuple of parts whose rows are
+numbered on from one part to the next, the first such a table and each later one a table or an
+`AveragedRows` over the first (rows made from the first part's when read: the carried pass's
+merge, the layer's own experts then its merged experts, neither ever copied into the other). The
+exact forward-only loop reads the parts in place, making an averaged row when it reaches it; every
+other path joins them first (`joined`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from moejax.moe.averaged_rows import AveragedRows
 
 Linear = Callable[[jax.Array, jax.Array], jax.Array]
 ExpertFn = Callable[[Linear, dict, jax.Array], jax.Array]
@@ -32,17 +36,22 @@ def _parts(table) -> tuple:
     return table if isinstance(table, tuple) else (table,)
 
 
+def _part_rows(part) -> int:
+    return part.n_rows if isinstance(part, AveragedRows) else jax.tree.leaves(part)[0].shape[0]
+
+
 def table_rows(table) -> int:
     """The number of rows of an expert table (or of a table in parts, all parts together)."""
-    return sum(jax.tree.leaves(part)[0].shape[0] for part in _parts(table))
+    return sum(_part_rows(part) for part in _parts(table))
 
 
 def joined(table) -> dict:
-    """A table in parts as one table (a copy); a table as it is."""
+    """A table in parts as one table (a copy, averaged rows made); a table as it is."""
     parts = _parts(table)
     if len(parts) == 1:
         return parts[0]
-    return {k: jnp.concatenate([part[k] for part in parts]) for k in parts[0]}
+    made = [p.materialize(parts[0]) if isinstance(p, AveragedRows) else p for p in parts]
+    return {k: jnp.concatenate([part[k] for part in made]) for k in parts[0]}
 
 
 def expert_output_table(x_TD: jax.Array, weights: dict, expert_fn: ExpertFn) -> jax.Array:
@@ -115,7 +124,7 @@ EXACT_LOOP_MIN_WEIGHTS = 1 << 18
 def large_experts(weights) -> bool:
     """Experts large enough for the exact forward-only loop (every matrix at least
     EXACT_LOOP_MIN_WEIGHTS numbers)."""
-    return min(math.prod(w.shape[1:]) for w in jax.tree.leaves(weights)) >= EXACT_LOOP_MIN_WEIGHTS
+    return min(math.prod(w.shape[1:]) for w in jax.tree.leaves(_parts(weights)[0])) >= EXACT_LOOP_MIN_WEIGHTS
 
 
 def _default_block_rows(n_pairs: int, n_experts: int, weights) -> int:
@@ -306,22 +315,27 @@ class _SortedExpertLoop:
         # The weights ride in the loop's carry through an optimisation barrier, so XLA cannot see
         # them as loop-invariant: it would otherwise hoist the float32 conversion of a bfloat16
         # stack out of the loop (a float32 copy of every expert: +2.2 GB at Moonlight's shape)
-        # instead of converting one expert per iteration.
+        # instead of converting one expert per iteration. An averaged part carries the first part
+        # too, and makes each row it reaches from it (`AveragedRows.row`).
+        parts = _parts(self.weights)
         first = 0
-        for part in _parts(self.weights):
-            rows = jax.tree.leaves(part)[0].shape[0]
+        for part in parts:
+            rows = _part_rows(part)
             if not rows:   # (a merge whose every cluster is a singleton adds no rows)
                 continue
             used_E = self.sizes_E[first:first + rows] > 0
             used_in_order = jnp.argsort(~used_E, stable=True).astype(jnp.int32)
+            averaged = isinstance(part, AveragedRows)
 
-            def body(i, carry, used_in_order=used_in_order, first=first):
+            def body(i, carry, used_in_order=used_in_order, first=first, averaged=averaged):
                 acc, weights = carry
                 weights = jax.lax.optimization_barrier(weights)
                 e = used_in_order[i]
-                return one_expert(first + e, acc, _expert_weights(weights, e)), weights
+                w = weights[0].row(weights[1], e) if averaged else _expert_weights(weights, e)
+                return one_expert(first + e, acc, w), weights
 
-            acc = jax.lax.fori_loop(0, jnp.sum(used_E, dtype=jnp.int32), body, (acc, part))[0]
+            carried = (part, parts[0]) if averaged else part
+            acc = jax.lax.fori_loop(0, jnp.sum(used_E, dtype=jnp.int32), body, (acc, carried))[0]
             first += rows
         return acc
 

@@ -118,21 +118,20 @@ class VariantPlan:
 TABLE_PAD = 4
 
 
-def stacked_expert_map(plans: list, own: dict, n_experts: int, merged_rows: dict | None = None):
+def stacked_expert_map(plans: list, own: dict, n_experts: int, averaged=None):
     """Several variants of one MoE layer as one ExpertMap stacked over them (mask, rows and novices
     [A, E]; one table, one set of constants). Either variants of the layer's own experts (plans[a]
     None for the unpruned layer: every slot; Kept: its slots; Substituted: every slot, its removed
     slots returning their constants), whose table is `own` (rows the identity, left out: None), or
     the router forms of *one* merge (Merged plans sharing one LayerMerge), whose table comes in two
     parts (`moejax.moe.grouped`): the layer's own experts, then the merge's merged experts of its
-    clusters of two or more in cluster order, padded with zero rows no slot points at to a multiple
-    of TABLE_PAD rows, so layers whose merges leave different numbers of shared clusters share a few
-    compiled shapes (merged_rows: those rows, padding included, as `padded_shared` lists them;
-    None: taken from the merge's weights). A slot in such a
-    cluster computes with its merged row; a singleton's slot with its own expert, which is its merged
-    expert exactly. Neither part is copied into the other: beside the layer's experts a merge adds
-    only its merged rows."""
-    import jax
+    clusters of two or more in cluster order. A slot in such a cluster computes with its merged row;
+    a singleton's slot with its own expert, which is its merged expert exactly. Neither part is
+    copied into the other. averaged: those rows as an `AveragedRows` over the layer's experts
+    (`moejax.merging.average.averaged_rows` of `LayerMerge.shared_clusters`, padded past them),
+    made only when read, so a merge holds no expert of its own; None: taken from the merge's
+    weights, padded with zero rows no slot points at to a multiple of TABLE_PAD rows, so layers
+    whose merges leave different numbers of shared clusters share a few compiled shapes."""
     import jax.numpy as jnp
 
     from moejax.moe.expert_map import ExpertMap
@@ -145,18 +144,18 @@ def stacked_expert_map(plans: list, own: dict, n_experts: int, merged_rows: dict
             raise ValueError("stacked_expert_map: a merge's variants compute with its own table; stack them "
                              "apart from the layer's own experts and from other merges")
         (lm,) = merges.values()
-        padded = padded_shared(lm)
-        if merged_rows is None:
+        shared = lm.shared_clusters()
+        if averaged is None:
             if lm.weights is None:
                 raise ConfigError(f"a {lm.method} merge recorded without its merged weights has no expert table")
-            merged_rows = {k: np.stack([w[c] if c is not None else np.zeros_like(w[0]) for c in padded])
-                           if padded else w[:0] for k, w in lm.weights.items()}
+            padded = padded_shared(lm)
+            extra = {k: jnp.asarray(np.stack([w[c] if c is not None else np.zeros_like(w[0]) for c in padded])
+                                    if padded else w[:0]) for k, w in lm.weights.items()}
+        else:
+            extra = averaged
         rows = np.arange(E, dtype=np.int32)
-        for i, c in enumerate(padded):
-            if c is not None:
-                rows[lm.labels_E == c] = E + i
-        # device_put, not asarray: the merge's (aligned) host rows are used in place, not copied
-        extra = {k: jax.device_put(w) for k, w in merged_rows.items()}
+        for i, c in enumerate(shared):
+            rows[lm.labels_E == c] = E + i
         return ExpertMap(mask_AE, jnp.broadcast_to(jnp.asarray(rows), mask_AE.shape), (own, extra))
     substituted = [p for p in plans if isinstance(p, Substituted)]
     if not substituted:
