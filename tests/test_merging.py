@@ -287,7 +287,7 @@ def test_averaged_rows_are_merge_weights_rows_bitwise():
             perms = align_layer(layer, LABELS, LEADERS) if align else {}
             want = merge_weights(layer, LABELS, freq, perms=perms, out_dtype=dtype)
             rows = averaged_rows(layer, LABELS, Averaging(freq, perms), [1, 0, 3], 5)
-            made = jax.jit(rows.materialize)({k: jax.numpy.asarray(v) for k, v in layer.items()})
+            made = jax.jit(lambda rows, own: rows.materialize(own))(rows, {k: jax.numpy.asarray(v) for k, v in layer.items()})
             for k in layer:
                 got = np.asarray(made[k])
                 assert got.dtype == dtype and got.shape == (5,) + layer[k].shape[1:]

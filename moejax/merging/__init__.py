@@ -8,22 +8,24 @@
   router-logit column is most similar by cosine).
 - `average`: how a cluster becomes one expert. `align_neurons` / `align_layer` (M-SMoE's Hungarian
   alignment of a member's intermediate neurons onto its leader's), `merge_weights` /
-  `merge_cluster` (the frequency-weighted average of every matrix).
+  `merge_cluster` (the frequency-weighted average of every matrix), `averaged_rows` (the same rows
+  as a table part made when read, `moejax.moe.averaged_rows`: the carried pass's merges).
 - `ream`: REAM (Jha et al. 2026): centroids = the `keep` highest-scoring experts (REAP by default),
   pseudo-pruning groups of at most C on the mean of an output and a router-logit similarity
   (`ream_similarity`, `ream_groups`), neurons aligned on activations plus PCA weight rows
-  (`ream_align`), the score-weighted average (`ream_merge`).
+  (`ream_align`), the score-weighted average (`ream_averaging`, `ream_merge`).
 - `allocation`: per-layer counts, uniform or from one global threshold (`layer_counts`).
 - `calibration`: `MergeStats` of a MoE layer from a calibration pass (counts, every expert's output
   summed over all tokens, the router-logit Gram matrix; for REAM, the router-weighted output sums
   and the router inputs of a fixed sample of tokens).
-- `method`: what a merge method is (`MergeMethod`: clusters, leaders, merge, the statistics it
-  needs; `MergeContext`: what it may read). `clusters.HC_SMOE`, `clusters.M_SMOE` and `ream.REAM`
+- `method`: what a merge method is (`MergeMethod`: clusters, leaders, averaging, the statistics it
+  needs; `MergeContext`: what it may read; `Averaging`: how its clusters become experts, each
+  member's weight and neuron permutation, which `merge_weights` applies). `clusters.HC_SMOE`, `clusters.M_SMOE` and `ream.REAM`
   are the three, named once in `layer.MERGE_METHODS`: a new method is its module, that line and
   its tests.
 - `layer`: `merge_layer(method, keep, stats, weights)` -> `LayerMerge` (clusters, leaders, merged
   experts) and its `ExpertMap` under the `tied` or `shrunk` router form.
 
 Labels are int [E]: the cluster of each expert, clusters numbered by their lowest member, so equal
-partitions give equal labels. Pure numpy/scipy except `calibration` (one jitted function).
+partitions give equal labels. Pure numpy/scipy except `calibration` (one jitted function) and `averaged_rows`.
 """

@@ -37,12 +37,11 @@ class AveragedRows:
         self.axes, self.dtype = tuple(axes), np.dtype(dtype)
 
     def tree_flatten(self):
-        return (self.members, self.counts, self.shares, self.perms), (self.axes, self.dtype.str)
+        return (self.members, self.counts, self.shares, self.perms), (self.axes, self.dtype)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        axes, dtype = aux
-        return cls(*children, axes, np.dtype(dtype))
+        return cls(*children, *aux)
 
     @property
     def n_rows(self) -> int:
