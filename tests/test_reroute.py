@@ -102,9 +102,13 @@ def test_one_step_equals_a_hand_written_adamw_step(dsv3):
     reroute(student, t_logp, batches, RerouteSettings(steps=1, lr=lr, warmup=0, weight_decay=wd))
     got = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(student)) if k[-1] == "router"}
     for k in theta:
-        # (an entry whose gradient is near Adam's eps moves by g / (|g| + eps), sensitive to the
-        # gradient's last bits: the two paths round differently; a wrong step is off by ~lr)
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-2 * lr)
+        # An entry whose gradient is near Adam's eps moves by g / (|g| + eps), whose slope in g is
+        # eps / (|g| + eps)^2: the two paths' gradients differ by float32 rounding (bounded here by
+        # 1e-6 of the tensor's largest gradient), which such an entry amplifies up to 1 / (4 eps).
+        # Each entry is allowed that much on top of 1e-2 lr; a wrong step is off by ~lr.
+        g = np.abs(np.asarray(grads[k][...], np.float64))
+        amplified = lr * 1e-8 / (g + 1e-8) ** 2 * 1e-6 * g.max()
+        assert np.all(np.abs(got[k] - want[k]) <= 1e-2 * lr + amplified + 1e-6 * np.abs(want[k])), k
         assert not np.allclose(got[k], theta[k])
 
 
