@@ -233,6 +233,12 @@ def full_run(src, ckpt: Path, ids: dict, out: Path, merges: tuple) -> dict:
     return json.loads(out.read_text())
 
 
+def dense_rate() -> float:
+    """The dense float32 matmul rate (GFLOP/s), measured in a child process (`DENSE_CHILD`)."""
+    out = subprocess.run([sys.executable, "-c", DENSE_CHILD], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["gflops"]
+
+
 def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), calib_seqs: int = 16,
                held_seqs: int = 8, seq_len: int = 128, merges: tuple = ()) -> None:
     """The seed article's headline run on a synthetic Moonlight-shaped checkpoint with the full
@@ -261,8 +267,7 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
         ids = {name: tmp / f"{name}.npy" for name in ("calib", "a", "b")}
         for name, n in (("calib", calib_seqs), ("a", held_seqs), ("b", held_seqs)):
             np.save(ids[name], rng.integers(0, vocab, size=(n, seq_len)).astype(np.int32))
-        dense = json.loads(subprocess.run([sys.executable, "-c", DENSE_CHILD], check=True, capture_output=True,
-                                          text=True).stdout.strip().splitlines()[-1])["gflops"]
+        dense = dense_rate()
         n_tokens = {"calib": calib_seqs * seq_len, "held": 2 * held_seqs * seq_len}
         print(f"the article's streamed run on a synthetic Moonlight-shaped checkpoint (vocabulary {vocab:,}, bfloat16): "
               f"{len(SCORES)} scores x {len(KEEPS)} keeps, {n_tokens['calib']} calibration and 2 x "
@@ -302,8 +307,7 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
                       f"cost {with_merges / r['total']:.2f}x the pruning-only pass (target <= 1.5x)")
         # the machine's limit is its best dense rate: measured again now the runs are done (the first
         # reading can catch the machine still busy), the whole pass against the higher of the two
-        again = json.loads(subprocess.run([sys.executable, "-c", DENSE_CHILD], check=True, capture_output=True,
-                                          text=True).stdout.strip().splitlines()[-1])["gflops"]
+        again = dense_rate()
         best = max(dense, again)
         print(f"  dense float32 matmul again at the end: {again:.0f} GFLOP/s (at the start {dense:.0f}); the whole "
               f"pass against the higher ({best:.0f}):")

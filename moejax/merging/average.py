@@ -127,6 +127,13 @@ def merge_cluster(experts: list[dict], freq, align: bool = False) -> dict:
     return _average_into({k: np.empty(np.shape(w), dtype) for k, w in experts[0].items()}, experts, freq, perms)
 
 
+def layer_dtype(weights: dict):
+    """The dtype a layer's merged experts are held in: its matrices' dtype when they share one (a
+    bfloat16 layer's, as `moejax merge` writes them), else the compute dtype (`_compute_dtype`)."""
+    dtypes = {np.dtype(w.dtype) for w in weights.values()}
+    return dtypes.pop() if len(dtypes) == 1 else _compute_dtype(weights.values())
+
+
 def _check_labels(weights: dict, labels_E) -> np.ndarray:
     _axes(weights)
     sizes = {k: np.shape(w)[0] for k, w in weights.items()}
@@ -267,12 +274,12 @@ def averaged_rows(weights: dict, labels_E, averaging, clusters, n_rows: int) -> 
     n_neurons = np.shape(weights[next(iter(axes))])[1 + axes[next(iter(axes))]]
     members, counts = np.zeros((n_rows, E), np.int32), np.zeros(n_rows, np.int32)
     shares, perms = np.zeros(E, dtype), np.tile(np.arange(n_neurons, dtype=np.int32), (E, 1))
+    weights_E = np.asarray(averaging.weights_E, np.float64)
     for i, c in enumerate(clusters):
         m = np.flatnonzero(labels == c)
         members[i, :len(m)], counts[i] = m, len(m)
-        shares[m] = _shares(np.asarray(averaging.weights_E, np.float64)[m])   # as `_average_into` rounds them
+        shares[m] = _shares(weights_E[m])   # as `_average_into` rounds them
     for j, perm in averaging.perms.items():
         perms[j] = perm
-    dtypes = {np.dtype(w.dtype) for w in weights.values()}
     return AveragedRows(jnp.asarray(members), jnp.asarray(counts), jnp.asarray(shares), jnp.asarray(perms),
-                        tuple(sorted(axes.items())), dtypes.pop() if len(dtypes) == 1 else dtype)
+                        tuple(sorted(axes.items())), layer_dtype(weights))

@@ -34,7 +34,7 @@ import numpy as np
 from moejax.errors import ConfigError
 from moejax.merging.calibration import MergeStats
 from moejax.merging.clusters import HC_SMOE, M_SMOE, canonical_labels, cluster_leaders  # noqa: F401 (cluster_leaders: the leader rule)
-from moejax.merging.average import merge_weights
+from moejax.merging.average import layer_dtype, merge_weights
 from moejax.merging.method import Averaging, MergeContext
 from moejax.merging.ream import GROUP_SIZE, REAM
 from moejax.moe.expert_map import ExpertMap
@@ -174,7 +174,5 @@ def merged_rows(method: str, labels_E, leaders, counts_E, expert_weights: dict, 
     cluster at a time): `merge_averaging` applied by `merge_weights`."""
     host = {k: np.asarray(v) for k, v in expert_weights.items()}
     a = merge_averaging(method, labels_E, leaders, counts_E, host, scores_E, act_inputs_NH, seed, alignments)
-    dtypes = {np.dtype(w.dtype) for w in host.values()}
-    merged = merge_weights(host, labels_E, a.weights_E, perms=a.perms,
-                           out_dtype=dtypes.pop() if len(dtypes) == 1 else None)
+    merged = merge_weights(host, labels_E, a.weights_E, perms=a.perms, out_dtype=layer_dtype(host))
     return {k: np.asarray(merged[k]).astype(host[k].dtype, copy=False) for k in host}
