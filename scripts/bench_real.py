@@ -403,15 +403,24 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
     lsa = min(timed(lambda: _assign(sim))[1] for _ in range(3))
     print(f"  one assignment ({ffn} x {ffn}, scipy): {lsa:.2f} s, so {unique * lsa:.1f} s of one core for the "
           f"{unique} distinct pairs")
-    # the machine's limit: each distinct alignment's similarity is one [F, 3H] x [3H, F] float32 product
+    # the machine's limit: each distinct alignment's similarity is one [F, 3H] x [3H, F] product, at
+    # numpy's float32 rate or XLA's bfloat16 one (AMX where the CPU has it), whichever is higher
+    import jax
+
+    from moejax.merging.average import _bf16_neuron_block, _bf16_similarity
     a = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
     b = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
-    rate = 2 * ffn * ffn * 3 * hidden / min(timed(lambda: a @ b.T)[1] for _ in range(5))
-    flops = unique * 2 * ffn * ffn * 3 * hidden
-    print(f"  the similarities need {flops / 1e12:.2f} TFLOP ({unique} x {2 * ffn * ffn * 3 * hidden / 1e9:.1f} GFLOP): "
-          f"{flops / rate:.1f} s at this run's numpy float32 matmul rate of the same shape ({rate / 1e9:.0f} GFLOP/s), "
-          f"before any assignment; the memo's pass reached {flops / after / 1e9:.0f} GFLOP/s "
-          f"({flops / after / rate:.0%} of it)")
+    pair_flops = 2 * ffn * ffn * 3 * hidden
+    rate32 = pair_flops / min(timed(lambda: a @ b.T)[1] for _ in range(5))
+    blocks = [_bf16_neuron_block({k: w[j] for k, w in weights.items()}) for j in (0, 1)]
+    rate16 = pair_flops / min(timed(lambda: jax.block_until_ready(_bf16_similarity(*blocks)))[1] for _ in range(5))
+    rate, flops = max(rate32, rate16), unique * pair_flops
+    floor = (unique * lsa + 2 * flops / rate) / 2   # both cores busy: assignments on one each, products on both
+    print(f"  the similarities need {flops / 1e12:.2f} TFLOP ({unique} x {pair_flops / 1e9:.1f} GFLOP): "
+          f"{flops / rate:.1f} s at this run's best matmul rate of the shape (numpy float32 {rate32 / 1e9:.0f}, "
+          f"XLA bfloat16 {rate16 / 1e9:.0f} GFLOP/s); with the assignments' {unique * lsa:.1f} s of one core, "
+          f"the floor on {os.cpu_count()} cores is about {floor:.1f} s; the memo's pass took {after:.1f} s "
+          f"({floor / after:.0%} of the floor's speed)")
 
 
 def _align_similarity(weights: dict, lead: int, member: int) -> np.ndarray:

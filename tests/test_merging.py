@@ -176,6 +176,13 @@ def test_align_layer_is_the_best_permutation_of_every_member_onto_its_leader():
     experts32 = [{k: v.astype(np.float32) for k, v in e.items()} for e in experts]
     perms32 = align_layer(layer_of(experts32), LABELS, LEADERS)
     assert all(np.array_equal(perms32[j], perms[j]) for j in perms)
+    # bfloat16 weights (XLA's similarity of the neuron-first blocks): the best permutations of the
+    # bfloat16 experts themselves, found by brute force in float64
+    experts16 = [{k: v.astype(ml_dtypes.bfloat16) for k, v in e.items()} for e in experts]
+    perms16 = align_layer(layer_of(experts16), LABELS, LEADERS)
+    assert sorted(perms16) == sorted(perms)
+    for j, perm in perms16.items():
+        assert perm.tolist() == best_perm(experts16[LEADERS[LABELS[j]]], experts16[j]), j
 
 
 def test_align_layer_memo_across_keeps_aligns_each_pair_once(monkeypatch):
