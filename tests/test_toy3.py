@@ -157,3 +157,26 @@ def test_softmax_router_matches_numpy():
     np.testing.assert_allclose(both.value[~exact], both.value_np[~exact], rtol=1e-4, atol=1e-7)
     full = df[(df.keep == 64) & df.metric.isin(["rel_error", "rel_error_median"])]
     assert (full.value == 0).all()
+
+
+def test_stage_two_compiled_ahead_is_what_the_job_calls(caplog):
+    """A cold job compiles stage two's programs (pruning and merges) on a second thread from the
+    shapes alone (`job._compile_ahead`); the job's own calls must then find them compiled: each
+    program compiles exactly once (a shape or dtype in `compile_for` that differs from the call's
+    compiles it a second time, on the main thread)."""
+    import logging
+
+    import jax
+
+    cfg = toy3.Toy3Config(seeds=1, n_calib=300, n_heldout=200, balance_steps=5, keep=(16,), eq6_pairs=2,
+                          offsets=("ones",))
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="jax"):
+            toy3.run(cfg)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation of jit(")]
+    counts = {name: sum(f"jit({name})" in m for m in done) for name in ("errors", "kth_values")}
+    # stage_two's and stage_merges' programs: two of each (the pruning and the merged masks differ)
+    assert counts == {"errors": 2, "kth_values": 2}, done

@@ -126,18 +126,22 @@ def _import_in_background(*names: str) -> None:
 
 
 def _compile_ahead(cfg: Toy3Config, batch_sizes) -> threading.Thread | None:
-    """Compile stage two on a second thread while the main thread traces, compiles and runs stage
-    one (XLA's compilation releases the GIL and keeps about one core busy, so on two cores most of
-    the second compilation overlaps; only tracing contends). JAX's cache hands the compiled programs
-    to `stage_two`'s calls. One device only (a mesh's programs are compiled under its context).
+    """Compile stage two (the pruning program, then the merges') on a second thread while the main
+    thread traces, compiles and runs stage one and decides the variants (XLA's compilation releases
+    the GIL and keeps about one core busy, so on two cores most of the second compilation overlaps;
+    only tracing contends). JAX's cache hands the compiled programs to stage two's calls. One device only (a mesh's programs are compiled under its context).
     Returns the thread to join before stage two, or None."""
     if MeshConfig(cfg.mesh_data, cfg.mesh_expert).n_devices > 1:
         return None
+
+    merges = layout(cfg).n_mapped > 0
 
     def work():
         try:
             for n_seeds in sorted(set(batch_sizes)):
                 stage_two(cfg).compile_for(n_seeds)
+                if merges:
+                    stage_merges(cfg).compile_for(n_seeds)
         except Exception:  # the main thread's call compiles (and raises) as usual
             log.debug("toy3: compiling stage two ahead failed", exc_info=True)
 

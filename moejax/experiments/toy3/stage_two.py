@@ -212,6 +212,26 @@ def stage_merges(cfg: Toy3Config):
     def run(f, logits, bias, masks, rows, x=None, merged=None):
         return errors(f, logits, bias, masks, kth_values(logits, bias, masks), rows, x, merged)
 
+    def compile_for(n_seeds: int) -> None:
+        """Compile both programs for a batch of n_seeds seeds from the shapes alone (as
+        `stage_two`'s compile_for; `run`'s calls then find them compiled)."""
+        lay = layout(cfg)
+        O, W, T, E = len(cfg.offsets), len(cfg.loads), cfg.n_heldout, cfg.n_experts
+        D, F = cfg.d_model, cfg.d_hidden
+
+        def spec(dtype, *shape):
+            return jax.ShapeDtypeStruct((n_seeds, *shape), dtype)
+
+        logits, bias = spec(jnp.float32, O, T, E), spec(jnp.float32, O, W, E)
+        masks = spec(jnp.bool_, O, W, n_shrunk, E)
+        kth = jax.eval_shape(kth_values, logits, bias, masks)
+        kth_values.lower(logits, bias, masks).compile()
+        merged = {"w1": spec(jnp.float32, O, W, lay.n_slots, D, F),
+                  "w2": spec(jnp.float32, O, W, lay.n_slots, F, D)} if lay.n_slots else None
+        errors.lower(spec(jnp.float32, O, E, T, D), logits, bias, masks, kth, spec(jnp.int32, O, W, lay.n_mapped, E),
+                     None if merged is None else spec(jnp.float32, O, T, D), merged).compile()
+
+    run.compile_for = compile_for
     return run
 
 
