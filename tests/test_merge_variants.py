@@ -314,6 +314,25 @@ def test_merge_statistics_convert_a_bfloat16_layer_one_expert_at_a_time(dsv3):
     assert len(stacks) == 3 and compiled.memory_analysis().temp_size_in_bytes < float32_copy / 4
 
 
+def test_merge_statistics_leave_out_padding_tokens(dsv3):
+    """A batch's padding tokens (mask False) count in no statistic: counts, summed outputs, the
+    logit Gram and REAM's router-weighted sums over a masked batch equal those over its valid tokens
+    alone, even when the padding rows are large (they are selected away, not scaled)."""
+    _, model, _ = dsv3
+    moe = model.model.layers[model.config.moe_layers[0]].mlp
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, moe.router.shape[1])).astype(np.float32)
+    valid = rng.random(12) < 0.6
+    x[~valid] *= 1e3   # padding far from the data: any leak shows
+    masked = merge_stats(moe, [jnp.asarray(x)], [valid], ream=True, ream_tokens=3)
+    alone = merge_stats(moe, [jnp.asarray(x[valid])], [None], ream=True, ream_tokens=3)
+    assert masked.n_tokens == alone.n_tokens == valid.sum()
+    np.testing.assert_array_equal(masked.counts_E, alone.counts_E)
+    for name in ("output_sum_EH", "logit_gram_EE", "gated_output_sum_EH"):
+        a, b = getattr(masked, name), getattr(alone, name)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max(), err_msg=name)
+
+
 @pytest.mark.parametrize("method", ["hc_smoe", "m_smoe"])
 def test_merged_layer_forms_equal_transformers_blocks_with_experts_replaced(dsv3, method):
     """One MoE layer at a time, on the router inputs transformers computed (no whole-model compile,
