@@ -185,6 +185,21 @@ def test_align_layer_is_the_best_permutation_of_every_member_onto_its_leader():
         assert perm.tolist() == best_perm(experts16[LEADERS[LABELS[j]]], experts16[j]), j
 
 
+def test_align_layer_threads_and_inline_give_the_same_permutations(monkeypatch):
+    """Wide experts are aligned with the assignments on two threads, narrow ones on the calling
+    thread (`INLINE_BELOW`): both give every member the brute-force best permutation, in order."""
+    from moejax.merging import average
+
+    rng = np.random.default_rng(9)
+    experts = near_copies(rng, 4, 5, LABELS, LEADERS)
+    inline = align_layer(layer_of(experts), LABELS, LEADERS)
+    monkeypatch.setattr(average, "INLINE_BELOW", 0)   # every layer through the thread pool
+    threaded = align_layer(layer_of(experts), LABELS, LEADERS)
+    assert list(threaded) == list(inline) and sorted(inline) == [0, 4, 5, 7]
+    for j, perm in threaded.items():
+        assert perm.tolist() == inline[j].tolist() == best_perm(experts[LEADERS[LABELS[j]]], experts[j]), j
+
+
 def test_align_layer_memo_across_keeps_aligns_each_pair_once(monkeypatch):
     """The carried pass merges a layer at several keeps with one memo: a (leader, member) pair seen
     at the first keep is read back at the next (no similarity computed for it), pairs new to the

@@ -166,7 +166,8 @@ def align_layer(weights: dict, labels_E, leaders, alignments: dict | None = None
     weights: a layer ({"gate": [E, H, F], ...}); labels_E: int [E], each expert's cluster, numbered
     0..C-1; leaders: int [C], the leader of each cluster. Each leader is cast once; the
     assignment (scipy releases the GIL) runs in a second thread while the next similarity is
-    computed, with at most two similarities waiting. alignments: {(leader, member): perm}, read and
+    computed, with at most two similarities waiting (experts narrower than `INLINE_BELOW` neurons:
+    all on the calling thread). alignments: {(leader, member): perm}, read and
     filled, for several clusterings of the same weights (one layer at several keeps: a pair aligned
     at one keep is not aligned again at the next; the caller keeps it to one layer's weights)."""
     labels = _check_labels(weights, labels_E)
@@ -184,13 +185,17 @@ def align_layer(weights: dict, labels_E, leaders, alignments: dict | None = None
 
     memo = {} if alignments is None else alignments
     perms, waiting = {}, deque()
-    with ThreadPoolExecutor(2) as pool:  # two assignments beside the next similarities
+    name, axis = next(iter(_axes(weights).items()))
+    n_neurons = np.shape(weights[name])[1 + axis]
+    # small experts (the toy's 64 neurons: an assignment in ~0.1 ms) inline: two threads' start,
+    # hand-offs and waits cost more than the assignments
+    with ThreadPoolExecutor(2) if n_neurons >= INLINE_BELOW else _Inline() as pool:
         for c, lead in enumerate(leaders.tolist()):
             others = [j for j in np.flatnonzero(labels == c).tolist() if j != lead]
             perms.update((j, memo[lead, j]) for j in others if (lead, j) in memo)
             others = [j for j in others if (lead, j) not in memo]
             lead_blocks = blocks(lead) if others else None
-            for j in others:
+            for j in others:  # two assignments beside the next similarities
                 waiting.append(((lead, j), pool.submit(_assign, similarity(lead_blocks, blocks(j)))))
                 if len(waiting) > 3:
                     pair, job = waiting.popleft()
@@ -198,6 +203,29 @@ def align_layer(weights: dict, labels_E, leaders, alignments: dict | None = None
         for pair, job in waiting:
             perms[pair[1]] = memo[pair] = job.result()
     return perms
+
+
+INLINE_BELOW = 256   # neurons: experts this narrow are aligned on the calling thread
+
+
+class _Inline:
+    """`ThreadPoolExecutor`'s submit/result, run on the calling thread."""
+
+    class _Done:
+        def __init__(self, value):
+            self.value = value
+
+        def result(self):
+            return self.value
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        return self._Done(fn(*args))
 
 
 def _bf16_neuron_block(w: dict) -> jax.Array:
