@@ -54,10 +54,6 @@ def _libc_function(name: str):
         return None
 
 
-def _malloc_trim():
-    return _libc_function("malloc_trim")
-
-
 M_ARENA_MAX = -8   # glibc's mallopt parameter
 
 
@@ -84,7 +80,7 @@ def release_free_memory() -> None:
     drop them without the GIL): a `device_put`-aliased numpy buffer, such as a layer's weights
     (1.2 GB at Moonlight's shape), stays allocated after its JAX array is gone until then."""
     gc.collect(0)
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
 

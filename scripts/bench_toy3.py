@@ -281,22 +281,19 @@ def _run_process(cmd, env) -> tuple[float, str]:
     return time.perf_counter() - t0, out.stdout
 
 
-def cold_moejax(seeds: int, out_dir: Path) -> float:
-    """Seconds of the whole `python -m moejax.run experiment=toy3` process (pruning only, as the numpy
-    baselines), from a cold start: no persistent compilation cache, so every function compiles."""
+def cold_moejax(seeds: int, out_dir: Path, *overrides: str) -> float:
+    """Seconds of the whole `python -m moejax.run experiment=toy3 seeds=N [overrides]` process from a
+    cold start: no persistent compilation cache, so every function compiles. The baselines'
+    comparison passes "toy.merges=[]", "toy.eq6_pairs=0" (pruning only, as the numpy baselines)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env.update(MOEJAX_JAX_CACHE="", MOEJAX_OUT=str(out_dir), PYTHONPATH=str(ROOT))
-    return _run_process([sys.executable, "-m", "moejax.run", "experiment=toy3", f"seeds={seeds}",
-                         "toy.merges=[]", "toy.eq6_pairs=0"], env)[0]
+    return _run_process([sys.executable, "-m", "moejax.run", "experiment=toy3", f"seeds={seeds}", *overrides], env)[0]
 
 
 def cold_default(seeds: int, out_dir: Path) -> tuple[float, dict]:
-    """The first command a user runs, `python -m moejax.run experiment=toy3 seeds=N` with every
-    default (merges and the Eq. 6 check on), cold (no persistent compilation cache): (the whole
-    process's seconds, the job's own timings.json)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env.update(MOEJAX_JAX_CACHE="", MOEJAX_OUT=str(out_dir), PYTHONPATH=str(ROOT))
-    wall = _run_process([sys.executable, "-m", "moejax.run", "experiment=toy3", f"seeds={seeds}"], env)[0]
+    """The first command a user runs, with every default (merges and the Eq. 6 check on), cold:
+    (the whole process's seconds, the job's own timings.json)."""
+    wall = cold_moejax(seeds, out_dir)
     return wall, json.loads(next(out_dir.glob("outputs/*/*/timings.json")).read_text())
 
 
@@ -424,7 +421,7 @@ def main():
         # Whole processes, cold: moejax and the vectorised numpy alternately (a slow spell hits both).
         cold = {"moejax": [], "vectorised": []}
         for i in range(args.repeat):
-            cold["moejax"].append(cold_moejax(args.seeds, tmp / f"moejax{i}"))
+            cold["moejax"].append(cold_moejax(args.seeds, tmp / f"moejax{i}", "toy.merges=[]", "toy.eq6_pairs=0"))
             (tmp / f"vec{i}").mkdir()
             cold["vectorised"].append(numpy_child(p, "--numpy-process", "vectorised", "--out", str(tmp / f"vec{i}"))[0])
         df_cold = pd.read_parquet(next((tmp / "moejax0").glob("outputs/*/*/results.parquet")))
@@ -489,11 +486,7 @@ def extras(cfg, inputs, t_bal_np: float) -> None:
     routed(x, idx, w).block_until_ready()
     t_routed = best_of(lambda: routed(x, idx, w).block_until_ready(), repeat=5)
     flops = 2 * 2 * idx.size * cfg.d_model * cfg.d_hidden
-    a = jax.random.normal(jax.random.key(0), (1024, 1024))
-    mm = jax.jit(lambda a: a @ a)
-    mm(a).block_until_ready()
-    t_mm = best_of(lambda: mm(a).block_until_ready(), repeat=5)
-    rate_routed, rate_dense = flops / t_routed / 1e9, 2 * 1024 ** 3 / t_mm / 1e9
+    rate_routed, rate_dense = flops / t_routed / 1e9, dense_rate(1024)
     print(f"routed experts {rate_routed:6.1f} GFLOP/s (sorted backend, {idx.size} pairs) vs dense matmul "
           f"{rate_dense:6.1f} GFLOP/s -> {rate_routed / rate_dense:.2f} of dense")
 

@@ -47,6 +47,21 @@ def _kth_values(cfg: Toy3Config):
     return kth_values
 
 
+def _compile_kth_values(cfg: Toy3Config, n_seeds: int, n_masks: int) -> tuple:
+    """Compile `_kth_values(cfg)` for a batch of n_seeds seeds and n_masks masks from the shapes
+    alone; returns the specs (logits, bias, masks, kth) the programs after it are compiled for."""
+    import jax
+    import jax.numpy as jnp
+
+    O, W, T, E = len(cfg.offsets), len(cfg.loads), cfg.n_heldout, cfg.n_experts
+    logits = jax.ShapeDtypeStruct((n_seeds, O, T, E), jnp.float32)
+    bias = jax.ShapeDtypeStruct((n_seeds, O, W, E), jnp.float32)
+    masks = jax.ShapeDtypeStruct((n_seeds, O, W, n_masks, E), jnp.bool_)
+    kth_values = _kth_values(cfg)
+    kth_values.lower(logits, bias, masks).compile()
+    return logits, bias, masks, jax.eval_shape(kth_values, logits, bias, masks)
+
+
 @functools.lru_cache(maxsize=8)
 def stage_two(cfg: Toy3Config):
     """Route the held-out tokens under every kept set and measure the error of each variant.
@@ -123,16 +138,12 @@ def stage_two(cfg: Toy3Config):
     def compile_for(n_seeds: int) -> None:
         """Compile both programs for a batch of n_seeds seeds, from the shapes alone (`run`'s calls
         then find them compiled)."""
-        O, W, T, E = len(cfg.offsets), len(cfg.loads), cfg.n_heldout, cfg.n_experts
-        D, F = cfg.d_model, cfg.d_hidden
+        O, T, E, D, F = len(cfg.offsets), cfg.n_heldout, cfg.n_experts, cfg.d_model, cfg.d_hidden
 
         def f32(*shape):
             return jax.ShapeDtypeStruct((n_seeds, *shape), jnp.float32)
 
-        logits, bias = f32(O, T, E), f32(O, W, E)
-        masks = jax.ShapeDtypeStruct((n_seeds, O, W, len(layout(cfg).pruned), E), jnp.bool_)
-        kth = jax.eval_shape(kth_values, logits, bias, masks)
-        kth_values.lower(logits, bias, masks).compile()
+        logits, bias, masks, kth = _compile_kth_values(cfg, n_seeds, len(layout(cfg).pruned))
         table = (f32(O, E, T, D), None, None, None) if merges_read_table(cfg) else (
             None, f32(E, D, F), f32(E, F, D), f32(O, T, D))
         errors.lower(logits, bias, masks, kth, *table).compile()
@@ -222,10 +233,7 @@ def stage_merges(cfg: Toy3Config):
         def spec(dtype, *shape):
             return jax.ShapeDtypeStruct((n_seeds, *shape), dtype)
 
-        logits, bias = spec(jnp.float32, O, T, E), spec(jnp.float32, O, W, E)
-        masks = spec(jnp.bool_, O, W, n_shrunk, E)
-        kth = jax.eval_shape(kth_values, logits, bias, masks)
-        kth_values.lower(logits, bias, masks).compile()
+        logits, bias, masks, kth = _compile_kth_values(cfg, n_seeds, n_shrunk)
         merged = {"w1": spec(jnp.float32, O, W, lay.n_slots, D, F),
                   "w2": spec(jnp.float32, O, W, lay.n_slots, F, D)} if lay.n_slots else None
         errors.lower(spec(jnp.float32, O, E, T, D), logits, bias, masks, kth, spec(jnp.int32, O, W, lay.n_mapped, E),
