@@ -87,3 +87,16 @@ def test_importing_host_memory_limits_glibc_to_two_malloc_arenas():
 
     assert heaps("2") <= 2
     assert heaps("0") > 2
+
+
+def test_a_bad_malloc_arenas_value_is_a_clear_error():
+    """MOEJAX_MALLOC_ARENAS that is not a whole number stops the import with an error naming the
+    variable and its value (not a silent default)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import moejax.host_memory"], capture_output=True, text=True,
+                         env={**os.environ, "MOEJAX_MALLOC_ARENAS": "two"})
+    assert out.returncode != 0
+    assert "ConfigError: MOEJAX_MALLOC_ARENAS='two'" in out.stderr
