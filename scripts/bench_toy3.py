@@ -297,12 +297,13 @@ def cold_default(seeds: int, out_dir: Path) -> tuple[float, dict]:
     return wall, json.loads(next(out_dir.glob("outputs/*/*/timings.json")).read_text())
 
 
-def toy3_flops(cfg) -> dict:
+def toy3_flops(cfg, merged_pairs: int | None = None) -> dict:
     """The floating-point operations toy3's work needs, by part (a multiply-add is 2), for `cfg`'s
     seeds: the router logits of every token, the calibration pass's routed pairs, the held-out
     table f_j(x) of every expert and token (the variants' outputs are gate-weighted sums of its
     entries), HC-SMoE's mean outputs (the first matmul per token: the mean moves inside the second),
-    the merged and Eq. 6 experts' own table rows, the variants' gated sums and errors, and M-SMoE's
+    the merged and Eq. 6 experts on the (row, token) pairs the variants read (merged_pairs: the
+    job's timings; None: the whole table of them), the variants' gated sums and errors, and M-SMoE's
     neuron similarities. Balancing (top-k selections and counts) and routing the variants (the K-th
     largest score under each mask) are comparisons, no FLOPs; so are the medians."""
     from moejax.experiments import toy3
@@ -317,7 +318,8 @@ def toy3_flops(cfg) -> dict:
     if "hc_smoe" in cfg.merges:
         parts["hc_smoe mean outputs"] = Z * O * E * Tc * 2 * D * F
     if lay.n_mapped:
-        parts["merged experts' table rows"] = Z * O * W * lay.n_slots * Th * expert
+        pairs = Z * O * W * lay.n_slots * Th if merged_pairs is None else merged_pairs
+        parts["merged experts' pairs"] = pairs * expert
     n_variants = len(lay.pruned) + lay.n_mapped
     parts["variants' outputs and errors"] = Z * O * W * (n_variants + 2) * Th * (2 * K * D + 3 * D)
     if "m_smoe" in cfg.merges:  # at most E - keep members aligned per keep (an upper bound)
@@ -343,10 +345,12 @@ def targets(seeds: int, repeat: int, dense: float) -> None:
     toy3.run(cfg)
     t = best_of(lambda: toy3.run(cfg), repeat=repeat)
     _, timings = toy3.run(cfg)
-    parts = toy3_flops(cfg)
+    parts = toy3_flops(cfg, timings["merged_pairs"])
+    whole = toy3_flops(cfg)["merged experts' pairs"] // (4 * cfg.d_model * cfg.d_hidden)
     total = sum(parts.values())
     print(f"compiled, the same settings: {t:.2f} s (a run: stage one {timings['stage_one_s']:.2f}, host "
-          f"{timings['host_s']:.2f}, stage two {timings['stage_two_s']:.2f}); the work needs {total / 1e9:.1f} GFLOP ("
+          f"{timings['host_s']:.2f}, stage two {timings['stage_two_s']:.2f}; {timings['merged_pairs']:,} merged "
+          f"(row, token) pairs computed, of {whole:,} in the whole table); the work needs {total / 1e9:.1f} GFLOP ("
           + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in parts.items()) + f"): {total / t / 1e9:.1f} GFLOP/s = "
           f"{total / t / 1e9 / dense:.0%} of this run's dense matmul (target >= 50%); at the dense rate the FLOPs "
           f"take {total / dense / 1e9:.2f} s")

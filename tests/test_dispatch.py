@@ -241,3 +241,24 @@ def test_averaged_rows_convert_one_member_at_a_time():
         x, idx, jnp.ones((64, 2), jnp.float32), (w, rows), D.swiglu).compile()
     f32_stack = 3 * n * hidden * ffn * 4
     assert compiled.memory_analysis().temp_size_in_bytes < f32_stack / 4
+
+
+def test_sparse_output_table_computes_the_selected_pairs_of_the_table():
+    """`sparse_output_table` gives each selected (row, token) pair the table's f_r(x_t) (rows with
+    no pair, with every pair, and one pair past a block included), and says when the selection
+    needs more blocks than it was given."""
+    x, _, w, fn, _ = setup(7)
+    rng = np.random.default_rng(2)
+    selected = rng.random((E, T)) < rng.uniform(0, 0.6, size=(E, 1))
+    selected[0], selected[1], selected[2] = False, True, np.arange(T) < 9
+    table = np.asarray(G.expert_output_table(x, w, fn))
+    run = jax.jit(G.sparse_output_table, static_argnums=(3, 4, 5, 6))
+    block_rows = 8
+    needed = int(np.sum(-(-selected.sum(axis=1) // block_rows)))
+    for n_blocks, group_blocks in ((needed, 1), (needed, 3), (G.full_capacity_blocks(E, T, block_rows), 4)):
+        out = run(x, jnp.asarray(selected), w, fn, n_blocks, block_rows, group_blocks)
+        r, t = np.nonzero(selected)
+        assert not bool(out.overflow)
+        np.testing.assert_allclose(np.asarray(out.rows_PD)[np.asarray(out.pos_RT)[r, t]], table[r, t],
+                                   rtol=1e-6, atol=1e-5)
+    assert bool(run(x, jnp.asarray(selected), w, fn, needed - 1, block_rows, 1).overflow)

@@ -356,3 +356,30 @@ def test_substitution_in_toy3_matches_numpy(run_new):
                                            rtol=1e-4)
                 if name == "frequency":
                     assert rel < value(df, load, "frequency", keep, "rel_error")
+
+
+def test_merged_pairs_past_the_capacity_are_computed_again_in_full(monkeypatch):
+    """Stage two computes the merged experts only on the (row, token) pairs some variant reads, in
+    a buffer sized for a share of the table (`MERGED_SHARE`); a batch needing more is computed
+    again at full capacity, with the same results as a run that never overflowed."""
+    from moejax.experiments.toy3 import job, stage_two
+    from moejax.experiments.toy3.host import decide_variants
+
+    cfg = toy3.Toy3Config(seed=SEED, seeds=1, **{**SMALL, "n_heldout": 600})
+    lay, seeds = toy3.layout(cfg), np.array([SEED])
+    stacked, one, host = job._calibrate(cfg, seeds)
+    variants = decide_variants(cfg, lay, seeds, stacked, host)
+    args = (one["f_held"], one["logits_held"], one["bias"], variants.masks_ZOWAE[..., len(lay.pruned):, :],
+            variants.rows_ZOWAE, stacked["x_held"], variants.merged)
+    shares = []
+    real = stage_two.stage_merges
+    monkeypatch.setattr(stage_two, "stage_merges", lambda c, share=stage_two.MERGED_SHARE: (shares.append(share),
+                                                                                           real(c, share))[1])
+    full = real(cfg, 1.0)(*args)
+    assert shares == []
+    for share in (stage_two.MERGED_SHARE, 0.0):
+        got = real(cfg, share)(*args)
+        for a, b in zip(got, full):
+            np.testing.assert_array_equal(a, b)
+    assert shares == [1.0]   # the share-0 buffer (padding only) overflowed, and only it
+    assert 0 < int(np.sum(full[-1])) < 2 * lay.n_slots * cfg.n_heldout   # a part of the table

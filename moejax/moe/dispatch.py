@@ -96,14 +96,21 @@ def combine(gate_TK: jax.Array, f_TKD: jax.Array) -> jax.Array:
 
 def combine_from_table(gate_TK: jax.Array, expert_idx_TK: jax.Array, f_ETD: jax.Array) -> jax.Array:
     """y_t = sum_k g_tk f[idx_tk, t], reading the pair outputs from a table of every expert's output
-    (`moejax.moe.grouped.expert_output_table`, [E, T, D]). Leading axes of gate/idx (e.g. pruning variants) share it.
+    (`moejax.moe.grouped.expert_output_table`, [E, T, D]). Leading axes of gate/idx (e.g. pruning variants) share it."""
+    n_experts, n_tokens, d = f_ETD.shape
+    row_TK = expert_idx_TK * n_tokens + jnp.arange(n_tokens, dtype=expert_idx_TK.dtype)[:, None]
+    return combine_rows(gate_TK, row_TK, f_ETD.reshape(n_experts * n_tokens, d))
+
+
+def combine_rows(gate_TK: jax.Array, row_TK: jax.Array, rows_MD: jax.Array) -> jax.Array:
+    """y_t = sum_k g_tk rows[row_tk, :]: each slot's output read from a flat table of pair outputs
+    [M, D] by its row there (`combine_from_table`'s table flattened, or a table of selected pairs,
+    `moejax.moe.grouped.sparse_output_table`).
 
     One gathered row per slot k, summed as it goes: XLA:CPU fuses each row gather into the sum,
     where gathering all K rows first ([..., T, K, D]) ran about 8x slower.
     """
-    n_experts, n_tokens, d = f_ETD.shape
-    rows_MD = f_ETD.reshape(n_experts * n_tokens, d).astype(jnp.float32)
-    row_TK = expert_idx_TK * n_tokens + jnp.arange(n_tokens, dtype=expert_idx_TK.dtype)[:, None]
+    rows_MD = rows_MD.astype(jnp.float32)
     y_TD = 0.0
     for k in range(gate_TK.shape[-1]):
         y_TD = y_TD + gate_TK[..., k, None].astype(jnp.float32) * rows_MD.at[row_TK[..., k]].get(

@@ -17,7 +17,7 @@ other path joins them first (`joined`).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,69 @@ def expert_output_table(x_TD: jax.Array, weights: dict, expert_fn: ExpertFn) -> 
 def all_expert_outputs(x_TD: jax.Array, weights: dict, expert_fn: ExpertFn) -> jax.Array:
     """f_j(x_t) for every token and every expert: [T, E, D]."""
     return jnp.swapaxes(expert_output_table(x_TD, weights, expert_fn), 0, 1)
+
+
+class SelectedOutputs(NamedTuple):
+    """`sparse_output_table`'s result: the selected pairs' outputs rows_PD [P, D], pair (r, t) at
+    row pos_RT[r, t] (meaningful where selected), and whether the selection overflowed the capacity
+    (then rows past it were never computed, and the result must not be read)."""
+
+    rows_PD: jax.Array
+    pos_RT: jax.Array
+    overflow: jax.Array
+
+
+def full_capacity_blocks(n_rows: int, n_tokens: int, block_rows: int) -> int:
+    """The blocks `sparse_output_table` needs when every pair is selected (it never overflows)."""
+    return n_rows * -(-n_tokens // block_rows)
+
+
+def sparse_output_table(x_TD: jax.Array, selected_RT: jax.Array, weights: dict, expert_fn: ExpertFn,
+                        n_blocks: int, block_rows: int, group_blocks: int = 16) -> SelectedOutputs:
+    """f_r(x_t) for the (row, token) pairs `selected_RT` marks, and no other: what
+    `expert_output_table` computes, where most of the table would go unread.
+
+    Each row's selected tokens, in token order, are padded to whole blocks of `block_rows`; the
+    blocks go one after another, row by row, into a buffer of `n_blocks` blocks (a static
+    capacity: the selection is data, rounded up to whole groups of `group_blocks`). Each group of
+    blocks is one batched matmul, every block with its row's weights (gathered per block, as the
+    sorted backend's small experts are); groups past the last used block are skipped. Selections
+    needing more blocks than n_blocks overflow: `overflow` says so, and the caller computes again
+    with more (`full_capacity_blocks` always suffices)."""
+    n_rows, n_tokens = selected_RT.shape
+    n_groups = -(-n_blocks // group_blocks)
+    capacity = n_groups * group_blocks * block_rows
+    sizes_R = jnp.sum(selected_RT, axis=1, dtype=jnp.int32)
+    padded_R = -(-sizes_R // block_rows) * block_rows
+    ends_R = jnp.cumsum(padded_R)
+    pos_RT = (ends_R - padded_R)[:, None] + jnp.cumsum(selected_RT, axis=1, dtype=jnp.int32) - 1
+    token_P = jnp.zeros((capacity,), jnp.int32).at[jnp.where(selected_RT, pos_RT, capacity)].set(
+        jnp.broadcast_to(jnp.arange(n_tokens, dtype=jnp.int32), (n_rows, n_tokens)), mode="drop")
+    block_row_Y = jnp.minimum(jnp.searchsorted(ends_R, jnp.arange(n_groups * group_blocks, dtype=jnp.int32)
+                                               * block_rows, side="right"), n_rows - 1)
+    group_rows = group_blocks * block_rows
+    out = jax.eval_shape(lambda w: expert_fn(_matmul, w, x_TD[:1]), jax.tree.map(lambda w: w[0], weights))
+    skip = jnp.zeros((group_blocks, block_rows, out.shape[-1]), out.dtype)
+
+    def group(args):  # one group of blocks, its inputs gathered as it runs
+        g, token_M, block_row_G = args
+        x_GMD = x_TD[token_M].reshape(group_blocks, block_rows, -1)
+        return jax.lax.cond(g * group_rows < ends_R[-1],
+                            lambda: expert_fn(_gathered_block_linear(block_row_G), weights, x_GMD), lambda: skip)
+
+    y = jax.lax.map(group, (jnp.arange(n_groups), token_P.reshape(n_groups, group_rows),
+                            block_row_Y.reshape(n_groups, group_blocks)))
+    return SelectedOutputs(y.reshape(capacity, -1), pos_RT, ends_R[-1] > capacity)
+
+
+def _gathered_block_linear(block_expert_Y):
+    """A `linear` over blocks [Y, M, I] whose weights [E, I, J] are gathered per block (block y
+    with expert block_expert_Y[y]): for small experts, gathering each block's weights costs no
+    more than its activations, and one batched matmul over all blocks beats a loop."""
+    def block_linear(h_YMI, w_EIJ):
+        return jnp.einsum("ymi,yij->ymj", h_YMI, w_EIJ[block_expert_Y], precision=jax.lax.Precision.HIGHEST)
+
+    return block_linear
 
 
 def dense_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
@@ -168,12 +231,7 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
     x_YMD = x_buf.reshape(layout.n_blocks, block_rows, -1)
 
     if small_experts:
-        # Small experts: gathering each block's weights costs no more than its activations, and
-        # one batched matmul over all blocks beats a loop.
-        def block_linear(h_YMI, w_EIJ):
-            return jnp.einsum("ymi,yij->ymj", h_YMI, w_EIJ[block_expert_Y], precision=jax.lax.Precision.HIGHEST)
-
-        y_YMD = expert_fn(block_linear, weights, x_YMD)
+        y_YMD = expert_fn(_gathered_block_linear(block_expert_Y), weights, x_YMD)
     else:
         y_YMD = _loop_over_blocks(x_YMD, block_expert_Y, layout.blocks_before_group(n_experts), weights,
                                   expert_fn)

@@ -45,7 +45,7 @@ def _run_batches(cfg: Toy3Config, progress=None):
     _import_in_background("pandas", "pyarrow.parquet")  # for the results table, at the end
     all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)
     batches = [all_seeds[i:i + cfg.seed_batch] for i in range(0, len(all_seeds), cfg.seed_batch)]
-    rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0}
+    rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0, "merged_pairs": 0}
     ahead = _compile_ahead(cfg, [len(b) for b in batches])
     for batch in batches:
         t0 = time.perf_counter()
@@ -63,6 +63,7 @@ def _run_batches(cfg: Toy3Config, progress=None):
         timings["stage_one_s"] += t1 - t0
         timings["host_s"] += t2 - t1 + time.perf_counter() - t3
         timings["stage_two_s"] += t3 - t2
+        timings["merged_pairs"] += measured.merged_pairs
         if progress is not None:
             progress(len(batch))
     return to_frame(rows), timings
@@ -92,20 +93,22 @@ def _measure(cfg: Toy3Config, lay: Layout, one: dict, stacked: dict, variants: B
         w1=stacked["w1"], w2=stacked["w2"], x_held=stacked["x_held"])))
     rel_median = np.median(rel_per_token, axis=-1)
     merge_per_token = y_sq = idx_held = gate_held = None
+    merged_pairs = 0
     if lay.n_mapped:
-        err_sum, merge_per_token, y_sq, idx_held, gate_held = to_host(jax.block_until_ready(
+        err_sum, merge_per_token, y_sq, idx_held, gate_held, n_pairs = to_host(jax.block_until_ready(
             stage_merges(cfg)(one["f_held"], one["logits_held"], one["bias"], variants.masks_ZOWAE[..., n_pruned:, :],
                               variants.rows_ZOWAE, None if variants.merged is None else stacked["x_held"],
                               variants.merged)))
         rel_all = np.concatenate([rel_all, err_sum[..., :2 * n_merged] / y_sq.sum(axis=-1)[..., None]], axis=-1)
         merge_median = np.median(merge_per_token[..., :2 * n_merged, :], axis=-1)
         rel_median = np.concatenate([rel_median, merge_median], axis=-1)
+        merged_pairs = int(np.sum(n_pairs))
     sub_rel = sub_median = None
     if lay.substituted:
         err_sub, sub_per_token, sub_y_sq = to_host(jax.block_until_ready(stage_substitutes(cfg)(
             one["f_held"], one["logits_held"], one["bias"], variants.novice_ZOWAE, variants.constants_ZOWED)))
         sub_rel, sub_median = err_sub / sub_y_sq.sum(axis=-1)[..., None], np.median(sub_per_token, axis=-1)
-    return Measured(rel_all, rel_median, merge_per_token, y_sq, idx_held, gate_held, sub_rel, sub_median)
+    return Measured(rel_all, rel_median, merge_per_token, y_sq, idx_held, gate_held, sub_rel, sub_median, merged_pairs)
 
 
 def _import_in_background(*names: str) -> None:

@@ -38,6 +38,7 @@ class Measured(NamedTuple):
     gate_held_ZOWTK: np.ndarray | None  # and gates
     sub_rel_ZOWA: np.ndarray | None     # MoNE's variants' rel_error (None: no substitutes)
     sub_median_ZOWA: np.ndarray | None  # and rel_error_median
+    merged_pairs: int = 0            # the (merged row, token) pairs stage two computed (`stage_merges`)
 
 
 def host_rows(cfg: Toy3Config, lay: Layout, seeds, variants: BatchVariants) -> list[dict]:

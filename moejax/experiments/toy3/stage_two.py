@@ -152,20 +152,42 @@ def stage_two(cfg: Toy3Config):
     return run
 
 
+# The merged experts' table rows are computed only for the (row, token) pairs some variant reads
+# (`grouped.sparse_output_table`), in blocks of MERGED_BLOCK_ROWS, into a buffer sized for
+# MERGED_SHARE of the whole table: at toy3's defaults the variants read 17-19% of it (the pairs
+# whose token routes to a member of the row's cluster), and 256-row blocks ran fastest. A batch
+# that needs more is computed again at full capacity (`stage_merges`' run): slower, never wrong.
+MERGED_SHARE = 0.3
+MERGED_BLOCK_ROWS = 256
+
+
+def merged_capacity(n_rows: int, n_tokens: int, share: float) -> int:
+    """Blocks for `share` of the merged table's n_rows x n_tokens pairs, plus one per row for its
+    padding, never more than the whole table needs."""
+    from moejax.moe.grouped import full_capacity_blocks
+
+    wanted = -(-int(share * n_rows * n_tokens) // MERGED_BLOCK_ROWS) + n_rows
+    return min(wanted, full_capacity_blocks(n_rows, n_tokens, MERGED_BLOCK_ROWS))
+
+
 @functools.lru_cache(maxsize=8)
-def stage_merges(cfg: Toy3Config):
-    """The merges' variants, as `stage_two` evaluates the pruning ones: tabulate the merged experts
-    on the held-out tokens, route the held-out tokens and measure each variant's error. Returns a
-    function (f_held, logits_held, bias, masks, rows, x_held, merged) -> (sum_t ||y'_t - y_t||^2
-    [..., A], per-token relative errors ||y'_t - y_t||^2 / ||y_t||^2 [..., A, T], ||y_t||^2 [..., T],
-    and the full layer's routing, experts and gates [..., T, K]).
+def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
+    """The merges' variants, as `stage_two` evaluates the pruning ones: route the held-out tokens,
+    compute the merged experts on the tokens that reach them and measure each variant's error.
+    Returns a function (f_held, logits_held, bias, masks, rows, x_held, merged) -> (sum_t
+    ||y'_t - y_t||^2 [..., A], per-token relative errors ||y'_t - y_t||^2 / ||y_t||^2 [..., A, T],
+    ||y_t||^2 [..., T], the full layer's routing, experts and gates [..., T, K], and the merged
+    (row, token) pairs computed [...]).
 
     A variant is an expert map. The merges' shrunk forms are routed under their masks
     [..., n_shrunk, E] (`kth_values` as in `stage_two`); the rest (tied forms, Eq. 6 pairs) keep
     every slot, so they take the full layer's routing. rows [..., A, E]: the row of the table
     [E + W * n_slots, T, D] that each slot computes with: the layer's own experts (f_held), then
     each load's merged experts (merged: {"w1": [..., W, n_slots, D, F], "w2": ...}, None when there
-    are none), tabulated here once per (seed, offset).
+    are none). Per (seed, offset), every load is routed first; then the merged rows are computed
+    for the (row, token) pairs some variant of some load reads, and only those
+    (`grouped.sparse_output_table`, `MERGED_SHARE`): a token reaches a merged expert only through
+    a member of its cluster, and the whole table cost 5.6x the FLOPs.
 
     The batch of variants is led by the full layer (every slot its own row), its reference, computed
     by the same code as they are: a variant that routes and computes a token as the full layer does
@@ -177,20 +199,25 @@ def stage_merges(cfg: Toy3Config):
     """
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from moejax.models import toy_layer
-    from moejax.moe.dispatch import combine_from_table
+    from moejax.moe.dispatch import combine_rows, relu_mlp
+    from moejax.moe.grouped import sparse_output_table
     from moejax.moe.routing import gates
     from moejax.moe.topk import topk_indices_at_threshold
 
     router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
-    n_shrunk = len(layout(cfg).merged)
+    lay = layout(cfg)
+    n_shrunk = len(lay.merged)
+    n_merged_rows = len(cfg.loads) * lay.n_slots
+    n_blocks = merged_capacity(n_merged_rows, cfg.n_heldout, share)
     kth_values = _kth_values(cfg)
 
-    # the table (rows: the layer's experts, then the merged ones) and logits shared by the loads;
-    # [W, ...] biases, masks, K-th values, rows
-    @functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0, 0))
-    def condition(table_ETD, logits_TE, bias_E, masks_AE, kth_AT, rows_AE):
+    # per load ([W, ...] biases, masks, K-th values, rows; logits shared): every variant's slots
+    # [A, T, K], their table rows and gates, and the full layer's routing
+    @functools.partial(jax.vmap, in_axes=(None, 0, 0, 0, 0))
+    def route(logits_TE, bias_E, masks_AE, kth_AT, rows_AE):
         s_TE = toy_layer.router_scores(logits_TE, cfg.router)
         idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
         gate_ATK = gates(s_TE, idx_ATK, router_cfg)
@@ -199,21 +226,39 @@ def stage_merges(cfg: Toy3Config):
         gate_v_ATK = jnp.concatenate([gate_ATK, jnp.broadcast_to(gate_ATK[0], same)])
         rows_v_AE = jnp.concatenate([jnp.arange(rows_AE.shape[1], dtype=rows_AE.dtype)[None], rows_AE])
         row_ATK = jnp.take_along_axis(rows_v_AE[:, None, :], slot_ATK, axis=-1)  # ExpertMap.apply
-        y_ATD = jax.lax.optimization_barrier(combine_from_table(gate_v_ATK, row_ATK, table_ETD))
+        return row_ATK, gate_v_ATK, idx_ATK[0], gate_ATK[0]
+
+    @functools.partial(jax.vmap, in_axes=(None, 0, 0))  # per load, the table shared
+    def measure(rows_MD, at_ATK, gate_v_ATK):
+        y_ATD = jax.lax.optimization_barrier(combine_rows(gate_v_ATK, at_ATK, rows_MD))
         y_TD = y_ATD[0]
         err_sq_AT = jnp.sum((y_ATD[1:] - y_TD) ** 2, axis=-1)
         y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
-        return err_sq_AT.sum(axis=-1), err_sq_AT / y_sq_T, y_sq_T, idx_ATK[0], gate_ATK[0]
+        return err_sq_AT.sum(axis=-1), err_sq_AT / y_sq_T, y_sq_T
 
     @jax.jit
     def errors(f, logits, bias, masks, kth, rows, x, merged):
         def seed_offset(args):
-            f_ETD, x_TD, merged_W, *per_load = args
-            table_ETD = f_ETD
+            f_ETD, x_TD, merged_W, logits_TE, *per_load = args
+            row_WATK, gate_v_WATK, idx_WTK, gate_WTK = route(logits_TE, *per_load)
+            n_experts, n_tokens, d = f_ETD.shape
+            token_T1 = jnp.arange(n_tokens, dtype=row_WATK.dtype)[:, None]
+            at_WATK = row_WATK * n_tokens + token_T1   # the own experts' rows of the flat table
+            rows_MD, n_pairs = f_ETD.reshape(n_experts * n_tokens, d), jnp.zeros((), jnp.int32)
+            overflow = jnp.zeros((), bool)
             if merged_W is not None:  # every load's merged experts, after the layer's own
+                merged_WT = row_WATK >= n_experts
+                selected_RT = jnp.zeros((n_merged_rows, n_tokens), bool).at[
+                    jnp.where(merged_WT, row_WATK - n_experts, n_merged_rows),
+                    jnp.broadcast_to(token_T1, row_WATK.shape)].set(True, mode="drop")
                 flat = {k: w.reshape(-1, *w.shape[2:]) for k, w in merged_W.items()}
-                table_ETD = jnp.concatenate([f_ETD, toy_layer.expert_output_table(flat, x_TD)])
-            return condition(table_ETD, *per_load)
+                out = sparse_output_table(x_TD, selected_RT, flat, relu_mlp, n_blocks, MERGED_BLOCK_ROWS)
+                at_merged = n_experts * n_tokens + out.pos_RT[jnp.where(merged_WT, row_WATK - n_experts, 0),
+                                                              jnp.broadcast_to(token_T1, row_WATK.shape)]
+                at_WATK = jnp.where(merged_WT, at_merged, at_WATK)
+                rows_MD = jnp.concatenate([rows_MD, out.rows_PD])
+                n_pairs, overflow = jnp.sum(selected_RT, dtype=jnp.int32), out.overflow
+            return (*measure(rows_MD, at_WATK, gate_v_WATK), idx_WTK, gate_WTK, n_pairs, overflow)
 
         lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
         flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), (f, x, merged, logits, bias, masks, kth, rows))
@@ -221,12 +266,15 @@ def stage_merges(cfg: Toy3Config):
         return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
 
     def run(f, logits, bias, masks, rows, x=None, merged=None):
-        return errors(f, logits, bias, masks, kth_values(logits, bias, masks), rows, x, merged)
+        kth = kth_values(logits, bias, masks)
+        *out, overflow = errors(f, logits, bias, masks, kth, rows, x, merged)
+        if share < 1 and np.any(jax.device_get(overflow)):   # more pairs than the capacity: all of them
+            return stage_merges(cfg, 1.0)(f, logits, bias, masks, rows, x, merged)
+        return tuple(out)
 
     def compile_for(n_seeds: int) -> None:
         """Compile both programs for a batch of n_seeds seeds from the shapes alone (as
         `stage_two`'s compile_for; `run`'s calls then find them compiled)."""
-        lay = layout(cfg)
         O, W, T, E = len(cfg.offsets), len(cfg.loads), cfg.n_heldout, cfg.n_experts
         D, F = cfg.d_model, cfg.d_hidden
 
