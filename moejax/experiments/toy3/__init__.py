@@ -38,10 +38,11 @@ Seeds are vectorised inside one job (`job.run`), batch by batch; each module hol
   config.py     Toy3Config: every setting, its default and its checks (no JAX)
   draw.py       host (numpy): draw every seed's layer and tokens
   stage_one.py  jit: balance, route the calibration tokens (sorted grouped-matmul backend: only
-                routed pairs); with merges, tabulate f_j(x) for every held-out token and expert
-                once (each variant's output is a gate-weighted sum of entries of that table, so no
-                variant recomputes an expert), each expert's mean output over the calibration
-                tokens (HC-SMoE) and the router logits of the calibration tokens (M-SMoE)
+                routed pairs); with merges, each expert's mean output over the calibration
+                tokens (HC-SMoE) and the router logits of the calibration tokens (M-SMoE); and
+                (`held_table`, run while the host decides the variants) f_j(x) for every held-out
+                token and expert, once (each variant's output is a gate-weighted sum of entries of
+                that table, so no variant recomputes an expert)
   host.py       host (numpy): float64 statistics, scores, kept sets (ties to the lower index);
                 clusters and merged experts (moejax.merging), the variants' masks and rows
   variants.py   the variant axis (`Layout`) and the merges as expert maps (`MergeMap`)

@@ -39,14 +39,12 @@ def eq6_metrics(pair, idx_TK, gate_TK, f_ETD, err_sq_T) -> dict:
       eq6_measured_both   sum of err_sq over the tokens routed to both (r strictly inside (0, 1))
       eq6_predicted_both  `eq6_prediction` over the tokens routed to both"""
     i, j = pair
-    g_i, g_j = ((gate_TK * (idx_TK == e)).sum(axis=1, dtype=np.float64) for e in (i, j))
-    on_i, on_j = (idx_TK == i).any(axis=1), (idx_TK == j).any(axis=1)
-
-    def predicted(tokens):
-        d = np.sum((f_ETD[i, tokens].astype(np.float64) - f_ETD[j, tokens]) ** 2, axis=1)
-        return eq6_prediction(g_i[tokens], g_j[tokens], d)
-
-    both = on_i & on_j
-    return {"eq6_measured": float(np.sum(err_sq_T, dtype=np.float64)), "eq6_predicted": predicted(on_i | on_j),
-            "eq6_measured_both": float(np.sum(err_sq_T[both], dtype=np.float64)),
-            "eq6_predicted_both": predicted(both)}
+    hit_i, hit_j = idx_TK == i, idx_TK == j
+    changed = np.flatnonzero(hit_i.any(axis=1) | hit_j.any(axis=1))   # the tokens routed to i or j
+    hit_i, hit_j, gate = hit_i[changed], hit_j[changed], gate_TK[changed]
+    g_i, g_j = ((gate * hit).sum(axis=1, dtype=np.float64) for hit in (hit_i, hit_j))
+    d = np.sum((f_ETD[i, changed].astype(np.float64) - f_ETD[j, changed]) ** 2, axis=1)
+    both = hit_i.any(axis=1) & hit_j.any(axis=1)
+    return {"eq6_measured": float(np.sum(err_sq_T, dtype=np.float64)), "eq6_predicted": eq6_prediction(g_i, g_j, d),
+            "eq6_measured_both": float(np.sum(err_sq_T[changed[both]], dtype=np.float64)),
+            "eq6_predicted_both": eq6_prediction(g_i[both], g_j[both], d[both])}

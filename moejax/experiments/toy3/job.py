@@ -7,7 +7,8 @@ through four steps:
   `results.*_rows`         the tidy rows (host)
 
 A cold job overlaps what it can on a second thread (`_compile_ahead`, `_import_in_background`):
-stage two compiles, and pandas imports, while stage one is traced, compiled and run.
+stage two compiles, and pandas imports, while stage one is traced, compiled and run; and the
+held-out table is computed while the host decides the variants (`_calibrate`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from moejax.experiments.toy3.config import Toy3Config
 from moejax.experiments.toy3.draw import draw_inputs
 from moejax.experiments.toy3.host import BatchVariants, decide_variants
 from moejax.experiments.toy3.results import Measured, error_rows, host_rows, to_frame
-from moejax.experiments.toy3.stage_one import stage_one
+from moejax.experiments.toy3.stage_one import held_table, merges_read_table, stage_one
 from moejax.experiments.toy3.stage_two import stage_merges, stage_substitutes, stage_two
 from moejax.experiments.toy3.variants import Layout, layout
 from moejax.parallel.distributed import to_host  # jax.device_get, gathering across processes
@@ -42,7 +43,9 @@ def run(cfg: Toy3Config, progress=None, job_dir=None):
 
 def _run_batches(cfg: Toy3Config, progress=None):
     lay = layout(cfg)
-    _import_in_background("pandas", "pyarrow.parquet")  # for the results table, at the end
+    # for the host step's merges (0.4 s) and the results table at the end (0.7 s)
+    _import_in_background("moejax.merging.layer", "scipy.cluster.hierarchy", "scipy.optimize", "pandas",
+                          "pyarrow.parquet")
     all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)
     batches = [all_seeds[i:i + cfg.seed_batch] for i in range(0, len(all_seeds), cfg.seed_batch)]
     rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0, "merged_pairs": 0}
@@ -71,14 +74,18 @@ def _run_batches(cfg: Toy3Config, progress=None):
 
 def _calibrate(cfg: Toy3Config, seeds) -> tuple[dict, dict, dict]:
     """(the batch's draw stacked over seeds, stage one's results on the device, and on the host:
-    all but the held-out logits and table, which stay for stage two, plus the router weights)."""
+    all but the held-out logits, which stay for stage two, plus the router weights). The held-out
+    table (`held_table`, when `merges_read_table`) is started last and not waited for: it runs
+    while the host decides the variants, and stage two's calls wait for it."""
     import jax
 
     drawn = draw_inputs(cfg, seeds)
     stacked = {k: np.stack([d[k] for d in drawn]) for k in ("router", "w1", "w2", "x_cal", "x_held")}
     one = jax.block_until_ready(stage_one(cfg)(*stacked.values()))
-    host = to_host({k: v for k, v in one.items() if k not in ("f_held", "logits_held")})
+    host = to_host({k: v for k, v in one.items() if k != "logits_held"})
     host["router"] = stacked["router"]
+    if merges_read_table(cfg):
+        one["f_held"] = held_table(cfg)(stacked["w1"], stacked["w2"], stacked["x_held"])
     return stacked, one, host
 
 
@@ -112,9 +119,11 @@ def _measure(cfg: Toy3Config, lay: Layout, one: dict, stacked: dict, variants: B
 
 
 def _import_in_background(*names: str) -> None:
-    """Import modules that the job needs only at its end on a second thread: pandas and pyarrow
-    (~0.7 s) then load while XLA compiles and runs stage one, which release the GIL, instead of
-    before the job starts. A failed import is left for the main thread's own import to raise."""
+    """Import modules that the job needs only after stage one on a second thread: the merges'
+    modules and scipy's clustering for the host step, pandas and pyarrow for the results, about 1 s
+    in all, then load while XLA compiles and runs stage one, which release the GIL, instead of
+    before the job starts or on the host step's path. A failed import is left for the main
+    thread's own import to raise."""
     missing = [name for name in names if name not in sys.modules]
 
     def work():
@@ -129,19 +138,22 @@ def _import_in_background(*names: str) -> None:
 
 
 def _compile_ahead(cfg: Toy3Config, batch_sizes) -> threading.Thread | None:
-    """Compile stage two (the pruning program, then the merges') on a second thread while the main
-    thread traces, compiles and runs stage one and decides the variants (XLA's compilation releases
-    the GIL and keeps about one core busy, so on two cores most of the second compilation overlaps;
-    only tracing contends). JAX's cache hands the compiled programs to stage two's calls. One device only (a mesh's programs are compiled under its context).
+    """Compile the held-out table's program and stage two (the pruning program, then the merges')
+    on a second thread while the main thread traces, compiles and runs stage one and decides the
+    variants (XLA's compilation releases the GIL and keeps about one core busy, so on two cores
+    most of the second compilation overlaps; only tracing contends). JAX's cache hands the compiled
+    programs to the job's calls. One device only (a mesh's programs are compiled under its context).
     Returns the thread to join before stage two, or None."""
     if MeshConfig(cfg.mesh_data, cfg.mesh_expert).n_devices > 1:
         return None
 
-    merges = layout(cfg).n_mapped > 0
+    merges, table = layout(cfg).n_mapped > 0, merges_read_table(cfg)
 
     def work():
         try:
             for n_seeds in sorted(set(batch_sizes)):
+                if table:  # first: the job calls it right after stage one
+                    held_table(cfg).compile_for(n_seeds)
                 stage_two(cfg).compile_for(n_seeds)
                 if merges:
                     stage_merges(cfg).compile_for(n_seeds)

@@ -1,6 +1,7 @@
 """toy3's stage one, a jitted program per batch of seeds: balance the router, route the calibration
-tokens and bring to the host what the statistics, scores and merges read; tabulate the held-out
-expert outputs once when the later programs read the whole table (`merges_read_table`)."""
+tokens and bring to the host what the statistics, scores and merges read; and `held_table`, the
+held-out expert outputs tabulated once when the later programs read the whole table
+(`merges_read_table`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from moejax.experiments.toy3.config import Toy3Config
 
 @functools.lru_cache(maxsize=8)
 def stage_one(cfg: Toy3Config):
-    """Per seed: balancing, the calibration pass and the held-out table, from the drawn inputs
+    """Per seed: balancing and the calibration pass, from the drawn inputs
     (`draw_inputs`, stacked over seeds); for the merges, each expert's mean output over the
     calibration tokens (hc_smoe) and the calibration tokens' router logits (m_smoe). Returns a
     jitted function (cached per config, so repeated runs reuse it) of the stacked draw, router
@@ -22,7 +23,6 @@ def stage_one(cfg: Toy3Config):
       bias                         [Z, O, W, E]     each load's balance bias (skewed: zeros)
       logits_held                  [Z, O, T, E]     the held-out tokens' router logits
       cal_out                      [Z, O, W, T, K, D]  the routed pairs' outputs (`needs_outputs`)
-      f_held                       [Z, O, E, T, D]  the held-out table (`merges_read_table`)
       cal_mean_output              [Z, O, E, D]     hc_smoe's mean outputs
       logits_cal                   [Z, O, T, E]     the calibration tokens' logits (m_smoe, ream)
       cal_gated_output             [Z, O, E, D]     ream's router-weighted output sums"""
@@ -66,13 +66,6 @@ def stage_one(cfg: Toy3Config):
                    bias=bias_ZOWE, logits_held=logits_held)
         if cfg.needs_outputs:  # the routed pairs' outputs [Z, O, W, T, K, D]
             out["cal_out"] = cal[3]
-        if merges_read_table(cfg):  # else stage two tabulates each (seed, offset) as it goes
-            def held_table(i):  # f_j(x) of every held-out token and expert of one (seed, offset)
-                s, o = i // n_offsets, i % n_offsets
-                return toy_layer.expert_output_table(weights(s), x_held_ZOTD[s, o])
-
-            out["f_held"] = jax.lax.map(held_table, jnp.arange(n_held)).reshape(
-                *x_held_ZOTD.shape[:2], cfg.n_experts, *x_held_ZOTD.shape[2:])
         if "hc_smoe" in cfg.merges:
             def mean_outputs(i):  # c_j = mean over the calibration tokens of f_j(x), one (seed, offset)
                 return toy_layer.mean_expert_outputs(weights(i // n_offsets), x_cal_ZOTD[i // n_offsets, i % n_offsets])
@@ -92,6 +85,39 @@ def stage_one(cfg: Toy3Config):
         return out
 
     return run
+
+
+@functools.lru_cache(maxsize=8)
+def held_table(cfg: Toy3Config):
+    """The held-out table f_j(x) of every held-out token and expert, [Z, O, E, T, D] (when
+    `merges_read_table`): a jitted function of w1 [Z, E, D, F], w2 [Z, E, F, D], x_held [Z, O, T, D].
+    A program of its own, apart from `stage_one`, because nothing on the host waits for it: the job
+    starts it and decides the variants while it runs (JAX dispatches it without waiting), and only
+    stage two reads it. Loops over (seed, offset), as stage one does."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+
+    @jax.jit
+    def tabulate(w1_ZEDF, w2_ZEFD, x_held_ZOTD):
+        n_offsets = x_held_ZOTD.shape[1]
+
+        def one(i):  # one (seed, offset)
+            s, o = i // n_offsets, i % n_offsets
+            return toy_layer.expert_output_table({"w1": w1_ZEDF[s], "w2": w2_ZEFD[s]}, x_held_ZOTD[s, o])
+
+        lead = x_held_ZOTD.shape[:2]
+        return jax.lax.map(one, jnp.arange(lead[0] * lead[1])).reshape(*lead, cfg.n_experts, *x_held_ZOTD.shape[2:])
+
+    def compile_for(n_seeds: int) -> None:
+        """Compile for a batch of n_seeds seeds from the shapes alone."""
+        O, T, E, D, F = len(cfg.offsets), cfg.n_heldout, cfg.n_experts, cfg.d_model, cfg.d_hidden
+        tabulate.lower(*(jax.ShapeDtypeStruct((n_seeds, *shape), jnp.float32)
+                         for shape in ((E, D, F), (E, F, D), (O, T, D)))).compile()
+
+    tabulate.compile_for = compile_for
+    return tabulate
 
 
 def merges_read_table(cfg: Toy3Config) -> bool:
