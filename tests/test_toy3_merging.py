@@ -369,8 +369,9 @@ def test_merged_pairs_past_the_capacity_are_computed_again_in_full(monkeypatch):
     lay, seeds = toy3.layout(cfg), np.array([SEED])
     stacked, one, host = job._calibrate(cfg, seeds)
     variants = decide_variants(cfg, lay, seeds, stacked, host)
-    args = (one["f_held"], one["logits_held"], one["bias"], variants.masks_ZOWAE[..., len(lay.pruned):, :],
-            variants.rows_ZOWAE, stacked["x_held"], variants.merged)
+    kth = stage_two.kth_values(cfg)(one["logits_held"], one["bias"], variants.masks_ZOWAE)
+    args = (one["f_held"], one["logits_held"], one["bias"], variants.masks_ZOWAE, kth, variants.rows_ZOWAE,
+            stacked["x_held"], variants.merged)
     shares = []
     real = stage_two.stage_merges
     monkeypatch.setattr(stage_two, "stage_merges", lambda c, share=stage_two.MERGED_SHARE: (shares.append(share),

@@ -113,9 +113,12 @@ def sparse_output_table(x_TD: jax.Array, selected_RT: jax.Array, weights: dict, 
 
     def group(args):  # one group of blocks, its inputs gathered as it runs
         g, token_M, block_row_G = args
-        x_GMD = x_TD[token_M].reshape(group_blocks, block_rows, -1)
-        return jax.lax.cond(g * group_rows < ends_R[-1],
-                            lambda: expert_fn(_gathered_block_linear(block_row_G), weights, x_GMD), lambda: skip)
+
+        def compute():
+            x_GMD = x_TD[token_M].reshape(group_blocks, block_rows, -1)
+            return expert_fn(_gathered_block_linear(block_row_G), weights, x_GMD)
+
+        return jax.lax.cond(g * group_rows < ends_R[-1], compute, lambda: skip)
 
     y = jax.lax.map(group, (jnp.arange(n_groups), token_P.reshape(n_groups, group_rows),
                             block_row_Y.reshape(n_groups, group_blocks)))

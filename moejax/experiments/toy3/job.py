@@ -26,7 +26,7 @@ from moejax.experiments.toy3.draw import draw_inputs
 from moejax.experiments.toy3.host import BatchVariants, decide_variants
 from moejax.experiments.toy3.results import Measured, error_rows, host_rows, to_frame
 from moejax.experiments.toy3.stage_one import held_table, merges_read_table, stage_one
-from moejax.experiments.toy3.stage_two import stage_merges, stage_substitutes, stage_two
+from moejax.experiments.toy3.stage_two import kth_values, stage_merges, stage_substitutes, stage_two
 from moejax.experiments.toy3.variants import Layout, layout
 from moejax.parallel.distributed import to_host  # jax.device_get, gathering across processes
 from moejax.parallel.mesh import MeshConfig, mesh_context
@@ -95,17 +95,18 @@ def _measure(cfg: Toy3Config, lay: Layout, one: dict, stacked: dict, variants: B
     import jax
 
     n_pruned, n_merged = len(lay.pruned), len(lay.merged)
+    masks = variants.masks_ZOWAE   # every masked variant's: the pruning variants, then the merges' shrunk forms
+    kth = kth_values(cfg)(one["logits_held"], one["bias"], masks)
     rel_all, rel_per_token = to_host(jax.block_until_ready(stage_two(cfg)(
-        one["logits_held"], one["bias"], variants.masks_ZOWAE[..., :n_pruned, :], f_held=one.get("f_held"),
+        one["logits_held"], one["bias"], masks, kth, f_held=one.get("f_held"),
         w1=stacked["w1"], w2=stacked["w2"], x_held=stacked["x_held"])))
     rel_median = np.median(rel_per_token, axis=-1)
     merge_per_token = y_sq = idx_held = gate_held = None
     merged_pairs = 0
     if lay.n_mapped:
         err_sum, merge_per_token, y_sq, idx_held, gate_held, n_pairs = to_host(jax.block_until_ready(
-            stage_merges(cfg)(one["f_held"], one["logits_held"], one["bias"], variants.masks_ZOWAE[..., n_pruned:, :],
-                              variants.rows_ZOWAE, None if variants.merged is None else stacked["x_held"],
-                              variants.merged)))
+            stage_merges(cfg)(one["f_held"], one["logits_held"], one["bias"], masks, kth, variants.rows_ZOWAE,
+                              None if variants.merged is None else stacked["x_held"], variants.merged)))
         rel_all = np.concatenate([rel_all, err_sum[..., :2 * n_merged] / y_sq.sum(axis=-1)[..., None]], axis=-1)
         merge_median = np.median(merge_per_token[..., :2 * n_merged, :], axis=-1)
         rel_median = np.concatenate([rel_median, merge_median], axis=-1)

@@ -29,9 +29,11 @@ def _with_unpruned(masks_AE):
 
 
 @functools.lru_cache(maxsize=8)
-def _kth_values(cfg: Toy3Config):
+def kth_values(cfg: Toy3Config):
     """A jitted function (logits [Z, O, T, E], bias [Z, O, W, E], masks [Z, O, W, A, E]) -> each held-out
-    token's K-th largest biased score s + bias under the full layer and every mask [Z, O, W, 1 + A, T]."""
+    token's K-th largest biased score s + bias under the full layer and every mask [Z, O, W, 1 + A, T].
+    The job calls it once for every masked variant (`Layout.n_masked`: the pruning variants, then
+    the merges' shrunk forms), and both programs of stage two read their part: one compilation."""
     import jax
     import jax.numpy as jnp
 
@@ -47,26 +49,28 @@ def _kth_values(cfg: Toy3Config):
     return kth_values
 
 
-def _compile_kth_values(cfg: Toy3Config, n_seeds: int, n_masks: int) -> tuple:
-    """Compile `_kth_values(cfg)` for a batch of n_seeds seeds and n_masks masks from the shapes
-    alone; returns the specs (logits, bias, masks, kth) the programs after it are compiled for."""
+def _compile_kth_values(cfg: Toy3Config, n_seeds: int) -> tuple:
+    """Compile `kth_values(cfg)` for a batch of n_seeds seeds and every masked variant from the
+    shapes alone; returns the specs (logits, bias, masks, kth) the programs after it are compiled for."""
     import jax
     import jax.numpy as jnp
 
     O, W, T, E = len(cfg.offsets), len(cfg.loads), cfg.n_heldout, cfg.n_experts
     logits = jax.ShapeDtypeStruct((n_seeds, O, T, E), jnp.float32)
     bias = jax.ShapeDtypeStruct((n_seeds, O, W, E), jnp.float32)
-    masks = jax.ShapeDtypeStruct((n_seeds, O, W, n_masks, E), jnp.bool_)
-    kth_values = _kth_values(cfg)
-    kth_values.lower(logits, bias, masks).compile()
-    return logits, bias, masks, jax.eval_shape(kth_values, logits, bias, masks)
+    masks = jax.ShapeDtypeStruct((n_seeds, O, W, layout(cfg).n_masked, E), jnp.bool_)
+    kth = kth_values(cfg)
+    kth.lower(logits, bias, masks).compile()
+    return logits, bias, masks, jax.eval_shape(kth, logits, bias, masks)
 
 
 @functools.lru_cache(maxsize=8)
 def stage_two(cfg: Toy3Config):
     """Route the held-out tokens under every kept set and measure the error of each variant.
-    Returns a function (logits_held, bias, masks, f_held=None, w1=None, w2=None, x_held=None) ->
-    (all-token relative error [..., A], per-token relative errors [..., A, T]); the median is taken
+    Returns a function (logits_held, bias, masks, kth, f_held=None, w1=None, w2=None, x_held=None) ->
+    (all-token relative error [..., A], per-token relative errors [..., A, T]) of the pruning
+    variants, A of them; masks [..., n_masked, E] are every masked variant's and kth
+    (`kth_values`) their K-th values, of which it reads the pruning variants'. The median is taken
     on the host (numpy's partition-based median is far cheaper than a sort per variant on the device).
     Without the held-out table f_held (when the merges did not need stage one to make it whole,
     `merges_read_table`), each (seed, offset)'s table is made here from the experts w1, w2 [Z, ...]
@@ -74,9 +78,10 @@ def stage_two(cfg: Toy3Config):
     whole one was 786 MB of fresh memory for every run.
 
     Routing is `route`'s choice computed without `lax.top_k` (moejax/moe/topk.py, tested equal):
-    one jitted call finds each token's K-th largest biased score under every mask, a second reads
-    off the chosen experts and combines their outputs from the held-out table. (Two calls, so the
-    K-th values are materialised; fused into their consumer XLA recomputes them per expert.)
+    one jitted call finds each token's K-th largest biased score under every mask (`kth_values`),
+    a second reads off the chosen experts and combines their outputs from the held-out table. (Two
+    calls, so the K-th values are materialised; fused into their consumer XLA recomputes them per
+    expert.)
     The unpruned layer is routed the same way, as variant 0, so a variant that routes every token
     as the full layer does has an error of exactly zero.
 
@@ -112,11 +117,12 @@ def stage_two(cfg: Toy3Config):
         y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
         return err_sq_AT.sum(axis=-1) / y_sq_T.sum(), err_sq_AT / y_sq_T
 
-    kth_values = _kth_values(cfg)
+    n_pruned = len(layout(cfg).pruned)
 
     @jax.jit
     def errors(logits, bias, masks, kth, f, w1, w2, x):
         n_offsets = logits.shape[1]
+        masks, kth = masks[..., :n_pruned, :], kth[..., :1 + n_pruned, :]   # the full layer and the pruning variants
 
         def seed_offset(args):
             i, logits_TE, bias_WE, masks_WAE, kth_WAT, f_ETD, x_TD = args
@@ -130,10 +136,10 @@ def stage_two(cfg: Toy3Config):
         rel, per_token = jax.lax.map(seed_offset, (jnp.arange(lead[0] * lead[1]), *flat))
         return rel.reshape(*lead, *rel.shape[1:]), per_token.reshape(*lead, *per_token.shape[1:])
 
-    def run(logits, bias, masks, f_held=None, w1=None, w2=None, x_held=None):
+    def run(logits, bias, masks, kth, f_held=None, w1=None, w2=None, x_held=None):
         if f_held is not None:
             w1 = w2 = x_held = None
-        return errors(logits, bias, masks, kth_values(logits, bias, masks), f_held, w1, w2, x_held)
+        return errors(logits, bias, masks, kth, f_held, w1, w2, x_held)
 
     def compile_for(n_seeds: int) -> None:
         """Compile both programs for a batch of n_seeds seeds, from the shapes alone (`run`'s calls
@@ -143,7 +149,7 @@ def stage_two(cfg: Toy3Config):
         def f32(*shape):
             return jax.ShapeDtypeStruct((n_seeds, *shape), jnp.float32)
 
-        logits, bias, masks, kth = _compile_kth_values(cfg, n_seeds, len(layout(cfg).pruned))
+        logits, bias, masks, kth = _compile_kth_values(cfg, n_seeds)
         table = (f32(O, E, T, D), None, None, None) if merges_read_table(cfg) else (
             None, f32(E, D, F), f32(E, F, D), f32(O, T, D))
         errors.lower(logits, bias, masks, kth, *table).compile()
@@ -174,13 +180,14 @@ def merged_capacity(n_rows: int, n_tokens: int, share: float) -> int:
 def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
     """The merges' variants, as `stage_two` evaluates the pruning ones: route the held-out tokens,
     compute the merged experts on the tokens that reach them and measure each variant's error.
-    Returns a function (f_held, logits_held, bias, masks, rows, x_held, merged) -> (sum_t
+    Returns a function (f_held, logits_held, bias, masks, kth, rows, x_held, merged) -> (sum_t
     ||y'_t - y_t||^2 [..., A], per-token relative errors ||y'_t - y_t||^2 / ||y_t||^2 [..., A, T],
     ||y_t||^2 [..., T], the full layer's routing, experts and gates [..., T, K], and the merged
     (row, token) pairs computed [...]).
 
-    A variant is an expert map. The merges' shrunk forms are routed under their masks
-    [..., n_shrunk, E] (`kth_values` as in `stage_two`); the rest (tied forms, Eq. 6 pairs) keep
+    A variant is an expert map. The merges' shrunk forms are routed under their masks (masks,
+    kth: every masked variant's, as `stage_two` takes them; it reads the shrunk forms', after the
+    pruning variants'); the rest (tied forms, Eq. 6 pairs) keep
     every slot, so they take the full layer's routing. rows [..., A, E]: the row of the table
     [E + W * n_slots, T, D] that each slot computes with: the layer's own experts (f_held), then
     each load's merged experts (merged: {"w1": [..., W, n_slots, D, F], "w2": ...}, None when there
@@ -209,10 +216,9 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
 
     router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
     lay = layout(cfg)
-    n_shrunk = len(lay.merged)
+    n_pruned, n_shrunk = len(lay.pruned), len(lay.merged)
     n_merged_rows = len(cfg.loads) * lay.n_slots
     n_blocks = merged_capacity(n_merged_rows, cfg.n_heldout, share)
-    kth_values = _kth_values(cfg)
 
     # per load ([W, ...] biases, masks, K-th values, rows; logits shared): every variant's slots
     # [A, T, K], their table rows and gates, and the full layer's routing
@@ -238,6 +244,10 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
 
     @jax.jit
     def errors(f, logits, bias, masks, kth, rows, x, merged):
+        # the shrunk forms' masks, and the K-th values of the full layer and the shrunk forms
+        masks = masks[..., n_pruned:, :]
+        kth = jnp.concatenate([kth[..., :1, :], kth[..., 1 + n_pruned:, :]], axis=-2)
+
         def seed_offset(args):
             f_ETD, x_TD, merged_W, logits_TE, *per_load = args
             row_WATK, gate_v_WATK, idx_WTK, gate_WTK = route(logits_TE, *per_load)
@@ -265,11 +275,10 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
         out = jax.lax.map(seed_offset, flat)
         return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
 
-    def run(f, logits, bias, masks, rows, x=None, merged=None):
-        kth = kth_values(logits, bias, masks)
+    def run(f, logits, bias, masks, kth, rows, x=None, merged=None):
         *out, overflow = errors(f, logits, bias, masks, kth, rows, x, merged)
         if share < 1 and np.any(jax.device_get(overflow)):   # more pairs than the capacity: all of them
-            return stage_merges(cfg, 1.0)(f, logits, bias, masks, rows, x, merged)
+            return stage_merges(cfg, 1.0)(f, logits, bias, masks, kth, rows, x, merged)
         return tuple(out)
 
     def compile_for(n_seeds: int) -> None:
@@ -281,7 +290,7 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
         def spec(dtype, *shape):
             return jax.ShapeDtypeStruct((n_seeds, *shape), dtype)
 
-        logits, bias, masks, kth = _compile_kth_values(cfg, n_seeds, n_shrunk)
+        logits, bias, masks, kth = _compile_kth_values(cfg, n_seeds)
         merged = {"w1": spec(jnp.float32, O, W, lay.n_slots, D, F),
                   "w2": spec(jnp.float32, O, W, lay.n_slots, F, D)} if lay.n_slots else None
         errors.lower(spec(jnp.float32, O, E, T, D), logits, bias, masks, kth, spec(jnp.int32, O, W, lay.n_mapped, E),
