@@ -35,7 +35,7 @@ def hc_smoe_clusters(mean_output_ED, keep: int, method: str = "average", seed: i
     mean_output_ED: each expert's mean output f_j(x) over *all* calibration tokens (not only those
     routed to it), float64. method "average": agglomerative clustering, Euclidean distance, average
     linkage (the paper's method): `scipy.cluster.hierarchy.linkage(method="average")` cut at `keep`
-    clusters (`cut_tree`). scipy merges the closest pair of clusters first; its order among exactly
+    clusters (`_cut`). scipy merges the closest pair of clusters first; its order among exactly
     equal distances is scipy's own (deterministic for a given input), not an index rule. method
     "kmeans": `scipy.cluster.vq.kmeans2` (k-means++ seeding from `seed`), what the public HC-SMoE
     scripts silently fall back to through a misspelled option; offered by name, never by default."""
@@ -49,12 +49,25 @@ def hc_smoe_clusters(mean_output_ED, keep: int, method: str = "average", seed: i
     if method == "average":
         if keep == E:
             return np.arange(E)
-        tree = hierarchy.linkage(x, method="average", metric="euclidean")
-        return canonical_labels(hierarchy.cut_tree(tree, n_clusters=keep)[:, 0])
+        return _cut(hierarchy.linkage(x, method="average", metric="euclidean"), keep)
     if method == "kmeans":
         _, labels = vq.kmeans2(x, keep, minit="++", seed=np.random.default_rng(seed))
         return canonical_labels(labels)
     raise ConfigError(f"hc_smoe: method={method!r}; expected one of {HC_SMOE_METHODS}")
+
+
+def _cut(tree, keep: int) -> np.ndarray:
+    """The clusters [E] after a linkage's first E - keep merges (what `scipy.cluster.hierarchy.cut_tree`
+    returns for n_clusters=keep; it took 4.6 ms a call on 64 experts, this 0.1 ms), labels by
+    lowest member. Cluster E + i is the one merge i of `tree` made."""
+    n_leaves = len(tree) + 1
+    members = {e: [e] for e in range(n_leaves)}
+    for i, (a, b) in enumerate(np.asarray(tree[:n_leaves - keep, :2], np.int64).tolist()):
+        members[n_leaves + i] = members.pop(a) + members.pop(b)
+    labels = np.empty(n_leaves, np.int64)
+    for c, group in enumerate(members.values()):
+        labels[group] = c
+    return canonical_labels(labels)
 
 
 def m_smoe_groups(router_logits_TE, counts_E, keep: int) -> np.ndarray:

@@ -160,10 +160,12 @@ def stage_two(cfg: Toy3Config):
 
 # The merged experts' table rows are computed only for the (row, token) pairs some variant reads
 # (`grouped.sparse_output_table`), in blocks of MERGED_BLOCK_ROWS, into a buffer sized for
-# MERGED_SHARE of the whole table: at toy3's defaults the variants read 17-19% of it (the pairs
-# whose token routes to a member of the row's cluster), and 256-row blocks ran fastest. A batch
-# that needs more is computed again at full capacity (`stage_merges`' run): slower, never wrong.
-MERGED_SHARE = 0.3
+# MERGED_SHARE of the whole table, plus a block per row for its padding: at toy3's defaults the
+# variants read 17-19% of it (the pairs whose token routes to a member of the row's cluster); each
+# 0.1 of share the buffer holds costs about 0.2 s of the merges' program even where it is skipped,
+# and 256-row blocks ran fastest. A batch that needs more is computed again at full capacity
+# (`stage_merges`' run): slower, never wrong.
+MERGED_SHARE = 0.25
 MERGED_BLOCK_ROWS = 256
 
 
