@@ -29,7 +29,6 @@ import math
 import os
 from pathlib import Path
 
-import pandas as pd
 from tqdm import tqdm
 
 from moejax.errors import ConfigError
@@ -230,6 +229,8 @@ def task_rows(results: dict, variant: dict) -> list[dict]:
 
 
 def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
+    import pandas as pd
+
     from lm_eval import evaluator
 
     from moejax.evaluation.lm_eval import MoejaxLM

@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from moejax.data import Tokenizer, pack, text_files
 from moejax.errors import ConfigError
@@ -212,6 +211,8 @@ def run(cfg: PruneRealConfig, progress=None, job_dir=None):
 def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
     """(tidy DataFrame, evaluate_pruning's info with every variant's plan and kept sets, timings);
     merged_weights: merges' plans keep their merged experts (evaluate_pruning)."""
+    import pandas as pd
+
     import jax.numpy as jnp
 
     from moejax.evaluation.carried import evaluate_pruning
@@ -336,6 +337,8 @@ def rerouted_as_form(df):
 
 
 def summary_table(df):
+    import pandas as pd
+
     df = rerouted_as_form(df)
     ppl = df[(df.metric == "perplexity") & (df.text == "all")]
     base = ppl[ppl["form"] == "none"]["value"]

@@ -6,12 +6,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import pandas as pd
-
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig
-from moejax.scoring.score_checkpoint import score_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +47,8 @@ def settings_from(cfg: dict) -> dict:
 
 def run(cfg: ScoreConfig, progress=None, job_dir=None):
     t0 = time.perf_counter()
+    from moejax.scoring.score_checkpoint import score_checkpoint   # the scoring stack, when a job runs
+
     df = score_checkpoint(cfg.path, text=list(cfg.text) or None, tokens=cfg.tokens, seq_len=cfg.seq_len,
                           max_tokens=cfg.max_tokens, scores=None if cfg.scores is None else list(cfg.scores),
                           batch_size=cfg.batch_size,
@@ -62,6 +61,8 @@ def summary_title(cfg: ScoreConfig) -> str:
 
 
 def summary_table(df):
+    import pandas as pd
+
     ranks = df.assign(rank=df.groupby(["layer", "score"])["value"].rank())
     wide = ranks.pivot_table(index=["layer", "expert"], columns="score", values="rank")
     if "frequency" not in wide:

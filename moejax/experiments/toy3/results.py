@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-import pandas as pd
 
 from moejax.experiments.toy3.config import Toy3Config
 from moejax.experiments.toy3.eq6 import eq6_metrics
@@ -81,7 +80,10 @@ def error_rows(cfg: Toy3Config, lay: Layout, seeds, pairs: dict, measured: Measu
 
 
 def to_frame(rows: list[dict]):
-    """The tidy table (pandas), keep as a nullable integer."""
+    """The tidy table (pandas), keep as a nullable integer. (pandas imported here: the job imports it
+    on a second thread while stage one runs, `job._import_in_background`, not before the job.)"""
+    import pandas as pd
+
     df = pd.DataFrame(rows, columns=COLUMNS)
     df["keep"] = df["keep"].astype("Int64")
     return df
