@@ -181,3 +181,19 @@ def test_stage_two_compiled_ahead_is_what_the_job_calls(caplog):
     # stage_two's and stage_merges' programs, and the K-th values (every masked variant's, once) and
     # the held-out table (`held_table`) they read
     assert counts == {"errors": 2, "kth_values": 1, "tabulate": 1}, done
+
+
+def test_a_job_in_a_fresh_interpreter():
+    """`toy3.run` called right after importing toy3, JAX not yet imported: the job's background
+    imports (`job._import_in_background`) must not race the main thread into JAX's circular imports
+    (importing moejax's merging modules there deadlocked jax.numpy's import, or left `jax` half
+    imported, in every such run)."""
+    import subprocess
+    import sys
+
+    code = ("import moejax.experiments.toy3 as t\n"
+            "df, _ = t.run(t.Toy3Config(seeds=1, n_calib=300, n_heldout=200, balance_steps=5, keep=(16,), "
+            "eq6_pairs=2, offsets=('ones',)))\n"
+            "print('rows', len(df))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "rows " in out.stdout, out.stderr[-3000:]

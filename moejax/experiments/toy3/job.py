@@ -43,9 +43,10 @@ def run(cfg: Toy3Config, progress=None, job_dir=None):
 
 def _run_batches(cfg: Toy3Config, progress=None):
     lay = layout(cfg)
-    # for the host step's merges (0.4 s) and the results table at the end (0.7 s)
-    _import_in_background("moejax.merging.layer", "scipy.cluster.hierarchy", "scipy.optimize", "pandas",
-                          "pyarrow.parquet")
+    import jax  # noqa: F401  before the background imports: see _import_in_background
+
+    # scipy's clustering and assignment for the host step's merges, pandas and pyarrow for the results
+    _import_in_background("scipy.cluster.hierarchy", "scipy.optimize", "pandas", "pyarrow.parquet")
     all_seeds = np.arange(cfg.seed, cfg.seed + cfg.seeds)
     batches = [all_seeds[i:i + cfg.seed_batch] for i in range(0, len(all_seeds), cfg.seed_batch)]
     rows, timings = [], {"stage_one_s": 0.0, "host_s": 0.0, "stage_two_s": 0.0, "merged_pairs": 0}
@@ -120,11 +121,13 @@ def _measure(cfg: Toy3Config, lay: Layout, one: dict, stacked: dict, variants: B
 
 
 def _import_in_background(*names: str) -> None:
-    """Import modules that the job needs only after stage one on a second thread: the merges'
-    modules and scipy's clustering for the host step, pandas and pyarrow for the results, about 1 s
-    in all, then load while XLA compiles and runs stage one, which release the GIL, instead of
-    before the job starts or on the host step's path. A failed import is left for the main
-    thread's own import to raise."""
+    """Import modules that the job needs only after stage one on a second thread (about 0.8 s in
+    all): they load while XLA compiles and runs stage one, which release the GIL, instead of before
+    the job starts or on the host step's path. Only third-party modules that neither import JAX nor
+    are imported by stage one's path, and only once JAX is imported: two threads importing into
+    the same circular imports (jax.numpy and jax._src.numpy) deadlock, which Python raises in one
+    of them (tests/test_toy3.py runs a job in a fresh interpreter). A failed import is left for
+    the main thread's own import to raise."""
     missing = [name for name in names if name not in sys.modules]
 
     def work():
