@@ -32,6 +32,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import old_source  # noqa: E402
 
 SCORES = ["frequency", "reap", "ean", "w_mean", "bias", "signed", "l1", "random"]
 KEEPS = [0.5, 0.25]
@@ -258,11 +261,7 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
     vocab = PRESETS["moonlight-16b-a3b"]["vocab_size"]
     with tempfile.TemporaryDirectory(dir=os.environ.get("MOEJAX_BENCH_DIR")) as tmp:
         tmp = Path(tmp)
-        old_src = tmp / "old"
-        old_src.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", old_ref, "moejax", "conf"], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(old_src)], input=archive, check=True)
+        old_src = old_source(old_ref, tmp)
         rng = np.random.default_rng(1)
         ids = {name: tmp / f"{name}.npy" for name in ("calib", "a", "b")}
         for name, n in (("calib", calib_seqs), ("a", held_seqs), ("b", held_seqs)):

@@ -2,6 +2,7 @@
 
     python scripts/bench_toy3.py                 # the full run: seeds=8, 6,000 + 6,000 tokens, 300 steps
     python scripts/bench_toy3.py --seeds 2 --skip-loop   # quicker
+    python scripts/bench_toy3.py --targets --repeat 5 --old-ref REF   # issue 30's toy3 targets, before and after
 
 Prints, all measured in this run on this machine, against two numpy baselines: the vectorised
 one (`vec_toy3`: batched over seeds, tokens and variants, a partition for the top-k, one matmul per
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _timing import best_of  # noqa: E402
+from _timing import best_of, old_source  # noqa: E402
 # the plain numpy implementation (SPEC sections 1-4), written from the definitions: the tests' reference
 from toy3_reference import np_balance, np_keep_mask, np_route, np_routed_output, np_scores, numpy_toy3  # noqa: E402
 
@@ -275,25 +276,28 @@ def numpy_steady(p: dict, repeat: int) -> None:
     print(json.dumps(out))
 
 
-def _run_process(cmd, env) -> tuple[float, str]:
+def _run_process(cmd, env, cwd: Path = ROOT) -> tuple[float, str]:
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = subprocess.run(cmd, env=env, cwd=cwd, check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return time.perf_counter() - t0, out.stdout
 
 
-def cold_moejax(seeds: int, out_dir: Path, *overrides: str) -> float:
+def cold_moejax(seeds: int, out_dir: Path, *overrides: str, source: Path = ROOT) -> float:
     """Seconds of the whole `python -m moejax.run experiment=toy3 seeds=N [overrides]` process from a
     cold start: no persistent compilation cache, so every function compiles. The baselines'
-    comparison passes "toy.merges=[]", "toy.eq6_pairs=0" (pruning only, as the numpy baselines)."""
+    comparison passes "toy.merges=[]", "toy.eq6_pairs=0" (pruning only, as the numpy baselines).
+    source: the code to run (this checkout, or an older commit's, `old_source`), also the working
+    directory (`python -m` puts it first on the path, before PYTHONPATH)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env.update(MOEJAX_JAX_CACHE="", MOEJAX_OUT=str(out_dir), PYTHONPATH=str(ROOT))
-    return _run_process([sys.executable, "-m", "moejax.run", "experiment=toy3", f"seeds={seeds}", *overrides], env)[0]
+    env.update(MOEJAX_JAX_CACHE="", MOEJAX_OUT=str(out_dir), PYTHONPATH=str(source))
+    cmd = [sys.executable, "-m", "moejax.run", "experiment=toy3", f"seeds={seeds}", *overrides]
+    return _run_process(cmd, env, cwd=source)[0]
 
 
-def cold_default(seeds: int, out_dir: Path) -> tuple[float, dict]:
+def cold_default(seeds: int, out_dir: Path, source: Path = ROOT) -> tuple[float, dict]:
     """The first command a user runs, with every default (merges and the Eq. 6 check on), cold:
     (the whole process's seconds, the job's own timings.json)."""
-    wall = cold_moejax(seeds, out_dir)
+    wall = cold_moejax(seeds, out_dir, source=source)
     return wall, json.loads(next(out_dir.glob("outputs/*/*/timings.json")).read_text())
 
 
@@ -327,17 +331,27 @@ def toy3_flops(cfg, merged_pairs: int | None = None) -> dict:
     return parts
 
 
-def targets(seeds: int, repeat: int, dense: float) -> None:
+def targets(seeds: int, repeat: int, dense: float, old_ref: str | None = None) -> None:
     """Issue 30's toy3 targets, with every default (merges and Eq. 6 on): the whole cold process
     (<= 10 s on an idle machine) and the compiled job's FLOP rate against the dense matmul rate of
-    this run (>= 50%)."""
+    this run (>= 50%). old_ref: also the cold process of that commit's code, in this environment,
+    its runs alternating with this checkout's (a slow spell of the machine lands on both)."""
     from moejax.experiments import toy3
 
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [cold_default(seeds, Path(tmp) / f"default{i}") for i in range(repeat)]
+        old = old_source(old_ref, Path(tmp)) if old_ref else None
+        runs, old_runs = [], []
+        for i in range(repeat):
+            if old is not None:
+                old_runs.append(cold_default(seeds, Path(tmp) / f"old{i}", source=old)[0])
+            runs.append(cold_default(seeds, Path(tmp) / f"default{i}"))
     wall, timings = min(runs, key=lambda r: r[0])
+    if old_runs:
+        print(f"\nbefore ({old_ref}, the same environment), cold: {', '.join(f'{w:.2f}' for w in old_runs)} s; "
+              f"median {np.median(old_runs):.2f} s")
     print(f"\nthe first command, `python -m moejax.run experiment=toy3 seeds={seeds}` (merges and Eq. 6 on), cold: "
-          f"{', '.join(f'{w:.2f}' for w, _ in runs)} s (target <= 10 s); the best run's job "
+          f"{', '.join(f'{w:.2f}' for w, _ in runs)} s, median {np.median([w for w, _ in runs]):.2f} s "
+          f"(target <= 10 s); the best run's job "
           f"{timings['total_s']:.2f} s (stage one {timings['stage_one_s']:.2f}, host {timings['host_s']:.2f}, "
           f"stage two {timings['stage_two_s']:.2f}: compilation included), so {wall - timings['total_s']:.2f} s "
           f"before and after it (interpreter, imports, Hydra, writing)")
@@ -392,6 +406,7 @@ def main():
     ap.add_argument("--skip-loop", action="store_true", help="leave out the per-expert-loop baseline (~90 s)")
     ap.add_argument("--targets", action="store_true", help="issue 30's targets only: the default (merges on) run, cold "
                     "and compiled, and its FLOP rate")
+    ap.add_argument("--old-ref", help="--targets: also time the cold run of this git ref's code (before/after)")
     ap.add_argument("--numpy-process", choices=("vectorised", "loop"), help=argparse.SUPPRESS)
     ap.add_argument("--numpy-steady", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
@@ -402,7 +417,7 @@ def main():
     if args.numpy_steady:
         return numpy_steady(json.loads(args.settings), args.repeat)
     if args.targets:
-        return targets(args.seeds, args.repeat, dense_rate())
+        return targets(args.seeds, args.repeat, dense_rate(), args.old_ref)
 
     import pandas as pd
 
