@@ -259,6 +259,6 @@ def test_sparse_output_table_computes_the_selected_pairs_of_the_table():
         out = run(x, jnp.asarray(selected), w, fn, n_blocks, block_rows, group_blocks)
         r, t = np.nonzero(selected)
         assert not bool(out.overflow)
-        np.testing.assert_allclose(np.asarray(out.rows_PD)[np.asarray(out.pos_RT)[r, t]], table[r, t],
+        np.testing.assert_allclose(np.asarray(out.rows_MD)[np.asarray(out.pos_ET)[r, t]], table[r, t],
                                    rtol=1e-6, atol=1e-5)
     assert bool(run(x, jnp.asarray(selected), w, fn, needed - 1, block_rows, 1).overflow)

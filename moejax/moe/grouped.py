@@ -70,59 +70,59 @@ def all_expert_outputs(x_TD: jax.Array, weights: dict, expert_fn: ExpertFn) -> j
 
 
 class SelectedOutputs(NamedTuple):
-    """`sparse_output_table`'s result: the selected pairs' outputs rows_PD [P, D], pair (r, t) at
-    row pos_RT[r, t] (meaningful where selected), and whether the selection overflowed the capacity
+    """`sparse_output_table`'s result: the selected pairs' outputs rows_MD [M, D], pair (e, t) at
+    row pos_ET[e, t] (meaningful where selected), and whether the selection overflowed the capacity
     (then rows past it were never computed, and the result must not be read)."""
 
-    rows_PD: jax.Array
-    pos_RT: jax.Array
+    rows_MD: jax.Array
+    pos_ET: jax.Array
     overflow: jax.Array
 
 
-def full_capacity_blocks(n_rows: int, n_tokens: int, block_rows: int) -> int:
+def full_capacity_blocks(n_experts: int, n_tokens: int, block_rows: int) -> int:
     """The blocks `sparse_output_table` needs when every pair is selected (it never overflows)."""
-    return n_rows * -(-n_tokens // block_rows)
+    return n_experts * -(-n_tokens // block_rows)
 
 
-def sparse_output_table(x_TD: jax.Array, selected_RT: jax.Array, weights: dict, expert_fn: ExpertFn,
+def sparse_output_table(x_TD: jax.Array, selected_ET: jax.Array, weights: dict, expert_fn: ExpertFn,
                         n_blocks: int, block_rows: int, group_blocks: int = 16) -> SelectedOutputs:
-    """f_r(x_t) for the (row, token) pairs `selected_RT` marks, and no other: what
+    """f_e(x_t) for the (expert, token) pairs `selected_ET` marks, and no other: what
     `expert_output_table` computes, where most of the table would go unread.
 
-    Each row's selected tokens, in token order, are padded to whole blocks of `block_rows`; the
-    blocks go one after another, row by row, into a buffer of `n_blocks` blocks (a static
+    Each expert's selected tokens, in token order, are padded to whole blocks of `block_rows`; the
+    blocks go one after another, expert by expert, into a buffer of `n_blocks` blocks (a static
     capacity: the selection is data, rounded up to whole groups of `group_blocks`). Each group of
-    blocks is one batched matmul, every block with its row's weights (gathered per block, as the
+    blocks is one batched matmul, every block with its expert's weights (gathered per block, as the
     sorted backend's small experts are); groups past the last used block are skipped. Selections
     needing more blocks than n_blocks overflow: `overflow` says so, and the caller computes again
     with more (`full_capacity_blocks` always suffices)."""
-    n_rows, n_tokens = selected_RT.shape
+    n_experts, n_tokens = selected_ET.shape
     n_groups = -(-n_blocks // group_blocks)
     capacity = n_groups * group_blocks * block_rows
-    sizes_R = jnp.sum(selected_RT, axis=1, dtype=jnp.int32)
-    padded_R = -(-sizes_R // block_rows) * block_rows
-    ends_R = jnp.cumsum(padded_R)
-    pos_RT = (ends_R - padded_R)[:, None] + jnp.cumsum(selected_RT, axis=1, dtype=jnp.int32) - 1
-    token_P = jnp.zeros((capacity,), jnp.int32).at[jnp.where(selected_RT, pos_RT, capacity)].set(
-        jnp.broadcast_to(jnp.arange(n_tokens, dtype=jnp.int32), (n_rows, n_tokens)), mode="drop")
-    block_row_Y = jnp.minimum(jnp.searchsorted(ends_R, jnp.arange(n_groups * group_blocks, dtype=jnp.int32)
-                                               * block_rows, side="right"), n_rows - 1)
+    sizes_E = jnp.sum(selected_ET, axis=1, dtype=jnp.int32)
+    padded_E = -(-sizes_E // block_rows) * block_rows
+    ends_E = jnp.cumsum(padded_E)
+    pos_ET = (ends_E - padded_E)[:, None] + jnp.cumsum(selected_ET, axis=1, dtype=jnp.int32) - 1
+    token_M = jnp.zeros((capacity,), jnp.int32).at[jnp.where(selected_ET, pos_ET, capacity)].set(
+        jnp.broadcast_to(jnp.arange(n_tokens, dtype=jnp.int32), (n_experts, n_tokens)), mode="drop")
+    starts_Y = jnp.arange(n_groups * group_blocks, dtype=jnp.int32) * block_rows
+    block_expert_Y = jnp.minimum(jnp.searchsorted(ends_E, starts_Y, side="right"), n_experts - 1)
     group_rows = group_blocks * block_rows
     out = jax.eval_shape(lambda w: expert_fn(_matmul, w, x_TD[:1]), jax.tree.map(lambda w: w[0], weights))
     skip = jnp.zeros((group_blocks, block_rows, out.shape[-1]), out.dtype)
 
     def group(args):  # one group of blocks, its inputs gathered as it runs
-        g, token_M, block_row_G = args
+        g, token_M, block_expert_Y = args
 
         def compute():
-            x_GMD = x_TD[token_M].reshape(group_blocks, block_rows, -1)
-            return expert_fn(_gathered_block_linear(block_row_G), weights, x_GMD)
+            x_YMD = x_TD[token_M].reshape(group_blocks, block_rows, -1)
+            return expert_fn(_gathered_block_linear(block_expert_Y), weights, x_YMD)
 
-        return jax.lax.cond(g * group_rows < ends_R[-1], compute, lambda: skip)
+        return jax.lax.cond(g * group_rows < ends_E[-1], compute, lambda: skip)
 
-    y = jax.lax.map(group, (jnp.arange(n_groups), token_P.reshape(n_groups, group_rows),
-                            block_row_Y.reshape(n_groups, group_blocks)))
-    return SelectedOutputs(y.reshape(capacity, -1), pos_RT, ends_R[-1] > capacity)
+    y = jax.lax.map(group, (jnp.arange(n_groups), token_M.reshape(n_groups, group_rows),
+                            block_expert_Y.reshape(n_groups, group_blocks)))
+    return SelectedOutputs(y.reshape(capacity, -1), pos_ET, ends_E[-1] > capacity)
 
 
 def _gathered_block_linear(block_expert_Y):

@@ -258,17 +258,17 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
             rows_MD, n_pairs = f_ETD.reshape(n_experts * n_tokens, d), jnp.zeros((), jnp.int32)
             overflow = jnp.zeros((), bool)
             if merged_W is not None:  # every load's merged experts, after the layer's own
-                merged_WT = row_WATK >= n_experts
-                selected_RT = jnp.zeros((n_merged_rows, n_tokens), bool).at[
-                    jnp.where(merged_WT, row_WATK - n_experts, n_merged_rows),
+                merged_WATK = row_WATK >= n_experts
+                selected_ET = jnp.zeros((n_merged_rows, n_tokens), bool).at[
+                    jnp.where(merged_WATK, row_WATK - n_experts, n_merged_rows),
                     jnp.broadcast_to(token_T1, row_WATK.shape)].set(True, mode="drop")
                 flat = {k: w.reshape(-1, *w.shape[2:]) for k, w in merged_W.items()}
-                out = sparse_output_table(x_TD, selected_RT, flat, relu_mlp, n_blocks, MERGED_BLOCK_ROWS)
-                at_merged = n_experts * n_tokens + out.pos_RT[jnp.where(merged_WT, row_WATK - n_experts, 0),
-                                                              jnp.broadcast_to(token_T1, row_WATK.shape)]
-                at_WATK = jnp.where(merged_WT, at_merged, at_WATK)
-                rows_MD = jnp.concatenate([rows_MD, out.rows_PD])
-                n_pairs, overflow = jnp.sum(selected_RT, dtype=jnp.int32), out.overflow
+                out = sparse_output_table(x_TD, selected_ET, flat, relu_mlp, n_blocks, MERGED_BLOCK_ROWS)
+                at_merged_WATK = n_experts * n_tokens + out.pos_ET[jnp.where(merged_WATK, row_WATK - n_experts, 0),
+                                                                   jnp.broadcast_to(token_T1, row_WATK.shape)]
+                at_WATK = jnp.where(merged_WATK, at_merged_WATK, at_WATK)
+                rows_MD = jnp.concatenate([rows_MD, out.rows_MD])
+                n_pairs, overflow = jnp.sum(selected_ET, dtype=jnp.int32), out.overflow
             return (*measure(rows_MD, at_WATK, gate_v_WATK), idx_WTK, gate_WTK, n_pairs, overflow)
 
         lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
