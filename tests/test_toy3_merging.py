@@ -358,7 +358,7 @@ def test_substitution_in_toy3_matches_numpy(run_new):
                     assert rel < value(df, load, "frequency", keep, "rel_error")
 
 
-def test_merged_pairs_past_the_capacity_are_computed_again_in_full(monkeypatch):
+def test_merged_pairs_past_the_capacity_are_computed_again_in_full(monkeypatch, caplog):
     """Stage two computes the merged experts only on the (row, token) pairs some variant reads, in
     a buffer sized for a share of the table (`MERGED_SHARE`); a batch needing more is computed
     again at full capacity, with the same results as a run that never overflowed."""
@@ -379,8 +379,12 @@ def test_merged_pairs_past_the_capacity_are_computed_again_in_full(monkeypatch):
     full = real(cfg, 1.0)(*args)
     assert shares == []
     for share in (stage_two.MERGED_SHARE, 0.0):
-        got = real(cfg, share)(*args)
+        with caplog.at_level("INFO", logger=stage_two.__name__):
+            got = real(cfg, share)(*args)
         for a, b in zip(got, full):
             np.testing.assert_array_equal(a, b)
     assert shares == [1.0]   # the share-0 buffer (padding only) overflowed, and only it
+    assert [r.getMessage() for r in caplog.records if "full capacity" in r.getMessage()] == [
+        "toy3: the merged experts' pairs overflowed a buffer for 0% of the table; computing them again at full "
+        "capacity (slower, the same results)"]
     assert 0 < int(np.sum(full[-1])) < 2 * lay.n_slots * cfg.n_heldout   # a part of the table

@@ -10,10 +10,13 @@ variant and measure its error against the full layer (SPEC section 3).
 from __future__ import annotations
 
 import functools
+import logging
 
 from moejax.experiments.toy3.config import Toy3Config
 from moejax.experiments.toy3.stage_one import merges_read_table
 from moejax.experiments.toy3.variants import layout
+
+log = logging.getLogger(__name__)
 
 
 def _flat_seed_offset(a):
@@ -279,6 +282,8 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
     def run(f, logits, bias, masks, kth, rows, x=None, merged=None):
         *out, overflow = errors(f, logits, bias, masks, kth, rows, x, merged)
         if share < 1 and np.any(jax.device_get(overflow)):   # more pairs than the capacity: all of them
+            log.info("toy3: the merged experts' pairs overflowed a buffer for %.0f%% of the table; computing "
+                     "them again at full capacity (slower, the same results)", 100 * share)
             return stage_merges(cfg, 1.0)(f, logits, bias, masks, kth, rows, x, merged)
         return tuple(out)
 
