@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from moejax.errors import ConfigError
 
@@ -67,8 +68,6 @@ def subsample_positions(n_valid: int, n: int, seed: int = 0) -> np.ndarray:
 def _sums(graphdef, state, x_TH, valid_T, ream: bool):
     """(G [E, E], sum_x f_j(x) [E, H], top-k counts [E], and with `ream` sum_x p_j(x) f_j(x) [E, H]
     (p = softmax of the raw logits over E), else None) of one batch of router inputs, in float32."""
-    from flax import nnx   # here, not at import: toy3's host step merges without any layer object
-
     moe = nnx.merge(graphdef, state)
     raw = moe.router_logits(x_TH)
     logits = raw * valid_T[:, None]
@@ -108,8 +107,6 @@ def merge_stats(moe, router_inputs, masks, ream: bool = False, ream_tokens: int 
     if ream and (isinstance(ream_tokens, bool) or not isinstance(ream_tokens, (int, np.integer)) or ream_tokens < 1):
         raise ConfigError(f"ream_tokens={ream_tokens!r}: expected an integer >= 1 (calibration tokens REAM's "
                           "neuron alignment samples)")
-    from flax import nnx
-
     graphdef, state = nnx.split(moe)
     E, H = moe.router.shape
     router_inputs = list(router_inputs)

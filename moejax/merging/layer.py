@@ -27,18 +27,21 @@ Router forms (`ExpertMap`):
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
 from moejax.errors import ConfigError
-from moejax.merging.calibration import MergeStats
 from moejax.merging.clusters import HC_SMOE, M_SMOE, canonical_labels, cluster_leaders  # noqa: F401 (cluster_leaders: the leader rule)
 from moejax.merging.average import layer_dtype, merge_weights
 from moejax.merging.method import Averaging, MergeContext
 from moejax.merging.ream import GROUP_SIZE, REAM
 from moejax.moe.expert_map import ExpertMap
 from moejax.variants.spec import ROUTER_FORMS
+
+if TYPE_CHECKING:   # the statistics' type only: computing them (JAX, flax) is the calibration pass's
+    from moejax.merging.calibration import MergeStats
 
 # The registry: every merge method, each a `moejax.merging.method.MergeMethod` defined beside its math.
 MERGE_METHODS = {m.name: m for m in (HC_SMOE, M_SMOE, REAM)}
