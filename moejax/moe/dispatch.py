@@ -98,8 +98,12 @@ def combine_from_table(gate_TK: jax.Array, expert_idx_TK: jax.Array, f_ETD: jax.
     """y_t = sum_k g_tk f[idx_tk, t], reading the pair outputs from a table of every expert's output
     (`moejax.moe.grouped.expert_output_table`, [E, T, D]). Leading axes of gate/idx (e.g. pruning variants) share it."""
     n_experts, n_tokens, d = f_ETD.shape
-    row_TK = expert_idx_TK * n_tokens + jnp.arange(n_tokens, dtype=expert_idx_TK.dtype)[:, None]
-    return combine_rows(gate_TK, row_TK, f_ETD.reshape(n_experts * n_tokens, d))
+    return combine_rows(gate_TK, table_rows(expert_idx_TK, n_tokens), f_ETD.reshape(n_experts * n_tokens, d))
+
+
+def table_rows(expert_idx_TK: jax.Array, n_tokens: int) -> jax.Array:
+    """The row of an expert table [E, T, D] flattened to [E * T, D] that holds f[idx_tk, t]."""
+    return expert_idx_TK * n_tokens + jnp.arange(n_tokens, dtype=expert_idx_TK.dtype)[:, None]
 
 
 def combine_rows(gate_TK: jax.Array, row_TK: jax.Array, rows_MD: jax.Array) -> jax.Array:

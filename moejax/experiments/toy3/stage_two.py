@@ -31,6 +31,24 @@ def _with_unpruned(masks_AE):
     return jnp.concatenate([jnp.ones_like(masks_AE[..., :1, :]), masks_AE], axis=-2)
 
 
+def _errors_against_reference(gate_ATK, row_ATK, rows_MD):
+    """(||y_a - y_0||^2 [A - 1, T], ||y_0||^2 [T]): every variant's output y_a, a >= 1, against
+    variant 0's, the full layer's, each read from the flat table of pair outputs rows_MD
+    (`combine_rows`) by the same code, so a variant that routes and computes a token as the full
+    layer does has an error of exactly zero. The reference is computed once and materialised (the
+    barrier); the variants' outputs go straight into their errors. (Sliced off all the variants'
+    outputs inside the errors' fusion, XLA recomputed the reference for every variant, 4x slower;
+    materialising every variant's output, [A, T, D], cost 0.5 s of the merges' 2.4 at toy3's defaults.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.moe.dispatch import combine_rows
+
+    y_TD = jax.lax.optimization_barrier(combine_rows(gate_ATK[0], row_ATK[0], rows_MD))
+    err_sq_AT = jnp.sum((combine_rows(gate_ATK[1:], row_ATK[1:], rows_MD) - y_TD) ** 2, axis=-1)
+    return err_sq_AT, jnp.sum(y_TD ** 2, axis=-1)
+
+
 @functools.lru_cache(maxsize=8)
 def kth_values(cfg: Toy3Config):
     """A jitted function (logits [Z, O, T, E], bias [Z, O, W, E], masks [Z, O, W, A, E]) -> each held-out
@@ -99,7 +117,7 @@ def stage_two(cfg: Toy3Config):
     import jax.numpy as jnp
 
     from moejax.models import toy_layer
-    from moejax.moe.dispatch import combine_from_table
+    from moejax.moe.dispatch import table_rows
     from moejax.moe.routing import gates
     from moejax.moe.topk import topk_indices_at_threshold
 
@@ -113,11 +131,9 @@ def stage_two(cfg: Toy3Config):
     def condition(f_ETD, s_TE, bias_E, masks_AE, kth_AT):
         idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
         gate_ATK = gates(s_TE, idx_ATK, router_cfg)
-        # the unpruned output in its own call: sliced off the variants' outputs, XLA
-        # recomputed it for every variant (4x slower)
-        y_TD = combine_from_table(gate_ATK[0], idx_ATK[0], f_ETD)
-        err_sq_AT = jnp.sum((combine_from_table(gate_ATK[1:], idx_ATK[1:], f_ETD) - y_TD) ** 2, axis=-1)
-        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+        n_experts, n_tokens, d = f_ETD.shape
+        err_sq_AT, y_sq_T = _errors_against_reference(gate_ATK, table_rows(idx_ATK, n_tokens),
+                                                      f_ETD.reshape(n_experts * n_tokens, d))
         return err_sq_AT.sum(axis=-1) / y_sq_T.sum(), err_sq_AT / y_sq_T
 
     n_pruned = len(layout(cfg).pruned)
@@ -201,20 +217,16 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
     (`grouped.sparse_output_table`, `MERGED_SHARE`): a token reaches a merged expert only through
     a member of its cluster, and the whole table cost 5.6x the FLOPs.
 
-    The batch of variants is led by the full layer (every slot its own row), its reference, read
-    from the same flat table by the same `combine_rows`: a variant that routes and computes a token
-    as the full layer does (a merge of singletons) has an error of exactly zero
-    (tests/test_toy3_merging.py checks it). The reference alone is materialised (the barrier), and
-    the variants' outputs go straight into their errors: materialising all of them, [W, A, T, D],
-    cost 0.5 s of the program's 2.4 at the defaults; unmaterialised, XLA recomputed the reference
-    for every variant.
+    The batch of variants is led by the full layer (every slot its own row), its reference
+    (`_errors_against_reference`): a merge of singletons has an error of exactly zero
+    (tests/test_toy3_merging.py checks it).
     """
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from moejax.models import toy_layer
-    from moejax.moe.dispatch import combine_rows, relu_mlp
+    from moejax.moe.dispatch import relu_mlp, table_rows
     from moejax.moe.grouped import sparse_output_table
     from moejax.moe.routing import gates
     from moejax.moe.topk import topk_indices_at_threshold
@@ -241,9 +253,7 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
 
     @functools.partial(jax.vmap, in_axes=(None, 0, 0))  # per load, the table shared
     def measure(rows_MD, at_ATK, gate_v_ATK):
-        y_TD = jax.lax.optimization_barrier(combine_rows(gate_v_ATK[0], at_ATK[0], rows_MD))
-        err_sq_AT = jnp.sum((combine_rows(gate_v_ATK[1:], at_ATK[1:], rows_MD) - y_TD) ** 2, axis=-1)
-        y_sq_T = jnp.sum(y_TD ** 2, axis=-1)
+        err_sq_AT, y_sq_T = _errors_against_reference(gate_v_ATK, at_ATK, rows_MD)
         return err_sq_AT.sum(axis=-1), err_sq_AT / y_sq_T, y_sq_T
 
     @jax.jit
@@ -257,7 +267,7 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
             row_WATK, gate_v_WATK, idx_WTK, gate_WTK = route(logits_TE, *per_load)
             n_experts, n_tokens, d = f_ETD.shape
             token_T1 = jnp.arange(n_tokens, dtype=row_WATK.dtype)[:, None]
-            at_WATK = row_WATK * n_tokens + token_T1   # the own experts' rows of the flat table
+            at_WATK = table_rows(row_WATK, n_tokens)   # the own experts' rows of the flat table
             rows_MD, n_pairs = f_ETD.reshape(n_experts * n_tokens, d), jnp.zeros((), jnp.int32)
             overflow = jnp.zeros((), bool)
             if merged_W is not None:  # every load's merged experts, after the layer's own
