@@ -160,10 +160,10 @@ def test_softmax_router_matches_numpy():
 
 
 def test_stage_two_compiled_ahead_is_what_the_job_calls(caplog):
-    """A cold job compiles stage two's programs (pruning and merges) on a second thread from the
-    shapes alone (`job._compile_ahead`); the job's own calls must then find them compiled: each
-    program compiles exactly once (a shape or dtype in `compile_for` that differs from the call's
-    compiles it a second time, on the main thread)."""
+    """A cold job compiles the held-out table's program and stage two's (the K-th values, the pruning
+    and the merges' programs) on a second thread from the shapes alone (`job._compile_ahead`); the
+    job's own calls must then find them compiled: each program compiles exactly once (a shape or
+    dtype in `compile_for` that differs from the call's compiles it a second time, on the main thread)."""
     import logging
 
     import jax

@@ -58,7 +58,7 @@ def hc_smoe_clusters(mean_output_ED, keep: int, method: str = "average", seed: i
 
 def _cut(tree, keep: int) -> np.ndarray:
     """The clusters [E] after a linkage's first E - keep merges (what `scipy.cluster.hierarchy.cut_tree`
-    returns for n_clusters=keep; it took 4.6 ms a call on 64 experts, this 0.1 ms), labels by
+    returns for n_clusters=keep: 1.5-4.6 ms a call on 64 experts, in Python loops; this 0.03 ms), labels by
     lowest member. Cluster E + i is the one merge i of `tree` made."""
     n_leaves = len(tree) + 1
     members = {e: [e] for e in range(n_leaves)}

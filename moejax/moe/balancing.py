@@ -71,6 +71,7 @@ def balance_bias(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: flo
     """
     *batch, n_tokens, n_experts = logits_BTE.shape
     logits_BTE = logits_BTE.reshape(-1, n_tokens, n_experts).astype(jnp.float32)
+
     def one_run(logits_TE):
         return _balance_runs(logits_TE[None], cfg, steps, rate, max_period)[0]
 
@@ -78,7 +79,8 @@ def balance_bias(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: flo
 
 
 def _balance_runs(logits_BTE: jax.Array, cfg: RouterConfig, steps: int, rate: float, max_period: int) -> jax.Array:
-    """`balance_bias` of runs [B, T, E] batched together: every run steps until all have stopped."""
+    """`balance_bias` of runs [B, T, E] stepped together until all have stopped (`balance_bias`
+    passes one run at a time)."""
     n_experts = logits_BTE.shape[-1]
     b0 = jnp.zeros(logits_BTE.shape[::2], jnp.float32)
 

@@ -122,6 +122,6 @@ def held_table(cfg: Toy3Config):
 
 def merges_read_table(cfg: Toy3Config) -> bool:
     """Whether the merges' variants or Eq. 6 need the whole held-out table [Z, O, E, T, D] (786 MB
-    at the full settings): then stage one tabulates it once for them and stage two; without merges
+    at the full settings): then `held_table` tabulates it once for them and stage two; without merges
     stage two tabulates each (seed, offset) in its loop, and the table is never whole."""
     return bool(cfg.merges) or cfg.eq6_pairs > 0 or bool(cfg.substitutes)
