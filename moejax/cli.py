@@ -120,6 +120,7 @@ def _read_layers_keep(path: str | None) -> dict | None:
 
 def _prune(args) -> None:
     from moejax.errors import ConfigError
+    from moejax.hf.io.staging import check_apart
     from moejax.hf.io.storage import require_local
     from moejax.surgery.prune import prune_checkpoint
 
@@ -130,6 +131,7 @@ def _prune(args) -> None:
         raise ConfigError("--text/--tokens are read by `moejax prune --substitute` only; to prune by a calibration "
                           "score, run `moejax score SRC --text ... --out scores.parquet` and pass --scores-file")
 
+    check_apart(args.dst, args.layers_keep, "DST")   # read before prune_checkpoint, which sees only its contents
     record = prune_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
         scores_file=args.scores_file, layers_keep=_read_layers_keep(args.layers_keep), group_aware=args.group_aware,

@@ -421,7 +421,7 @@ def test_failed_overwrite_keeps_the_old_folder(tmp_path):
 @pytest.mark.parametrize("relative_target", [".", "pruned", ".."])
 def test_protect_refuses_the_source_inside_or_around_it(tmp_path, relative_target):
     source = write_checkpoint(tmp_path / "src", [("a", np.ones(2, np.float32))], None)
-    with pytest.raises(CheckpointError, match="source checkpoint"):
+    with pytest.raises(CheckpointError, match="(is|is inside|holds) the input"):
         write_checkpoint(source / relative_target, [("b", np.ones(1))], None, overwrite=True, protect=source)
     assert CheckpointReader(source).keys() == ["a"]
     assert sorted(p.name for p in source.iterdir()) == ["model.safetensors"]

@@ -6,13 +6,14 @@ settings are refused before any training."""
 import dataclasses
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from moejax.errors import ConfigError
+from moejax.errors import ConfigError, MoejaxError
 from moejax.experiments import train_tiny as tt
 from moejax.training.config import ORBAX_SUFFIX, ArchConfig, DataConfig, TrainConfig
 from moejax.training.corpus import build_corpus
@@ -232,6 +233,59 @@ def test_bad_settings_are_refused_before_training(tmp_path, change, match):
     with pytest.raises(ConfigError, match=match):
         tt.Config.from_mapping(s)
     assert not (tmp_path / "tiny").exists() and not (tmp_path / "tiny.orbax").exists()
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_training_never_replaces_a_folder_it_did_not_make(trained, tmp_path, monkeypatch):
+    """model.path is the output of training and the input of prune_real / eval_skills: a Hugging
+    Face checkpoint there (or another training's output) is refused before any work, naming the
+    folder, unless train.overwrite=true; this training's own output (same settings) is rerun."""
+    cfg, _, _, notes = trained
+    hf = tmp_path / "hf"
+    shutil.copytree(cfg.path, hf)
+    (hf / tt.RECORD).unlink()
+    (hf / "generation_config.json").write_text('{"bos_token_id": 1}')
+    other = tmp_path / "other"
+    shutil.copytree(cfg.path, other)
+    before = _tree(tmp_path)
+
+    def no_work(*_):
+        raise AssertionError("refusals come before any work")
+
+    monkeypatch.setattr(tt, "build_corpus", no_work)
+    with pytest.raises(ConfigError, match=f"^{hf}: model.path exists and is not a training output of these "
+                                          r"settings .*set train\.overwrite=true to replace it$"):
+        tt.run(tt.Config.from_mapping(settings(hf, extra_text=[notes])))
+    with pytest.raises(ConfigError, match=f"^{other}: model.path exists and is a training output of other settings"):
+        tt.run(tt.Config.from_mapping(settings(other, extra_text=[notes], lr=5e-3)))
+    with pytest.raises(MoejaxError, match=re.escape(f"model.path (the training output) is inside the input {notes}")):
+        tt.run(tt.Config.from_mapping(settings(notes / "model", extra_text=[notes])))
+    assert _tree(tmp_path) == before
+    tt.check_output(tt.Config.from_mapping(settings(other, extra_text=[notes])))   # a rerun of the same settings
+    tt.check_output(tt.Config.from_mapping(settings(hf, extra_text=[notes], overwrite=True)))   # told explicitly
+    tt.check_output(tt.Config.from_mapping(settings(tmp_path / "new", extra_text=[notes])))
+
+
+def test_train_skills_refuses_a_checkpoint_at_model_path(tmp_path):
+    """The experiment as a user runs it, with a copied override pointing at a model: exit
+    non-zero, one line, the folder untouched."""
+    import subprocess
+    import sys
+
+    from hf_fixtures import make_checkpoint
+
+    make_checkpoint(tmp_path / "model", seed=1)
+    (tmp_path / "model" / "generation_config.json").write_text('{"bos_token_id": 1}')
+    before = _tree(tmp_path / "model")
+    out = subprocess.run([sys.executable, "-m", "moejax.run", "experiment=train_skills",
+                          f"model.path={tmp_path / 'model'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode != 0
+    assert f"{tmp_path / 'model'}: model.path exists and is not a training output of these settings" in out.stderr
+    assert _tree(tmp_path / "model") == before
 
 
 def test_yaml_defaults_compose_into_the_dataclass_defaults(monkeypatch, tmp_path):

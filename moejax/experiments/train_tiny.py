@@ -57,6 +57,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import platform
 import shutil
 import time
@@ -67,7 +68,8 @@ import pandas as pd
 
 import moejax
 from moejax.data import write_byte_tokenizer
-from moejax.hf.io.staging import staged_directory
+from moejax.errors import ConfigError
+from moejax.hf.io.staging import check_apart, staged_directory
 from moejax.parallel.mesh import MeshConfig
 from moejax.training.checkpoints import checkpoint_manager, restore, save_checkpoint
 from moejax.training.config import TrainTinyConfig
@@ -106,6 +108,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
     from moejax.hf.model_io import save_pretrained
 
     timings = {}
+    check_output(cfg)
     t0 = time.perf_counter()
     corpus = build_corpus(cfg)
     timings["data_s"] = time.perf_counter() - t0
@@ -204,7 +207,7 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
         "heldout_tokens": int(corpus.heldout_ids.size), "loss_unit": "nats per byte",
         "skills_exact_match": {k: v for s, k, v in skill_evals if s == t.steps},
         "train_s": train_s_before + timings["train_s"], "resumed_from_step": start,
-        "orbax_dir": str(cfg.orbax_dir), "versions": versions(),
+        "orbax_dir": str(cfg.orbax_dir), "versions": versions(), "fingerprint": cfg.fingerprint(),
     }
     ts = time.perf_counter()
     out = Path(cfg.path).expanduser()
@@ -235,6 +238,35 @@ def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
         df["skill"] = None
     df["path"] = str(out)
     return df, timings
+
+
+def check_output(cfg: TrainTinyConfig) -> None:
+    """Before any work: model.path (the output, replaced at the end) may be absent, an empty folder,
+    or this training's own output (its moejax_tiny.json records the same settings' fingerprint: a
+    rerun or a resume). Anything else, a Hugging Face checkpoint that prune_real or eval_skills
+    read for instance, is refused unless train.overwrite=true; and it never holds, or lies inside,
+    the training text (data.text)."""
+    out = Path(cfg.path).expanduser()
+    check_apart(out, list(cfg.data.text), "model.path (the training output)")
+    if out.is_symlink():
+        raise ConfigError(f"{out}: model.path is a symbolic link (to {os.readlink(out)}); training replaces the "
+                          "folder there: name the folder itself or another model.path")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{out}: model.path is a file; training writes a checkpoint folder there")
+    try:
+        made = json.loads((out / RECORD).read_text(encoding="utf-8")).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        made = None
+    if made == cfg.fingerprint():
+        return
+    why = (f"a training output of other settings ({RECORD}'s fingerprint differs)" if made is not None else
+           f"not a training output of these settings (no {RECORD} with their fingerprint)")
+    if not cfg.train.overwrite:
+        raise ConfigError(f"{out}: model.path exists and is {why}; training would replace it. Choose another "
+                          "model.path, or set train.overwrite=true to replace it")
+    log.warning("train_tiny: train.overwrite=true: %s (%s) will be replaced at the end of training", out, why)
 
 
 def _skill_docs(cfg: TrainTinyConfig) -> dict:

@@ -21,6 +21,7 @@ from moejax.data import Tokenizer, npy_tokens, text_files, text_tokens
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.location import open_location
+from moejax.hf.io.staging import check_apart
 from moejax.hf.io.storage import require_local
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint, router_fingerprint
 from moejax.parallel.mesh import MeshConfig, make_mesh
@@ -58,8 +59,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
     scores = scores_for(scores, ckpt.config.HAS_BALANCE_BIAS, f"{checkpoint}")
     if out is not None:  # before the pass, not after hours of it
-        check_output_file(out)
-        check_output_file(Path(out).with_suffix(".json"))
+        _check_out(out, (checkpoint, text, tokens))
     for count in sorted({ckpt.config.experts_in_layer(l) for l in ckpt.config.moe_layers}):  # per layer when pruned so
         (mesh or MeshConfig()).check_experts(count, str(checkpoint))
     ids, tokenizer = calibration_ids(checkpoint, ckpt.config, text, tokens, seq_len, max_tokens)
@@ -109,8 +109,7 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
         raise ConfigError(f"score(s) {calibrated} need a calibration pass: give --text or --tokens; without "
                           f"calibration data only the data-free scores ({', '.join(DATA_FREE_SCORES)}) are computed")
     if out is not None:  # before any byte is fetched
-        check_output_file(out)
-        check_output_file(Path(out).with_suffix(".json"))
+        _check_out(out, (checkpoint,))
     storage = open_location(checkpoint)
     checked = check_checkpoint(storage, uniform_experts=False)  # headers and config.json only
     names = scores_for(names, checked.config.HAS_BALANCE_BIAS, storage.describe())
@@ -176,3 +175,11 @@ def calibration_ids(checkpoint, config, text=None, tokens=None, seq_len: int | N
     if ids.max() >= vocab:
         raise ConfigError(f"tokenizer produced id {ids.max()} >= vocab_size={vocab}")
     return ids, tok.name
+
+
+def _check_out(out, inputs) -> None:
+    """The scores file and its sidecar: writable, and neither an input nor inside one (a checkpoint
+    folder is a source, never written into)."""
+    for path in (Path(out), Path(out).with_suffix(".json")):
+        check_apart(path, inputs, "--out")
+        check_output_file(path)

@@ -237,7 +237,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 (k-means++ seeds numpy's generator)")
     src, dst = Path(src), Path(dst)
-    check_destination(dst, overwrite, protect=src)
+    check_destination(dst, overwrite, inputs=(src, text, tokens))
     checked = check_checkpoint(src)
     _refuse_quantised(checked)
     ckpt, cfg = opened(checked), checked.config

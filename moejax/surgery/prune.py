@@ -193,7 +193,7 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
     before the first byte is written."""
     src, dst = Path(src), Path(dst)
-    check_destination(dst, overwrite, protect=src)
+    check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json")))
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)

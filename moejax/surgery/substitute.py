@@ -201,7 +201,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1 (--batch-size)")
     src, dst = Path(src), Path(dst)
-    check_destination(dst, overwrite, protect=src)
+    check_destination(dst, overwrite, inputs=(src, text, tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # a substituted source is refused here, by name
     check_substitute_request(checked, score, keep)
     cfg, reader, layout = checked.config, checked.reader, checked.layout

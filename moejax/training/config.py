@@ -124,6 +124,7 @@ class TrainConfig:
     eval_batch_size: int = 32
     rng_impl: str = "threefry2x32"   # PRNG of the initialisation; "rbg" initialises faster (tests)
     resume: bool = True              # false: delete <model.path>.orbax and start over
+    overwrite: bool = False          # true: replace a model.path that is not this training's output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +225,7 @@ class TrainTinyConfig:
         schedule end, checkpoint cadence, evaluation, initialisation PRNG or resume)."""
         t = dataclasses.asdict(self.train)
         for k in ("steps", "decay_steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batch_size",
-                  "rng_impl", "resume"):
+                  "rng_impl", "resume", "overwrite"):
             t.pop(k)
         dc = dataclasses.asdict(self.data)
         dc.pop("eval_tokens")

@@ -72,7 +72,7 @@ def write_checkpoint(
     because transformers refuses files without it.
     """
     out_dir = Path(out_dir)
-    check_destination(out_dir, overwrite, protect)
+    check_destination(out_dir, overwrite, inputs=protect)
     _check_extra_file_names(extra_files or {}, config is not None)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"{out_dir}: max_shard_bytes must be positive, got {max_shard_bytes}")

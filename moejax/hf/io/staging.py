@@ -8,6 +8,7 @@ work (`check_destination`) and the removal of staging folders a killed run left 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import secrets
@@ -86,16 +87,49 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def check_destination(out_dir: Path, overwrite: bool, protect: str | os.PathLike | None) -> None:
-    """Refuse before any work: an existing folder without overwrite, a symbolic link (replacing it
-    would delete or write through a folder elsewhere), or a path that would write into the source
-    checkpoint or (by replacing a parent folder) delete it."""
+def check_apart(output, inputs, what: str = "the output") -> None:
+    """The one check that an output never harms an input: refuse an `output` path equal to, inside,
+    or holding any of `inputs` (writing it would write into an input, or delete one by replacing a
+    folder that holds it). Inputs are paths; None is skipped, and a string with glob characters
+    (--text 'data/*.txt') stands for every path it matches. Symbolic links are followed, so a link
+    to an input is the input. Every command and experiment that writes runs it before any work."""
+    target = Path(output).expanduser().resolve()
+    for given in _input_paths(inputs):
+        source = Path(given).expanduser().resolve()
+        if target == source:
+            relation = "is"
+        elif target.is_relative_to(source):
+            relation = "is inside"
+        elif source.is_relative_to(target):
+            relation = "holds"
+        else:
+            continue
+        raise CheckpointError(f"{output}: {what} {relation} the input {given}; refusing to write "
+                              f"{'into' if relation != 'holds' else 'over'} an input: choose another destination")
+
+
+def _input_paths(inputs) -> list:
+    if inputs is None or isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    paths = []
+    for given in inputs:
+        if given is None:
+            continue
+        if isinstance(given, (list, tuple)):
+            paths += _input_paths(given)
+        elif isinstance(given, str) and any(c in given for c in "*?["):
+            paths += sorted(glob.glob(os.path.expanduser(given), recursive=True))
+        else:
+            paths.append(given)
+    return paths
+
+
+def check_destination(out_dir: Path, overwrite: bool, inputs=()) -> None:
+    """Refuse before any work: a path equal to, inside or holding any of the command's inputs
+    (`check_apart`), an existing folder without overwrite, a symbolic link (replacing it would
+    delete or write through a folder elsewhere), or a parent that cannot be written."""
     out_dir = Path(out_dir)
-    if protect is not None:
-        protected, target = Path(protect).resolve(), out_dir.resolve()
-        if target.is_relative_to(protected) or protected.is_relative_to(target):
-            raise CheckpointError(f"{out_dir}: refusing to write into, or replace a folder holding, "
-                                  f"the source checkpoint {protect}")
+    check_apart(out_dir, inputs, "DST")
     if out_dir.is_symlink():
         raise CheckpointError(f"{out_dir}: is a symbolic link (to {os.readlink(out_dir)}); refusing to replace "
                               "it or write through it: remove the link or choose another destination")
