@@ -464,3 +464,19 @@ def test_byte_range_copy_falls_back_to_reading(tmp_path, monkeypatch, kernel):
     for name, array in arrays.items():
         np.testing.assert_array_equal(out.read(name), array)
     assert calls  # the kernel path was tried first
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16", np.float16])
+def test_the_writer_refuses_non_finite_computed_weights(tmp_path, dtype):
+    """Every computed tensor moejax writes (merged experts, rerouted routers, substitution constants,
+    saved models) passes the writer: a NaN or inf is refused by name and nothing is left; a source
+    tensor copied by byte range is the source's bytes and is not re-read."""
+    import ml_dtypes
+
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    for bad in (np.nan, np.inf):
+        values = np.array([1.0, bad, -2.0, bad], np.float32).astype(dtype)
+        with pytest.raises(CheckpointError, match=r"^tensor 'w': 2 of 4 values are not finite \(NaN or inf\)"):
+            write_checkpoint(tmp_path / "out", [("ok", np.ones(2, np.float32)), ("w", values)], None)
+        assert list(tmp_path.iterdir()) == []
+    write_checkpoint(tmp_path / "out", [("i", np.array([1, 2], np.int32)), ("w", np.ones(3, dtype))], None)

@@ -176,6 +176,9 @@ def _as_pending(name: str, value: np.ndarray | RawTensor | TensorInfo | JoinedTe
     if not isinstance(value, np.ndarray):
         raise CheckpointError(f"{where}: expected a numpy array or RawTensor, got {type(value).__name__}")
     dtype = safetensors_dtype(value.dtype, where)
+    if dtype.startswith(("F", "BF")) and value.size and not (finite := np.isfinite(value)).all():
+        raise CheckpointError(f"{where}: {int(finite.size - finite.sum())} of {value.size} values are not finite "
+                              "(NaN or inf); moejax never writes non-finite weights (nothing was written)")
     # Not np.ascontiguousarray, which turns a 0-d array into shape (1,).
     array = np.asarray(value, dtype=value.dtype.newbyteorder("<"), order="C")
     # A uint8 view, because ml_dtypes arrays (bfloat16, float8) do not export the buffer protocol.
