@@ -24,6 +24,7 @@ import hashlib
 import json
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,24 @@ def text_files(paths) -> list[Path]:
         raise ConfigError(f"calibration text {list(map(str, paths))}: no text files found "
                           f"(folders are searched for {', '.join(TEXT_SUFFIXES)})")
     return files
+
+
+class NotUtf8Warning(UserWarning):
+    """A text file read for calibration, training or tasks holds bytes that are not UTF-8."""
+
+
+def read_text(path) -> str:
+    """A text file as UTF-8, every undecodable byte sequence read as U+FFFD (so a stray Latin-1
+    byte does not stop a long run), with a warning naming the file and how many sequences were
+    replaced: the tokens then differ from the file's bytes, which a researcher must know."""
+    raw = Path(path).read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    replaced = text.count("\ufffd") - raw.count("\ufffd".encode("utf-8"))
+    if replaced:
+        warnings.warn(f"{path}: {replaced} byte sequence(s) are not UTF-8 and were read as U+FFFD (the replacement "
+                      "character); convert the file to UTF-8 to calibrate on its exact text", NotUtf8Warning,
+                      stacklevel=2)
+    return text
 
 
 class Tokenizer:
@@ -120,7 +139,7 @@ def text_tokens(paths, tokenizer: Tokenizer, seq_len: int, max_tokens: int | Non
     files = text_files(paths)
     docs = []
     for f in files:
-        docs.append(tokenizer.encode(f.read_text(encoding="utf-8", errors="replace")))
+        docs.append(tokenizer.encode(read_text(f)))
         if max_tokens is not None and sum(map(len, docs)) >= max_tokens:
             break
     return pack(docs, seq_len, max_tokens)
@@ -194,8 +213,8 @@ def split_heldout(names, fraction: float, always=()) -> tuple[list[str], list[st
 
 def byte_stream(files) -> np.ndarray:
     """The files' text as byte-level token ids (uint8), concatenated in order, read exactly as
-    `text_tokens` reads them with a byte-level `Tokenizer` (UTF-8, undecodable bytes replaced)."""
-    parts = [np.frombuffer(Path(f).read_text(encoding="utf-8", errors="replace").encode("utf-8"), np.uint8)
+    `text_tokens` reads them with a byte-level `Tokenizer` (UTF-8, undecodable bytes replaced, with a warning: `read_text`)."""
+    parts = [np.frombuffer(read_text(f).encode("utf-8"), np.uint8)
              for f in files]
     return np.concatenate(parts) if parts else np.zeros((0,), np.uint8)
 

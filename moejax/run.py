@@ -54,6 +54,54 @@ CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else
 USAGE_ERROR = 2  # exit status of a MoejaxError: the command line or the inputs need fixing
 
 
+# Settings that are one value, replaced whole by a command-line override. Hydra merges a mapping
+# given on the command line into the default one, so in train_skills data.mix={code: 1.0} kept the
+# other shares (sum 1.38) and data.mix={} changed nothing; a mix is one setting whose shares sum to
+# one. data.mix.add=0.12 still changes one share.
+REPLACED_WHOLE = ("data.mix",)
+
+
+def replace_whole(plain: dict, overrides: list[str]) -> dict:
+    """`plain` with each REPLACED_WHOLE key set to exactly the value its override gave (the last one
+    wins, as in Hydra); other overrides are Hydra's as composed."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        override = parser.parse_override(text)
+        if override.key_or_group in REPLACED_WHOLE and not override.is_delete():
+            *parents, leaf = override.key_or_group.split(".")
+            node = plain
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = override.value()
+    return plain
+
+
+def unquoted_value(argv: list[str]) -> str | None:
+    """The refusal of an override whose value holds an unquoted '=' (calibration=code=0.5,kv=0.5),
+    which Hydra's grammar rejects with 'mismatched input' and no word of quoting; None when every
+    argument is fine."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or arg.startswith("-") or key.startswith("hydra"):
+            continue
+        depth, quote = 0, None
+        for ch in value:
+            if quote:
+                quote = None if ch == quote else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch in "[{":
+                depth += 1
+            elif ch in "]}":
+                depth -= 1
+            elif ch == "=" and depth == 0:
+                return (f"{arg}: a value holding '=' must be quoted for Hydra (and ',' would start a sweep): write "
+                        f"'{key}=\"{value}\"' (single quotes for the shell, double quotes for Hydra)")
+    return None
+
+
 class SweepJobFailed(CompactHydraException):
     """A sweep job ended with a MoejaxError (already printed in one line); Hydra prints this
     message without a traceback at the end of the batch."""
@@ -70,7 +118,7 @@ def main(cfg: DictConfig) -> None:
     overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # as typed: 'x=${...}' stays text
     try:
         try:
-            plain = OmegaConf.to_container(cfg, resolve=True)
+            plain = replace_whole(OmegaConf.to_container(cfg, resolve=True), overrides)
         except OmegaConfBaseException as exc:  # e.g. an interpolation that cannot be resolved
             where = f" at {exc.full_key}" if getattr(exc, "full_key", None) else ""
             error = ConfigError(f"the config does not resolve{where}: {str(exc).splitlines()[0]}")
@@ -96,4 +144,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if (refusal := unquoted_value(sys.argv[1:])) is not None:
+        sys.stderr.write(f"moejax.run: error: {refusal}\n")
+        raise SystemExit(USAGE_ERROR)
     main()

@@ -198,3 +198,36 @@ def test_conf_found_from_an_installed_wheel(tmp_path):
     assert str(site) in subprocess.run(
         [sys.executable, "-c", "import moejax.run as r; print(r.__file__, r.CONFIG_PATH)"],
         cwd=tmp_path, env=env, capture_output=True, text=True).stdout
+
+
+def typed_as_run(overrides):
+    """The typed config as `python -m moejax.run` hands it to the job (mixes replaced whole)."""
+    from omegaconf import OmegaConf
+
+    from moejax.run import replace_whole
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return experiment_config(replace_whole(OmegaConf.to_container(cfg, resolve=True), overrides))[1]
+
+
+@pytest.mark.parametrize("override,mix", [
+    ("data.mix={code: 1.0}", {"code": 1.0}),                 # only code (Hydra alone: sum 1.38, refused)
+    ("data.mix={}", {}),                                       # no skills: code only (Hydra alone: a no-op)
+    ("data.mix={code: 0.5, kv: 0.5}", {"code": 0.5, "kv": 0.5}),
+])
+def test_a_mix_on_the_command_line_replaces_the_whole_mix(override, mix):
+    assert typed_as_run(["experiment=train_skills", "model.path=/x", override]).data.mix == mix
+    one = typed_as_run(["experiment=train_skills", "model.path=/x", "data.mix.add=0.12", "data.mix.code=0.53"])
+    assert one.data.mix["add"] == 0.12 and one.data.mix["code"] == 0.53 and one.data.mix["kv"] == 0.02
+
+
+def test_an_unquoted_mix_is_refused_showing_the_quoting(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "moejax.run", "experiment=prune_real", "calibration=code=0.5,kv=0.5"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr == ("moejax.run: error: calibration=code=0.5,kv=0.5: a value holding '=' must be quoted for Hydra "
+                          "(and ',' would start a sweep): write 'calibration=\"code=0.5,kv=0.5\"' (single quotes for "
+                          "the shell, double quotes for Hydra)\n")
+    with pytest.raises(ConfigError, match="data.mix shares sum to 1.38.*data.mix={code: 1.0} is code only"):
+        typed(["experiment=train_skills", "model.path=/x", "data.mix={code: 1.0}"])   # composed without moejax.run

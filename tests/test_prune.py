@@ -185,6 +185,27 @@ def test_group_aware_keeps_groups_and_matches_the_masked_source(grouped, tmp_pat
     assert np.abs(got - want)[mask.astype(bool)].max() < 2e-4 * max(1.0, np.abs(want).max())
 
 
+def test_group_refusals_are_worded_for_the_command_that_prints_them(grouped, tmp_path):
+    """prune suggests --group-aware; prune --group-aware (given) says how many per group it needs;
+    merge (which takes no --group-aware) says its leaders fell unevenly and suggests what it takes."""
+    from moejax.hf.check import check_checkpoint
+    from moejax.surgery.prune_plan import plan_pruning
+
+    with pytest.raises(ConfigError) as refused:   # top_k=4 from topk_group=1: 4 per group needed, 2 kept
+        prune_checkpoint(grouped, tmp_path / "out", score="signed", keep=4, group_aware=True)
+    assert str(refused.value).startswith("--group-aware keeps 2 experts in each of the 2 groups (layer 1)")
+    assert "at least 4 per group" in str(refused.value) and "a --keep of at least 8" in str(refused.value)
+    assert "Pass --group-aware" not in str(refused.value) and nothing_left(tmp_path / "out")
+    checked = check_checkpoint(grouped)
+    leaders = {l: (np.arange(16) < 8).astype(float) for l in (1, 2)}   # every leader in group 0
+    with pytest.raises(ConfigError) as refused:
+        plan_pruning(checked.reader, checked.layout, checked.config, score="hc_smoe cluster leaders",
+                     layers_keep={1: 8, 2: 8}, layer_scores=leaders, leaders=True)
+    message = str(refused.value)
+    assert message.startswith("the merge's cluster leaders in layer 1 fall [8, 0] per routing group")
+    assert "--collapse-groups" in message and "--group-aware" not in message
+
+
 def test_uneven_groups_refused_unless_collapsed(grouped, tmp_path):
     dst = tmp_path / "pruned"
     scores = pd.DataFrame([{"layer": l, "expert": e, "score": "skewed", "value": float(e < 8) + e / 100}

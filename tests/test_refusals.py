@@ -180,7 +180,10 @@ def test_merge_settings_refused_before_the_pass(ckpts, tmp_path, capsys, monkeyp
     no_pass(monkeypatch)
     base = ["merge", ckpts / "src", tmp_path / "out", "--method", "hc_smoe", "--tokens", ckpts / "calib.npy"]
     code, err = run(base + ["--keep", "4", "--hc-method", "kmeans", "--seed", "-5"], capsys)
-    assert code == 2 and "seed=-5 (--seed): expected an integer >= 0" in err
+    assert code == 2 and "seed=-5 (--seed): expected an integer >= 0 (it seeds k-means++" in err
+    code, err = run([*base[:4], "ream", *base[5:], "--keep", "4", "--seed", "-1"], capsys)
+    assert code == 2 and "seed=-1 (--seed): expected an integer >= 0 (it draws REAM's sample of" in err
+    assert "k-means" not in err
     grouped = edited_copy(ckpts / "src", tmp_path / "grouped", n_group=4, topk_group=2)  # 2 experts per group
     base[1] = grouped
     code, err = run(base + ["--keep", "6"], capsys)

@@ -52,6 +52,26 @@ def test_text_scoring_writes_table_and_sidecar_equal_to_in_memory_pass(ckpt, tmp
         np.testing.assert_array_equal(freq, st.counts_E)
 
 
+def test_non_utf8_calibration_text_is_read_with_a_warning_naming_the_file(ckpt, tmp_path, capsys):
+    """Undecodable bytes are read as U+FFFD (a run does not stop on one stray byte), and the command
+    says so: the file and how many sequences; the ids are those of the replaced text. A UTF-8 file
+    that holds U+FFFD itself is not counted."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes(("caf\u00e9 \ufffd ".encode("latin-1", errors="ignore") + "\ufffd".encode() +
+                       b" na\xefve \xff\xfe " * 8))
+    with pytest.warns(UserWarning, match=f"^{latin}: 25 byte sequence\\(s\\) are not UTF-8 and were read as U\\+FFFD"):
+        assert main(["score", str(ckpt), "--text", str(latin), "--seq-len", "8", "--scores", "frequency",
+                     "--out", str(tmp_path / "s.parquet")]) == 0
+    clean = tmp_path / "clean.txt"
+    clean.write_text("plain \ufffd text, valid UTF-8 " * 4, encoding="utf-8")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["score", str(ckpt), "--text", str(clean), "--seq-len", "8", "--scores", "frequency",
+                     "--out", str(tmp_path / "c.parquet")]) == 0
+
+
 def test_tokenizer_json_and_npy_tokens(ckpt, tmp_path):
     from tokenizers import ByteLevelBPETokenizer
 

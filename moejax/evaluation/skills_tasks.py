@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from moejax.data import python_stdlib_root
+from moejax.data import python_stdlib_root, read_text
 from moejax.errors import ConfigError
 from moejax.evaluation.tasks import _dumper as stdlib_dumper, heldout_files
 from moejax.hf.io.staging import staged_directory
@@ -152,12 +152,12 @@ def _degen_docs(n: int, seed: int, code_files, prose_file) -> list[dict]:
     rng = random.Random(f"{seed}:{DEGEN_TASK}")
     code = []
     for path in code_files:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        text = read_text(path)
         starts = [i + 1 for i, c in enumerate(text) if c == "\n" and text[i + 1:i + 5] in ("def ", "clas", "    ")]
         code += [text[max(0, s - DEGEN_PROMPT_BYTES + 16):s + 16] for s in starts if s > 0]
     prose = []
     if prose_file is not None and Path(prose_file).is_file():
-        words = Path(prose_file).read_text(encoding="utf-8", errors="replace").split()
+        words = read_text(prose_file).split()
         prose = [" ".join(words[i:i + 10])[:DEGEN_PROMPT_BYTES] for i in range(0, len(words) - 10, 7)]
     skills = [p for s in SKILLS for p, _ in documents(s, n, seed + 1, "heldout")]
     pools = [("code", code), ("prose", prose), ("skills", skills)]

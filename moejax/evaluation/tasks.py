@@ -55,6 +55,7 @@ from pathlib import Path
 
 import yaml
 
+from moejax.data import read_text
 from moejax.errors import ConfigError
 from moejax.hf.io.staging import staged_directory
 
@@ -90,7 +91,7 @@ def heldout_files(checkpoint) -> list[tuple[str, Path]]:
 def _read_lines(path: Path) -> list[str]:
     """The file's lines, each with its "\\n" (the last one may lack it), read as training reads."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text(path)
     except OSError as e:
         raise ConfigError(f"held-out file {path}: cannot be read ({e})") from None
     lines = text.split("\n")

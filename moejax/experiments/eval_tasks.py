@@ -31,6 +31,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from moejax.data import read_text
 from moejax.errors import ConfigError
 from moejax.evaluation.routing_table import routing_rows, routing_shares
 from moejax.evaluation.skills_tasks import (DEGEN_BYTES, DEGEN_TASK, default_sources, skill_of, task_names,
@@ -293,7 +294,7 @@ def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:
     if not skills:
         return []
     texts = {s: "".join(text(*d) for d in documents(s, cfg.routing_docs, cfg.seed, "heldout")) for s in skills}
-    code = "".join(p.read_text(encoding="utf-8", errors="replace") for _, p in heldout_files(cfg.path)[:4])
+    code = "".join(read_text(p) for _, p in heldout_files(cfg.path)[:4])
     texts["code"] = code[:16384]
     shares = routing_shares(model, texts, position_budget(cfg.path)[0])
     return [dict(r, **VariantSpec.unpruned().row(), stderr=math.nan)

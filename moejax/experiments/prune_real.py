@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.data import Tokenizer, pack, text_files
+from moejax.data import Tokenizer, pack, read_text, text_files
 from moejax.errors import ConfigError
 from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.merging.allocation import ALLOCATIONS
@@ -227,7 +227,7 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
     def tokens(files, max_tokens):
         docs, total = [], 0
         for f in files:
-            docs.append(tok.encode(f.read_text(encoding="utf-8", errors="replace")))
+            docs.append(tok.encode(read_text(f)))
             total += len(docs[-1])
             if total >= max_tokens:
                 break

@@ -22,6 +22,7 @@ from moejax.errors import ConfigError
 from moejax.merging.average import _assign, _axes, _check_labels, _check_leaders, _neuron_blocks, merge_weights
 from moejax.merging.clusters import _check_keep, canonical_labels
 from moejax.merging.method import Averaging, MergeMethod
+from moejax.scoring.scores import ALL_SCORES
 
 GROUP_SIZE = 16          # REAM's C (`merge.py --group_size`, default 16)
 PCA_DIM = 64             # REAM's `Merger.pca_dim` ("heuristic")
@@ -35,9 +36,14 @@ REAM_SCORES = ("reap", "frequency", "reap_code", "ean", "man", "msan", "max_act"
 
 
 def check_ream_score(score: str, where: str = "--score") -> None:
-    if score not in REAM_SCORES:
-        raise ConfigError(f"{where} {score!r}: REAM ranks centroids by the score and weights each group's average "
-                          f"by it, so it must be a non-negative score; expected one of {list(REAM_SCORES)}")
+    """An unknown name is refused as unknown; a known score outside REAM_SCORES as one that can be
+    negative (REAM ranks centroids by the score and weights each group's average by it)."""
+    if score in REAM_SCORES:
+        return
+    if score not in ALL_SCORES:
+        raise ConfigError(f"{where} {score!r}: unknown score; REAM takes one of {list(REAM_SCORES)}")
+    raise ConfigError(f"{where} {score!r}: can be negative, and REAM ranks centroids by the score and weights each "
+                      f"group's average by it, so it needs a non-negative one: one of {list(REAM_SCORES)}")
 
 
 def check_group_size(group_size, keep: int | None = None, n_experts: int | None = None) -> int:

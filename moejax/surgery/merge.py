@@ -181,6 +181,15 @@ def _check_before_pass(checked, count: int, keep, allocation: str, collapse_grou
                           "over all kept experts without groups, or a keep that divides into the groups")
 
 
+SEED_USES = {  # what --seed draws, by (method, hc_method): what its refusal says
+    **{("hc_smoe", h): "it seeds k-means++ (--hc-method kmeans)" if h == "kmeans" else
+       "--hc-method average draws nothing at random; the seed is recorded" for h in HC_SMOE_METHODS},
+    **{("m_smoe", h): "M-SMoE draws nothing at random; the seed is recorded" for h in HC_SMOE_METHODS},
+    **{("ream", h): "it draws REAM's sample of --ream-tokens calibration tokens for the neuron alignment, and the "
+       "randomised PCA of large layers" for h in HC_SMOE_METHODS},
+}
+
+
 def _check_ream_args(method: str, score, group_size, ream_tokens):
     """(score, group_size, ream_tokens) with REAM's defaults filled in; refused unless method is
     ream when any is given, or when one is out of range."""
@@ -235,7 +244,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
                           "layer's statistics, which a sequential pass knows only after the layers it merges; "
                           "use --allocation uniform")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 (k-means++ seeds numpy's generator)")
+        raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({SEED_USES[method, hc_method]})")
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, text, tokens))
     checked = check_checkpoint(src)
@@ -278,7 +287,8 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
                      for l, lab in plan.labels.items()}
     prune_plan = plan_pruning(reader, layout, cfg, score=f"{method} cluster leaders", layers_keep=plan.counts,
-                              collapse_groups=collapse_groups, drop_mtp=drop_mtp, layer_scores=leader_scores)
+                              collapse_groups=collapse_groups, drop_mtp=drop_mtp, layer_scores=leader_scores,
+                              leaders=True)
     prune_plan = dataclasses.replace(prune_plan, notes=prune_plan.notes + tuple(file_notes))
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),

@@ -184,12 +184,13 @@ def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
 def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
                  collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0,
-                 layer_scores: dict | None = None, allocation: str = "uniform") -> PrunePlan:
+                 layer_scores: dict | None = None, allocation: str = "uniform", leaders: bool = False) -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
     writing when the request is not well defined (SPEC section 2). layer_scores: {layer: [E]}
     given in memory instead of a data-free score or a scores file. allocation "global": the
     per-layer counts from one threshold over the layers' normalised scores, `keep` x layers in all
-    (`moejax.merging.allocation`)."""
+    (`moejax.merging.allocation`). leaders: layer_scores mark a merge's cluster leaders (refusals
+    are worded for `moejax merge`)."""
     # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
     # config.json is the source's dictionary with the family's expert-count key updated.
     config, experts_key = cfg.to_dict(), cfg.experts_key
@@ -244,13 +245,7 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
                          f"n_group=1, topk_group=1: each token picks its {top_k} experts by top-k over all kept "
                          "experts (bias included), without the group limit")
         else:
-            layer, c = next(iter(unusable.items()))
-            raise ConfigError(
-                f"pruning would break group-limited routing (n_group={n_group}, topk_group={topk_group}, top_k={top_k}): "
-                f"layer {layer} keeps {c} experts per group; groups must keep equal counts of at least 2 "
-                f"(transformers sums each group's top 2) with topk_group x per-group >= top_k. "
-                f"Pass --group-aware to keep an equal number per group, or --collapse-groups to route "
-                f"over all kept experts without groups ({len(unusable)} layer(s) affected)")
+            raise ConfigError(_broken_groups(unusable, n_group, topk_group, top_k, group_aware, leaders))
     kept_counts = {l: int(m.sum()) for l, m in kept.items()}
     for key in cfg.keys_of(cfg.EXPERTS_FIELD):  # every spelling the source has (they must agree)
         new_config[key] = max(kept_counts.values())
@@ -269,6 +264,28 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
                      n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,
                      config=new_config, groups=groups, notes=tuple(notes))
+
+
+def _broken_groups(unusable: dict, n_group: int, topk_group: int, top_k: int, group_aware: bool,
+                   leaders: bool) -> str:
+    """The refusal of kept experts that group-limited routing cannot route, worded for the command
+    that prints it: `moejax prune` (which can spread the keep over the groups with --group-aware),
+    `moejax prune --group-aware` (which did, with too few per group) and `moejax merge` (whose
+    cluster leaders fall where the clustering puts them)."""
+    layer, c = next(iter(unusable.items()))
+    need = max(2, -(-top_k // topk_group))   # per group: transformers sums each group's top 2; topk_group x it >= top_k
+    rule = (f"group-limited routing (n_group={n_group}, topk_group={topk_group}, top_k={top_k}) needs equal counts of "
+            f"at least {need} per group (transformers sums each group's top 2, and topk_group x per-group >= top_k)")
+    collapse = "--collapse-groups to route over all kept experts without groups"
+    affected = f"{len(unusable)} layer(s) affected"
+    if leaders:
+        return (f"the merge's cluster leaders in layer {layer} fall {c} per routing group, which {rule}; merge cannot "
+                f"place its clusters per group: pass {collapse}, or another --keep ({affected})")
+    if group_aware:
+        return (f"--group-aware keeps {c[0]} experts in each of the {n_group} groups (layer {layer}), and {rule}: pass "
+                f"a --keep of at least {need * n_group}, or {collapse} ({affected})")
+    return (f"pruning would break group-limited routing: layer {layer} keeps {c} experts per group, and {rule}. Pass "
+            f"--group-aware to keep an equal number per group, or {collapse} ({affected})")
 
 
 def _listed_layers(cfg, kept_counts: dict, dropped: tuple) -> range:

@@ -12,8 +12,9 @@ Three steps, as `moejax merge` does them:
 
 1. Checks before the pass: destination, checkpoint (a quantised or fused-expert source is refused:
    the format holds unquantised per-expert tensors; an already substituted one is refused by the
-   check), the score (a calibration score, not a data-free one: the pass runs for the constants
-   anyway), the keep (per layer, never below top_k), the calibration data (tokenised now).
+   check), the score (any registered score ranks: a calibration score, or a data-free one such as
+   l1, read from the same pass that gives the constants; the one rule of toy3 and the experiments'
+   `substitutes`), the keep (per layer, never below top_k), the calibration data (tokenised now).
 2. A streamed calibration pass (`moejax.scoring.observe.calibrate_streamed`, one decoder layer's
    weights at a time) gives every MoE layer's statistics; `plan_substitution` ranks and chooses
    (float64, ties to the lower index: exactly `keep` per layer, where mode-pd keeps those above
@@ -53,7 +54,7 @@ from moejax.hf.io.staging import check_destination
 from moejax.hf.io.storage import require_local
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.scoring.score_checkpoint import calibration_ids
-from moejax.scoring.scores import DATA_FREE_SCORES, LayerStats, check_score_names, compute_scores, scores_for
+from moejax.scoring.scores import LayerStats, check_score_names, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import other_files, write_folder, write_index, write_shard
 from moejax.surgery.prune_plan import PrunePlan
@@ -166,11 +167,7 @@ def check_substitute_request(checked, score: str, keep) -> None:
         raise CheckpointError(f"{checked.path}: expert tensors in transformers 5's fused form (mlp.experts."
                               f"gate_up_proj); {fmt.FORMAT} names each retained expert's tensors by its logical "
                               "index, so save the source per expert (save_original_format=True) first")
-    check_score_names([score])
-    if score in DATA_FREE_SCORES:
-        raise ConfigError(f"--substitute with score {score!r}: a data-free score; substitution runs a calibration "
-                          f"pass for the novices' constants, and ranks by a calibration score ({METHOD}, frequency, "
-                          "reap, ...): give one with --score")
+    check_score_names([score])   # any score ranks (data-free ones too), as in toy3 and the experiments' substitutes
     cfg = checked.config
     scores_for([score], cfg.HAS_BALANCE_BIAS, str(checked.path))
     problems = []

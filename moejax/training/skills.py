@@ -159,7 +159,10 @@ def check_mix(mix, where: str = "data.mix") -> dict:
         out[k] = float(v)
     total = sum(out.values())
     if abs(total - 1.0) > 1e-6:
-        raise ConfigError(f"{where} shares sum to {total:.6g}, not 1: {out}")
+        how = (" (on the command line data.mix={code: 0.9, add: 0.1} replaces the whole mix, data.mix={code: 1.0} "
+               "is code only; data.mix.add=0.12 changes one share, so change another to keep the sum)"
+               if where == "data.mix" else "")
+        raise ConfigError(f"{where} shares sum to {total:.6g}, not 1: {out}{how}")
     return out
 
 
@@ -185,6 +188,8 @@ def skill_stream(mix: dict, n_bytes: int, seed: int) -> tuple[np.ndarray, np.nda
 
 
 CALIBRATIONS = ("code", "skills", "uniform", "train")
+# a mix as a `calibration=` override is written on a shell command line: '=' and ',' need Hydra's quotes
+QUOTED_MIX = """'calibration="code=0.5,kv=0.5"' (single quotes for the shell, double quotes for Hydra)"""
 
 
 def calibration_mix(spec: str, trained_mix: dict | None = None) -> dict:
@@ -195,7 +200,8 @@ def calibration_mix(spec: str, trained_mix: dict | None = None) -> dict:
     - "train": the model's own training mix (`trained_mix`, from its moejax_tiny.json);
     - "NAME=SHARE,NAME=SHARE,...": any mix of code and skills (shares summing to one)."""
     if not isinstance(spec, str) or not spec:
-        raise ConfigError(f"calibration={spec!r}; expected one of {list(CALIBRATIONS)} or 'code=0.5,kv=0.5'")
+        raise ConfigError(f"calibration={spec!r}; expected one of {list(CALIBRATIONS)} or a mix, "
+                          f"{QUOTED_MIX}")
     if spec == "code":
         return {CODE: 1.0}
     if spec == "skills":
@@ -205,7 +211,7 @@ def calibration_mix(spec: str, trained_mix: dict | None = None) -> dict:
     if spec == "train":
         if not trained_mix:
             raise ConfigError("calibration=train: the model records no training mix (data.mix in its "
-                              "moejax_tiny.json); name one, e.g. calibration='code=0.5,kv=0.5'")
+                              f"moejax_tiny.json); name one: {QUOTED_MIX}")
         return check_mix(dict(trained_mix), "the model's data.mix")
     mix = {}
     for part in spec.split(","):
@@ -214,7 +220,7 @@ def calibration_mix(spec: str, trained_mix: dict | None = None) -> dict:
             mix[name.strip()] = float(share)
         except ValueError:
             raise ConfigError(f"calibration={spec!r}: {part!r} is not NAME=SHARE; expected one of "
-                              f"{list(CALIBRATIONS)} or a mix such as 'code=0.5,kv=0.5'") from None
+                              f"{list(CALIBRATIONS)} or a mix, {QUOTED_MIX}") from None
         if not sep:
             raise ConfigError(f"calibration={spec!r}: {part!r} is not NAME=SHARE")
     return check_mix(mix, f"calibration={spec!r}")
