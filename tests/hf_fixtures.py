@@ -253,6 +253,15 @@ QUANT_CONFIGS = {
 }
 
 
+def corrupt(value: np.ndarray):
+    """A deliberately corrupt tensor (NaN, inf) for a test checkpoint: as bytes (`RawTensor`, as
+    moejax copies a source's bytes), since the writer refuses non-finite computed arrays."""
+    from moejax.hf.io.safetensors_format import RawTensor, safetensors_dtype
+
+    value = np.ascontiguousarray(value)
+    return RawTensor(safetensors_dtype(value.dtype, "corrupt"), value.shape, value.tobytes())
+
+
 def rewrite(src, dst, transform=lambda name, reader: [(name, reader.read(name))], config_update=None, **kw):
     """A copy of `src` whose tensors go through `transform` (name -> list of (name, value))."""
     reader = CheckpointReader(src)

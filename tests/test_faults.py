@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_fixtures import QUANT_CONFIGS, make_checkpoint, quantize, rewrite  # noqa: E402
+from hf_fixtures import QUANT_CONFIGS, corrupt, make_checkpoint, quantize, rewrite  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
 from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
@@ -202,6 +202,7 @@ def _nan_at(target, index):
         if name == target:
             value = value.copy()
             value[index] = np.nan
+            value = corrupt(value)
         return [(name, value)]
     return transform
 
