@@ -335,3 +335,137 @@ def test_moejax_lm_eval_refuses_a_task_list_and_model_args_in_one_line(setup, mo
             moejax.evaluation.lm_eval.cli()
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"moejax-lm-eval: error: {said}" in err and "Traceback" not in err, err
+
+
+def qwen3_style_copy(ckpt, out):
+    """The checkpoint with a Qwen3-style tokenizer: no BOS in tokenizer_config.json (bos_token:
+    null, as the byte tokenizer writes it) while config.json names a bos_token_id (byte 1)."""
+    out.mkdir()
+    for file in ckpt.iterdir():
+        if file.name != "config.json":
+            (out / file.name).symlink_to(file)
+    config = json.loads((ckpt / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(config, bos_token_id=1)))
+    assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] is None
+    return out
+
+
+def test_a_qwen3_style_tokenizer_is_conditioned_on_the_hf_backends_prefix_token(setup, backends, tmp_path):
+    """bos_token null in tokenizer_config.json, a bos_token_id in config.json (Qwen3's files): the
+    hf backend's prefix token is the EOS (transformers' tokenizer has no BOS), and moejax's is the
+    same, so loglikelihood_rolling (wikitext-style perplexity: the first window is conditioned on it)
+    and empty-context loglikelihoods equal the hf backend's; a custom prefix_token_id too."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from moejax.evaluation.lm_eval import MoejaxLM
+
+    ckpt, _ = setup
+    qwen = qwen3_style_copy(ckpt, tmp_path / "qwen3_style")
+    text = (STDLIB / "textwrap.py").read_text()
+    rolling = [Instance("loglikelihood_rolling", doc={}, arguments=(t,), idx=i)
+               for i, t in enumerate([text[:200], text[1000:1700]])]  # the second: two windows of 512
+    empty = [Instance("loglikelihood", doc={}, arguments=("", c), idx=i)
+             for i, c in enumerate(["def f(x):", "import os"])]
+    for kw in ({}, {"prefix_token_id": 7}):
+        hf = HFLM(pretrained=str(qwen), dtype="float32", batch_size=4, device="cpu", **kw)
+        mj = MoejaxLM(pretrained=str(qwen), dtype="float32", batch_size=4, model=backends[1].model,
+                      **{k: str(v) for k, v in kw.items()})   # as lm-eval's model_args strings
+        want = hf.loglikelihood_rolling(rolling, disable_tqdm=True) + [
+            ll for ll, _ in hf.loglikelihood(empty, disable_tqdm=True)]
+        got = mj.loglikelihood_rolling(rolling, disable_tqdm=True) + [
+            ll for ll, _ in mj.loglikelihood(empty, disable_tqdm=True)]
+        for w, g in zip(want, got, strict=True):
+            assert abs(w - g) <= 1e-4 + 1e-6 * abs(w), (kw, want, got)
+        assert mj.prefix_token_id == hf.prefix_token_id == kw.get("prefix_token_id", 0)  # (0: the eos)
+    with pytest.raises(ConfigError, match=r"prefix_token_id=256; not a token id"):
+        MoejaxLM(pretrained=str(qwen), model=backends[1].model, prefix_token_id=256)
+
+
+@pytest.mark.parametrize("think_end_token", [None, "</think>", "35", 35])
+def test_think_end_token_strips_the_reasoning_as_the_hf_backend(setup, backends, think_end_token):
+    """think_end_token (text, or a token id: as lm-eval's model_args give "35" or 35) is accepted
+    and the generations keep only what follows its last occurrence, then stop at the task's stop
+    string: both backends' generate_until on the same generated tokens (each backend's generator
+    replaced by one returning known tokens after the prompt: reasoning with stop strings inside it,
+    the end text and the end token id ("#" = 35) twice, or neither) return the same strings."""
+    import torch
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from moejax.evaluation.lm_eval import MoejaxLM
+
+    ckpt, _ = setup
+    generated = {  # the prompt's last byte -> the generated text (then eos = pad = byte 0)
+        ord("a"): "let me # think\n\nabout</think># it\n\n 42\nmore",
+        ord("b"): "x</think>y # z</think>  last #  answer\nrest",
+        ord("c"): "no end token here\nsecond",
+    }
+    max_new = 64
+
+    def forced(last: int) -> list[int]:
+        ids = list(generated[int(last)].encode())
+        return ids + [0] * (max_new - len(ids))
+
+    def hf_generate(context, max_length, stop, **kwargs):
+        return torch.cat([context, torch.tensor([forced(row[-1]) for row in context.tolist()])], dim=1)
+
+    def mj_generate(ids, mask, max_new_tokens, **kwargs):
+        assert max_new_tokens == max_new
+        return np.concatenate([ids, np.array([forced(row[-1]) for row in ids])], axis=1)
+
+    kw = {} if think_end_token is None else {"think_end_token": think_end_token}
+    hf = HFLM(pretrained=str(ckpt), dtype="float32", batch_size=2, device="cpu", **kw)
+    mj = MoejaxLM(pretrained=str(ckpt), dtype="float32", batch_size=2, model=backends[1].model, **kw)
+    hf._model_generate, mj._generator = hf_generate, mj_generate
+    gen_kwargs = {"until": ["\n"], "max_gen_toks": max_new}
+    requests = [Instance("generate_until", doc={}, arguments=(f"prompt {c}", gen_kwargs), idx=i)
+                for i, c in enumerate("abc")]
+    want = hf.generate_until(requests, disable_tqdm=True)
+    assert mj.generate_until(requests, disable_tqdm=True) == want
+    assert want == {None: ["let me # think", "x</think>y # z</think>  last #  answer", "no end token here"],
+                    "</think>": ["# it", "last #  answer", "no end token here"]}.get(
+        think_end_token, ["it", "answer", "no end token here"])   # (the reasoning gone)
+
+
+def test_boolean_model_args_take_only_true_false_1_0_and_thinking_needs_its_end_token(setup, backends):
+    """enable_thinking and add_bos_token: true/false/1/0 in any case (and bools) are read, anything
+    else (`ture`) is refused by name, from Python and from lm-eval's model_args string;
+    enable_thinking=true without think_end_token is refused as the hf backend refuses it, and with
+    it loglikelihood requests are refused as the hf backend refuses them."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from moejax.evaluation.lm_eval import MoejaxLM
+
+    ckpt, _ = setup
+    model = backends[1].model
+    for value, want in [("true", True), ("TRUE", True), ("1", True), (1, True), (True, True), ("false", False),
+                        ("False", False), ("0", False), (0, False), (False, False), (None, None)]:
+        lm = MoejaxLM(pretrained=str(ckpt), model=model, add_bos_token=value, enable_thinking=value,
+                      think_end_token="</think>")
+        assert lm.add_bos_token is want and lm.enable_thinking is want, value
+        assert lm.chat_template_args == ({} if want is None else {"enable_thinking": want})
+    for name in ("enable_thinking", "add_bos_token"):
+        for value in ("ture", "yes", "", 2, 0.5):
+            with pytest.raises(ConfigError, match=rf"moejax lm-eval model: {name}={value!r}; expected true, false, "
+                                                  r"1 or 0"):
+                MoejaxLM(pretrained=str(ckpt), model=model, **{name: value})
+    with pytest.raises(ConfigError, match=r"enable_thinking='ture'; expected true, false, 1 or 0"):
+        MoejaxLM.create_from_arg_string(f"pretrained={ckpt},enable_thinking=ture,think_end_token=</think>")
+    assert MoejaxLM.create_from_arg_string(f"pretrained={ckpt},enable_thinking=0").enable_thinking is False
+    with pytest.raises(ValueError, match="think_end_token is required"):  # the reference
+        HFLM(pretrained=str(ckpt), dtype="float32", device="cpu", enable_thinking=True)
+    with pytest.raises(ConfigError, match=r"enable_thinking=true needs think_end_token"):
+        MoejaxLM(pretrained=str(ckpt), model=model, enable_thinking="true")
+    for value in ("", 1.5, True, -1, "256"):
+        with pytest.raises(ConfigError, match=r"think_end_token="):
+            MoejaxLM(pretrained=str(ckpt), model=model, think_end_token=value)
+    request = Instance("loglikelihood", doc={}, arguments=("a", "b"), idx=0, metadata=("my_task", 0, 1))
+    hf = HFLM(pretrained=str(ckpt), dtype="float32", device="cpu", enable_thinking=True, think_end_token="</think>")
+    with pytest.raises(ValueError, match="not compatible with loglikelihood"):
+        hf.loglikelihood([request])
+    lm = MoejaxLM(pretrained=str(ckpt), model=model, enable_thinking=True, think_end_token="</think>")
+    with pytest.raises(ConfigError, match=r"enable_thinking=true scores generations only; loglikelihood tasks "
+                                          r"\['my_task'\] are refused"):
+        lm.loglikelihood([request])

@@ -4,6 +4,7 @@
 on the 8-device CPU mesh equal to one device."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -160,3 +161,70 @@ def test_the_backend_on_a_mesh_equals_one_device(setup, chat_runs):
         MoejaxLM(pretrained=str(ckpt), mesh_expert=3)
     with pytest.raises(ConfigError, match="mesh_data"):
         MoejaxLM(pretrained=str(ckpt), mesh_data=0)
+
+
+def chat_copy(ckpt, out, jinja=None, config_template=None):
+    """The checkpoint (linked) with a chat_template.jinja, or another tokenizer_config.json template."""
+    out.mkdir()
+    for file in ckpt.iterdir():
+        if not (config_template is not None and file.name == "tokenizer_config.json"):
+            (out / file.name).symlink_to(file)
+    if jinja is not None:
+        (out / "chat_template.jinja").write_text(jinja)
+    if config_template is not None:
+        config = json.loads((ckpt / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=config_template)))
+    return out
+
+
+MALFORMED = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"   # line 2: "}" for "}}"
+FAILING = "{{ raise_exception('this template renders nothing') }}"
+
+
+def test_a_malformed_or_failing_chat_template_is_one_config_error(setup, tmp_path, caplog):
+    """A template that does not parse (from chat_template.jinja or tokenizer_config.json) is one
+    ConfigError naming the file and jinja's message and line, never jinja2's TemplateSyntaxError,
+    and without the "trying again without the system role" warning (no chat can render it); a
+    template that raises on a chat with a system message is tried again without it (the hf
+    backend's text, one warning), and when that fails too the ConfigError names both failures; on a
+    chat without a system message there is nothing to retry (no warning)."""
+    import logging
+
+    from lm_eval.models.huggingface import HFLM
+
+    from moejax.evaluation.lm_eval import MoejaxLM
+
+    ckpt, _ = setup
+    caplog.set_level(logging.WARNING)
+    model = MoejaxLM(pretrained=str(ckpt)).model  # (loaded once, shared)
+    jinja = chat_copy(ckpt, tmp_path / "jinja", jinja=MALFORMED)
+    in_config = chat_copy(ckpt, tmp_path / "in_config", config_template=MALFORMED)
+    for folder, source in ((jinja, f"{jinja / 'chat_template.jinja'}"),
+                           (in_config, f"{in_config / 'tokenizer_config.json'} (chat_template)")):
+        lm = MoejaxLM(pretrained=str(folder), model=model)
+        for chat in CHATS[:2]:   # (the second with a system message)
+            with pytest.raises(ConfigError, match=re.escape(f"{source}: the chat template does not parse: jinja2 "
+                                                            "TemplateSyntaxError at line 2: unexpected '}'")):
+                lm.apply_chat_template(chat)
+    with pytest.raises(ConfigError, match="my.jinja: the chat template does not parse"):
+        render_chat(MALFORMED, CHATS[0], template_source="my.jinja")
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+    no_system = chat_copy(ckpt, tmp_path / "no_system", jinja=NO_SYSTEM)
+    lm = MoejaxLM(pretrained=str(no_system), model=model)
+    hf = HFLM(pretrained=str(no_system), dtype="float32", device="cpu")
+    for _ in range(2):
+        assert lm.apply_chat_template(CHATS[1]) == hf.apply_chat_template(CHATS[1])
+    ours = [r.getMessage() for r in caplog.records if r.name == "moejax.evaluation.lm_eval"]
+    assert len(ours) == 1 and "rendered it without the system role" in ours[0] and "no system" in ours[0], ours
+
+    failing = chat_copy(ckpt, tmp_path / "failing", jinja=FAILING)
+    lm = MoejaxLM(pretrained=str(failing), model=model)
+    caplog.clear()
+    where = re.escape(f"{failing / 'chat_template.jinja'}: the chat template failed on the chat (jinja2 TemplateError: "
+                      "this template renders nothing)")
+    with pytest.raises(ConfigError, match=where + r", and again without its system message \(jinja2 TemplateError"):
+        lm.apply_chat_template(CHATS[1])
+    with pytest.raises(ConfigError, match=where + "$"):
+        lm.apply_chat_template(CHATS[0])
+    assert not caplog.records

@@ -11,9 +11,12 @@ Rendering: a sandboxed Jinja environment with trim_blocks and lstrip_blocks, `lo
 and `strftime_now`; the template sees `messages`, `add_generation_prompt`, the tokenizer's special
 tokens as text (`bos_token`, `eos_token`, ...) and any extra arguments. `continue_final_message`
 cuts the text after the last message's content, so a continuation is scored against the
-assistant turn the template opened. Needs jinja2 (lm-eval's dependency; 3.1.6 or later, as
-transformers requires, for its sandbox fixes). Tested against transformers'
-`apply_chat_template` and lm-eval's `hf` backend (tests/test_lm_eval_chat.py).
+assistant turn the template opened. A template that does not parse is a ConfigError naming where
+it came from (`chat_template_source`) with jinja's message and line; one that raises while
+rendering a chat raises jinja's TemplateError, as transformers does (the caller decides whether to
+retry). Needs jinja2 (lm-eval's dependency; 3.1.6 or later, as transformers requires, for its
+sandbox fixes). Tested against transformers' `apply_chat_template` and lm-eval's `hf` backend
+(tests/test_lm_eval_chat.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ def read_chat_template(folder: Path, tokenizer_config: dict) -> str | dict | Non
         return {t["name"]: t["template"] for t in value}
     raise ConfigError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
                       f"{{'name', 'template'}} objects, got {type(value).__name__}")
+
+
+def chat_template_source(folder: Path, name: str = "default") -> str:
+    """Where `read_chat_template` found the template called `name`, for error messages: a .jinja
+    file, or tokenizer_config.json's `chat_template`."""
+    folder = Path(folder)
+    if name == "default" and (folder / TEMPLATE_FILE).is_file():
+        return str(folder / TEMPLATE_FILE)
+    if (folder / TEMPLATE_DIR / f"{name}.jinja").is_file():
+        return str(folder / TEMPLATE_DIR / f"{name}.jinja")
+    return f"{folder / 'tokenizer_config.json'} (chat_template{'' if name == 'default' else ' ' + repr(name)})"
 
 
 def special_token_texts(tokenizer_config: dict) -> dict:
@@ -100,18 +114,34 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
+def compile_chat_template(template: str, source: str = "chat template"):
+    """The template compiled (cached), or a ConfigError naming `source` (where it came from) with
+    jinja's message and line when it does not parse: no chat can render it, so no retry helps."""
+    import jinja2
+
+    try:
+        return _compiled(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ConfigError(f"{source}: the chat template does not parse: jinja2 {type(e).__name__} at line "
+                          f"{e.lineno}: {e.message}") from None
+
+
 def render_chat(template: str, messages: list[dict], *, add_generation_prompt: bool = False,
-                continue_final_message: bool = False, **variables) -> str:
-    """The chat as text (module docstring). Raises jinja2's TemplateError as transformers does
-    (lm-eval's `hf` backend then retries without the system message)."""
+                continue_final_message: bool = False, template_source: str = "chat template",
+                **variables) -> str:
+    """The chat as text (module docstring). A template that does not parse is a ConfigError naming
+    `template_source` (where the template came from); one that raises on this chat raises jinja2's
+    TemplateError as transformers does (lm-eval's `hf` backend then retries without the system
+    message)."""
+    compiled = compile_chat_template(template, template_source)
     messages = [dict(m) for m in messages]
     if continue_final_message:
         if not messages or not isinstance(messages[-1].get("content"), str):
             raise ValueError("continue_final_message needs a last message with text content")
         final = messages[-1]["content"]
         messages[-1]["content"] = final + _CONTINUE_TAG
-    text = _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                      tools=None, documents=None, **variables)
+    text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                           documents=None, **variables)
     if continue_final_message:
         if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
             raise ValueError("continue_final_message: the chat template dropped part of the final message")

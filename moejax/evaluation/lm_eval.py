@@ -13,15 +13,18 @@ and from the command line (`moejax-lm-eval` registers the model, then is lm-eval
 
 Semantics follow lm-eval's own `hf` backend, so that the numbers agree with it
 (shared/reference/lm-eval-notes.md): the checkpoint's tokenizer.json encodes with its special
-tokens (a BOS where the tokenizer adds one), empty contexts are conditioned on the prefix token
-(BOS, else EOS), requests are sorted longest first with lm-eval's own Collator, inputs longer
-than max_length (config.json max_position_embeddings) are truncated on the left, and
-generate_until stops at the EOS token id as well as at the stop strings, greedy unless the task
-samples. Differences: sequence lengths are padded up to a few buckets (powers of two) and batches
-to batch_size, so a task compiles a handful of shapes; log-softmax and the gather of the
-continuation's log-probabilities run inside the compiled forward, so only [batch, length] numbers
-leave it; requests that share a context and differ only in a one-token continuation are
-computed separately (the `hf` backend reuses one forward for them: same numbers, more work here).
+tokens (a BOS where the tokenizer adds one), empty contexts and rolling windows are conditioned
+on the prefix token (prefix_token_id=, else the tokenizer's own BOS, else its EOS: config.json's
+bos_token_id is not read, as transformers' tokenizer does not read it; a Qwen3 tokenizer has no
+BOS), requests are sorted longest first with lm-eval's own Collator, inputs longer than
+max_length (config.json max_position_embeddings) are truncated on the left, and generate_until
+stops at the EOS token id as well as at the stop strings, greedy unless the task samples, the
+reasoning cut off after think_end_token when one is given. Differences: sequence lengths are
+padded up to a few buckets (powers of two) and batches to batch_size, so a task compiles a
+handful of shapes; log-softmax and the gather of the continuation's log-probabilities run
+inside the compiled forward, so only [batch, length] numbers leave it; requests that share a
+context and differ only in a one-token continuation are computed separately (the `hf` backend
+reuses one forward for them: same numbers, more work here).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from moejax.errors import ConfigError, MoejaxError
-from moejax.evaluation.chat_template import read_chat_template, render_chat, special_token_texts
+from moejax.evaluation.chat_template import (chat_template_source, compile_chat_template, read_chat_template,
+                                             render_chat, special_token_texts)
 from moejax.evaluation.generate import SEEDS, Generator, Sampling, check_seed
 from moejax.evaluation.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
@@ -87,10 +91,11 @@ class Tokenizer:
         self.tok.encode_special_tokens = bool(settings.get("split_special_tokens", False))
         self.name_or_path = str(path)
         self.chat_template = read_chat_template(path, settings)   # lm-eval's TemplateLM.chat_template reads these
+        self.chat_template_source = chat_template_source(path)
         self.default_chat_template = None
         self.special_token_texts = special_token_texts(settings)
 
-        def special(name):
+        def special(name, from_config=True):
             value = settings.get(name)
             value = value.get("content") if isinstance(value, dict) else value
             if isinstance(value, str):
@@ -98,13 +103,17 @@ class Tokenizer:
                 if token_id is None:
                     raise ConfigError(f"{path / 'tokenizer_config.json'}: {name}={value!r} is not in tokenizer.json")
                 return token_id
-            token_id = config.get(f"{name}_id")
+            token_id = config.get(f"{name}_id") if from_config else None
             return token_id if isinstance(token_id, int) else None
 
-        self.eos_id, self.bos_id, self.pad_id = special("eos_token"), special("bos_token"), special("pad_token")
+        # the BOS is the tokenizer's own, as transformers' tokenizer has it (the hf backend's
+        # prefix token): a Qwen3 tokenizer has none (bos_token: null) though its config.json names a
+        # bos_token_id, and lm-eval then conditions on the EOS
+        self.eos_id, self.pad_id = special("eos_token"), special("pad_token")
+        self.bos_id = special("bos_token", from_config=False)
         if self.eos_id is None:
             raise ConfigError(f"{path}: no eos_token in tokenizer_config.json and no eos_token_id in config.json")
-        self.bos_str = self.tok.decode([self.bos_id], skip_special_tokens=False) if self.bos_id is not None else None
+        self.bos_text = self.special_token_texts.get("bos_token")   # transformers' tokenizer.bos_token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -130,7 +139,14 @@ class MoejaxLM(TemplateLM):
     mesh_data + mesh_expert: run on a data x expert mesh of the devices (expert-parallel "ep"
         dispatch, each device reading only its experts: `from_pretrained(..., mesh=)`); default 1 x 1,
         one device without a mesh
-    enable_thinking: passed to the chat template (as the hf backend's `enable_thinking`)
+    prefix_token_id: the token empty contexts and the first rolling window are conditioned on
+        (default: the tokenizer's BOS, else its EOS; as the hf backend)
+    enable_thinking: true/false, passed to the chat template (as the hf backend's `enable_thinking`);
+        true needs think_end_token, and refuses loglikelihood tasks (as the hf backend)
+    think_end_token: the end of the reasoning in generations (a token id, or its text): each
+        generation keeps only what follows its last occurrence (as the hf backend)
+    add_bos_token: true/false, whether to encode with the tokenizer's special tokens (default: yes)
+    Booleans are true/false/1/0 (any case), anything else refused by name.
     With `--apply_chat_template` (and `--fewshot_as_multiturn`) prompts are rendered with the
     checkpoint's chat template (`moejax.evaluation.chat_template`), as the hf backend renders them.
     Integers are refused out of range (max_length, batch_size, max_gen_toks >= 1), as is a task
@@ -140,13 +156,14 @@ class MoejaxLM(TemplateLM):
     def __init__(self, pretrained: str, dtype: str = "float32", batch_size: int | str = 8, max_length=None,
                  max_gen_toks: int = 256, pruning: str | None = None, scores: str | None = None,
                  score: str | None = None, keep=None, seed: int = 0, add_bos_token: bool | None = None,
-                 mesh_data=1, mesh_expert=1, enable_thinking=None,
+                 mesh_data=1, mesh_expert=1, enable_thinking=None, think_end_token=None, prefix_token_id=None,
                  device: str | None = None, max_batch_size=None, variant=None, model=None, **unused):
         super().__init__()
         if unused:
             raise ConfigError(f"moejax lm-eval model: unknown model_args {sorted(unused)}; valid: pretrained, "
                               "dtype, batch_size, max_length, max_gen_toks, pruning, scores, score, keep, seed, "
-                              "add_bos_token, mesh_data, mesh_expert, enable_thinking")
+                              "add_bos_token, prefix_token_id, mesh_data, mesh_expert, enable_thinking, "
+                              "think_end_token")
         path = Path(pretrained).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(f"moejax lm-eval model: {path} has no config.json (pretrained= must be a local "
@@ -164,14 +181,22 @@ class MoejaxLM(TemplateLM):
             variant = self._variant_masks(config, pruning, scores, score, keep, path)
         self.expert_variant = check_variant(variant, config)
         self.tokenizer = Tokenizer(path, config.raw)
-        self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true")
+        self.add_bos_token = _bool_arg("add_bos_token", add_bos_token)
+        self.enable_thinking = _bool_arg("enable_thinking", enable_thinking)
+        self.think_end_token = _think_end_token(think_end_token, self.tokenizer)
+        if self.enable_thinking and self.think_end_token is None:
+            raise ConfigError("moejax lm-eval model: enable_thinking=true needs think_end_token (the token that "
+                              "ends the reasoning, e.g. think_end_token=</think>, or its id), so that generations "
+                              "are scored without their reasoning (lm-eval's hf backend requires it too)")
+        self.custom_prefix_token_id = None if prefix_token_id is None else _token_id_arg(
+            "prefix_token_id", prefix_token_id, self.tokenizer)
         self._max_length = config.max_position_embeddings if max_length is None else _int_arg(
             "max_length", max_length, 1, " (the context length inputs are truncated to; default "
             "max_position_embeddings)")
         self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
         self.seed = check_seed(_int_arg("seed", seed, 0), "moejax lm-eval model: seed")
-        self.chat_template_args = {} if enable_thinking is None else {
-            "enable_thinking": str(enable_thinking).lower() in ("1", "true")}
+        self.chat_template_args = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        self._warned_system_retry = False
         self.mesh = self._mesh(mesh_data, mesh_expert, config, path)
         self.path = path
         self.model = model or load_pretrained(path, dtype=jnp.dtype(dtype), mesh=self.mesh)
@@ -212,8 +237,10 @@ class MoejaxLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat rendered with the checkpoint's chat template (its "default" when it has several),
-        as the hf backend renders it: a template that refuses the chat is tried again without its
-        system messages."""
+        as the hf backend renders it: a template that raises on a chat holding a system message is
+        tried again without it (a warning, once, when that works). A template that does not parse,
+        or fails on the chat (again without its system message), is one ConfigError naming where
+        the template is and jinja's message."""
         template = self.tokenizer.chat_template
         if isinstance(template, dict):
             template = template.get("default")
@@ -222,17 +249,34 @@ class MoejaxLM(TemplateLM):
                               f"({'no default among several' if self.tokenizer.chat_template else 'none'} in "
                               "chat_template.jinja or tokenizer_config.json)")
         variables = dict(self.tokenizer.special_token_texts, **self.chat_template_args)
+        source = self.tokenizer.chat_template_source
+        compile_chat_template(template, source)   # a template that does not parse: no chat renders it
 
         def render(history):
             return render_chat(template, history, add_generation_prompt=add_generation_prompt,
-                               continue_final_message=not add_generation_prompt, **variables)
+                               continue_final_message=not add_generation_prompt, template_source=source,
+                               **variables)
+
+        def failed(e):
+            return f"jinja2 {type(e).__name__}: {e}"
 
         try:
             return render(chat_history)
-        except jinja2.exceptions.TemplateError:
-            log.warning("the chat template refused the chat; trying again without the system role (as lm-eval's "
-                        "hf backend does)")
-            return render([m for m in chat_history if m["role"] != "system"])
+        except jinja2.exceptions.TemplateError as e:
+            first = e
+        without_system = [m for m in chat_history if m["role"] != "system"]
+        if len(without_system) == len(chat_history):
+            raise ConfigError(f"{source}: the chat template failed on the chat ({failed(first)})") from None
+        try:
+            text = render(without_system)   # what the hf backend does when the template refuses a chat
+        except jinja2.exceptions.TemplateError as e:
+            raise ConfigError(f"{source}: the chat template failed on the chat ({failed(first)}), and again "
+                              f"without its system message ({failed(e)})") from None
+        if not self._warned_system_retry:
+            log.warning("%s: the chat template refused a chat with a system message (%s); rendered it without the "
+                        "system role, as lm-eval's hf backend does", source, failed(first))
+            self._warned_system_retry = True
+        return text
 
     @staticmethod
     def _variant_masks(config, pruning, scores, score, keep, checkpoint):
@@ -255,6 +299,9 @@ class MoejaxLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
+        """As the hf backend: prefix_token_id=, else the tokenizer's BOS, else its EOS."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
         return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id
 
     @property
@@ -270,18 +317,36 @@ class MoejaxLM(TemplateLM):
         return self._batch_size
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """As the hf backend: the tokenizer's special tokens unless told otherwise, none when the
-        string already starts with the BOS text."""
+        """As the hf backend: the tokenizer's special tokens unless told otherwise (add_bos_token),
+        none when the string already starts with the prefix token's text."""
         if add_special_tokens is None:
             add_special_tokens = self.add_bos_token if self.add_bos_token is not None else True
-            if self.tokenizer.bos_str and string.startswith(self.tokenizer.bos_str):
+            if string.startswith(self.tok_decode(self.prefix_token_id, skip_special_tokens=False)):
                 add_special_tokens = False
         return self.tokenizer.encode(string, add_special_tokens)
+
+    def _encode_contexts(self, contexts) -> list[list[int]]:
+        """A generation batch's contexts, encoded as the hf backend's tok_batch_encode encodes them:
+        without special tokens when the first starts with the tokenizer's BOS text, else as
+        add_bos_token says, else with them."""
+        if self.tokenizer.bos_text is not None and contexts[0].startswith(self.tokenizer.bos_text):
+            add_special_tokens = False
+        else:
+            add_special_tokens = self.add_bos_token if self.add_bos_token is not None else True
+        return [self.tokenizer.encode(c, add_special_tokens) for c in contexts]
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens)
 
     # --- log-likelihoods ---------------------------------------------------------------------
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """TemplateLM's, refused under enable_thinking=true as the hf backend refuses it."""
+        if self.enable_thinking:
+            tasks = sorted({req.task_name for req in requests if getattr(req, "task_name", None)})
+            raise ConfigError(f"moejax lm-eval model: enable_thinking=true scores generations only; loglikelihood "
+                              f"tasks {tasks} are refused (lm-eval's hf backend refuses them too)")
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether it is the greedy continuation)
@@ -372,7 +437,8 @@ class MoejaxLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or the task's sampling) continuations with the KV-cached generator, cut at the
-        first stop string; the EOS token id always stops a row."""
+        first stop string; the EOS token id always stops a row; with think_end_token, only what
+        follows its last occurrence is kept (`strip_thinking`)."""
         order = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
@@ -384,7 +450,7 @@ class MoejaxLM(TemplateLM):
             contexts, all_kwargs = zip(*chunk)
             until, max_new, sampling = self._generation_settings(all_kwargs[0], eos)
             max_context = self.max_length - max_new
-            encoded = [self.tok_encode(c)[-max_context:] for c in contexts]
+            encoded = [e[-max_context:] for e in self._encode_contexts(contexts)]
             P = bucket(max(len(e) for e in encoded), self.max_length)
             B = self.batch_size
             ids, mask = np.zeros((B, P), np.int32), np.zeros((B, P), np.int32)
@@ -399,12 +465,69 @@ class MoejaxLM(TemplateLM):
                                       else self.eot_token_id,
                                       stop_sequences=[s for s in until if s], decode=self.tok_decode, check_every=8)
             for b, context in enumerate(contexts):
-                text = postprocess_generated_text(self.tok_decode(out[b, P:].tolist()), until, None)
+                text = self.strip_thinking(out[b, P:].tolist(), until)
                 results.append(text)
                 self.cache_hook.add_partial("generate_until", (context, all_kwargs[b]), text)
             bar.update(len(contexts))
         bar.close()
         return order.get_original(results)
+
+    def strip_thinking(self, tokens: list[int], until: list[str]) -> str:
+        """A generation's new tokens as the hf backend's generate_until turns them into the answer:
+        an integer think_end_token cuts the tokens after its last occurrence (the text then
+        left-stripped), a text one cuts the decoded text after its last occurrence; then the text
+        stops at the first stop string."""
+        think = self.think_end_token
+        if isinstance(think, int):
+            at = [i for i, t in enumerate(tokens) if t == think]
+            if at:
+                tokens = tokens[at[-1] + 1:]
+        text = self.tok_decode(tokens)
+        if isinstance(think, int):
+            text = text.lstrip()
+        return postprocess_generated_text(text, until, think if isinstance(think, str) else None)
+
+
+def _bool_arg(name: str, value) -> bool | None:
+    """A boolean model_arg: None, a bool, or true/false/1/0 (any case; lm-eval's command line passes
+    true/false as bools and 1/0 as ints); anything else a ConfigError naming it (`ture` is not false)."""
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return None if value is None else bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise ConfigError(f"moejax lm-eval model: {name}={value!r}; expected true, false, 1 or 0")
+
+
+def _token_id_arg(name: str, value, tokenizer: Tokenizer) -> int:
+    """A token id model_arg, an id of the tokenizer, or a ConfigError naming it."""
+    token_id = _int_arg(name, value, 0)
+    if tokenizer.tok.id_to_token(token_id) is None:
+        raise ConfigError(f"moejax lm-eval model: {name}={token_id}; not a token id of {tokenizer.name_or_path}'s "
+                          f"tokenizer.json ({tokenizer.tok.get_vocab_size()} tokens)")
+    return token_id
+
+
+def _think_end_token(value, tokenizer: Tokenizer) -> int | str | None:
+    """think_end_token as the hf backend reads it: a string of digits (or an int) is a token id, any
+    other string the text that ends the reasoning. Refused: an id not in the tokenizer, an empty
+    text, a bool or a float (the hf backend would silently strip nothing)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.isdigit() or isinstance(value, (int, np.integer)) and not isinstance(
+            value, (bool, np.bool_)):
+        return _token_id_arg("think_end_token", value, tokenizer)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"moejax lm-eval model: think_end_token={value!r}; expected the text that ends the "
+                          "reasoning (e.g. </think>) or its token id")
+    token_id = tokenizer.tok.token_to_id(value)
+    added = tokenizer.tok.get_added_tokens_decoder()
+    if token_id in added and added[token_id].special:
+        log.warning("think_end_token=%r is a special token of %s: generations are decoded without special tokens, "
+                    "so its text never appears and nothing is stripped (as in lm-eval's hf backend); give its id "
+                    "(think_end_token=%d) instead", value, tokenizer.name_or_path, token_id)
+    return value
 
 
 def _int_arg(name: str, value, low: int, why: str = "") -> int:
