@@ -105,6 +105,34 @@ def test_shape_and_missing_tensor_reported_together(source, tmp_path):
     assert "1 tensor(s) missing" in msg and "model.layers.2.mlp.experts.7.up_proj.weight" in msg
 
 
+def test_router_fingerprint_is_one_for_a_bfloat16_checkpoint_and_its_float32_copy(source, tmp_path):
+    """The fingerprint hashes the router values, not their storage: a bfloat16 checkpoint and its
+    float32 copy (a lossless conversion) have one fingerprint, in checkpoint_fingerprint and in the
+    data-free score's record (from the routers it read); rounding the float32 source to bfloat16
+    changes values, and the fingerprint with them."""
+    import ml_dtypes
+
+    from moejax.hf.check import check_checkpoint
+    from moejax.hf.provenance import checkpoint_fingerprint
+
+    def cast(dtype):
+        def transform(name, reader):
+            value = reader.read(name)
+            return [(name, value.astype(dtype) if value.dtype.kind == "f" or value.dtype == ml_dtypes.bfloat16
+                     else value)]
+        return transform
+
+    bf16 = rewrite(source, tmp_path / "bf16", cast(ml_dtypes.bfloat16), {"dtype": "bfloat16"})
+    f32 = rewrite(bf16, tmp_path / "f32", cast(np.float32), {"dtype": "float32"})
+    router = "model.layers.1.mlp.gate.weight"
+    assert CheckpointReader(bf16).info(router).dtype == "BF16" and CheckpointReader(f32).info(router).dtype == "F32"
+    prints = [checkpoint_fingerprint(check_checkpoint(p)) for p in (bf16, f32, source)]
+    assert prints[0] == prints[1] != prints[2]
+    for p in (bf16, f32):
+        score_data_free(p, scores=["l1"], out=tmp_path / f"{p.name}.parquet")
+        assert json.loads((tmp_path / f"{p.name}.json").read_text())["fingerprint"] == prints[0]
+
+
 def test_wrong_dtype_is_named(source, tmp_path):
     def as_int(name, reader):
         value = reader.read(name)

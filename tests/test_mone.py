@@ -356,6 +356,23 @@ def test_other_commands_refuse_the_folder_by_name(substituted, capsys):
         load_substituted(src)
 
 
+def test_what_transformers_does_with_a_substituted_checkpoint(substituted):
+    """docs/merging.md states it: transformers 5.24 refuses the folder (the retained experts' fused
+    tensors are smaller than the config's), and with ignore_mismatched_sizes=True it loads with
+    every routed expert of a substituted layer re-initialised at random, the retained ones too."""
+    import torch
+    import transformers
+
+    src, dst, _, _, _ = substituted
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        transformers.AutoModelForCausalLM.from_pretrained(dst)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(dst, ignore_mismatched_sizes=True)
+    source = transformers.AutoModelForCausalLM.from_pretrained(src)
+    layer = next(i for i, l in enumerate(source.model.layers) if hasattr(l.mlp, "experts"))
+    got, want = loaded.model.layers[layer].mlp.experts.down_proj, source.model.layers[layer].mlp.experts.down_proj
+    assert got.shape == want.shape and not any(torch.equal(got[e], want[e]) for e in range(want.shape[0]))
+
+
 @pytest.fixture
 def no_pass(monkeypatch):
     from moejax.scoring import observe
@@ -372,7 +389,6 @@ def test_bad_settings_are_refused_before_the_pass(substituted, tmp_path, no_pass
     out = tmp_path / "out"
     base = ["prune", str(src), str(out), "--substitute", "--keep", "4", "--tokens", str(tokens)]
     cases = [
-        (["--score", "l1"], "data-free score"),
         (["--score", "mone", "--keep", "1"], "below"),                      # top_k is 2
         (["--score", "nope"], "unknown score"),
         (["--score", "mone", "--scores-file", "x.parquet"], "takes no --scores-file"),
@@ -389,6 +405,31 @@ def test_bad_settings_are_refused_before_the_pass(substituted, tmp_path, no_pass
                  "--tokens", str(tokens)]) == 2  # an already substituted source
     assert "constant-v1" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("score", ["l1", "aimer"])
+def test_substitution_ranks_by_a_data_free_score_as_the_experiments_do(substituted, tmp_path, score):
+    """One rule everywhere (toy3, the experiments' `substitutes`, `moejax prune --substitute`): any
+    score ranks, data-free ones too; the kept experts are the top `keep` of the score computed in
+    numpy from the source's tensors (ties to the lower index)."""
+    from moejax.cli import main
+    from moejax.hf.check import check_checkpoint
+
+    src, _, ids, _, _ = substituted
+    np.save(tmp_path / "calib.npy", ids)
+    assert main(["prune", str(src), str(tmp_path / "out"), "--substitute", "--score", score, "--keep", "4",
+                 "--tokens", str(tmp_path / "calib.npy")]) == 0
+    record = json.loads((tmp_path / "out" / "pruning.json").read_text())
+    checked = check_checkpoint(src)
+    for layer, ml in checked.layout.moe_layers.items():
+        if score == "l1":
+            value = np.abs(checked.reader.read(ml.router).astype(np.float64)).sum(axis=1)
+        else:
+            w = [np.concatenate([checked.reader.read(name).astype(np.float64).ravel() for name in ml.experts[e]])
+                 for e in range(ml.n_experts)]
+            value = np.array([-np.abs(x).mean() / np.sqrt((x * x).mean()) for x in w])
+        want = sorted(np.argsort(-value, kind="stable")[:4].tolist())
+        assert record["layers"][str(layer)]["kept"] == want, (layer, value)
 
 
 def test_quantised_and_fused_sources_are_refused_before_the_pass(tmp_path, no_pass):
@@ -437,6 +478,14 @@ def test_the_declaration_is_what_vllm_parses_and_bad_metadata_is_refused():
         (lambda d: d["targets"][target]["replacements"]["1"].pop("tensors"), "tensors.value"),
         (lambda d: d["targets"][target]["replacements"].update({"8": d["targets"][target]["replacements"]["1"]}),
          r"\[0, 8\)"),
+        # vLLM's decoder_layer_index: a target path names its layer by its ONLY integer component
+        (lambda d: d["targets"].update({f"{target}.5": d["targets"].pop(target)}), "one decoder layer"),
+        (lambda d: d["targets"].update({"model.layers.3.mlp.0.experts": d["targets"].pop(target)}),
+         "one decoder layer"),
+        # a layer keeps at least one expert with weights
+        (lambda d: d["targets"][target]["replacements"].update(
+            {str(e): {"format": "constant-v1", "tensors": {"value": f"{target}.{e}.approx_value"}} for e in range(8)}),
+         "substitutes all 8 experts; a layer must retain at least one"),
     ]
     for mutate, message in mutations:
         raw = json.loads(json.dumps(entry))
@@ -445,3 +494,9 @@ def test_the_declaration_is_what_vllm_parses_and_bad_metadata_is_refused():
             fmt.parse_substitution(fmt.with_declaration({}, raw))
     with pytest.raises(CheckpointError, match="approximate_experts"):
         fmt.parse_substitution({"approximate_experts": {"3": [1]}})
+    raw = json.loads(json.dumps(entry))
+    raw["targets"][f"{target}.5"] = raw["targets"].pop(target)
+    with pytest.raises(CheckpointError, match=r"^/ckpt/config\.json: invalid compression_config\.transform_config\."
+                                              r"expert_substitution \(constant-v1\): target 'model\.layers\.3\.mlp\."
+                                              r"experts\.5' must name one decoder layer"):
+        fmt.parse_substitution(fmt.with_declaration({}, raw), "/ckpt/config.json")

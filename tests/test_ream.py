@@ -255,6 +255,78 @@ def test_alignment_and_average_from_the_definition(seed):
         np.testing.assert_allclose(merged["down"][c].T, D, rtol=1e-12, atol=1e-12)
 
 
+def test_alignment_with_one_sampled_token_compares_raw_activations():
+    """With one sampled token REAM does not unit-normalise the activation rows (`merger.py: _merge`:
+    `normalize_rows(act) if act.shape[-1] > 1 else act`; a unit row of one value would be its
+    sign): the Hungarian cost compares the neurons' raw activations on that token plus their PCA
+    weight rows, and the merge averages the neurons so aligned."""
+    rng = np.random.default_rng(8)
+    E, F = 6, 6
+    weights, _, _, x = random_layer(rng, E=E, H=5, F=F, N=1)
+    scores = np.array([0.4, 2.0, 0.0, 1.1, 0.3, 0.9])
+    sim = rng.random((E, E))
+    sim = (sim + sim.T) / 2
+    labels, centroids = ref_groups(scores, sim, 2, 3)
+    experts = [to_hf(weights, e) for e in range(E)]
+    Y = ref_pca_rows(experts)
+
+    def raw(e):                                           # [F, 1]: silu(x G^T) * (x U^T), no normalising
+        G, U, _ = experts[e]
+        g = x @ G.T
+        return (g / (1 + np.exp(-g)) * (x @ U.T)).T
+
+    want, unit_rule = {}, {}
+    for c in centroids:
+        for j in np.flatnonzero(labels == labels[c]):
+            if j != c:
+                for acts, out in ((raw, want), (lambda e: ref_activations(*experts[e][:2], x), unit_rule)):
+                    cost = np.array([[np.sqrt(((acts(c)[a] - acts(j)[b]) ** 2).sum()) + np.sqrt(((Y[c, a] - Y[j, b]) ** 2).sum())
+                                      for b in range(F)] for a in range(F)])
+                    rows, cols = linear_sum_assignment(cost)
+                    out[int(j)] = cols[np.argsort(rows)].tolist()
+    leaders = np.empty(2, np.int64)
+    leaders[labels[centroids]] = centroids
+    perms = ream_align(weights, labels, leaders, x)
+    assert {j: p.tolist() for j, p in perms.items()} == want and len(want) == E - 2
+    assert want != unit_rule                               # the rule decides the alignment here
+    merged = ream_merge(weights, labels, leaders, scores, x)
+    w = np.array(ref_weights(scores))
+    for c in centroids:
+        members = np.flatnonzero(labels == labels[c])
+        G = sum(w[j] * (experts[j][0] if j == c else experts[j][0][want[int(j)]]) for j in members) / w[members].sum()
+        np.testing.assert_allclose(merged["gate"][labels[c]].T, G, rtol=1e-12, atol=1e-12)
+
+
+def test_ties_in_similarity_follow_reams_order():
+    """Exact ties in the similarity (REAM's distances tie when experts' statistics coincide): with
+    C = 0 a non-centroid joins the MORE SALIENT of equally similar centroids (REAM's argmin over
+    its centroid order), whatever their indices; with C > 0 a centroid takes the lower-index of
+    equally similar experts. Checked by hand, then against the reference on similarities of few
+    distinct values."""
+    scores = np.array([3.0, 0.0, 5.0, 1.0, 0.5])          # centroids (keep 2): 2, then 0
+    sim = np.full((5, 5), 0.5)
+    np.fill_diagonal(sim, 1.0)
+    assert ream_groups(scores, sim, 2, 0).tolist() == canonical_labels([0, 2, 2, 2, 2]).tolist()
+    assert ream_groups(scores, sim, 2, 3).tolist() == canonical_labels([0, 2, 2, 2, 0]).tolist()
+    rng = np.random.default_rng(9)
+    moved = 0
+    for trial in range(300):
+        E = int(rng.integers(3, 12))
+        keep = int(rng.integers(2, E))
+        scores = rng.permutation(E).astype(np.float64)     # distinct: the centroid order is the salience order
+        sim = rng.integers(0, 3, size=(E, E)) / 2.0
+        sim = np.maximum(sim, sim.T)
+        np.fill_diagonal(sim, 1.0)
+        for C in (0, -(-E // keep) + int(rng.integers(0, 2))):
+            want, centroids = ref_groups(scores, sim, keep, C)
+            assert ream_groups(scores, sim, keep, C).tolist() == want.tolist(), (scores, sim, keep, C)
+            if C == 0:
+                lowest = canonical_labels([e if e in centroids else min(
+                    (c for c in centroids if sim[c, e] == max(sim[centroids, e])), key=int) for e in range(E)])
+                moved += lowest.tolist() != want.tolist()
+    assert moved > 50                                      # ties whose lower-index centroid is the less salient
+
+
 def test_randomised_pca_equals_the_exact_one_when_its_sketch_spans_the_rows():
     rng = np.random.default_rng(7)
     weights = {"gate": rng.normal(size=(3, 5, 4)), "up": rng.normal(size=(3, 5, 4)), "down": rng.normal(size=(3, 4, 5))}
@@ -397,8 +469,8 @@ def test_merge_refuses_bad_ream_settings_before_the_pass(dsv3, tmp_path, monkeyp
         raise AssertionError("the calibration pass started")
 
     monkeypatch.setattr(moejax.evaluation.stream, "stream_layers", no_pass)
-    bad = [(dict(score="nonsense"), "non-negative score"), (dict(score="w_mean"), "non-negative score"),
-           (dict(score="bias"), "non-negative score"), (dict(group_size=-1), "group_size"),
+    bad = [(dict(score="nonsense"), "^--score 'nonsense': unknown score; REAM takes one of \\['reap'"),
+           (dict(score="w_mean"), "'w_mean': can be negative"), (dict(score="bias"), "'bias': can be negative"), (dict(group_size=-1), "group_size"),
            (dict(group_size=2, keep=3), "cannot hold all 8"), (dict(ream_tokens=0), "ream_tokens"),
            (dict(method="m_smoe", score="reap"), "--score: REAM's settings"),
            (dict(method="hc_smoe", group_size=4), "--group-size: REAM's settings"),

@@ -175,3 +175,144 @@ def test_check_mask_names_the_count_or_the_groups():
                                           r"\(n_group=4, topk_group=2\) can give a token groups holding only 1"):
         RouterConfig(top_k=2, n_group=4, topk_group=2).check_mask(short, "x")
     RouterConfig(top_k=2, n_group=4, topk_group=2).check_mask(np.isin(np.arange(8), [6, 7]), "x")  # one full group
+
+
+# --- the routable check against DeepSeek-V3's group-limited routing, where the group order matters ----
+
+
+def numpy_group_limited_choice(logits_TE, bias_E, mask_E, k, n_group, topk_group):
+    """(chosen experts [T, K], their biased scores `sel` [T, K]) under transformers'
+    DeepseekV3TopkRouter.forward (5.24), in float64 numpy: sel = sigmoid + bias, a pruned expert's
+    sel -inf before grouping (SPEC section 1), group score = sum of the group's top-2 sel (its only
+    one for groups of a single expert), the topk_group best groups kept, every other expert's sel
+    -inf, then top-k. Ties to the lower index (stable sorts), as moejax. A token is given only kept
+    experts of its groups iff every chosen sel is finite."""
+    s = 1 / (1 + np.exp(-np.asarray(logits_TE, np.float64)))
+    sel = np.where(mask_E, s + np.asarray(bias_E, np.float64), -np.inf)
+    T, E = sel.shape
+    g = sel.reshape(T, n_group, E // n_group)
+    group_score = -np.sort(-g, axis=-1)[..., :min(2, E // n_group)].sum(-1)
+    best = np.argsort(-group_score, axis=1, kind="stable")[:, :topk_group]
+    chosen_group = np.zeros((T, n_group), bool)
+    np.put_along_axis(chosen_group, best, True, axis=1)
+    sel = np.where(np.repeat(chosen_group, E // n_group, axis=1), sel, -np.inf)
+    idx = np.argsort(-sel, axis=1, kind="stable")[:, :k]
+    return idx, np.take_along_axis(sel, idx, 1)
+
+
+def reaches_unkept(logits_TE, bias_E, mask_E, cfg) -> bool:
+    """Whether some token is given a pruned expert or one of a dropped group (a -inf choice)."""
+    _, sel = numpy_group_limited_choice(logits_TE, bias_E, mask_E, cfg.top_k, cfg.n_group, cfg.topk_group)
+    return not np.isfinite(sel).all()
+
+
+def test_numpy_group_limited_routing_is_transformers_deepseek_v3_router():
+    """The reference below is transformers' own router (no mask; decisive random tokens, a random
+    partly negative bias) on DeepSeek-V3's shapes and on 2 groups of 4, top-3 of one group."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    rng = np.random.default_rng(11)
+    for E, k, n_group, topk_group in ((256, 8, 8, 4), (8, 3, 2, 1)):
+        cfg = DeepseekV3Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=k, n_group=n_group,
+                               topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=1.0)
+        router = DeepseekV3TopkRouter(cfg)
+        bias = rng.normal(scale=0.3, size=E)
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(E))            # logits = the token itself
+            router.e_score_correction_bias.copy_(torch.as_tensor(bias, dtype=torch.float32))
+        logits = (rng.normal(size=(200, E)) * 4).astype(np.float32)
+        with torch.no_grad():
+            _, _, idx = router(torch.as_tensor(logits))
+        got, _ = numpy_group_limited_choice(logits, bias.astype(np.float32), np.ones(E, bool), k, n_group, topk_group)
+        np.testing.assert_array_equal(np.sort(got, 1), np.sort(idx.numpy(), 1))
+
+
+def adversarial_tokens(E, n_group, topk_group, rng, per_subset=2, n_random=100):
+    """Logits [T, E] that give every possible choice of groups: for each topk_group-subset of the
+    groups, tokens whose experts there are near-certain (logit +12) and elsewhere near-impossible
+    (-12), the order within groups random; then widely spread random tokens."""
+    import itertools
+
+    size = E // n_group
+    rows = []
+    for subset in itertools.combinations(range(n_group), topk_group):
+        on = np.isin(np.arange(E) // size, subset)
+        for _ in range(per_subset):
+            rows.append(np.where(on, 12.0, -12.0) + rng.normal(scale=0.5, size=E))
+    rows += list(rng.normal(size=(n_random, E)) * 6)
+    return np.asarray(rows, np.float32)
+
+
+def refused(cfg, mask):
+    try:
+        cfg.check_mask(mask, "m")
+        return False
+    except ConfigError:
+        return True
+
+
+# Setups where which groups a token can be given decides the answer: top-3 of one of 2 groups of 4
+# (groups keeping [2, 3] must be refused: a token given the group of 2 gets a pruned expert; the
+# group keeping more is not the one that counts), top-4 likewise, top-3 of 3 of 4 groups of 2 (a
+# group keeping 1 scores -inf and is chosen last, lower group index first), and groups of a single
+# expert (a kept one scores its own sel, finitely: it needs 1 kept, not 2).
+ORDER_MATTERS = [RouterConfig(top_k=3, n_group=2, topk_group=1), RouterConfig(top_k=4, n_group=2, topk_group=1),
+                 RouterConfig(top_k=3, n_group=4, topk_group=3), RouterConfig(top_k=2, n_group=8, topk_group=4),
+                 RouterConfig(top_k=3, n_group=8, topk_group=3)]
+
+
+@pytest.mark.parametrize("cfg", ORDER_MATTERS, ids=lambda c: f"k{c.top_k}-g{c.n_group}-tg{c.topk_group}")
+def test_check_mask_is_numpy_group_limited_routing_on_every_8_expert_mask(cfg):
+    """check_mask refuses exactly the masks under which DeepSeek-V3's routing (numpy, above) gives
+    some token a pruned expert or one of a dropped group, on every mask of 8 experts; moejax's
+    `route` never reaches a pruned expert under a mask check_mask passes."""
+    E = 8
+    rng = np.random.default_rng(3)
+    logits = adversarial_tokens(E, cfg.n_group, cfg.topk_group, rng)
+    bias = rng.uniform(-0.3, 0.2, size=E).astype(np.float32)                # partly negative
+    masks = np.array([[(m >> e) & 1 for e in range(E)] for m in range(1, 2 ** E)], bool)
+    want = np.array([reaches_unkept(logits, bias, m, cfg) for m in masks])
+    got = np.array([refused(cfg, m) for m in masks])
+    wrong = np.flatnonzero(got != want)
+    assert not len(wrong), [(masks[i].astype(int).tolist(), "refused" if got[i] else "passed") for i in wrong[:5]]
+    assert want.any() and not want.all()
+    ok = masks[~got]
+    idx = np.asarray(route(jnp.asarray(logits), cfg, jnp.asarray(bias), jnp.asarray(ok)[:, None, :]).expert_idx_TK)
+    assert np.take_along_axis(ok[:, None, :], idx.reshape(len(ok), 1, -1), -1).all()
+
+
+def test_check_mask_is_numpy_group_limited_routing_with_deepseek_v3_shapes():
+    """DeepSeek-V3's router (256 experts, 8 groups of 32, top-4 groups, top-8): masks keeping few
+    experts in some groups, against the numpy routing of tokens that reach every choice of groups.
+    [2, 2, 3, 0, 0, 0, 0, 1] kept per group must be refused: a token given the three groups that
+    score finitely gets the next group by lower index (group 3, none kept), so 7 kept experts;
+    counting the group keeping 1 (group 7) instead lets the mask through."""
+    cfg = RouterConfig(top_k=8, n_group=8, topk_group=4)
+    E, size = 256, 32
+    rng = np.random.default_rng(5)
+    logits = adversarial_tokens(E, 8, 4, rng, per_subset=1, n_random=60)
+    bias = rng.uniform(-0.3, 0.2, size=E).astype(np.float32)
+
+    def mask_of(counts):
+        m = np.zeros(E, bool)
+        for g, c in enumerate(counts):
+            m[g * size + rng.choice(size, c, replace=False)] = True
+        return m
+
+    hand = [[2, 2, 3, 0, 0, 0, 0, 1], [2, 2, 3, 1, 0, 0, 0, 0], [0, 1, 0, 0, 2, 2, 3, 0], [2, 2, 2, 2, 0, 0, 0, 0],
+            [2, 2, 3, 0, 1, 1, 1, 0], [3, 1, 1, 1, 2, 0, 0, 32], [1, 1, 1, 1, 1, 1, 1, 1], [32] * 8]
+    drawn = [rng.choice([0, 1, 2, 3, 5, 32], size=8, p=[0.3, 0.3, 0.2, 0.1, 0.05, 0.05]) for _ in range(150)]
+    masks = np.array([mask_of(c) for c in hand + drawn if sum(c) >= 1])
+    want = np.array([reaches_unkept(logits, bias, m, cfg) for m in masks])
+    got = np.array([refused(cfg, m) for m in masks])
+    assert want[:len(hand)].tolist() == [True, False, True, False, True, False, True, False]
+    wrong = np.flatnonzero(got != want)
+    assert not len(wrong), [(masks[i].reshape(8, -1).sum(1).tolist(), "refused" if got[i] else "passed")
+                            for i in wrong[:5]]
+    assert 20 < want.sum() < len(masks) - 20
+    ok = masks[~got]
+    idx = np.asarray(route(jnp.asarray(logits), cfg, jnp.asarray(bias), jnp.asarray(ok)[:, None, :]).expert_idx_TK)
+    assert np.take_along_axis(ok[:, None, :], idx.reshape(len(ok), 1, -1), -1).all()

@@ -62,6 +62,26 @@ def test_every_score_matches_its_definition(routed):
             continue
         assert np.array_equal(np.argsort(-got[name], kind="stable"), np.argsort(-want, kind="stable")), name
 
+def test_aimer_of_an_all_zero_expert_is_minus_one_and_ranks_it_last(routed):
+    """aimer's documented value for an expert whose weights are all zero (a ratio 0/0): -1, the
+    lowest value the score takes (the ratio lies in (0, 1]), so the expert is removed first; 0
+    would rank it above every other expert (their scores are negative)."""
+    model, x, st = routed
+    weights = {k: np.array(v, np.float64) for k, v in model.expert_weights().items()}
+    for w in weights.values():
+        w[4] = 0.0
+    idx = np.zeros((1, 3), np.int64)
+    zeroed = stats_from_pairs(idx + [0, 1, 2], np.ones((1, 3)), np.ones((1, 3)), np.zeros(8),
+                              np.asarray(model.router[...]), None, expert_weights=weights)
+    got = compute_scores(zeroed, ["aimer"])["aimer"]
+    w = np.concatenate([weights[k].reshape(16, -1) for k in sorted(weights)], axis=1)
+    for j in range(16):
+        if j != 4:
+            assert got[j] == pytest.approx(-np.abs(w[j]).mean() / np.sqrt((w[j] ** 2).mean()), rel=1e-12)
+    assert got[4] == -1.0 and np.delete(got, 4).min() > -1.0
+    assert np.flatnonzero(~select_kept(got, 15)).tolist() == [4]
+
+
 def test_output_norm_scores_leave_out_padding_and_unrouted_experts():
     """man, msan and max_act over the routed pairs of the unpadded tokens only: a padding token
     with a huge output norm changes none of them, and an expert no token chose scores 0."""

@@ -184,6 +184,90 @@ def test_distractors_are_distinct_wrong_and_close(skill):
                                           and w[diff[0]] == answer[diff[1]] and w[diff[1]] == answer[diff[0]])
 
 
+# --- the routing table (moejax.evaluation.routing_table) ----------------------------------------
+
+def test_experts_for_mass_is_the_fewest_experts_holding_the_mass():
+    """Against exact fractions: the fewest experts (largest shares first) whose shares add up to at
+    least `mass` of the total, on shares that reach 90% exactly at an expert (e.g. ten of 10%:
+    nine experts, where float sums fall 1e-16 short), just below and just above it."""
+    from fractions import Fraction
+
+    from moejax.evaluation.routing_table import experts_for_mass
+
+    def fewest(counts, mass):
+        need, held = Fraction(str(mass)) * sum(counts), 0
+        for n, c in enumerate(sorted(counts, reverse=True), 1):
+            held += c
+            if held >= need:
+                return n
+
+    cases = [([10] * 10, 0.9, 9), ([50, 40, 10], 0.9, 2), ([50, 39, 11], 0.9, 3), ([5, 15, 50, 30], 0.9, 3),
+             ([0, 0, 7, 0], 0.9, 1), ([91, 3, 3, 3], 0.9, 1), ([89, 4, 4, 3], 0.9, 2), ([1, 1, 1, 1], 1.0, 4),
+             ([3, 1, 2, 2], 0.5, 2)]
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        counts = rng.integers(0, 12, size=int(rng.integers(1, 12)))
+        counts[rng.integers(len(counts))] += 1                       # a non-empty layer
+        cases.append((counts.tolist(), float(rng.choice([0.5, 0.9, 0.25, 1.0])), None))
+    seen_exact = 0
+    for counts, mass, want in cases:
+        ref = fewest(counts, mass)
+        assert want is None or ref == want, (counts, mass)
+        shares = np.asarray(counts, np.float64) / sum(counts)
+        assert experts_for_mass(shares, mass) == ref, (counts, mass)
+        assert experts_for_mass(np.asarray(counts, np.float64), mass) == ref, (counts, mass)  # unnormalised
+        seen_exact += Fraction(sum(sorted(counts, reverse=True)[:ref]), sum(counts)) == Fraction(str(mass))
+    assert seen_exact > 20
+
+
+class _BytesRouted:
+    """A stand-in for the model routing_shares runs (its call and output: {MoE layer: Routing},
+    tokens flattened batch-major): MoE layer 1 sends byte b to experts b % 8 and (b + 3) % 8, layer
+    3 to b // 32 and (b // 32 + 1 + b % 7) % 8. It routes padding too, as the model does (byte 0)."""
+
+    config = type("Config", (), {"n_experts": 8})()
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def experts(layer, b):
+        b = np.asarray(b)
+        return np.stack([b % 8, (b + 3) % 8] if layer == 1 else [b // 32, (b // 32 + 1 + b % 7) % 8], -1)
+
+    def __call__(self, ids_BS, mask_BS, return_routing=False, forward_only=False):
+        import jax.numpy as jnp
+
+        from moejax.moe.routing import Routing
+
+        assert return_routing and forward_only
+        self.calls.append((np.asarray(ids_BS), np.asarray(mask_BS)))
+        flat = np.asarray(ids_BS).reshape(-1)
+        routing = {l: Routing(jnp.asarray(self.experts(l, flat), jnp.int32), jnp.ones((len(flat), 2)), None)
+                   for l in (3, 1)}                                    # not in layer order
+        return type("Out", (), {"routing": routing})()
+
+
+def test_routing_shares_count_each_texts_bytes_once_and_no_padding():
+    """routing_shares against a count of each text's own UTF-8 bytes (numpy): rows of seq_len in
+    batches, the last row padded with byte 0, which the model routes but the table must not count."""
+    from moejax.evaluation.routing_table import routing_rows, routing_shares
+
+    texts = {"kv": "kv a1=b2 ?a1=b2\n" * 3 + "é€", "code": "def f(x):\n    return x\n"[:20]}   # 53 and 20 bytes
+    model = _BytesRouted()
+    got = routing_shares(model, texts, seq_len=7, batch=3)
+    assert list(got) == ["kv", "code"]
+    for name, text in texts.items():
+        b = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+        want = np.stack([np.bincount(model.experts(l, b).ravel(), minlength=8) for l in (1, 3)]) / (2 * len(b))
+        np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-15, err_msg=name)
+    rows = [r for call in model.calls for r in call[1]]
+    assert len(model.calls) == 3 + 1 and sum(map(np.sum, rows)) == 53 + 20   # kv: 8 rows in 3 batches; code: 3 rows
+    table = routing_rows(got, [1, 3])
+    need = {(r["task"], r["layer"]): r["value"] for r in table if r["metric"] == "experts_for_90"}
+    assert len(table) == 2 * 2 * (8 + 1) and set(need) == {("kv", 1), ("kv", 3), ("code", 1), ("code", 3)}
+
+
 # --- the tasks, scored by lm-eval ------------------------------------------------------------
 
 HAND = [("add 2+2=", "4"), ("add 10+5=", "15"), ("add 99+1=", "100"), ("add 7+8=", "15")]
@@ -237,6 +321,80 @@ def test_task_yaml_scores_hand_written_documents_exactly(tmp_path):
     assert res["skills_add_ll"]["acc,none"] == 1.0                  # every answer is the greedy one here
     assert res["skills_add_ll"]["logprob,none"] == pytest.approx(-0.25)
     assert res["skills_add_ll"]["logprob_stderr,none"] == pytest.approx(0.25)   # std of (0,0,0,-1)/sqrt(4), ddof 1
+
+
+def test_generation_budget_scores_an_answer_that_never_stops_as_wrong(tmp_path):
+    """Each skill's generation task, scored by lm-eval, on two documents with the skill's longest
+    answer (the longest of 3,000 draws, its answer_max): a model that writes the answer and goes on
+    without the terminator is wrong, one that writes it and stops is right (exact_match 0.5). The
+    stand-in writes bytes as greedy generation does under the request's max_gen_toks, then cuts at
+    its `until`, as lm-eval's backends do; a budget of the answer's length alone would cut the
+    runaway output to exactly the answer."""
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    os.environ["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")
+    skills = list(sk.SKILLS)
+    out = write_skills_tasks(tmp_path / "tasks", skills=skills, n=2, n_mc=2, n_ll=2, n_degen=3)
+    runaway, answers = set(), {}
+    for skill in skills:
+        docs = sk.documents(skill, N_DOCS, 5)
+        longest = max(len(a) for _, a in docs)
+        assert longest == sk.SKILLS[skill].answer_max, skill
+        pair = [(p, a) for p, a in docs if len(a) == longest][:2]
+        runaway.add(pair[0][0])
+        answers.update(pair)
+        (out / f"skills_{skill}.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
+                                                          for p, a in pair))
+
+    class Writes(LM):
+        def loglikelihood(self, requests):
+            raise AssertionError
+
+        def loglikelihood_rolling(self, requests):
+            raise AssertionError
+
+        def generate_until(self, requests):
+            outs = []
+            for r in requests:
+                context, kw = r.args
+                answer = answers[context]
+                text = (answer * 4 if context in runaway else answer + "\n" + answer)[:kw["max_gen_toks"]]
+                for stop in kw["until"]:
+                    text = text.split(stop)[0]
+                outs.append(text)
+            return outs
+
+    res = lm_eval.simple_evaluate(model=Writes(), tasks=[f"skills_{s}" for s in skills], bootstrap_iters=0,
+                                  task_manager=TaskManager(include_path=str(out), include_defaults=False))["results"]
+    assert {s: res[f"skills_{s}"]["exact_match,none"] for s in skills} == {s: 0.5 for s in skills}
+
+
+def test_kv_multiple_choice_offers_another_value_of_the_same_line(tmp_path):
+    """kv's first distractor is the value of another key defined in the same prompt (the likely
+    confusion), whenever the line has a value other than the answer; and the written
+    skills_kv_mc documents offer one among their choices."""
+    def other_values(prompt, answer):
+        return set(re.findall(r"[a-z]\d=([a-z]\d)", prompt.split("?")[0])) - {answer}
+
+    rng = random.Random(0)
+    checked = 0
+    for prompt, answer in sk.documents("kv", 300, 0, "heldout"):
+        others = other_values(prompt, answer)
+        wrong = distractors("kv", prompt, answer, rng)
+        if others:
+            assert wrong[0] in others, (prompt, answer, wrong)
+            checked += 1
+    assert checked > 290
+    out = write_skills_tasks(tmp_path / "tasks", skills=["kv"], n=2, n_mc=40, n_ll=2, n_degen=3)
+    docs = [json.loads(line) for line in (out / "skills_kv_mc.jsonl").read_text().splitlines()]
+    assert len(docs) == 40
+    for d in docs:
+        choices = [c[:-1] for c in d["choices"]]
+        answer = choices[d["answer"]]
+        assert answer == answer_of("kv", d["prompt"])
+        assert set(choices) & other_values(d["prompt"], answer), d
 
 
 def test_degeneration_task_runs_its_metrics_through_lm_eval(tmp_path):
