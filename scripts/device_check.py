@@ -55,12 +55,18 @@ T_START = time.monotonic()
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))   # hf_fixtures: the hardened random checkpoints the tests use
+
+from hf_fixtures import BASE as FIXTURE_BASE  # noqa: E402
 
 # What each mode runs. "gpu": sized for one H100/H200 within the 8-minute budget; "smoke": tiny,
 # for a CPU, so the whole script is known to run before a device is lent.
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 MOONLIGHT_KEYS_DROPPED = ("architectures", "model_type", "scoring_func", "topk_method", "moe_layer_freq")
+
+QWEN3_COMMON = dict(norm_topk_prob=True, mlp_only_layers=[0], rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 SHAPES = {
     "gpu": {
@@ -72,11 +78,9 @@ SHAPES = {
                             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                             rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
                             num_nextn_predict_layers=0, rope_parameters={**YARN, "original_max_position_embeddings": 1024}),
-        "qwen3_moe": dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
-                          num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                          num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[0],
-                          rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False,
-                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        "qwen3_moe": dict(QWEN3_COMMON, vocab_size=8192, hidden_size=1024, intermediate_size=2816,
+                          moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                          head_dim=128, num_experts=32, num_experts_per_tok=4, max_position_embeddings=4096),
         "forward_batch": (4, 512),
         "dispatch_tokens": 8192,
         "moonlight": dict(num_hidden_layers=3, vocab_size=32768),
@@ -91,18 +95,12 @@ SHAPES = {
     },
     "smoke": {
         "matmul": [(128, 4), (256, 2)],
-        "deepseek_v3": dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
-                            kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                            n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, n_group=4, topk_group=2,
-                            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                            rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
-                            num_nextn_predict_layers=0, rope_parameters={**YARN, "original_max_position_embeddings": 64}),
-        "qwen3_moe": dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        # the tests' tiny DeepSeek-V3 (tests/hf_fixtures.py BASE)
+        "deepseek_v3": {**{k: v for k, v in FIXTURE_BASE.items() if k != "initializer_range"},   # set by the run
+                        "rope_parameters": {**YARN, "original_max_position_embeddings": 64}},
+        "qwen3_moe": dict(QWEN3_COMMON, vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
-                          rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
-                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                          num_experts=8, num_experts_per_tok=2, max_position_embeddings=256),
         "forward_batch": (3, 14),
         "dispatch_tokens": 64,
         # Moonlight's structure (plain q_proj, MLA, one group, 2 shared experts, first layer dense) at tiny widths
@@ -295,23 +293,12 @@ def init_range(hidden: int) -> float:
 
 
 def harden(model, hidden: int):
-    """Make every parameter matter (in place), as tests/hf_fixtures.py does: norms random around 1,
-    attention biases random, balance biases random and partly negative, router rows wide (logits of
-    standard deviation ~8 whatever the width, so routing is decisive and comparable in bfloat16)."""
-    import torch
+    """tests/hf_fixtures.py's hardening (norms random around 1, biases random and partly negative),
+    router rows of standard deviation 8 / sqrt(hidden): logits of standard deviation ~8 whatever
+    the width, so routing is decisive and comparable in bfloat16."""
+    from hf_fixtures import harden as harden_fixture
 
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 8.0 / math.sqrt(hidden))
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.1)
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_(0, 0.3)
-    return model
+    return harden_fixture(model, router_std=8.0 / math.sqrt(hidden))
 
 
 def hf_classes(family: str):

@@ -69,9 +69,10 @@ def lm_eval_setup(root, seed: int, files=("textwrap.py", "fractions.py"), **task
     return ckpt, write_stdlib_tasks(root / "tasks", files=[stdlib / f for f in files], **task_counts)
 
 
-def harden(model):
+def harden(model, router_std: float = 1.0):
     """Make every parameter matter (in place; returns the model): norms random around 1, router rows
-    wide (decisive routing), attention biases random, balance biases random and partly negative."""
+    wide (decisive routing: entries of standard deviation router_std), attention biases random,
+    balance biases random and partly negative."""
     import torch
 
     with torch.no_grad():
@@ -79,7 +80,7 @@ def harden(model):
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 1.0)
+                p.normal_(0, router_std)
             elif name.endswith(".bias"):
                 p.normal_(0, 0.1)
         for m in model.modules():

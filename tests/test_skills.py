@@ -273,6 +273,24 @@ def test_routing_shares_count_each_texts_bytes_once_and_no_padding():
 HAND = [("add 2+2=", "4"), ("add 10+5=", "15"), ("add 99+1=", "100"), ("add 7+8=", "15")]
 
 
+def generating_lm(generate):
+    """An lm-eval model that only generates: generate_until is `generate(requests)`; a
+    log-likelihood request fails the test."""
+    from lm_eval.api.model import LM
+
+    class Generates(LM):
+        def loglikelihood(self, requests):
+            raise AssertionError("a log-likelihood request")
+
+        def loglikelihood_rolling(self, requests):
+            raise AssertionError("a rolling log-likelihood request")
+
+        def generate_until(self, requests):
+            return generate(requests)
+
+    return Generates()
+
+
 class ScriptedLM:
     """An lm-eval model answering from a table: right for the first `n_right` documents."""
 
@@ -331,7 +349,6 @@ def test_generation_budget_scores_an_answer_that_never_stops_as_wrong(tmp_path):
     its `until`, as lm-eval's backends do; a budget of the answer's length alone would cut the
     runaway output to exactly the answer."""
     import lm_eval
-    from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager
 
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")
@@ -348,25 +365,18 @@ def test_generation_budget_scores_an_answer_that_never_stops_as_wrong(tmp_path):
         (out / f"skills_{skill}.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
                                                           for p, a in pair))
 
-    class Writes(LM):
-        def loglikelihood(self, requests):
-            raise AssertionError
+    def writes(requests):
+        outs = []
+        for r in requests:
+            context, kw = r.args
+            answer = answers[context]
+            text = (answer * 4 if context in runaway else answer + "\n" + answer)[:kw["max_gen_toks"]]
+            for stop in kw["until"]:
+                text = text.split(stop)[0]
+            outs.append(text)
+        return outs
 
-        def loglikelihood_rolling(self, requests):
-            raise AssertionError
-
-        def generate_until(self, requests):
-            outs = []
-            for r in requests:
-                context, kw = r.args
-                answer = answers[context]
-                text = (answer * 4 if context in runaway else answer + "\n" + answer)[:kw["max_gen_toks"]]
-                for stop in kw["until"]:
-                    text = text.split(stop)[0]
-                outs.append(text)
-            return outs
-
-    res = lm_eval.simple_evaluate(model=Writes(), tasks=[f"skills_{s}" for s in skills], bootstrap_iters=0,
+    res = lm_eval.simple_evaluate(model=generating_lm(writes), tasks=[f"skills_{s}" for s in skills], bootstrap_iters=0,
                                   task_manager=TaskManager(include_path=str(out), include_defaults=False))["results"]
     assert {s: res[f"skills_{s}"]["exact_match,none"] for s in skills} == {s: 0.5 for s in skills}
 
@@ -399,7 +409,6 @@ def test_kv_multiple_choice_offers_another_value_of_the_same_line(tmp_path):
 
 def test_degeneration_task_runs_its_metrics_through_lm_eval(tmp_path):
     import lm_eval
-    from lm_eval.api.model import LM
     from lm_eval.tasks import TaskManager
 
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")
@@ -411,18 +420,11 @@ def test_degeneration_task_runs_its_metrics_through_lm_eval(tmp_path):
         [d["kind"] for d in docs] == ["code", "skills"] * 3   # no LICENSE.txt in this Python
     assert all(len(d["prompt"].encode()) <= 64 for d in docs)
 
-    class Loops(LM):
-        def loglikelihood(self, requests):
-            raise AssertionError
+    def loops(requests):
+        assert all(r.args[1]["max_gen_toks"] == 192 for r in requests)
+        return ["ab" * 96 if i % 2 else "fine words\nmore" for i, _ in enumerate(requests)]
 
-        def loglikelihood_rolling(self, requests):
-            raise AssertionError
-
-        def generate_until(self, requests):
-            assert all(r.args[1]["max_gen_toks"] == 192 for r in requests)
-            return ["ab" * 96 if i % 2 else "fine words\nmore" for i, _ in enumerate(requests)]
-
-    res = lm_eval.simple_evaluate(model=Loops(), tasks=["skills_degen"], bootstrap_iters=0,
+    res = lm_eval.simple_evaluate(model=generating_lm(loops), tasks=["skills_degen"], bootstrap_iters=0,
                                   task_manager=TaskManager(include_path=str(out), include_defaults=False))
     r = res["results"]["skills_degen"]
     assert r["loop,none"] == 0.5 and r["terminated,none"] == 0.5
