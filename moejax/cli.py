@@ -16,7 +16,8 @@
                  (ream: --score, --group-size, --ream-tokens)
     moejax reroute SRC COMPRESSED DST (--text PATH... | --tokens FILE.npy) [--steps N] [--lr LR]
                  [--warmup N] [--final-lr-fraction F] [--weight-decay W] [--batch-size B] [--seq-len N]
-                 [--max-tokens N] [--teacher-cache DIR] [--mesh-expert 8] [--mesh-data 1] [--overwrite]
+                 [--max-tokens N] [--holdout 0.1] [--eval-every 10] [--teacher-cache DIR] [--mesh-expert 8]
+                 [--mesh-data 1] [--overwrite]
                  (router distillation: COMPRESSED's routers trained to match SRC's next-token distribution)
     moejax inspect CKPT [--json]
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
@@ -206,10 +207,15 @@ def _reroute(args) -> None:
         args.src, args.compressed, args.dst, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
         max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, warmup=args.warmup,
         final_lr_fraction=args.final_lr_fraction, weight_decay=args.weight_decay, batch_size=args.batch_size,
-        teacher_cache=args.teacher_cache, overwrite=args.overwrite, mesh=mesh)
-    losses = record["losses"]
+        holdout=args.holdout, eval_every=args.eval_every, teacher_cache=args.teacher_cache, overwrite=args.overwrite,
+        mesh=mesh)
+    losses, kept = record["losses"], dict(record["heldout"])
+    for key in ("kl_before", "kl_after"):
+        kept[key] = format(kept[key], ".3g") if isinstance(kept[key], float) else kept[key]
     print(f"{args.dst}: {len(record['trained'])} routers distilled from {args.src} in {len(losses)} steps "
-          f"(KL {losses[0]:.5f} -> {losses[-1]:.5f}, {record['train_seconds']:.1f} s); record in {args.dst}/reroute.json")
+          f"(training KL {losses[0]:.5f} -> {losses[-1]:.5f}, {record['train_seconds']:.1f} s; {kept['selection']} KL "
+          f"{kept['kl_before']} -> {kept['kl_after']}, routers of step {kept['kept_step']} kept"
+          f"{', stopped: ' + kept['stopped'] if kept['stopped'] else ''}); record in {args.dst}/reroute.json")
 
 
 def _calibration_arguments(p, required: bool = True, dtype: bool = True) -> None:
@@ -315,6 +321,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
     p.add_argument("--final-lr-fraction", type=float, default=0.1, help="the cosine ends at lr x this")
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--holdout", type=float, default=0.1,
+                   help="share of the calibration sequences held out: the routers returned are the best measured "
+                        "on them, the input's included (never worse)")
+    p.add_argument("--eval-every", type=int, default=10, help="steps between held-out measurements")
     p.add_argument("--teacher-cache", default=None,
                    help="folder keeping the teacher's log-probs between runs on the same data")
     p.add_argument("--mesh-expert", type=int, default=1, help="devices the routed experts are split over")

@@ -163,12 +163,18 @@ def test_merged_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
 
 def test_rerouted_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
     """prune.reroute=true: each variant is also evaluated with its routers distilled, once (the pass
-    trains them; the tasks get the rerouted expert maps), as rows with rerouted=True beside its own."""
+    trains them; the tasks get the rerouted expert maps), as rows with rerouted=True beside its own.
+    (The routers kept are the best measured on held-out calibration sequences, the variant's own
+    included; on this random model step 2 beats them there and step 3 does not, so the spy measures
+    after every step, not only after the last, for the rerouted rows to differ.)"""
+    import dataclasses
+
     from moejax.training import reroute as rr
 
     calls = []
     real = rr.train_routers
-    monkeypatch.setattr(rr, "train_routers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(rr, "train_routers", lambda model, teacher, batches, settings, *a, **k: calls.append(1) or real(
+        model, teacher, batches, dataclasses.replace(settings, eval_every=1), *a, **k))
     run_job(job(ckpt, keep=[8], scores=["frequency"], tasks=["stdlib_ppl"],
                 prune={"reroute": True, "reroute_steps": 3}), tmp_path)
     assert len(calls) == 1

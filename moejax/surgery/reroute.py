@@ -8,15 +8,26 @@ distribution on calibration text. DST is COMPRESSED with new router weights:
   shards (config.json, pruning.json, the tokenizer, ...) copied as it is; a router is written in
   its stored dtype (the student trains it in float32);
 - `reroute.json` beside it: teacher and student (paths, fingerprints), the settings, the data, the
-  loss of every step, the time;
+  loss of every step, the held-out selection (`heldout`: the KL before and after on the held-out
+  sequences, the step kept, whether training stopped early; `moejax.training.reroute`: the result
+  is never worse than COMPRESSED on them), the teacher cache used, the time;
 - written atomically (a staging folder renamed at the end).
 
 Checked before any work: the settings, both checkpoints' headers against their configs, that
 COMPRESSED was made from SRC (its pruning.json's fingerprint is SRC's), the same vocabulary and
-tokenizer, the calibration data. Memory: the teacher runs once per batch before training (its
-log-probs [B, S, V] float32 kept in memory, or on disk with `teacher_cache`); the student trains
+tokenizer, the calibration data, and that `teacher_cache` is absent, an empty folder or a teacher
+cache (a file is refused). Memory: the teacher runs once per batch before training (its log-probs
+[B, S, V] float32 kept in memory, or on disk with `teacher_cache`); the student trains
 end to end (its forward and backward through every layer), so it must fit in memory; on several
 devices `mesh=` loads the student's experts split over the mesh's expert axis.
+
+The teacher cache (`teacher_cache`, --teacher-cache DIR): batch_<i>.npy (float32 [B, S, V]) and
+teacher.json (its key: the teacher's fingerprint, the tokens' hash and shape, the batch size, the
+vocabulary, the dtype; written last). A cache is reused only for exactly this key (another text or
+teacher is refused by name), and only after its record and every batch are checked (readable, not
+truncated, float32, the expected shape, finite), before any training; every fault names the file.
+It is written atomically after the teacher pass (a staging folder renamed into place; a full disk
+leaves nothing and names the cache).
 """
 
 from __future__ import annotations
@@ -60,36 +71,124 @@ def _student_record(checked) -> dict:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
 
 
-def _teacher_cache(cache: Path | None, key: dict, compute) -> list[np.ndarray]:
-    """The teacher's log-probs per batch, from `cache` when it holds them for exactly this key (the
-    teacher's fingerprint, the data's hash, the dtype), else computed and, with a cache, saved."""
+CACHE_RECORD = "teacher.json"   # a teacher cache's record, written last: its key and batch count
+CACHE_FORMAT = 1                # the layout of a teacher cache folder (batch_<i>.npy + teacher.json)
+
+
+def check_teacher_cache(cache) -> Path | None:
+    """Before any work: `cache` (--teacher-cache) is absent, an empty folder (both written after the
+    teacher pass) or a folder holding teacher.json (read, `_teacher_cache`); a file, or a folder of
+    something else, is refused by name."""
     if cache is None:
-        return compute()
+        return None
     cache = Path(cache)
-    meta = cache / "teacher.json"
-    if meta.is_file():
-        stored = json.loads(meta.read_text(encoding="utf-8"))
-        if stored.get("key") != key:
-            raise ConfigError(f"{cache}: a teacher cache for other data or another teacher ({stored.get('key')}); "
-                              "remove it or name another folder")
-        return [np.load(cache / f"batch_{i}.npy", mmap_mode="r") for i in range(stored["batches"])]
-    out = compute()
-    cache.mkdir(parents=True, exist_ok=True)
-    for i, a in enumerate(out):
-        np.save(cache / f"batch_{i}.npy", a)
-    meta.write_text(json.dumps({"key": key, "batches": len(out)}, indent=2) + "\n", encoding="utf-8")
+    if cache.exists() and not cache.is_dir():
+        raise ConfigError(f"{cache}: --teacher-cache names a file; expected a folder (absent or empty: the teacher's "
+                          f"log-probs are written there; holding {CACHE_RECORD}: read from it)")
+    if cache.is_dir() and not (cache / CACHE_RECORD).exists():
+        try:
+            entries = sorted(p.name for p in cache.iterdir())
+        except OSError as e:
+            raise ConfigError(f"{cache}: --teacher-cache cannot be listed ({e.strerror or e})") from None
+        if entries:
+            raise ConfigError(f"{cache}: --teacher-cache is a folder without {CACHE_RECORD} holding {entries[:3]}; "
+                              "expected a teacher cache, an empty folder or a new path")
+    return cache
+
+
+def _checked_log_probs(array, shape: tuple, where: str, cache: Path | None = None) -> np.ndarray:
+    """`array` (the teacher's log-probs of one batch), checked: float32, exactly `shape` [B, S, V],
+    every value finite (read one sequence at a time, so a memory-mapped batch is never loaded
+    whole). where: the file (or the batch) the error names."""
+    fix = f"; remove {cache} to recompute it" if cache is not None else ""
+    if array.dtype != np.float32:
+        raise CheckpointError(f"{where}: teacher log-probs of dtype {array.dtype}; expected float32{fix}")
+    if tuple(array.shape) != tuple(shape):
+        raise CheckpointError(f"{where}: teacher log-probs of shape {list(array.shape)}; expected {list(shape)} "
+                              f"[batch, seq_len, vocab]{fix}")
+    for j in range(array.shape[0]):
+        if not np.isfinite(array[j]).all():
+            raise CheckpointError(f"{where}: sequence {j}'s teacher log-probs are not finite (NaN or inf); expected "
+                                  f"finite log-softmaxes{fix}")
+    return array
+
+
+def _read_teacher_cache(cache: Path, key: dict, shapes: list) -> list[np.ndarray] | None:
+    """The cached log-probs (memory-mapped, each batch checked by `_checked_log_probs`) when `cache`
+    holds teacher.json for exactly `key`; None when it holds none. Every fault names the file."""
+    meta = cache / CACHE_RECORD
+    if not meta.exists():
+        return None
+    try:
+        stored = json.loads(meta.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{meta}: not UTF-8 (byte {e.start}); expected a teacher cache's JSON record: remove "
+                              f"{cache} or name another folder") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta}: not JSON ({e}); expected a teacher cache's record: remove {cache} or name "
+                              "another folder") from None
+    except OSError as e:
+        raise CheckpointError(f"{meta}: unreadable ({e.strerror or e})") from None
+    if not isinstance(stored, dict) or not isinstance(stored.get("key"), dict) \
+            or isinstance(stored.get("batches"), bool) or not isinstance(stored.get("batches"), int):
+        raise CheckpointError(f'{meta}: expected {{"key": {{...}}, "batches": N}}, got {str(stored)[:200]}: '
+                              f"remove {cache} or name another folder")
+    if stored["key"] != key:
+        differ = sorted(k for k in set(key) | set(stored["key"]) if key.get(k) != stored["key"].get(k))
+        raise ConfigError(f"{cache}: a teacher cache for other data or another teacher (its {', '.join(differ)} "
+                          f"differ from this run's); remove it or name another folder")
+    if stored["batches"] != len(shapes):
+        raise CheckpointError(f"{meta}: {stored['batches']} batches; expected {len(shapes)} for its key: remove "
+                              f"{cache} to recompute it")
+    out = []
+    for i, shape in enumerate(shapes):
+        path = cache / f"batch_{i}.npy"
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing from the teacher cache; remove {cache} to recompute it") from None
+        except (OSError, ValueError, EOFError) as e:
+            raise CheckpointError(f"{path}: unreadable teacher log-probs, truncated or not a .npy file ({e}); remove "
+                                  f"{cache} to recompute it") from None
+        out.append(_checked_log_probs(array, shape, str(path), cache))
     return out
+
+
+def _teacher_cache(cache: Path | None, key: dict, shapes: list, compute) -> tuple[list[np.ndarray], bool]:
+    """(The teacher's log-probs per batch, whether they came from `cache`): read from `cache` when it
+    holds them for exactly this key (`_read_teacher_cache`: the record and every batch checked
+    before any training), else computed (each batch checked: float32, `shapes`, finite) and, with
+    a cache, written atomically (a staging folder renamed into place, teacher.json written last;
+    a failed write, a full disk, leaves nothing and names the cache). `check_teacher_cache` ran
+    before any work."""
+    if cache is not None:
+        cached = _read_teacher_cache(cache, key, shapes)
+        if cached is not None:
+            return cached, True
+    computed = compute()
+    if len(computed) != len(shapes):
+        raise CheckpointError(f"the teacher pass gave {len(computed)} batches of log-probs; expected {len(shapes)}")
+    out = [_checked_log_probs(a, shape, f"the teacher's log-probs of batch {i}")
+           for i, (a, shape) in enumerate(zip(computed, shapes))]
+    if cache is not None:
+        with staged_directory(cache, overwrite=cache.exists()) as staging:   # (it exists only empty: checked)
+            for i, a in enumerate(out):
+                np.save(staging / f"batch_{i}.npy", a, allow_pickle=False)
+            (staging / CACHE_RECORD).write_text(json.dumps({"key": key, "batches": len(out)}, indent=2) + "\n",
+                                                encoding="utf-8")
+    return out, False
 
 
 def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len: int | None = None,
                        max_tokens: int | None = None, steps: int = 200, lr: float = 1e-3, warmup: int = 10,
                        final_lr_fraction: float = 0.1, weight_decay: float = 0.0, batch_size: int = 8,
-                       teacher_cache=None, overwrite: bool = False, progress: bool | None = None,
-                       mesh=None) -> dict:
+                       holdout: float = 0.1, eval_every: int = 10, teacher_cache=None, overwrite: bool = False,
+                       progress: bool | None = None, mesh=None) -> dict:
     """Write DST (COMPRESSED with its routers distilled from SRC) and return its record (also
     DST/reroute.json). mesh: a `moejax.parallel.MeshConfig`; with several devices the teacher and
     the student are loaded with their routed experts split over its expert axis (the "ep"
-    dispatch, gradients included) and the tokens over its data axis."""
+    dispatch, gradients included) and the tokens over its data axis. holdout, eval_every: the
+    held-out slice that keeps the result never worse than COMPRESSED (`RerouteSettings`)."""
     import jax
     import jax.numpy as jnp
 
@@ -97,13 +196,15 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
     from moejax.training.reroute import RerouteSettings, reroute, teacher_log_probs
 
     settings = RerouteSettings(steps=steps, lr=lr, warmup=warmup, final_lr_fraction=final_lr_fraction,
-                               weight_decay=weight_decay, batch_size=batch_size).check()
+                               weight_decay=weight_decay, batch_size=batch_size, holdout=holdout,
+                               eval_every=eval_every).check()
     for path, what in ((src, "SRC"), (compressed, "COMPRESSED")):
         require_local(path, f"moejax reroute ({what})")
     src, compressed, dst = Path(src), Path(compressed), Path(dst)
     check_destination(dst, overwrite, inputs=(src, compressed, text, tokens, teacher_cache))
     if teacher_cache is not None:   # written as well as read: never into, or over, an input
         check_apart(teacher_cache, (src, compressed, text, tokens), "the teacher cache (--teacher-cache)")
+    teacher_cache = check_teacher_cache(teacher_cache)
     teacher_checked = check_checkpoint(src, uniform_experts=False)
     student_checked = check_checkpoint(compressed, uniform_experts=False, substituted=True)
     record = _student_record(student_checked)
@@ -126,8 +227,12 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
     show = sys.stderr.isatty() if progress is None else progress
 
     t0 = time.perf_counter()
-    key = {"teacher": fingerprint, "tokens": hashlib.sha256(np.ascontiguousarray(ids).tobytes()).hexdigest(),
-           "shape": list(ids.shape), "batch_size": batch_size, "dtype": "float32"}
+    # what the cached log-probs depend on: the teacher, the tokens, their batching, the vocabulary, the dtype
+    # (not the mesh: it changes them by float rounding only)
+    key = {"format": CACHE_FORMAT, "teacher": fingerprint,
+           "tokens": hashlib.sha256(np.ascontiguousarray(ids).tobytes()).hexdigest(), "shape": list(ids.shape),
+           "batch_size": batch_size, "vocab_size": int(tcfg.vocab_size), "dtype": "float32"}
+    shapes = [(len(b), int(ids.shape[1]), int(tcfg.vocab_size)) for b, _ in batches]
 
     def compute():
         teacher = load_opened(opened(teacher_checked), jnp.float32, mesh=device_mesh)
@@ -139,7 +244,7 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
 
     substituted = isinstance(student_checked.reader, SubstitutedExpertsView)
     with contextlib.nullcontext() if device_mesh is None else jax.set_mesh(device_mesh):
-        teacher_logp = _teacher_cache(teacher_cache, key, compute)
+        teacher_logp, reused = _teacher_cache(teacher_cache, key, shapes, compute)
         teacher_s = time.perf_counter() - t0
         if substituted:   # its novices' constants are the student's expert maps
             student, variant = load_substituted(compressed, mesh=device_mesh)
@@ -151,6 +256,9 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
     for l, ml in layout.moe_layers.items():
         if l < scfg.num_hidden_layers:
             routers[ml.router] = np.asarray(student.model.layers[l].mlp.router[...], np.float32)
+    for name, value in routers.items():   # (train_routers returns finite routers; checked again before writing)
+        if not np.isfinite(value).all():
+            raise CheckpointError(f"{dst}: the trained router {name} is not finite (NaN or inf); nothing was written")
     out = {
         "moejax_version": __version__, "method": "router distillation (arXiv 2603.02217)",
         "teacher": {"path": str(src.resolve()), FINGERPRINT_KEY: fingerprint},
@@ -160,7 +268,9 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
         "mesh": {"data": mesh.data, "expert": mesh.expert},
         "data": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                  "tokenizer": tokenizer, "sha256": key["tokens"]},
-        "losses": result.losses, "teacher_seconds": teacher_s, "train_seconds": result.seconds,
+        "losses": result.losses, "heldout": result.record(),
+        "teacher_cache": None if teacher_cache is None else {"path": str(teacher_cache.resolve()), "reused": reused},
+        "teacher_seconds": teacher_s, "train_seconds": result.seconds,
     }
     fused = student_checked.reader._inner if substituted else student_checked.reader   # names as stored
     _write(fused, routers, compressed, dst, out, overwrite)
@@ -177,23 +287,24 @@ def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, over
     missing = set(routers) - set(names_of.values())
     if missing:
         raise CheckpointError(f"{compressed}: router tensor(s) {sorted(missing)} not found among the stored tensors")
+    values = {}   # each router in its stored dtype, checked before anything is written
+    for name, view in names_of.items():
+        info = stored.info(name)
+        if info.dtype not in dtypes:
+            raise CheckpointError(f"{compressed}: router {name} is {info.dtype}; reroute writes float "
+                                  "routers only (F32, BF16, F16, F64)")
+        value = routers[view]
+        if tuple(info.shape) != value.shape:
+            raise CheckpointError(f"{compressed}: router {name} is {list(info.shape)} on disk, the "
+                                  f"student's {list(value.shape)}")
+        values[name] = value.astype(dtypes[info.dtype])
+        if not np.isfinite(values[name].astype(np.float32)).all():   # (an F16 router can overflow to inf)
+            raise CheckpointError(f"{dst}: router {name} is not finite in its stored dtype {info.dtype}; "
+                                  "nothing was written")
     with staged_directory(dst, overwrite) as staging:
         weight_map, total = {}, 0
         for path in stored.files():
-            tensors = []
-            for name in stored.names_in(path):
-                if name in names_of:
-                    info = stored.info(name)
-                    if info.dtype not in dtypes:
-                        raise CheckpointError(f"{compressed}: router {name} is {info.dtype}; reroute writes float "
-                                              "routers only (F32, BF16, F16, F64)")
-                    value = routers[names_of[name]]
-                    if tuple(info.shape) != value.shape:
-                        raise CheckpointError(f"{compressed}: router {name} is {list(info.shape)} on disk, the "
-                                              f"student's {list(value.shape)}")
-                    tensors.append((name, value.astype(dtypes[info.dtype])))
-                else:
-                    tensors.append((name, stored.info(name)))
+            tensors = [(name, values[name] if name in values else stored.info(name)) for name in stored.names_in(path)]
             if tensors:
                 total += write_shard(staging, stored, path, tensors, weight_map)
         write_index(staging, stored, weight_map, total)

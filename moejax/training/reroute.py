@@ -12,10 +12,30 @@ the balance bias included, stays as it is: the bias enters only the top-k choice
 constant function of it, so its gradient is exactly zero, and the paper trains the router
 weights only.
 
-    RerouteSettings          steps, learning rate, warmup, final fraction, weight decay, batch
+Never worse than the input. The last max(1, floor(holdout * N)) of the N calibration sequences
+(`RerouteSettings.holdout`, default 10%; deterministic, the tail of the last batches) are held out
+of training. The student's KL on them is measured before the first step, every `eval_every` steps
+and after the last, and the routers returned are the best seen, the input's included; a later
+candidate must beat the best by more than `ROUNDING_KL`, so rounding noise never replaces them.
+The result's held-out KL is therefore never above the input's. With a single sequence, or
+holdout=0, nothing can be held out: the routers are selected on the training tokens themselves
+(`RerouteResult.selection` "training"), never worse on those, with no claim for unseen text.
+
+Training stops early when a step's KL is at rounding level (below `ROUNDING_KL`, float32's
+epsilon: what rounding alone of log-probs of order 1 gives). The student then already equals the
+teacher on that batch, and the step's update is discarded: Adam would scale gradients of rounding
+noise up to full learning-rate steps and flip top-k choices. A student equal to its teacher (a
+prune keeping every expert) thus comes back unchanged, bitwise. A teacher log-prob that is not
+finite is refused (ConfigError naming the batch); a step whose KL is not finite (diverged) stops
+training with the best finite routers kept; the routers returned are checked finite.
+
+    RerouteSettings          steps, learning rate, warmup, final fraction, weight decay, batch,
+                             held-out fraction, evaluation interval
+    ROUNDING_KL              the KL below which the student equals the teacher to float32 rounding
     router_filter            the nnx filter of the trained parameters (`MoE.router`)
     kl_loss(t_logp, s_logits, valid)   the loss above, float32
     teacher_log_probs(model, batches)  each batch's teacher log-softmax, computed once
+    held_out_rows(batches, holdout)    the sequences held out (the last ones)
     train_routers(model, teacher_logp, batches, settings, variant) -> ({layer: router [E, H]}, RerouteResult)
     reroute(student, ...)    the same, the student's routers replaced in place
     rerouted_maps(maps, trained)   a variant's expert maps routing by trained routers (ExpertMap.router_EH)
@@ -40,6 +60,9 @@ from moejax.models.causal_lm import _checked
 from moejax.moe.expert_map import ExpertMap
 
 
+ROUNDING_KL = float(np.finfo(np.float32).eps)   # 1.19e-7: a KL (nats) float32 rounding of the log-probs alone gives
+
+
 @dataclasses.dataclass(frozen=True)
 class RerouteSettings:
     steps: int = 200
@@ -48,6 +71,10 @@ class RerouteSettings:
     final_lr_fraction: float = 0.1  # the cosine decays to lr * this at the last step
     weight_decay: float = 0.0      # AdamW's decoupled decay (0: plain Adam), on the router weights
     batch_size: int = 8            # sequences per step
+    holdout: float = 0.1           # the last max(1, floor(holdout * N)) of the N sequences are held out: they
+    #                                select the routers kept and are never trained on (0: select on the training tokens)
+    eval_every: int = 10           # the held-out KL is measured every this many steps (and before the first step,
+    #                                after the last)
 
     def check(self) -> "RerouteSettings":
         """Refused before any work, naming the setting."""
@@ -59,9 +86,11 @@ class RerouteSettings:
         integer("steps", 1)
         integer("warmup", 0)
         integer("batch_size", 1)
+        integer("eval_every", 1)
         if self.warmup >= self.steps and self.warmup:
             raise ConfigError(f"reroute: warmup={self.warmup} must be below steps={self.steps}")
-        for name, low, high in (("lr", 0.0, 1.0), ("final_lr_fraction", 0.0, 1.0), ("weight_decay", 0.0, 1.0)):
+        for name, low, high in (("lr", 0.0, 1.0), ("final_lr_fraction", 0.0, 1.0), ("weight_decay", 0.0, 1.0),
+                                ("holdout", 0.0, 0.5)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or not low <= v <= high \
                     or (name == "lr" and v == 0):
@@ -106,61 +135,177 @@ def teacher_log_probs(model, batches, variant=None) -> list[np.ndarray]:
 
 @dataclasses.dataclass
 class RerouteResult:
-    losses: list            # the loss of every step, before its update
+    losses: list            # the training KL of every step run, before its update
     seconds: float
     trained: list           # the trained parameters' paths ("model.layers.1.mlp.router", ...)
+    heldout_kl_before: float = float("nan")   # the input routers' KL on the selection tokens
+    heldout_kl_after: float = float("nan")    # the returned routers' (never above the one before)
+    kept_step: int = 0      # the updates in the routers returned (0: the input, unchanged)
+    stopped: str | None = None   # "rounding" (KL at rounding level), "diverged" (KL not finite), None (ran all steps)
+    selection: str = "heldout"   # "heldout" (sequences never trained on) or "training" (nothing could be held out)
+    heldout_sequences: int = 0
+    evaluations: list = dataclasses.field(default_factory=list)   # [(updates applied, KL on the selection tokens)]
+
+    def record(self) -> dict:
+        """What a run's record (reroute.json) keeps of the selection (a KL that is not finite as null)."""
+        return {"selection": self.selection, "sequences": self.heldout_sequences, "kl_before": self.heldout_kl_before,
+                "kl_after": self.heldout_kl_after, "kept_step": self.kept_step, "stopped": self.stopped,
+                "evaluations": [[u, kl if np.isfinite(kl) else None] for u, kl in self.evaluations],
+                "rounding_kl": ROUNDING_KL}
+
+
+def held_out_rows(batches: list, holdout: float) -> tuple[list[np.ndarray], int]:
+    """([bool [B] per batch: True = the sequence is held out], k): the last k = max(1, floor(holdout *
+    N)) of the N sequences (the tail of the last batches), deterministic. k = 0 when holdout is 0
+    or N < 2 (a single sequence is trained on: nothing is held out). The batches keep their shapes:
+    a held-out row is excluded from the training loss by its validity mask (so it adds exactly 0 to
+    the gradient: the forward has no interaction between rows), and a batch whose rows are all held
+    out is never trained on."""
+    n = sum(len(ids) for ids, _ in batches)
+    k = 0 if holdout == 0 or n < 2 else min(n - 1, max(1, int(holdout * n)))
+    rows, left = [], k
+    for ids, _ in reversed(batches):
+        b = len(ids)
+        take = min(left, b)
+        left -= take
+        rows.insert(0, np.arange(b) >= b - take)
+    return rows, k
+
+
+def _valid(ids, mask, rows) -> np.ndarray:
+    """bool [B, S]: the positions a loss counts: the batch's mask (every position when None) on `rows`."""
+    valid = np.ones(np.shape(ids), bool) if mask is None else np.asarray(mask, bool)
+    return valid & np.asarray(rows, bool)[:, None]
 
 
 def _step_fn(graphdef, optimizer):
-    @functools.partial(jax.jit, donate_argnums=(0, 2))
-    def step(routers, rest, opt_state, ids_BS, mask_BS, teacher_BSV, variant):
+    """One AdamW step on the KL over `valid_BS`: (new routers, optimizer state, the KL before the
+    update, whether the teacher batch is finite). The routers passed in are not donated: the caller
+    keeps them (a step whose KL is at rounding level or not finite has its update discarded)."""
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def step(routers, rest, opt_state, ids_BS, mask_BS, valid_BS, teacher_BSV, variant):
         def loss_fn(r):
-            model = nnx.merge(graphdef, r, rest)
-            logits = model(ids_BS, mask_BS, variant).logits_BSV
-            return kl_loss(teacher_BSV, logits, jnp.ones(ids_BS.shape, bool) if mask_BS is None else mask_BS)
+            logits = nnx.merge(graphdef, r, rest)(ids_BS, mask_BS, variant).logits_BSV
+            return kl_loss(teacher_BSV, logits, valid_BS)
 
         loss, grads = jax.value_and_grad(loss_fn)(routers)
         updates, opt_state = optimizer.update(grads, opt_state, routers)
-        return optax.apply_updates(routers, updates), opt_state, loss
+        return optax.apply_updates(routers, updates), opt_state, loss, jnp.isfinite(teacher_BSV).all()
 
     return step
 
 
+def _kl_sum_fn(graphdef):
+    """(sum of the KL over `valid_BS`, its count, whether the teacher's valid rows are finite) of the
+    student under `routers` on one batch: the held-out measurement (forward only)."""
+    @jax.jit
+    def kl_sum(routers, rest, ids_BS, mask_BS, valid_BS, teacher_BSV, variant):
+        logits = nnx.merge(graphdef, routers, rest)(ids_BS, mask_BS, variant, forward_only=True).logits_BSV
+        n = jnp.sum(valid_BS.astype(jnp.float32))
+        finite = jnp.all(jnp.isfinite(teacher_BSV) | ~valid_BS[..., None])
+        return kl_loss(teacher_BSV, logits, valid_BS) * jnp.maximum(n, 1.0), n, finite
+
+    return kl_sum
+
+
 def train_routers(model, teacher_logp: list, batches: list, settings: RerouteSettings, variant=None,
                   progress=None) -> tuple[dict, RerouteResult]:
-    """({MoE layer: its trained router weights float32 [E, H]}, the run) for `model` under `variant`
-    (its expert maps: a pruned, merged or substituted variant of it, or None), trained for
-    `settings.steps` steps, batch i % len(batches) at step i (batches: (ids [B, S], mask [B, S] or
-    None); teacher_logp: their teacher log-probs). The model itself is left as it was."""
+    """({MoE layer: its router weights float32 [E, H]}, the run) for `model` under `variant` (its
+    expert maps: a pruned, merged or substituted variant of it, or None). batches: (ids [B, S], mask
+    [B, S] or None); teacher_logp: their teacher log-probs [B, S, V]. The last sequences are held
+    out (`held_out_rows`); the others train for up to `settings.steps` steps: step i trains the
+    i % T-th of the T batches with a sequence to train on, against that batch's own teacher
+    log-probs. The routers returned are the best on the held-out tokens of those measured, the
+    input's included (the module's docstring: never worse; early stop at rounding level). The model
+    itself is left as it was."""
     settings.check()
     if len(teacher_logp) != len(batches) or not batches:
         raise ConfigError(f"reroute: {len(batches)} batches and {len(teacher_logp)} teacher log-prob arrays")
+    for i, ((ids, _), t) in enumerate(zip(batches, teacher_logp)):
+        if np.ndim(t) != 3 or tuple(np.shape(t)[:2]) != tuple(np.shape(ids)):
+            raise ConfigError(f"reroute: batch {i}: teacher log-probs {list(np.shape(t))} for ids "
+                              f"{list(np.shape(ids))}; "
+                              "expected [B, S, V] of the batch's [B, S]")
     graphdef, routers, rest = nnx.split(model, router_filter, ...)
-    routers = jax.tree.map(jnp.copy, routers)   # trained (and donated) apart from the model's own
+    routers = jax.tree.map(jnp.copy, routers)   # trained apart from the model's own
     paths = [path for path, _ in nnx.to_flat_state(routers)]
     if not paths:
         raise ConfigError("reroute: the model has no MoE router to train")
     variant = _checked(variant, model.config)
+    held, n_held = held_out_rows(batches, settings.holdout)
+    selection = "heldout" if n_held else "training"
+    # (batch index, validity [B, S]) of the training rotation and of the selection measurement
+    train = [(b, _valid(ids, mask, ~rows)) for b, ((ids, mask), rows) in enumerate(zip(batches, held))
+             if not rows.all()]
+    measured = [(b, _valid(ids, mask, rows if n_held else np.ones(len(ids), bool)))
+                for b, ((ids, mask), rows) in enumerate(zip(batches, held)) if rows.any() or not n_held]
+
+    def device(b, valid):
+        ids, mask = batches[b]
+        return (jnp.asarray(ids), None if mask is None else jnp.asarray(mask, bool), jnp.asarray(valid),
+                jnp.asarray(teacher_logp[b]))
+
+    kl_sum = _kl_sum_fn(graphdef)
+
+    def measure(r) -> float:
+        total, count = 0.0, 0.0
+        for b, valid in measured:
+            s, n, finite = kl_sum(r, rest, *device(b, valid), variant)
+            if not bool(finite):
+                raise ConfigError(f"reroute: the teacher log-probs of batch {b} are not finite; expected finite "
+                                  "log-softmaxes")
+            total, count = total + float(s), count + float(n)
+        return total / max(count, 1.0)
+
     optimizer = settings.optimizer()
     opt_state = optimizer.init(routers)
     step = _step_fn(graphdef, optimizer)
-    losses, t0 = [], time.perf_counter()
+    t0 = time.perf_counter()
+    best, best_kl, best_step = routers, measure(routers), 0
+    before, evaluations = best_kl, [(0, best_kl)]
+    if not np.isfinite(before):
+        raise ConfigError(f"reroute: the input student's KL on the {selection} tokens is {before}; "
+                          "expected a finite number (a non-finite weight in the student?)")
+
+    def consider(r, updates):
+        nonlocal best, best_kl, best_step
+        kl = measure(r)
+        evaluations.append((updates, kl))
+        if kl < best_kl - ROUNDING_KL:   # (False for NaN)
+            best, best_kl, best_step = r, kl, updates
+
+    losses, stopped = [], None
     for i in range(settings.steps):
-        ids, mask = batches[i % len(batches)]
-        routers, opt_state, loss = step(routers, rest, opt_state, jnp.asarray(ids),
-                                        None if mask is None else jnp.asarray(mask, bool),
-                                        jnp.asarray(teacher_logp[i % len(batches)]), variant)
+        b, valid = train[i % len(train)]
+        previous = routers
+        routers, opt_state, loss, finite = step(previous, rest, opt_state, *device(b, valid), variant)
+        if not bool(finite):
+            raise ConfigError(f"reroute: the teacher log-probs of batch {b} are not finite; expected finite "
+                              "log-softmaxes")
         losses.append(float(loss))
         if progress is not None:
             progress(i, losses[-1])
-    trained = {int(path[2]): np.asarray(v[...], np.float32) for path, v in nnx.to_flat_state(routers)}
-    return trained, RerouteResult(losses, time.perf_counter() - t0, [".".join(map(str, p)) for p in paths])
+        if not np.isfinite(losses[-1]) or losses[-1] < ROUNDING_KL:
+            # this step's update is rounding noise or garbage (diverged): the routers before it are the candidate
+            stopped = "rounding" if np.isfinite(losses[-1]) else "diverged"
+            if evaluations[-1][0] != i:
+                consider(previous, i)
+            break
+        if (i + 1) % settings.eval_every == 0 or i + 1 == settings.steps:
+            consider(routers, i + 1)
+    trained = {int(path[2]): np.asarray(v[...], np.float32) for path, v in nnx.to_flat_state(best)}
+    for layer, router in trained.items():
+        if not np.isfinite(router).all():
+            raise ConfigError(f"reroute: layer {layer}'s router is not finite after training; nothing kept")
+    return trained, RerouteResult(losses, time.perf_counter() - t0, [".".join(map(str, p)) for p in paths],
+                                  before, best_kl, best_step, stopped, selection, n_held, evaluations)
 
 
 def reroute(student, teacher_logp: list, batches: list, settings: RerouteSettings, variant=None,
             progress=None) -> RerouteResult:
-    """`train_routers`, then the student's routers replaced by the trained ones (in place); every
-    other parameter is left bitwise as it was."""
+    """`train_routers`, then the student's routers replaced by the ones it returns (in place; the
+    input's own when none was better on the held-out tokens); every other parameter is left
+    bitwise as it was."""
     trained, result = train_routers(student, teacher_logp, batches, settings, variant, progress)
     for layer, router in trained.items():
         student.model.layers[layer].mlp.router[...] = jnp.asarray(router)
