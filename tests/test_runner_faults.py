@@ -309,3 +309,25 @@ def test_sweep_config_errors_are_one_line_per_job(tmp_path, batch):
     for j in ran:
         assert json.loads((sweep / str(j) / "status.json").read_text())["status"] == "failed"
     assert (sweep / "1").exists() == (batch is None)
+
+
+@pytest.mark.parametrize("where", ["model", "model/run", "."])
+def test_a_job_folder_never_lies_inside_or_holds_the_model_it_reads(tmp_path, where):
+    """hydra.run.dir=MODEL (or inside it, or holding it): the job writes nothing there, before any
+    work; for train_tiny, whose output model.path is, the job folder would be deleted with it."""
+    from moejax.experiments.runner import run_job
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for experiment in ("score", "train_tiny"):
+        cfg = {"name": experiment, "model": {"path": str(model)}, "data": {"text": []}}
+        with pytest.raises(MoejaxError, match=r"the job folder \(hydra.run.dir / hydra.sweep.dir\) (is|is inside|holds) "
+                                              f"the input {model}"):
+            run_job(cfg, tmp_path / where)
+        assert sorted(p.name for p in model.iterdir()) == ["config.json"]
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    with pytest.raises(MoejaxError, match=f"is inside the input {notes}"):
+        run_job({"name": "train_tiny", "model": {"path": str(model)}, "data": {"text": [str(notes)]}}, notes / "job")
+    assert not (notes / "job").exists()

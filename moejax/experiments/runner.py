@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from moejax.errors import ConfigError
 from moejax.experiments import EXPERIMENTS, get, register_configs
+from moejax.hf.io.staging import check_apart
 from moejax.parallel.distributed import DistributedConfig, initialize
 from moejax.parallel.mesh import MeshConfig, request_cpu_devices
 from moejax.results import write_json_atomic, write_parquet_atomic, write_text_atomic
@@ -112,11 +113,22 @@ class _Progress:
         return out
 
 
+def job_inputs(cfg: dict) -> list[str]:
+    """The paths a job reads that its folder must stay apart from: the model (model.path: read by
+    prune_real, eval_tasks, eval_skills and score, replaced by train_tiny) and the training text
+    (data.text). A job folder inside a model folder would write results into it, or be deleted with
+    it when training replaces it."""
+    model, data = cfg.get("model") or {}, cfg.get("data") or {}
+    paths = [model.get("path")] + list(data.get("text") or []) if isinstance(data, dict) else [model.get("path")]
+    return [p for p in paths if isinstance(p, str) and p]
+
+
 def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):
     """Validate, compute and write one job. In a multi-process job (the `distributed` settings, or
     several Slurm tasks: moejax.parallel.distributed) every process computes and process 0 alone
     writes the job folder; the others return the same table and write nothing."""
     out_dir = Path(out_dir)
+    check_apart(out_dir, job_inputs(cfg), "the job folder (hydra.run.dir / hydra.sweep.dir)")
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = _Progress(cfg.get("name") or "job", 1)
     counted, primary = False, True
