@@ -18,7 +18,7 @@ from hf_fixtures import make_checkpoint  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
 from moejax.errors import CheckpointError  # noqa: E402
-from moejax.hf.io.staging import check_apart  # noqa: E402
+from moejax.hf.io.staging import check_apart, text_inputs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -125,13 +125,23 @@ def test_save_pretrained_and_the_writer_refuse_their_source(tree):
     assert snapshot(tree) == before
 
 
-def test_check_apart_follows_links_and_globs(tmp_path):
+def test_check_apart_follows_links_and_text_globs(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.txt").write_text("a")
     (tmp_path / "link").symlink_to(tmp_path / "data")
-    with pytest.raises(CheckpointError, match="holds the input"):      # a glob stands for what it matches
-        check_apart(tmp_path / "data", [str(tmp_path / "data" / "*.txt")])
+    with pytest.raises(CheckpointError, match="holds the input"):      # a text glob stands for what it matches
+        check_apart(tmp_path / "data", text_inputs([str(tmp_path / "data" / "*.txt")]))
     with pytest.raises(CheckpointError, match="is the input"):         # a link to an input is the input
         check_apart(tmp_path / "link", [tmp_path / "data"])
-    check_apart(tmp_path / "elsewhere", [tmp_path / "data", None, str(tmp_path / "data" / "*.txt")])  # apart: fine
+    check_apart(tmp_path / "elsewhere", [tmp_path / "data", None, text_inputs(str(tmp_path / "data" / "*.txt"))])
     check_apart(tmp_path / "data2", [tmp_path / "data"])               # a name sharing a prefix is not inside
+    (tmp_path / "job").mkdir()
+    check_apart(tmp_path / "job", ["???"])   # other inputs are literal paths: '???' is not a glob matching 'job'
+
+
+def test_text_given_as_a_glob_is_protected_where_it_matches(tree, capsys):
+    before = snapshot(tree)
+    assert main([str(a) for a in ["merge", tree / INPUTS["src"], tree / "box_text", "--method", "hc_smoe", "--keep",
+                                  "4", "--text", tree / "box_text" / "*.txt", "--overwrite"]]) == 2
+    assert f"holds the input {tree / INPUTS['text']}" in capsys.readouterr().err
+    assert snapshot(tree) == before

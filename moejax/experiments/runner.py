@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from moejax.errors import ConfigError
 from moejax.experiments import EXPERIMENTS, get, register_configs
-from moejax.hf.io.staging import check_apart
+from moejax.hf.io.staging import check_apart, text_inputs
 from moejax.parallel.distributed import DistributedConfig, initialize
 from moejax.parallel.mesh import MeshConfig, request_cpu_devices
 from moejax.results import write_json_atomic, write_parquet_atomic, write_text_atomic
@@ -119,8 +119,9 @@ def job_inputs(cfg: dict) -> list[str]:
     (data.text). A job folder inside a model folder would write results into it, or be deleted with
     it when training replaces it."""
     model, data = cfg.get("model") or {}, cfg.get("data") or {}
-    paths = [model.get("path")] + list(data.get("text") or []) if isinstance(data, dict) else [model.get("path")]
-    return [p for p in paths if isinstance(p, str) and p]
+    path = model.get("path")
+    text = data.get("text") if isinstance(data, dict) else None
+    return ([path] if isinstance(path, str) and path and path != "???" else []) + text_inputs(text or None)
 
 
 def run_job(cfg: dict, out_dir: Path, overrides: list[str] | None = None):

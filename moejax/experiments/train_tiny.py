@@ -69,7 +69,7 @@ import pandas as pd
 import moejax
 from moejax.data import write_byte_tokenizer
 from moejax.errors import ConfigError
-from moejax.hf.io.staging import check_apart, staged_directory
+from moejax.hf.io.staging import check_apart, staged_directory, text_inputs
 from moejax.parallel.mesh import MeshConfig
 from moejax.training.checkpoints import checkpoint_manager, restore, save_checkpoint
 from moejax.training.config import TrainTinyConfig
@@ -247,7 +247,7 @@ def check_output(cfg: TrainTinyConfig) -> None:
     read for instance, is refused unless train.overwrite=true; and it never holds, or lies inside,
     the training text (data.text)."""
     out = Path(cfg.path).expanduser()
-    check_apart(out, list(cfg.data.text), "model.path (the training output)")
+    check_apart(out, text_inputs(cfg.data.text), "model.path (the training output)")
     if out.is_symlink():
         raise ConfigError(f"{out}: model.path is a symbolic link (to {os.readlink(out)}); training replaces the "
                           "folder there: name the folder itself or another model.path")

@@ -21,7 +21,7 @@ from moejax.data import Tokenizer, npy_tokens, text_files, text_tokens
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.location import open_location
-from moejax.hf.io.staging import check_apart
+from moejax.hf.io.staging import check_apart, text_inputs
 from moejax.hf.io.storage import require_local
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint, router_fingerprint
 from moejax.parallel.mesh import MeshConfig, make_mesh
@@ -59,7 +59,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
     scores = scores_for(scores, ckpt.config.HAS_BALANCE_BIAS, f"{checkpoint}")
     if out is not None:  # before the pass, not after hours of it
-        _check_out(out, (checkpoint, text, tokens))
+        _check_out(out, (checkpoint, text_inputs(text), tokens))
     for count in sorted({ckpt.config.experts_in_layer(l) for l in ckpt.config.moe_layers}):  # per layer when pruned so
         (mesh or MeshConfig()).check_experts(count, str(checkpoint))
     ids, tokenizer = calibration_ids(checkpoint, ckpt.config, text, tokens, seq_len, max_tokens)

@@ -42,7 +42,7 @@ import numpy as np
 from moejax import __version__
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
-from moejax.hf.io.staging import check_destination
+from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.model_io import opened
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
@@ -246,7 +246,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({SEED_USES[method, hc_method]})")
     src, dst = Path(src), Path(dst)
-    check_destination(dst, overwrite, inputs=(src, text, tokens))
+    check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src)
     _refuse_quantised(checked)
     ckpt, cfg = opened(checked), checked.config

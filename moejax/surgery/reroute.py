@@ -48,7 +48,7 @@ from moejax import __version__
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.safetensors_format import INDEX_NAME
-from moejax.hf.io.staging import check_apart, check_destination, staged_directory
+from moejax.hf.io.staging import check_apart, check_destination, staged_directory, text_inputs
 from moejax.hf.io.storage import require_local
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.hf.substitution import SubstitutedExpertsView
@@ -201,9 +201,9 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
     for path, what in ((src, "SRC"), (compressed, "COMPRESSED")):
         require_local(path, f"moejax reroute ({what})")
     src, compressed, dst = Path(src), Path(compressed), Path(dst)
-    check_destination(dst, overwrite, inputs=(src, compressed, text, tokens, teacher_cache))
+    check_destination(dst, overwrite, inputs=(src, compressed, text_inputs(text), tokens, teacher_cache))
     if teacher_cache is not None:   # written as well as read: never into, or over, an input
-        check_apart(teacher_cache, (src, compressed, text, tokens), "the teacher cache (--teacher-cache)")
+        check_apart(teacher_cache, (src, compressed, text_inputs(text), tokens), "the teacher cache (--teacher-cache)")
     teacher_cache = check_teacher_cache(teacher_cache)
     teacher_checked = check_checkpoint(src, uniform_experts=False)
     student_checked = check_checkpoint(compressed, uniform_experts=False, substituted=True)

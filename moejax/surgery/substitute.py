@@ -50,7 +50,7 @@ from moejax import __version__
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf import substitution as fmt
 from moejax.hf.check import check_checkpoint
-from moejax.hf.io.staging import check_destination
+from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.io.storage import require_local
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.scoring.score_checkpoint import calibration_ids
@@ -198,7 +198,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1 (--batch-size)")
     src, dst = Path(src), Path(dst)
-    check_destination(dst, overwrite, inputs=(src, text, tokens))
+    check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # a substituted source is refused here, by name
     check_substitute_request(checked, score, keep)
     cfg, reader, layout = checked.config, checked.reader, checked.layout

@@ -90,9 +90,9 @@ def _process_alive(pid: int) -> bool:
 def check_apart(output, inputs, what: str = "the output") -> None:
     """The one check that an output never harms an input: refuse an `output` path equal to, inside,
     or holding any of `inputs` (writing it would write into an input, or delete one by replacing a
-    folder that holds it). Inputs are paths; None is skipped, and a string with glob characters
-    (--text 'data/*.txt') stands for every path it matches. Symbolic links are followed, so a link
-    to an input is the input. Every command and experiment that writes runs it before any work."""
+    folder that holds it). Inputs are paths (nested lists flattened, None skipped), taken literally:
+    text given as globs goes through `text_inputs` first. Symbolic links are followed, so a link to
+    an input is the input. Every command and experiment that writes runs it before any work."""
     target = Path(output).expanduser().resolve()
     for given in _input_paths(inputs):
         source = Path(given).expanduser().resolve()
@@ -113,14 +113,21 @@ def _input_paths(inputs) -> list:
         inputs = [inputs]
     paths = []
     for given in inputs:
-        if given is None:
-            continue
         if isinstance(given, (list, tuple)):
             paths += _input_paths(given)
-        elif isinstance(given, str) and any(c in given for c in "*?["):
-            paths += sorted(glob.glob(os.path.expanduser(given), recursive=True))
-        else:
+        elif given is not None:
             paths.append(given)
+    return paths
+
+
+def text_inputs(text) -> list:
+    """Text inputs as `moejax.data.text_files` reads them (files, folders, or globs standing for
+    every path they match), as the paths `check_apart` protects; None for none."""
+    paths = []
+    for given in [] if text is None else [text] if isinstance(text, (str, os.PathLike)) else text:
+        given = str(given)
+        paths += sorted(glob.glob(os.path.expanduser(given), recursive=True)) if any(c in given for c in "*?[") \
+            else [given]
     return paths
 
 
