@@ -19,7 +19,6 @@ byte-level models experiment=train_tiny trains, so transformers / lm-eval can re
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import sys
@@ -31,6 +30,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from moejax.errors import ConfigError
+from moejax.hf.io.staging import text_inputs
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 
@@ -53,7 +53,7 @@ def text_files(paths) -> list[Path]:
     files = []
     for p in paths:
         p = str(p)
-        matches = [Path(m) for m in sorted(glob.glob(p, recursive=True))] if any(c in p for c in "*?[") else [Path(p)]
+        matches = [Path(m) for m in text_inputs([p])]   # a glob's matches, or the path itself
         if not matches or not all(m.exists() for m in matches):
             raise ConfigError(f"calibration text {p}: no such file or folder")
         for m in matches:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException
+from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -79,26 +79,21 @@ def replace_whole(plain: dict, overrides: list[str]) -> dict:
 
 
 def unquoted_value(argv: list[str]) -> str | None:
-    """The refusal of an override whose value holds an unquoted '=' (calibration=code=0.5,kv=0.5),
-    which Hydra's grammar rejects with 'mismatched input' and no word of quoting; None when every
-    argument is fine."""
+    """The refusal of an override Hydra's grammar rejects because its value holds an unquoted '='
+    (calibration=code=0.5,kv=0.5: Hydra says 'mismatched input' and no word of quoting); None when
+    every argument parses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or arg.startswith("-") or key.startswith("hydra"):
+        if not sep or "=" not in value or arg.startswith("-"):
             continue
-        depth, quote = 0, None
-        for ch in value:
-            if quote:
-                quote = None if ch == quote else quote
-            elif ch in "'\"":
-                quote = ch
-            elif ch in "[{":
-                depth += 1
-            elif ch in "]}":
-                depth -= 1
-            elif ch == "=" and depth == 0:
-                return (f"{arg}: a value holding '=' must be quoted for Hydra (and ',' would start a sweep): write "
-                        f"'{key}=\"{value}\"' (single quotes for the shell, double quotes for Hydra)")
+        try:
+            parser.parse_override(arg)
+        except HydraException:   # the grammar's error (OverrideParseException is one too)
+            return (f"{arg}: a value holding '=' must be quoted for Hydra (and ',' would start a sweep): write "
+                    f"'{key}=\"{value}\"' (single quotes for the shell, double quotes for Hydra)")
     return None
 
 

@@ -45,8 +45,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from moejax.errors import ConfigError, MoejaxError
-from moejax.evaluation.chat_template import (chat_template_source, compile_chat_template, read_chat_template,
-                                             render_chat, special_token_texts)
+from moejax.evaluation.chat_template import (chat_template_source, read_chat_template, render_chat,
+                                             special_token_texts)
 from moejax.evaluation.generate import SEEDS, Generator, Sampling, check_seed
 from moejax.evaluation.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
@@ -190,6 +190,7 @@ class MoejaxLM(TemplateLM):
                               "are scored without their reasoning (lm-eval's hf backend requires it too)")
         self.custom_prefix_token_id = None if prefix_token_id is None else _token_id_arg(
             "prefix_token_id", prefix_token_id, self.tokenizer)
+        self._prefix_text = self.tok_decode(self.prefix_token_id, skip_special_tokens=False)   # tok_encode's test
         self._max_length = config.max_position_embeddings if max_length is None else _int_arg(
             "max_length", max_length, 1, " (the context length inputs are truncated to; default "
             "max_position_embeddings)")
@@ -250,7 +251,6 @@ class MoejaxLM(TemplateLM):
                               "chat_template.jinja or tokenizer_config.json)")
         variables = dict(self.tokenizer.special_token_texts, **self.chat_template_args)
         source = self.tokenizer.chat_template_source
-        compile_chat_template(template, source)   # a template that does not parse: no chat renders it
 
         def render(history):
             return render_chat(template, history, add_generation_prompt=add_generation_prompt,
@@ -321,7 +321,7 @@ class MoejaxLM(TemplateLM):
         none when the string already starts with the prefix token's text."""
         if add_special_tokens is None:
             add_special_tokens = self.add_bos_token if self.add_bos_token is not None else True
-            if string.startswith(self.tok_decode(self.prefix_token_id, skip_special_tokens=False)):
+            if string.startswith(self._prefix_text):
                 add_special_tokens = False
         return self.tokenizer.encode(string, add_special_tokens)
 

@@ -119,7 +119,8 @@ def _frequency_average(align: bool):
 HC_SMOE = MergeMethod(
     "hc_smoe", clusters=lambda keep, ctx: hc_smoe_clusters(ctx.stats.mean_output_EH, keep, method=ctx.hc_method,
                                                            seed=ctx.seed),
-    leaders=_frequency_leaders, averaging=_frequency_average(align=False))
+    leaders=_frequency_leaders, averaging=_frequency_average(align=False),
+    seed_use="it seeds k-means++ with --hc-method kmeans; average linkage draws nothing at random")
 M_SMOE = MergeMethod(
     "m_smoe", clusters=lambda keep, ctx: m_smoe_groups_from_gram(ctx.stats.logit_gram_EE, ctx.counts_E, keep),
     leaders=_frequency_leaders, averaging=_frequency_average(align=True))

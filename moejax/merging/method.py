@@ -13,7 +13,8 @@ tests.
     MergeMethod      clusters(keep, ctx) -> labels [E]; leaders(labels, ctx) -> [C];
                      averaging(weights, labels, leaders, ctx) -> Averaging; stats: what
                      `merge_stats` must gather for it beyond the baselines' statistics; scored:
-                     whether it reads a score per expert; check: its settings' check
+                     whether it reads a score per expert; check: its settings' check; seed_use: what
+                     its seed draws (said where a seed is refused)
 
 A method's merged experts are its `Averaging` applied to the layer's experts
 (`moejax.merging.average.merge_weights` on the host; `moejax.merging.average.averaged_rows` for a
@@ -60,3 +61,4 @@ class MergeMethod:
     scored: bool = False    # reads a score per expert (MergeContext.scores_E): the experiments compute it
     check: Callable | None = None   # (keep or None, n_experts, score, group_size) -> None: its settings,
                                     # refused before any work (ConfigError)
+    seed_use: str = "it draws nothing at random; the seed is recorded"   # what MergeContext.seed draws

@@ -349,4 +349,6 @@ REAM = MergeMethod(
                                                                    ctx.act_inputs_NH, seed=ctx.seed),
     stats={"ream": True}, scored=True,
     check=lambda keep, n_experts, score, group_size: (check_ream_score(score, "merge_score"),
-                                                      check_group_size(group_size, keep, n_experts)))
+                                                      check_group_size(group_size, keep, n_experts)),
+    seed_use="it draws REAM's sample of --ream-tokens calibration tokens for the neuron alignment, and the "
+             "randomised PCA of large layers")

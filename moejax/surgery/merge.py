@@ -56,7 +56,7 @@ from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.surgery.prune import other_files, write_folder
-from moejax.surgery.prune_plan import plan_pruning
+from moejax.surgery.prune_plan import per_group_needed, plan_pruning
 
 PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -174,20 +174,11 @@ def _check_before_pass(checked, count: int, keep, allocation: str, collapse_grou
     routing = cfg.router_settings()
     n_group, topk_group, top_k = routing.get("n_group", 1), routing.get("topk_group", 1), cfg.num_experts_per_tok
     if n_group > 1 and not collapse_groups and allocation == "uniform" and (
-            count % n_group or count // n_group < 2 or topk_group * (count // n_group) < top_k):
+            count % n_group or count // n_group < per_group_needed(top_k, topk_group)):
         raise ConfigError(f"--keep {keep} ({count} clusters per MoE layer) cannot keep group-limited routing "
                           f"(n_group={n_group}, topk_group={topk_group}, top_k={top_k}): the groups must keep equal "
                           "counts of at least 2 with topk_group x per-group >= top_k. Pass --collapse-groups to route "
                           "over all kept experts without groups, or a keep that divides into the groups")
-
-
-SEED_USES = {  # what --seed draws, by (method, hc_method): what its refusal says
-    **{("hc_smoe", h): "it seeds k-means++ (--hc-method kmeans)" if h == "kmeans" else
-       "--hc-method average draws nothing at random; the seed is recorded" for h in HC_SMOE_METHODS},
-    **{("m_smoe", h): "M-SMoE draws nothing at random; the seed is recorded" for h in HC_SMOE_METHODS},
-    **{("ream", h): "it draws REAM's sample of --ream-tokens calibration tokens for the neuron alignment, and the "
-       "randomised PCA of large layers" for h in HC_SMOE_METHODS},
-}
 
 
 def _check_ream_args(method: str, score, group_size, ream_tokens):
@@ -244,7 +235,7 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
                           "layer's statistics, which a sequential pass knows only after the layers it merges; "
                           "use --allocation uniform")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({SEED_USES[method, hc_method]})")
+        raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({MERGE_METHODS[method].seed_use})")
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src)

@@ -233,8 +233,8 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     groups = "none"
     if n_group > 1:
         per_group = {l: group_counts(m, n_group).tolist() for l, m in kept.items()}
-        unusable = {l: c for l, c in per_group.items()
-                    if len(set(c)) > 1 or c[0] < 2 or topk_group * c[0] < top_k}
+        need = per_group_needed(top_k, topk_group)
+        unusable = {l: c for l, c in per_group.items() if len(set(c)) > 1 or c[0] < need}
         if not unusable:
             groups = "preserved"
         elif collapse_groups:
@@ -266,6 +266,13 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
                      config=new_config, groups=groups, notes=tuple(notes))
 
 
+def per_group_needed(top_k: int, topk_group: int) -> int:
+    """The experts every routing group of a written checkpoint keeps at least (all groups keeping one
+    count): 2, as transformers scores a group by the sum of its top 2, and enough that the
+    topk_group groups a token is given hold top_k (topk_group x per-group >= top_k)."""
+    return max(2, -(-top_k // topk_group))
+
+
 def _broken_groups(unusable: dict, n_group: int, topk_group: int, top_k: int, group_aware: bool,
                    leaders: bool) -> str:
     """The refusal of kept experts that group-limited routing cannot route, worded for the command
@@ -273,7 +280,7 @@ def _broken_groups(unusable: dict, n_group: int, topk_group: int, top_k: int, gr
     `moejax prune --group-aware` (which did, with too few per group) and `moejax merge` (whose
     cluster leaders fall where the clustering puts them)."""
     layer, c = next(iter(unusable.items()))
-    need = max(2, -(-top_k // topk_group))   # per group: transformers sums each group's top 2; topk_group x it >= top_k
+    need = per_group_needed(top_k, topk_group)
     rule = (f"group-limited routing (n_group={n_group}, topk_group={topk_group}, top_k={top_k}) needs equal counts of "
             f"at least {need} per group (transformers sums each group's top 2, and topk_group x per-group >= top_k)")
     collapse = "--collapse-groups to route over all kept experts without groups"

@@ -256,9 +256,6 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
     for l, ml in layout.moe_layers.items():
         if l < scfg.num_hidden_layers:
             routers[ml.router] = np.asarray(student.model.layers[l].mlp.router[...], np.float32)
-    for name, value in routers.items():   # (train_routers returns finite routers; checked again before writing)
-        if not np.isfinite(value).all():
-            raise CheckpointError(f"{dst}: the trained router {name} is not finite (NaN or inf); nothing was written")
     out = {
         "moejax_version": __version__, "method": "router distillation (arXiv 2603.02217)",
         "teacher": {"path": str(src.resolve()), FINGERPRINT_KEY: fingerprint},
@@ -297,10 +294,7 @@ def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, over
         if tuple(info.shape) != value.shape:
             raise CheckpointError(f"{compressed}: router {name} is {list(info.shape)} on disk, the "
                                   f"student's {list(value.shape)}")
-        values[name] = value.astype(dtypes[info.dtype])
-        if not np.isfinite(values[name].astype(np.float32)).all():   # (an F16 router can overflow to inf)
-            raise CheckpointError(f"{dst}: router {name} is not finite in its stored dtype {info.dtype}; "
-                                  "nothing was written")
+        values[name] = value.astype(dtypes[info.dtype])   # (a non-finite one, an F16 overflow too: the writer refuses)
     with staged_directory(dst, overwrite) as staging:
         weight_map, total = {}, 0
         for path in stored.files():
