@@ -218,6 +218,8 @@ def typed_as_run(overrides):
 ])
 def test_a_mix_on_the_command_line_replaces_the_whole_mix(override, mix):
     assert typed_as_run(["experiment=train_skills", "model.path=/x", override]).data.mix == mix
+    last = typed_as_run(["experiment=train_skills", "model.path=/x", "data.mix={add: 1.0}", override])
+    assert last.data.mix == mix                               # the last override of the mix wins, as in Hydra
     one = typed_as_run(["experiment=train_skills", "model.path=/x", "data.mix.add=0.12", "data.mix.code=0.53"])
     assert one.data.mix["add"] == 0.12 and one.data.mix["code"] == 0.53 and one.data.mix["kv"] == 0.02
 

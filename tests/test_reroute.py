@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 from moejax.errors import CheckpointError, ConfigError, WriteError
-from moejax.training.reroute import (ROUNDING_KL, RerouteSettings, held_out_rows, kl_loss, reroute, router_filter,
-                                     teacher_log_probs, train_routers)
+from moejax.training.reroute import (ROUNDING_KL, RerouteSettings, held_out_rows, improves, kl_loss, reroute,
+                                     router_filter, teacher_log_probs, train_routers)
 
 
 def np_kl(t_logits, s_logits, valid):
@@ -156,6 +156,13 @@ def test_held_out_rows_are_the_last_sequences():
     assert k == 5 and [int(r.sum()) for r in rows] == [0, 1, 4] and rows[1][-1] and not rows[1][0]
     assert held_out_rows(batches(1), 0.1)[1] == 0 and held_out_rows(batches(4, 4), 0)[1] == 0
     assert held_out_rows(batches(2), 0.5)[1] == 1
+    assert held_out_rows(batches(8, 8, 4), 0.29)[1] == 5   # floor(5.8), not its rounding
+
+
+def test_a_candidate_replaces_the_kept_routers_only_beyond_rounding():
+    best = 0.25
+    assert improves(best - 2 * ROUNDING_KL, best) and not improves(best - ROUNDING_KL / 2, best)
+    assert not improves(best, best) and not improves(float("nan"), best) and not improves(best + 1e-3, best)
 
 
 def test_each_step_trains_against_its_own_batchs_teacher(dsv3):

@@ -267,6 +267,13 @@ def test_training_never_replaces_a_folder_it_did_not_make(trained, tmp_path, mon
     tt.check_output(tt.Config.from_mapping(settings(other, extra_text=[notes])))   # a rerun of the same settings
     tt.check_output(tt.Config.from_mapping(settings(hf, extra_text=[notes], overwrite=True)))   # told explicitly
     tt.check_output(tt.Config.from_mapping(settings(tmp_path / "new", extra_text=[notes])))
+    (tmp_path / "empty").mkdir()
+    tt.check_output(tt.Config.from_mapping(settings(tmp_path / "empty", extra_text=[notes])))   # nothing to lose
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(other)
+    for path, why in (("file", "model.path is a file"), ("link", "model.path is a symbolic link")):
+        with pytest.raises(ConfigError, match=f"^{tmp_path / path}: {why}"):
+            tt.check_output(tt.Config.from_mapping(settings(tmp_path / path, extra_text=[notes], overwrite=True)))
 
 
 def test_train_skills_refuses_a_checkpoint_at_model_path(tmp_path):

@@ -36,6 +36,7 @@ training with the best finite routers kept; the routers returned are checked fin
     kl_loss(t_logp, s_logits, valid)   the loss above, float32
     teacher_log_probs(model, batches)  each batch's teacher log-softmax, computed once
     held_out_rows(batches, holdout)    the sequences held out (the last ones)
+    improves(kl, best_kl)              whether a measured candidate replaces the routers kept
     train_routers(model, teacher_logp, batches, settings, variant) -> ({layer: router [E, H]}, RerouteResult)
     reroute(student, ...)    the same, the student's routers replaced in place
     rerouted_maps(maps, trained)   a variant's expert maps routing by trained routers (ExpertMap.router_EH)
@@ -152,6 +153,12 @@ class RerouteResult:
                 "kl_after": self.heldout_kl_after, "kept_step": self.kept_step, "stopped": self.stopped,
                 "evaluations": [[u, kl if np.isfinite(kl) else None] for u, kl in self.evaluations],
                 "rounding_kl": ROUNDING_KL}
+
+
+def improves(kl: float, best_kl: float) -> bool:
+    """Whether a candidate's held-out KL replaces the best one: lower by more than ROUNDING_KL, so
+    rounding noise never replaces the routers kept (a NaN never does)."""
+    return bool(kl < best_kl - ROUNDING_KL)
 
 
 def held_out_rows(batches: list, holdout: float) -> tuple[list[np.ndarray], int]:
@@ -271,7 +278,7 @@ def train_routers(model, teacher_logp: list, batches: list, settings: RerouteSet
         nonlocal best, best_kl, best_step
         kl = measure(r)
         evaluations.append((updates, kl))
-        if kl < best_kl - ROUNDING_KL:   # (False for NaN)
+        if improves(kl, best_kl):
             best, best_kl, best_step = r, kl, updates
 
     losses, stopped = [], None
