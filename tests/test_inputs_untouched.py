@@ -145,3 +145,24 @@ def test_text_given_as_a_glob_is_protected_where_it_matches(tree, capsys):
                                   "4", "--text", tree / "box_text" / "*.txt", "--overwrite"]]) == 2
     assert f"holds the input {tree / INPUTS['text']}" in capsys.readouterr().err
     assert snapshot(tree) == before
+
+
+@pytest.mark.parametrize("module,relation,args", [
+    ("tasks", "is", ["--files", "box_text/text.txt", "--max-positions", "128", "--out", "box_text/text.txt"]),
+    ("tasks", "holds", ["--files", "box_text/text.txt", "--max-positions", "128", "--out", "box_text"]),
+    ("tasks", "is", ["--model", "box_src/src", "--files", "box_text/text.txt", "--max-positions", "128",
+                     "--out", "box_src/src"]),
+    ("skills_tasks", "is", ["--model", "box_src/src", "--out", "box_src/src"]),
+    ("skills_tasks", "is inside", ["--model", "box_src/src", "--out", "box_src/src/tasks"]),
+])
+def test_the_task_writers_never_replace_their_inputs(tree, capsys, monkeypatch, module, relation, args):
+    """`python -m moejax.evaluation.tasks` / `skills_tasks` replace --out whole: never a checkpoint
+    (--model) or the files they read."""
+    import importlib
+
+    monkeypatch.chdir(tree)
+    before = snapshot(tree)
+    assert importlib.import_module(f"moejax.evaluation.{module}")._main(args) == 2
+    err = capsys.readouterr().err
+    assert f"the tasks folder (--out, replaced) {relation} the input" in err, err
+    assert snapshot(tree) == before

@@ -37,9 +37,9 @@ from pathlib import Path
 import yaml
 
 from moejax.data import python_stdlib_root, read_text
-from moejax.errors import ConfigError
+from moejax.errors import ConfigError, MoejaxError
 from moejax.evaluation.tasks import _dumper as stdlib_dumper, heldout_files
-from moejax.hf.io.staging import staged_directory
+from moejax.hf.io.staging import check_apart, staged_directory
 from moejax.training.skills import SKILLS, TERMINATOR, documents
 
 DEGEN_TASK = "skills_degen"
@@ -215,6 +215,7 @@ def write_skills_tasks(out_dir, *, skills=None, n: int = 100, n_mc: int = 50, n_
                        code_files=(), prose_file=None, seed: int = 0) -> Path:
     """Write every task of `task_names(skills)` (YAML + JSON lines, and the degeneration task's
     process_results shim) into out_dir (replaced, atomically) and return its path."""
+    check_apart(out_dir, [*code_files, prose_file], "the tasks folder (--out, replaced)")
     skills = list(SKILLS) if skills is None else list(skills)
     unknown = [s for s in skills if s not in SKILLS]
     if unknown:
@@ -265,10 +266,11 @@ def _main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        check_apart(args.out, args.model, "the tasks folder (--out, replaced)")
         code, prose = default_sources(args.model)
         out = write_skills_tasks(args.out, skills=args.skills, n=args.n, n_mc=args.n_mc, n_ll=args.n_ll,
                                  n_degen=args.n_degen, code_files=code, prose_file=prose, seed=args.seed)
-    except ConfigError as e:
+    except MoejaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     names = task_names(args.skills)

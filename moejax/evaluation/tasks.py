@@ -56,8 +56,8 @@ from pathlib import Path
 import yaml
 
 from moejax.data import read_text
-from moejax.errors import ConfigError
-from moejax.hf.io.staging import staged_directory
+from moejax.errors import ConfigError, MoejaxError
+from moejax.hf.io.staging import check_apart, staged_directory
 
 TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
 RECORD = "moejax_tiny.json"          # written by experiment=train_tiny next to the checkpoint
@@ -327,6 +327,7 @@ def write_stdlib_tasks(out_dir, files=None, *, checkpoint=None, n_nextline: int 
         named = [(str(p), Path(p)) for p in files]
         if not named:
             raise ConfigError("write_stdlib_tasks: files is empty")
+    check_apart(out_dir, [checkpoint, *(path for _, path in named)], "the tasks folder (--out, replaced)")
     parsed = [_File(name, Path(path), max_context_bytes) for name, path in named]
     docs = {"stdlib_nextline": _nextline_docs(parsed, n_nextline, random.Random(f"{seed}:stdlib_nextline")),
             "stdlib_mc": _mc_docs(parsed, n_mc, random.Random(f"{seed}:stdlib_mc")),
@@ -372,7 +373,7 @@ def _main(argv=None) -> int:
                                  n_mc=args.n_mc, n_ppl=args.n_ppl, max_context_bytes=args.max_context_bytes,
                                  max_positions=args.max_positions,
                                  seed=args.seed)
-    except ConfigError as e:
+    except MoejaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     positions = args.max_positions or position_budget(args.model)[0]
