@@ -18,11 +18,13 @@ pandas notebook. The JAX-backed pieces live in the sub-packages:
 - `moejax.surgery`                the checkpoint commands: prune, merge, substitute, reroute, and
                                   the reports inspect, plan, diff
 - `moejax.experiments.toy3`       the toy3 experiment
-- `moejax.evaluation`             everything that runs a model on text: the carried pass of
-                                  prune_real (`carried.evaluate_pruning`), the streamed executor
-                                  (`stream`), KV-cached generation (`generate`: `generate(model,
-                                  ...)`, `Generator`), the lm-eval backend `moejax` (`lm_eval`, needs the
-                                  `eval` extra) and the offline tasks (`tasks`, `skills_tasks`)
+- `moejax.inference`              the primitives that run a model: the streamed executor
+                                  (`stream`), next-token NLL (`nll`), KV-cached generation
+                                  (`generate`: `generate(model, ...)`, `Generator`)
+- `moejax.evaluation`             evaluating models and variants on text: the carried pass of
+                                  prune_real (`carried.evaluate_pruning`), the lm-eval backend
+                                  `moejax` (`lm_eval`, needs the `eval` extra) and the offline
+                                  tasks (`tasks`, `skills_tasks`)
 
 Shape-suffix letters: an array's name ends in one capital per axis (`x_BSH` is [batch, sequence,
 hidden], `rows_B11` adds two unit axes); each letter has one meaning everywhere:

@@ -181,14 +181,16 @@ def _float_values(values: pd.Series, d: Path, problems: list[str]) -> pd.Series:
     return out
 
 
+# The variants table's column names before `moejax.variants.VariantSpec` (old name -> today's).
+LEGACY_COLUMNS = {"score": "method", "mode": "form"}
+
+
 def legacy_variant_columns(df: pd.DataFrame) -> pd.DataFrame:
     """A variants table written before `moejax.variants.VariantSpec` (prune_real and eval_tasks jobs
     whose columns were `mode` for the form and `score` for the method) with today's names, so old
     job folders load beside new ones; any other table unchanged."""
     if "mode" not in df.columns or "form" in df.columns:
         return df
-    from moejax.variants.spec import LEGACY_COLUMNS
-
     return df.rename(columns=LEGACY_COLUMNS)
 
 

@@ -68,7 +68,7 @@ def bench(name: str, batch: int, prompt: int, new: int, repeat: int):
     from transformers import DeepseekV3ForCausalLM as HFModel
 
     from moejax import from_pretrained
-    from moejax.evaluation.generate import Generator
+    from moejax.inference.generate import Generator
 
     torch.manual_seed(0)
     cfg = hf_config(name)

@@ -759,7 +759,7 @@ def section_decode(ctx: Context) -> dict:
     import torch
 
     from moejax import from_pretrained
-    from moejax.evaluation.generate import Generator
+    from moejax.inference.generate import Generator
 
     path, counts, cfg, info = moonlight_checkpoint(ctx)
     d = ctx.shapes["decode"]

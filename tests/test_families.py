@@ -20,7 +20,7 @@ from hf_fixtures import batch, hook_router, reference_scores  # noqa: E402
 
 from moejax import AutoModelForCausalLM, from_pretrained, save_pretrained  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
-from moejax.evaluation.generate import generate  # noqa: E402
+from moejax.inference.generate import generate  # noqa: E402
 from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.models.registry import FAMILIES as REGISTRY  # noqa: E402
 from moejax.models.registry import config_from_dict, family_for  # noqa: E402

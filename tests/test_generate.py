@@ -1,4 +1,4 @@
-"""Generation with the latent KV cache (moejax.evaluation.generate) against transformers' `generate`, the
+"""Generation with the latent KV cache (moejax.inference.generate) against transformers' `generate`, the
 full forward, and sampling against the distribution straight from its definition."""
 
 import jax
@@ -14,7 +14,7 @@ from hf_fixtures import DEFAULT_ROPE, make_checkpoint, unreachable  # noqa: E402
 
 from moejax import from_pretrained  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
-from moejax.evaluation.generate import Generator, Sampling, filtered_logits, generate, next_tokens  # noqa: E402
+from moejax.inference.generate import Generator, Sampling, filtered_logits, generate, next_tokens  # noqa: E402
 
 CASES = {  # the parity tests' hardened checkpoints (tests/test_deepseek_v3.py)
     "qlora-groups-yarn": {},

@@ -84,10 +84,10 @@ def test_forward_with_the_ep_backend_lowers_all_to_all_on_a_mesh():
 
 
 def test_the_scoring_pass_layer_step_lowers():
-    """What `moejax score` runs per layer and batch (`moejax.evaluation.stream` and
+    """What `moejax score` runs per layer and batch (`moejax.inference.stream` and
     `moejax.scoring.observe`): the decoder layer's forward, then the MoE layer's per-pair
     quantities for every score, with the ragged backend."""
-    from moejax.evaluation.stream import _layer_forward
+    from moejax.inference.stream import _layer_forward
     from moejax.models.layers import causal_allowed
     from moejax.scoring.observe import _pairs
 
@@ -105,7 +105,7 @@ def test_the_scoring_pass_layer_step_lowers():
 
 def test_generation_prefill_and_decode_lower():
     """The KV-cached generator's compiled prefill and decode loop (sampling on: top-k, top-p)."""
-    from moejax.evaluation.generate import Generator, Sampling
+    from moejax.inference.generate import Generator, Sampling
 
     model = AutoModelForCausalLM.from_config(tiny_config(), rngs=nnx.Rngs(0), backend="ragged")
     gen = Generator(model)

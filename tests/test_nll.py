@@ -1,10 +1,10 @@
-"""The one NLL (moejax.evaluation.nll): the vocabulary-chunked log-sum-exp equals log-softmax over the whole
+"""The one NLL (moejax.inference.nll): the vocabulary-chunked log-sum-exp equals log-softmax over the whole
 vocabulary, from numpy."""
 
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.evaluation.nll import chunked_nll, chunked_nll_init, chunked_nll_update, next_token_nll
+from moejax.inference.nll import chunked_nll, chunked_nll_init, chunked_nll_update, next_token_nll
 
 
 def test_chunked_nll_equals_the_whole_vocabulary():

@@ -22,7 +22,7 @@ def heldout_loss(ckpt, seq_len: int, batch: int = 32) -> float:
 
     from moejax.data import byte_stream
     from moejax.hf.auto import AutoModelForCausalLM
-    from moejax.evaluation.nll import next_token_nll
+    from moejax.inference.nll import next_token_nll
 
     record = json.loads((Path(ckpt) / "moejax_tiny.json").read_text())
     root = Path(record["stdlib_root"])

@@ -1,10 +1,9 @@
-"""Everything that runs a model on text, apart from the model itself.
+"""Evaluating models and their pruned, merged and substituted variants on text. The primitives
+that run a model (the streamed executor, next-token NLL, generation) are below, in
+`moejax.inference`.
 
 - `carried`        prune_real's carried pass (`evaluate_pruning`): every variant through each
                    decoder layer together, layer errors and perplexity in one pass
-- `stream`         the streamed executor: one decoder layer in memory at a time
-- `nll`            next-token negative log-likelihood, whole or over vocabulary chunks
-- `generate`       KV-cached generation (`generate(model, ...)`, `Generator`)
 - `lm_eval`        the lm-eval backend `moejax` (`MoejaxLM`, the `moejax-lm-eval` command)
 - `tasks`          offline lm-eval tasks built from local text (stdlib_*), and the task runner
                    helpers eval_tasks uses

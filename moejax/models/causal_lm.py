@@ -12,7 +12,7 @@ A family supplies its attention module and rope tables by subclassing `CausalLM`
 
 Nothing here imports above `moejax.models` (tests/test_import_graph.py): a model is loaded and saved
 by `moejax.hf.model_io` (`moejax.from_pretrained`, `moejax.save_pretrained`), and generates through
-`moejax.evaluation.generate.generate(model, ...)`.
+`moejax.inference.generate.generate(model, ...)`.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class CausalLM(nnx.Module):
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
         return linear(self.model.norm(x_BSH), head)
 
-    # --- generation (moejax.evaluation.generate.generate drives these three) ---
+    # --- generation (moejax.inference.generate.generate drives these three) ---
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache of `length` columns in the model's dtype (what each column holds is the

@@ -11,7 +11,7 @@ For each MoE layer and batch, on the router input x (the post-attention RMSNorm 
     for `mone` (and its novice constants, `LayerStats.mean_output_EH`);
 and, once per layer, the sums of |w| and w^2 of each routed expert's weight matrices, for `aimer`.
 Padding tokens are excluded. `calibrate` runs the whole model in memory; `calibrate_streamed` (what
-`moejax score` runs) holds one layer's weights at a time (`moejax.evaluation.stream`).
+`moejax score` runs) holds one layer's weights at a time (`moejax.inference.stream`).
 """
 
 from __future__ import annotations
@@ -147,12 +147,12 @@ def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_su
 
 def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None,
                        outputs: bool = True) -> dict[int, LayerStats]:
-    """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.evaluation.stream);
+    """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.inference.stream);
     with a mesh (under `jax.set_mesh(mesh)`), each layer's experts split over its expert axis and
     every pair computed on the device holding its expert, the statistics summed across shards.
     outputs: also the routed outputs' sums (`accumulate_layer`; `mone` and substitution need them,
     no other score does)."""
-    from moejax.evaluation.stream import stream_layers  # at call time: tests patch it to refuse a pass
+    from moejax.inference.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
     masks = [None if m is None else np.asarray(m, bool).reshape(-1) for _, m in batches]
     stats = {}

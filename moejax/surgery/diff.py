@@ -23,9 +23,9 @@ from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.io.location import open_location
 from moejax.hf.io.safetensors_format import TensorInfo, numpy_dtype
 from moejax.hf.layout import CheckpointLayout, MoeLayer, checkpoint_layout, layer_of
+from moejax.scoring.data_free import router_stats
 from moejax.scoring.scores import DATA_FREE_SCORES, EXPERT_WEIGHT_SCORES, compute_scores, rank_correlation
 from moejax.scoring.select import select_kept
-from moejax.surgery.prune_plan import router_stats
 
 # The data-free scores a selection is audited against (random explains nothing; aimer would read
 # every expert tensor of the source, and diff reads routers and headers only).

@@ -1,6 +1,6 @@
 """Greedy exact match of a model on skills documents (moejax.training.skills), for train_tiny's
 learning curve: each prompt left-padded into one batch, decoded greedily with the KV cache
-(moejax.evaluation.generate) until the terminator; a document counts when the text before the first
+(moejax.inference.generate) until the terminator; a document counts when the text before the first
 terminator equals the answer *and* the terminator was emitted."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from moejax.training.skills import TERMINATOR
 
 def exact_match(model, docs: dict) -> dict:
     """{skill: share of its (prompt, answer) pairs that greedy decoding completes exactly}."""
-    from moejax.evaluation.generate import generate
+    from moejax.inference.generate import generate
 
     pairs = [(skill, p, a) for skill, ds in docs.items() for p, a in ds]
     prompts = [list(p.encode("utf-8")) for _, p, _ in pairs]

@@ -14,7 +14,7 @@ from moejax.training.config import TrainTinyConfig
 
 def next_token_loss(logits_BSV, ids_BS):
     """Mean next-token cross-entropy in float32 over positions 0..S-2 (predicting 1..S-1)."""
-    from moejax.evaluation.nll import next_token_nll
+    from moejax.inference.nll import next_token_nll
 
     return next_token_nll(logits_BSV, ids_BS).mean()
 
@@ -66,7 +66,7 @@ def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int, has_b
 
     from moejax.moe.balancing import bias_step
     from moejax.moe.routing import routing_counts
-    from moejax.evaluation.nll import next_token_nll
+    from moejax.inference.nll import next_token_nll
 
     def step(state, ids_BS):
         model, optimizer = nnx.merge(graphdef, state)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from moejax.errors import CheckpointError
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
-from moejax.evaluation.nll import chunked_nll, chunked_nll_init, chunked_nll_update
+from moejax.inference.nll import chunked_nll, chunked_nll_init, chunked_nll_update
 from moejax.models.layers import causal_allowed, linear, rms_norm
 
 
@@ -60,7 +60,7 @@ def vocab_chunks(vocab_size: int, chunk: int | None = None):
 @jax.jit
 def _nll_chunk(x_ABSH, head_VH, ids_BS, start, state):
     """Fold vocabulary rows [start, start + C) of the output head into each stream's running
-    next-token log-sum-exp (`moejax.evaluation.nll.chunked_nll_update`); x is already final-normed."""
+    next-token log-sum-exp (`moejax.inference.nll.chunked_nll_update`); x is already final-normed."""
     def one(args):
         x, st = args
         return chunked_nll_update(st, linear(x[:, :-1], head_VH.T), ids_BS[:, 1:], start)
