@@ -47,8 +47,8 @@ from tqdm import tqdm
 from moejax.errors import ConfigError, MoejaxError
 from moejax.evaluation.chat_template import (chat_template_source, read_chat_template, render_chat,
                                              special_token_texts)
-from moejax.evaluation.generate import SEEDS, Generator, Sampling, check_seed
-from moejax.evaluation.nll import target_logprobs
+from moejax.inference.generate import SEEDS, Generator, Sampling, check_seed
+from moejax.inference.nll import target_logprobs
 from moejax.hf.model_io import load_pretrained
 from moejax.models.registry import read_config
 from moejax.models.variant import check_variant
@@ -74,9 +74,12 @@ def bucket(n: int, cap: int) -> int:
     return max(n, min(next((b for b in BUCKETS if b >= n), n), cap))
 
 
-class Tokenizer:
+class LmEvalTokenizer:
     """A checkpoint's tokenizer.json (the `tokenizers` package, as transformers' fast tokenizers
-    wrap it) with the special tokens its tokenizer_config.json names."""
+    wrap it) with the special tokens its tokenizer_config.json names: the tokenizer as lm-eval's
+    `hf` backend sees it (special tokens added on request, `split_special_tokens`, BOS / EOS / pad
+    ids, decode, the chat template). Not `moejax.data.Tokenizer`, which encodes calibration text:
+    never a special token, with tiktoken and byte-level fallbacks where this one refuses."""
 
     def __init__(self, path: Path, config: dict):
         file = path / "tokenizer.json"
@@ -180,7 +183,7 @@ class MoejaxLM(TemplateLM):
         if variant is None:
             variant = self._variant_masks(config, pruning, scores, score, keep, path)
         self.expert_variant = check_variant(variant, config)
-        self.tokenizer = Tokenizer(path, config.raw)
+        self.tokenizer = LmEvalTokenizer(path, config.raw)
         self.add_bos_token = _bool_arg("add_bos_token", add_bos_token)
         self.enable_thinking = _bool_arg("enable_thinking", enable_thinking)
         self.think_end_token = _think_end_token(think_end_token, self.tokenizer)
@@ -500,7 +503,7 @@ def _bool_arg(name: str, value) -> bool | None:
     raise ConfigError(f"moejax lm-eval model: {name}={value!r}; expected true, false, 1 or 0")
 
 
-def _token_id_arg(name: str, value, tokenizer: Tokenizer) -> int:
+def _token_id_arg(name: str, value, tokenizer: LmEvalTokenizer) -> int:
     """A token id model_arg, an id of the tokenizer, or a ConfigError naming it."""
     token_id = _int_arg(name, value, 0)
     if tokenizer.tok.id_to_token(token_id) is None:
@@ -509,7 +512,7 @@ def _token_id_arg(name: str, value, tokenizer: Tokenizer) -> int:
     return token_id
 
 
-def _think_end_token(value, tokenizer: Tokenizer) -> int | str | None:
+def _think_end_token(value, tokenizer: LmEvalTokenizer) -> int | str | None:
     """think_end_token as the hf backend reads it: a string of digits (or an int) is a token id, any
     other string the text that ends the reasoning. Refused: an id not in the tokenizer, an empty
     text, a bool or a float (the hf backend would silently strip nothing)."""

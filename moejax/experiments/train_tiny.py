@@ -48,12 +48,16 @@ start_step (0, or the step a resumed run started from).
 
 Where the pieces live (moejax.training): the settings in `config`, the corpus and batches in
 `corpus`, the loss, optimizer, step and `Trainer` in `trainer`, the orbax checkpoints in
-`checkpoints`, the progress line in `progress`; this module runs them and writes the results.
+`checkpoints`, the progress line in `progress`; this module runs them and writes the results:
+`run` reads as its steps (data, resume, the `TrainLoop` with its hooks: held-out evaluation and
+skill curve every `train.eval_every` steps, checkpoints every `train.checkpoint_every` and at the
+end; the final evaluation, `build_record`, the staged save, the rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -62,6 +66,7 @@ import platform
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -105,139 +110,256 @@ def versions() -> dict:
 
 
 def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
-    from moejax.hf.model_io import save_pretrained
-
+    """Train (or resume) and save; returns (tidy results DataFrame, timings dict)."""
     timings = {}
     check_output(cfg)
+    corpus = _prepare_data(cfg, timings)
+    trainer, manager, state = _resume(cfg, timings)
+    skill_docs = _skill_docs(cfg)
+    loop = TrainLoop(cfg, trainer, corpus, state)
+    loop.add_hook(functools.partial(_evaluate, skill_docs), every=cfg.train.eval_every, pauses_clock=True)
+    loop.add_hook(functools.partial(_checkpoint, manager), every=cfg.train.checkpoint_every, at_end=True)
+    loop.run()
+    timings.update(loop.timings())
+    heldout_loss, loads = _final_evaluation(loop, skill_docs, timings)
+    record = build_record(cfg, corpus, state, heldout_loss, timings["train_s"])
+    out = _save_staged(cfg, trainer, record, timings)
+    return _results(state, loads, _balance_biases(trainer.model, loads), cfg.train.steps, out), timings
+
+
+def _prepare_data(cfg: TrainTinyConfig, timings: dict):
+    """The training and held-out text (`build_corpus`), timed as data_s."""
     t0 = time.perf_counter()
     corpus = build_corpus(cfg)
     timings["data_s"] = time.perf_counter() - t0
     log.info("train_tiny: %d training files (%d bytes), %d held-out files (%d tokens evaluated)",
              len(corpus.train), len(corpus.train_tokens), len(corpus.heldout), corpus.heldout_ids.size)
+    return corpus
 
+
+@dataclasses.dataclass
+class RunState:
+    """What a run carries from step to step and into every checkpoint's metadata (so a resumed run
+    continues it): the step it started from and the curves so far."""
+
+    start: int = 0                                          # 0, or the step of the checkpoint resumed
+    history: list = dataclasses.field(default_factory=list)      # (step, loss, lr, max_load_share)
+    evals: list = dataclasses.field(default_factory=list)        # (step, heldout_loss)
+    skill_evals: list = dataclasses.field(default_factory=list)  # (step, skill, greedy exact match)
+    train_s_before: float = 0.0                             # training seconds of the runs before a resume
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> RunState:
+        """The state a checkpoint's metadata records ({}: a fresh start)."""
+        return cls(start=int(meta.get("step", 0)), history=[tuple(r) for r in meta.get("history", [])],
+                   evals=[tuple(r) for r in meta.get("evals", [])],
+                   skill_evals=[tuple(r) for r in meta.get("skill_evals", [])],
+                   train_s_before=float(meta.get("train_s", 0.0)))
+
+    def meta_at(self, cfg: TrainTinyConfig, step: int, train_s: float) -> dict:
+        """The metadata of checkpoint `step` (`restore` checks its fingerprint)."""
+        return {"step": step, "seed": cfg.seed, "fingerprint": cfg.fingerprint(), "history": self.history,
+                "evals": self.evals, "skill_evals": self.skill_evals, "train_s": train_s}
+
+
+def _resume(cfg: TrainTinyConfig, timings: dict):
+    """(the Trainer, its orbax manager, the RunState): the latest checkpoint's when there is one
+    (train.resume=false first deletes them), else a fresh start; timed as setup_s."""
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     if not cfg.train.resume and cfg.orbax_dir.exists():
         log.info("train_tiny: train.resume=false, removing %s", cfg.orbax_dir)
         shutil.rmtree(cfg.orbax_dir)
     manager = checkpoint_manager(cfg)
-    meta = restore(cfg, manager, trainer) or {}
-    start = int(meta.get("step", 0))
-    history = [tuple(r) for r in meta.get("history", [])]      # (step, loss, lr, max_load_share)
-    evals = [tuple(r) for r in meta.get("evals", [])]          # (step, heldout_loss)
-    skill_evals = [tuple(r) for r in meta.get("skill_evals", [])]   # (step, skill, greedy exact match)
-    skill_docs = _skill_docs(cfg)
-    train_s_before = float(meta.get("train_s", 0.0))
-    if start:
-        log.info("train_tiny: resuming from step %d (%s), continuing to step %d", start, cfg.orbax_dir,
+    state = RunState.from_meta(restore(cfg, manager, trainer) or {})
+    if state.start:
+        log.info("train_tiny: resuming from step %d (%s), continuing to step %d", state.start, cfg.orbax_dir,
                  cfg.train.steps)
     timings["setup_s"] = time.perf_counter() - t0
+    return trainer, manager, state
 
-    t, dc = cfg.train, cfg.data
-    tokens_per_step = t.batch_size * dc.seq_len
 
-    def meta_at(step, train_s):
-        return {"step": step, "seed": cfg.seed, "fingerprint": cfg.fingerprint(), "history": history,
-                "evals": evals, "skill_evals": skill_evals, "train_s": train_s}
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """fn(loop, done), called after step `done` when `every` divides it (0: never) and, with at_end,
+    after the last step. pauses_clock: its time is not training time (an evaluation)."""
 
-    bar = Progress(t.steps, start)
-    smooth, compile_s, eval_s = None, 0.0, 0.0
-    t_train = time.perf_counter()
-    t_rate, rate = time.perf_counter(), 0.0
-    pending = []   # (step, device metrics): fetched lazily so the host does not wait on every step
-    try:
-        for step in range(start, t.steps):
-            ids = corpus.batch(cfg.seed, step, t.batch_size, dc.seq_len)
-            ts = time.perf_counter()
-            trainer.state, metrics = trainer.step(trainer.state, ids)
-            pending.append((step + 1, metrics))
-            if step == start:
-                metrics["loss"].block_until_ready()
-                compile_s = time.perf_counter() - ts
-                t_rate = time.perf_counter()
-            done = step + 1
-            if len(pending) >= 10 or done == t.steps or done % t.checkpoint_every == 0 \
-                    or (t.eval_every and done % t.eval_every == 0):
-                for s, m in pending:
-                    loss, share = float(m["loss"]), float(m["max_load_share"])
-                    history.append((s, loss, float(trainer.schedule(s - 1)), share))
-                    smooth = loss if smooth is None else 0.95 * smooth + 0.05 * loss
-                if done > start + 1:
-                    rate = (done - start - 1) * tokens_per_step / (time.perf_counter() - t_rate - eval_s)
-                pending.clear()
-                bar.update(done, smooth, rate)
-                if not math.isfinite(history[-1][1]):
-                    raise FloatingPointError(f"train_tiny: loss is {history[-1][1]} at step {done}; "
-                                             "lower train.lr or raise train.warmup_steps")
-            if t.eval_every and done % t.eval_every == 0 and done < t.steps:
-                te = time.perf_counter()
-                evals.append((done, trainer.heldout(corpus.heldout_ids)[0]))
-                skill_evals += _skill_curve(trainer, skill_docs, done)
-                eval_s += time.perf_counter() - te
-            if done % t.checkpoint_every == 0 or done == t.steps:
-                log.info("train_tiny: step %d/%d  loss %.4f (smoothed)  %.0f tokens/s%s", done, t.steps, smooth, rate,
-                         f"  held-out loss {evals[-1][1]:.4f}" if evals and evals[-1][0] == done else "")
-                save_checkpoint(manager, trainer, done,
-                                meta_at(done, train_s_before + time.perf_counter() - t_train - eval_s))
-    finally:
-        bar.close()
-    trained = t.steps - start
-    timings["train_s"] = time.perf_counter() - t_train - eval_s
-    timings["compile_s"] = compile_s
-    timings["tokens_per_s"] = ((trained - 1) * tokens_per_step / max(timings["train_s"] - compile_s, 1e-9)
-                               if trained > 1 else float("nan"))
+    fn: Callable
+    every: int
+    at_end: bool = False
+    pauses_clock: bool = False
 
+    def due(self, done: int, last: int) -> bool:
+        if done == last:
+            return self.at_end
+        return bool(self.every) and done % self.every == 0
+
+
+class TrainLoop:
+    """The training loop (levanter's `Trainer.train` with `add_hook`): steps state.start ..
+    train.steps, each batch a pure function of (seed, step); the device metrics fetched lazily
+    (every 10 steps, at the end, and before any hook is called) so the host does not wait on every
+    step; then the hooks due at that step, in the order added."""
+
+    def __init__(self, cfg: TrainTinyConfig, trainer: Trainer, corpus, state: RunState):
+        self.cfg, self.trainer, self.corpus, self.state = cfg, trainer, corpus, state
+        self.hooks: list[Hook] = []
+        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        self.smooth, self.rate, self.compile_s, self.eval_s = None, 0.0, 0.0, 0.0
+        self.pending = []   # (step, device metrics) not yet fetched
+        self.t_train = self.t_rate = 0.0
+
+    def add_hook(self, fn: Callable, every: int, at_end: bool = False, pauses_clock: bool = False) -> None:
+        self.hooks.append(Hook(fn, every, at_end, pauses_clock))
+
+    def run(self) -> None:
+        last = self.cfg.train.steps
+        bar = Progress(last, self.state.start)
+        self.t_train = time.perf_counter()
+        self.t_rate = time.perf_counter()
+        try:
+            for step in range(self.state.start, last):
+                self._step(step)
+                done = step + 1
+                due = [hook for hook in self.hooks if hook.due(done, last)]
+                if len(self.pending) >= 10 or done == last or due:
+                    self._fetch_metrics(done, bar)
+                for hook in due:
+                    th = time.perf_counter()
+                    hook.fn(self, done)
+                    if hook.pauses_clock:
+                        self.eval_s += time.perf_counter() - th
+        finally:
+            bar.close()
+
+    def _step(self, step: int) -> None:
+        t = self.cfg.train
+        ids = self.corpus.batch(self.cfg.seed, step, t.batch_size, self.cfg.data.seq_len)
+        ts = time.perf_counter()
+        self.trainer.state, metrics = self.trainer.step(self.trainer.state, ids)
+        self.pending.append((step + 1, metrics))
+        if step == self.state.start:   # the first step compiles: timed apart, and tokens/s counts after it
+            metrics["loss"].block_until_ready()
+            self.compile_s = time.perf_counter() - ts
+            self.t_rate = time.perf_counter()
+
+    def _fetch_metrics(self, done: int, bar: Progress) -> None:
+        """The pending steps' metrics into the history; the smoothed loss and tokens/s onto the
+        progress line. A loss that is not finite stops training."""
+        history, start = self.state.history, self.state.start
+        for s, m in self.pending:
+            loss, share = float(m["loss"]), float(m["max_load_share"])
+            history.append((s, loss, float(self.trainer.schedule(s - 1)), share))
+            self.smooth = loss if self.smooth is None else 0.95 * self.smooth + 0.05 * loss
+        if done > start + 1:
+            self.rate = (done - start - 1) * self.tokens_per_step / (time.perf_counter() - self.t_rate - self.eval_s)
+        self.pending.clear()
+        bar.update(done, self.smooth, self.rate)
+        if not math.isfinite(history[-1][1]):
+            raise FloatingPointError(f"train_tiny: loss is {history[-1][1]} at step {done}; "
+                                     "lower train.lr or raise train.warmup_steps")
+
+    def timings(self) -> dict:
+        """train_s (the clock since the loop began, less the hooks that pause it), compile_s, tokens_per_s."""
+        trained = self.cfg.train.steps - self.state.start
+        train_s = time.perf_counter() - self.t_train - self.eval_s
+        return {"train_s": train_s, "compile_s": self.compile_s,
+                "tokens_per_s": ((trained - 1) * self.tokens_per_step / max(train_s - self.compile_s, 1e-9)
+                                 if trained > 1 else float("nan"))}
+
+
+def _evaluate(skill_docs: dict, loop: TrainLoop, done: int) -> None:
+    """Hook: the held-out loss and the skill curve at step `done`."""
+    loop.state.evals.append((done, loop.trainer.heldout(loop.corpus.heldout_ids)[0]))
+    loop.state.skill_evals += _skill_curve(loop.trainer, skill_docs, done)
+
+
+def _checkpoint(manager, loop: TrainLoop, done: int) -> None:
+    """Hook: log the progress and save checkpoint `done`, the run's state its metadata."""
+    cfg, state = loop.cfg, loop.state
+    evaluated = state.evals and state.evals[-1][0] == done
+    log.info("train_tiny: step %d/%d  loss %.4f (smoothed)  %.0f tokens/s%s", done, cfg.train.steps, loop.smooth,
+             loop.rate, f"  held-out loss {state.evals[-1][1]:.4f}" if evaluated else "")
+    save_checkpoint(manager, loop.trainer, done,
+                    state.meta_at(cfg, done, state.train_s_before + time.perf_counter() - loop.t_train - loop.eval_s))
+
+
+def _final_evaluation(loop: TrainLoop, skill_docs: dict, timings: dict) -> tuple:
+    """(held-out loss, {MoE layer: expert loads}) of the trained model; the last step's held-out loss
+    and skill scores replace any the loop recorded there. Timed, with the loop's, as eval_s."""
+    state, steps = loop.state, loop.cfg.train.steps
     te = time.perf_counter()
-    heldout_loss, loads = trainer.heldout(corpus.heldout_ids)
-    evals = [e for e in evals if e[0] != t.steps] + [(t.steps, heldout_loss)]
-    skill_evals = [e for e in skill_evals if e[0] != t.steps] + _skill_curve(trainer, skill_docs, t.steps)
-    timings["eval_s"] = eval_s + time.perf_counter() - te
-    model = trainer.model
-    biases = {l: np.asarray(b) for l in loads if (b := model.model.layers[l].mlp.balance_bias()) is not None}
+    heldout_loss, loads = loop.trainer.heldout(loop.corpus.heldout_ids)
+    state.evals = [e for e in state.evals if e[0] != steps] + [(steps, heldout_loss)]
+    state.skill_evals = [e for e in state.skill_evals if e[0] != steps] + _skill_curve(loop.trainer, skill_docs, steps)
+    timings["eval_s"] = loop.eval_s + time.perf_counter() - te
+    return heldout_loss, loads
 
-    final_loss = float(np.mean([h[1] for h in history[-20:]])) if history else float("nan")
-    record = {
+
+def _balance_biases(model, loads: dict) -> dict:
+    """{MoE layer: its balance bias} for the layers that have one."""
+    return {l: np.asarray(b) for l in loads if (b := model.model.layers[l].mlp.balance_bias()) is not None}
+
+
+def build_record(cfg: TrainTinyConfig, corpus, state: RunState, heldout_loss: float, train_s: float) -> dict:
+    """moejax_tiny.json: the data (stdlib root, training and held-out files), the settings, the
+    losses and skill scores at the end, the time and the versions."""
+    t = cfg.train
+    final_loss = float(np.mean([h[1] for h in state.history[-20:]])) if state.history else float("nan")
+    return {
         "stdlib_root": str(corpus.root), "train": corpus.train, "heldout": corpus.heldout,
         "config": {"arch": cfg.arch.as_dict(), "data": dataclasses.asdict(cfg.data),
                    "train": {**dataclasses.asdict(cfg.train), "aux_loss_alpha": cfg.balance_loss_alpha},
                    "seed": cfg.seed},
         "family": cfg.arch.family,
-        "steps": t.steps, "tokens_seen": t.steps * tokens_per_step,
+        "steps": t.steps, "tokens_seen": t.steps * (t.batch_size * cfg.data.seq_len),
         "train_loss": final_loss, "heldout_loss": heldout_loss, "heldout_ppl": math.exp(heldout_loss),
         "heldout_tokens": int(corpus.heldout_ids.size), "loss_unit": "nats per byte",
-        "skills_exact_match": {k: v for s, k, v in skill_evals if s == t.steps},
-        "train_s": train_s_before + timings["train_s"], "resumed_from_step": start,
+        "skills_exact_match": {k: v for s, k, v in state.skill_evals if s == t.steps},
+        "train_s": state.train_s_before + train_s, "resumed_from_step": state.start,
         "orbax_dir": str(cfg.orbax_dir), "versions": versions(), "fingerprint": cfg.fingerprint(),
     }
+
+
+def _save_staged(cfg: TrainTinyConfig, trainer: Trainer, record: dict, timings: dict) -> Path:
+    """The checkpoint, the byte-level tokenizer and the record, renamed into model.path as one
+    folder; timed as save_s."""
+    from moejax.hf.model_io import save_pretrained
+
     ts = time.perf_counter()
     out = Path(cfg.path).expanduser()
     with staged_directory(out, overwrite=True) as staging:   # checkpoint + record appear as one folder
-        save_pretrained(model, staging, overwrite=True)
+        save_pretrained(trainer.model, staging, overwrite=True)
         write_byte_tokenizer(staging, trainer.model_cfg.max_position_embeddings)   # for transformers / lm-eval
         (staging / RECORD).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     timings["save_s"] = time.perf_counter() - ts
-    log.info("train_tiny: saved %s (held-out loss %.4f, perplexity %.3f)", out, heldout_loss, math.exp(heldout_loss))
+    log.info("train_tiny: saved %s (held-out loss %.4f, perplexity %.3f)", out, record["heldout_loss"],
+             math.exp(record["heldout_loss"]))
+    return out
 
-    rows = [{"step": 0, "metric": "start_step", "layer": -1, "value": float(start)}]
-    for s, loss, lr, share in history:
+
+def _results(state: RunState, loads: dict, biases: dict, steps: int, out: Path) -> pd.DataFrame:
+    """The tidy rows (module docstring: Results)."""
+    rows = [{"step": 0, "metric": "start_step", "layer": -1, "value": float(state.start)}]
+    for s, loss, lr, share in state.history:
         rows += [{"step": s, "metric": "train_loss", "layer": -1, "value": loss},
                  {"step": s, "metric": "lr", "layer": -1, "value": lr},
                  {"step": s, "metric": "train_max_load_share", "layer": -1, "value": share}]
-    for s, loss in evals:
+    for s, loss in state.evals:
         rows += [{"step": s, "metric": "heldout_loss", "layer": -1, "value": loss},
                  {"step": s, "metric": "heldout_ppl", "layer": -1, "value": math.exp(loss)}]
-    for s, skill, value in skill_evals:
+    for s, skill, value in state.skill_evals:
         rows.append({"step": s, "metric": "skill_exact_match", "layer": -1, "skill": skill, "value": value})
     for l, load in loads.items():
-        rows.append({"step": t.steps, "metric": "max_load_share", "layer": l, "value": float(load.max() / load.sum())})
+        rows.append({"step": steps, "metric": "max_load_share", "layer": l, "value": float(load.max() / load.sum())})
         if l in biases:
-            rows += [{"step": t.steps, "metric": "bias_min", "layer": l, "value": float(biases[l].min())},
-                     {"step": t.steps, "metric": "bias_max", "layer": l, "value": float(biases[l].max())}]
+            rows += [{"step": steps, "metric": "bias_min", "layer": l, "value": float(biases[l].min())},
+                     {"step": steps, "metric": "bias_max", "layer": l, "value": float(biases[l].max())}]
     df = pd.DataFrame(rows)
     if "skill" not in df:
         df["skill"] = None
     df["path"] = str(out)
-    return df, timings
+    return df
 
 
 def check_output(cfg: TrainTinyConfig) -> None:

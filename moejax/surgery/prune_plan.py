@@ -4,7 +4,7 @@ ties to the lower index, routing groups, a global allocation). No expert data is
 the `aimer` score, which reads each MoE layer's expert matrices one tensor at a time.
 
 Scores come from the router tensors (data-free scores, from the weights-only statistics
-`router_stats` and `data_free_stats`, which `moejax diff` and `moejax score` read too), from a
+`moejax.scoring.data_free`, which `moejax diff` and `moejax score` read too), from a
 `moejax score` parquet file, or in memory (`moejax merge`'s cluster leaders). The plan is a
 `PrunePlan`; `moejax.surgery.prune` writes it.
 """
@@ -18,14 +18,12 @@ import numpy as np
 import pandas as pd
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.check import stored_as
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
-from moejax.hf.quant.decode import detect_format, read_decoded
 from moejax.merging.allocation import layer_counts
-from moejax.models.registry import family_of
-from moejax.scoring.scores import DATA_FREE_SCORES, EXPERT_WEIGHT_SCORES, SCORES, LayerStats, compute_scores
+from moejax.scoring.data_free import data_free_stats
+from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
 
 
@@ -39,66 +37,6 @@ class PrunePlan:
     config: dict                     # the pruned checkpoint's config.json
     groups: str                      # "none" | "preserved" | "collapsed"
     notes: tuple[str, ...]
-
-
-def router_stats(reader: CheckpointReader, ml: MoeLayer, seed: int = 0) -> LayerStats:
-    """The weights-only part of a layer's statistics (router rows and balance bias, in float64):
-    all that the data-free scores read. Calibration sums are zero and unused by them."""
-    router = finite_rows(reader, ml.router, ml.layer)
-    E = router.shape[0]
-    bias = finite_rows(reader, ml.bias, ml.layer) if ml.bias else np.zeros(E)
-    zeros = np.zeros(E)
-    return LayerStats(counts_E=zeros, gate_norm_sum_E=zeros, norm_sum_E=zeros, mean_input_D=np.zeros(router.shape[1]),
-                      router_ED=router, bias_E=bias, seed=seed, layer=ml.layer)
-
-
-def data_free_stats(reader, ml: MoeLayer, cfg, names, seed: int = 0) -> LayerStats:
-    """The statistics the data-free scores `names` read: the router rows and bias
-    (`router_stats`: headers and router tensors only), plus the routed experts' weight sums
-    (`stored_expert_weight_sums`) only when a score that reads expert weights (`aimer`) is among them."""
-    st = router_stats(reader, ml, seed)
-    if any(n in EXPERT_WEIGHT_SCORES for n in names):
-        st.weight_abs_sum_E, st.weight_sq_sum_E, st.weight_count = stored_expert_weight_sums(reader, ml, cfg)
-    return st
-
-
-def stored_expert_weight_sums(reader, ml: MoeLayer, cfg) -> tuple[np.ndarray, np.ndarray, int]:
-    """(sum |w| [E], sum w^2 [E], entries per expert) over every entry of layer `ml`'s routed
-    experts' gate, up and down matrices (the family's names), in float64: what `aimer` reads.
-    One tensor at a time, decoded from its stored format as the loader decodes it (FP8, INT4,
-    MXFP4; a fused transformers-5 checkpoint through its per-expert view); a non-finite value is
-    refused naming the tensor."""
-    fmt, qcfg = detect_format(cfg.quantization_config), cfg.quantization_config
-    family = family_of(cfg)
-    rests = [family.rule(r).hf.split("experts.{e}.", 1)[1] for r in ("expert_gate", "expert_up", "expert_down")]
-    E = ml.n_experts
-    abs_sum, sq_sum, count = np.zeros(E), np.zeros(E), 0
-    for e in range(E):
-        count = 0
-        for rest in rests:
-            name = ml.expert_tensor(e, rest)
-            stored = stored_as(reader, name, fmt)
-            if stored is None:
-                raise CheckpointError(f"layer {ml.layer}: expert {e} has no tensor {name} (needed by the aimer score)")
-            w = np.asarray(read_decoded(reader, name, stored, fmt, qcfg), np.float64)
-            if not np.isfinite(w).all():
-                raise CheckpointError(f"layer {ml.layer}: {name} in {reader.shard_of(stored[0]).name} has non-finite "
-                                      "values (NaN or inf)")
-            abs_sum[e] += np.abs(w).sum()
-            sq_sum[e] += np.square(w).sum()
-            count += w.size
-    return abs_sum, sq_sum, count
-
-
-def finite_rows(reader: CheckpointReader, name: str, layer: int) -> np.ndarray:
-    """A router or bias tensor in float64, refused when any expert's row holds a NaN or infinity
-    (a data-free score would be NaN, or plausible and wrong), naming the layer, tensor and experts."""
-    value = reader.read(name).astype(np.float64)
-    bad = ~np.isfinite(value.reshape(value.shape[0], -1)).all(axis=1)
-    if bad.any():
-        raise CheckpointError(f"layer {layer}: {name} in {reader.shard_of(name).name} has non-finite values "
-                              f"(NaN or inf) in the rows of expert(s) {np.flatnonzero(bad).tolist()[:16]}")
-    return value
 
 
 def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> dict[int, np.ndarray]:
@@ -193,59 +131,97 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     are worded for `moejax merge`)."""
     # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
     # config.json is the source's dictionary with the family's expert-count key updated.
-    config, experts_key = cfg.to_dict(), cfg.experts_key
-    E_cfg, top_k, n_layers = cfg.n_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers
+    new_config, notes = dict(cfg.to_dict()), []
+    layers, dropped = _layers_to_prune(reader, layout, cfg, drop_mtp)
+    counts = _keep_counts(layers, keep, layers_keep, cfg.num_experts_per_tok)
+    scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
+    counts = _allocated_counts(scores, counts, layers_keep, cfg.num_experts_per_tok, allocation)
+    kept = _choose_kept(scores, counts, cfg, score, group_aware, allocation)
+    groups = _groups_rule(kept, cfg, collapse_groups, group_aware, leaders, new_config, notes)
+    _rewrite_expert_counts(cfg, kept, dropped, new_config, notes)
+    _rewrite_mtp(cfg, dropped, new_config, notes)
+    return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
+                     n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,
+                     config=new_config, groups=groups, notes=tuple(notes))
+
+
+def _layers_to_prune(reader, layout: CheckpointLayout, cfg, drop_mtp: bool) -> tuple[dict[int, MoeLayer], tuple]:
+    """({MoE layer: MoeLayer} to prune, the MTP layers dropped (--drop-mtp: the MoE layers from
+    num_hidden_layers on)); refused when the checkpoint has no MoE layer, when a layer's expert
+    count differs from config.json's, or when --drop-mtp would leave no layer to prune."""
+    E_cfg, n_layers = cfg.n_experts, cfg.num_hidden_layers
     if not layout.moe_layers:
         raise CheckpointError(f"{reader.directory}: no MoE layers (no routed-expert tensors `layers.N.*.experts.E.*`)")
     wrong_E = {l: ml.n_experts for l, ml in layout.moe_layers.items() if ml.n_experts != cfg.experts_in_layer(l)}
     if wrong_E:  # (check_checkpoint refuses these; a layout from elsewhere might not agree)
         raise CheckpointError(f"{reader.directory}: layers have {wrong_E} experts, but config.json gives them "
-                              f"{ {l: cfg.experts_in_layer(l) for l in wrong_E} } ({experts_key}={E_cfg}"
+                              f"{ {l: cfg.experts_in_layer(l) for l in wrong_E} } ({cfg.experts_key}={E_cfg}"
                               f"{', moe_sparsity_config.num_experts' if cfg.layer_num_experts else ''})")
     dropped = tuple(l for l in layout.moe_layers if l >= n_layers) if drop_mtp else ()
     layers = {l: ml for l, ml in layout.moe_layers.items() if l not in dropped}
     if not layers:
         raise ConfigError(f"--drop-mtp would leave no MoE layer to prune: the only MoE layers {list(dropped)} are "
                           f"MTP layers (num_hidden_layers={n_layers}); prune without --drop-mtp")
-    counts = _keep_counts(layers, keep, layers_keep, top_k)
-    scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
-    if allocation != "uniform":
-        if layers_keep:
-            raise ConfigError("--allocation global spreads one --keep over the layers; it takes no --layers-keep")
-        # the budget: `keep` per layer (resolved against each layer's own count when they differ)
-        budget = next(iter(counts.values())) if len(set(counts.values())) == 1 else counts
-        counts = layer_counts(scores, budget, top_k, allocation)
-    routing = cfg.router_settings()
+    return layers, dropped
+
+
+def _allocated_counts(scores: dict, counts: dict, layers_keep, top_k: int, allocation: str) -> dict[int, int]:
+    """The per-layer keep counts: `counts` as resolved (uniform), else spread over the layers by one
+    threshold over their normalised scores (`layer_counts`), `keep` per layer in all."""
+    if allocation == "uniform":
+        return counts
+    if layers_keep:
+        raise ConfigError("--allocation global spreads one --keep over the layers; it takes no --layers-keep")
+    # the budget: `keep` per layer (resolved against each layer's own count when they differ)
+    budget = next(iter(counts.values())) if len(set(counts.values())) == 1 else counts
+    return layer_counts(scores, budget, top_k, allocation)
+
+
+def _choose_kept(scores: dict, counts: dict, cfg, score: str, group_aware: bool, allocation: str) -> dict:
+    """{layer: bool mask [E] of the kept experts}: the top counts[l] by score, ties to the lower index;
+    with --group-aware (and routing groups) an equal number in every group."""
+    n_group = cfg.router_settings().get("n_group", 1)
+    if not (group_aware and n_group > 1):
+        return {l: select_kept(scores[l], counts[l], f"layer {l}: score {score!r}") for l in scores}
+    kept = {}
+    for l in scores:
+        try:
+            kept[l] = select_kept_grouped(scores[l], counts[l], n_group)
+        except ConfigError as error:
+            hint = ("" if allocation == "uniform" else f" (keep={counts[l]} is the count --allocation "
+                    f"{allocation} gave layer {l}; it does not allocate whole groups: prune with "
+                    "--collapse-groups instead of --group-aware, or with a uniform allocation)")
+            raise ConfigError(f"layer {l}: {error}{hint}") from None
+    return kept
+
+
+def _groups_rule(kept: dict, cfg, collapse_groups: bool, group_aware: bool, leaders: bool, new_config: dict,
+                 notes: list) -> str:
+    """What becomes of group-limited routing: "none" (no groups), "preserved" (every layer keeps
+    an equal, routable count per group), "collapsed" (--collapse-groups: new_config gets
+    n_group=1, topk_group=1, and notes say why); otherwise refused (`_broken_groups`)."""
+    routing, top_k = cfg.router_settings(), cfg.num_experts_per_tok
     n_group, topk_group = routing.get("n_group", 1), routing.get("topk_group", 1)
-    notes, new_config = [], dict(config)
-    if group_aware and n_group > 1:
-        kept = {}
-        for l in layers:
-            try:
-                kept[l] = select_kept_grouped(scores[l], counts[l], n_group)
-            except ConfigError as error:
-                hint = ("" if allocation == "uniform" else f" (keep={counts[l]} is the count --allocation "
-                        f"{allocation} gave layer {l}; it does not allocate whole groups: prune with "
-                        "--collapse-groups instead of --group-aware, or with a uniform allocation)")
-                raise ConfigError(f"layer {l}: {error}{hint}") from None
-    else:
-        kept = {l: select_kept(scores[l], counts[l], f"layer {l}: score {score!r}") for l in layers}
-    groups = "none"
-    if n_group > 1:
-        per_group = {l: group_counts(m, n_group).tolist() for l, m in kept.items()}
-        need = per_group_needed(top_k, topk_group)
-        unusable = {l: c for l, c in per_group.items() if len(set(c)) > 1 or c[0] < need}
-        if not unusable:
-            groups = "preserved"
-        elif collapse_groups:
-            groups = "collapsed"
-            new_config.update(n_group=1, topk_group=1)
-            notes.append(f"routing groups collapsed: kept experts per group {next(iter(unusable.values()))} "
-                         f"(layer {next(iter(unusable))}) cannot keep n_group={n_group}, so the pruned config has "
-                         f"n_group=1, topk_group=1: each token picks its {top_k} experts by top-k over all kept "
-                         "experts (bias included), without the group limit")
-        else:
-            raise ConfigError(_broken_groups(unusable, n_group, topk_group, top_k, group_aware, leaders))
+    if n_group <= 1:
+        return "none"
+    per_group = {l: group_counts(m, n_group).tolist() for l, m in kept.items()}
+    need = per_group_needed(top_k, topk_group)
+    unusable = {l: c for l, c in per_group.items() if len(set(c)) > 1 or c[0] < need}
+    if not unusable:
+        return "preserved"
+    if not collapse_groups:
+        raise ConfigError(_broken_groups(unusable, n_group, topk_group, top_k, group_aware, leaders))
+    new_config.update(n_group=1, topk_group=1)
+    notes.append(f"routing groups collapsed: kept experts per group {next(iter(unusable.values()))} "
+                 f"(layer {next(iter(unusable))}) cannot keep n_group={n_group}, so the pruned config has "
+                 f"n_group=1, topk_group=1: each token picks its {top_k} experts by top-k over all kept "
+                 "experts (bias included), without the group limit")
+    return "collapsed"
+
+
+def _rewrite_expert_counts(cfg, kept: dict, dropped: tuple, new_config: dict, notes: list) -> None:
+    """new_config's expert count: the largest kept, under every spelling the source has; counts
+    that differ between layers listed in moe_sparsity_config.num_experts (with a note)."""
     kept_counts = {l: int(m.sum()) for l, m in kept.items()}
     for key in cfg.keys_of(cfg.EXPERTS_FIELD):  # every spelling the source has (they must agree)
         new_config[key] = max(kept_counts.values())
@@ -253,17 +229,18 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     if len(set(kept_counts.values())) > 1:
         new_config["moe_sparsity_config"] = {
             "method": "prune", "num_experts": [kept_counts.get(l) for l in _listed_layers(cfg, kept_counts, dropped)]}
-        notes.append(f"expert counts differ between layers: {experts_key} is the largest and "
+        notes.append(f"expert counts differ between layers: {cfg.experts_key} is the largest and "
                      "moe_sparsity_config.num_experts lists each layer's count; moejax loads, scores, evaluates "
-                     f"and prunes it (stock transformers and vLLM build every layer with {experts_key} experts "
+                     f"and prunes it (stock transformers and vLLM build every layer with {cfg.experts_key} experts "
                      "and will not load it)")
+
+
+def _rewrite_mtp(cfg, dropped: tuple, new_config: dict, notes: list) -> None:
+    """With MTP layers dropped: num_nextn_predict_layers=0 (every spelling), and a note."""
     if dropped:
         for key in cfg.keys_of("num_nextn_predict_layers"):
             new_config[key] = 0
         notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
-    return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
-                     n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,
-                     config=new_config, groups=groups, notes=tuple(notes))
 
 
 def per_group_needed(top_k: int, topk_group: int) -> int:

@@ -1,10 +1,16 @@
 """toy3's stage two, jitted programs per batch of seeds: route the held-out tokens under every
 variant and measure its error against the full layer (SPEC section 3).
 
-  stage_two          the pruning variants: each kept set a mask, one compile for them all
-  stage_merges       the merges' shrunk and tied forms and the Eq. 6 pairs: expert maps over a
-                     table of the layer's own and the merged experts' outputs
+  stage_two          the pruning variants (`PruningProgram`): each kept set a mask, one compile
+                     for them all
+  stage_merges       the merges' shrunk and tied forms and the Eq. 6 pairs (`MergesProgram`):
+                     expert maps over a table of the layer's own and the merged experts' outputs
   stage_substitutes  MoNE's variants: removed experts return their constants
+
+`stage_two` and `stage_merges` return their program made once per config (cached): an object
+called on a batch, whose `compile_for(n_seeds)` compiles it ahead from the shapes alone
+(`job._compile_ahead`); the jitted bodies are the module's functions `_pruning_errors` and
+`_merges_errors`, one (seed, offset) at a time.
 """
 
 from __future__ import annotations
@@ -86,9 +92,15 @@ def _compile_kth_values(cfg: Toy3Config, n_seeds: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=8)
-def stage_two(cfg: Toy3Config):
+def stage_two(cfg: Toy3Config) -> PruningProgram:
+    """The pruning variants' program for `cfg` (`PruningProgram`), made once per config: its calls
+    and `compile_for` share one jitted function, so a program compiled ahead is the one called."""
+    return PruningProgram(cfg)
+
+
+class PruningProgram:
     """Route the held-out tokens under every kept set and measure the error of each variant.
-    Returns a function (logits_held, bias, masks, kth, f_held=None, w1=None, w2=None, x_held=None) ->
+    Called as (logits_held, bias, masks, kth, f_held=None, w1=None, w2=None, x_held=None) ->
     (all-token relative error [..., A], per-token relative errors [..., A, T]) of the pruning
     variants, A of them; masks [..., n_masked, E] are every masked variant's and kth
     (`kth_values`) their K-th values, of which it reads the pruning variants'. The median is taken
@@ -113,56 +125,25 @@ def stage_two(cfg: Toy3Config):
     the full layer's softmax over all E; equal to `route` under the mask up to float rounding
     (tests/test_toy3.py checks against numpy's softmax over the kept experts).
     """
-    import jax
-    import jax.numpy as jnp
 
-    from moejax.models import toy_layer
-    from moejax.moe.dispatch import table_rows
-    from moejax.moe.routing import gates
-    from moejax.moe.topk import topk_indices_at_threshold
+    def __init__(self, cfg: Toy3Config):
+        import jax
 
-    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+        self.cfg = cfg
+        self.errors = jax.jit(functools.partial(_pruning_errors, cfg))
 
-    def scores(logits):  # s of the unpruned layer: sigmoid, or softmax over all E
-        return toy_layer.router_scores(logits, cfg.router)
-
-    # per (seed, offset): [T, E] logits, [W, E] biases, [W, A, E] masks; the loads vmapped
-    @functools.partial(jax.vmap, in_axes=(None, None, 0, 0, 0))
-    def condition(f_ETD, s_TE, bias_E, masks_AE, kth_AT):
-        idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
-        gate_ATK = gates(s_TE, idx_ATK, router_cfg)
-        n_experts, n_tokens, d = f_ETD.shape
-        err_sq_AT, y_sq_T = _errors_against_reference(gate_ATK, table_rows(idx_ATK, n_tokens),
-                                                      f_ETD.reshape(n_experts * n_tokens, d))
-        return err_sq_AT.sum(axis=-1) / y_sq_T.sum(), err_sq_AT / y_sq_T
-
-    n_pruned = len(layout(cfg).pruned)
-
-    @jax.jit
-    def errors(logits, bias, masks, kth, f, w1, w2, x):
-        n_offsets = logits.shape[1]
-        masks, kth = masks[..., :n_pruned, :], kth[..., :1 + n_pruned, :]   # the full layer and the pruning variants
-
-        def seed_offset(args):
-            i, logits_TE, bias_WE, masks_WAE, kth_WAT, f_ETD, x_TD = args
-            if f_ETD is None:
-                s = i // n_offsets
-                f_ETD = toy_layer.expert_output_table({"w1": w1[s], "w2": w2[s]}, x_TD)
-            return condition(f_ETD, scores(logits_TE), bias_WE, masks_WAE, kth_WAT)
-
-        lead = logits.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
-        flat = jax.tree.map(_flat_seed_offset, (logits, bias, masks, kth, f, x))
-        rel, per_token = jax.lax.map(seed_offset, (jnp.arange(lead[0] * lead[1]), *flat))
-        return rel.reshape(*lead, *rel.shape[1:]), per_token.reshape(*lead, *per_token.shape[1:])
-
-    def run(logits, bias, masks, kth, f_held=None, w1=None, w2=None, x_held=None):
+    def __call__(self, logits, bias, masks, kth, f_held=None, w1=None, w2=None, x_held=None):
         if f_held is not None:
             w1 = w2 = x_held = None
-        return errors(logits, bias, masks, kth, f_held, w1, w2, x_held)
+        return self.errors(logits, bias, masks, kth, f_held, w1, w2, x_held)
 
-    def compile_for(n_seeds: int) -> None:
-        """Compile both programs for a batch of n_seeds seeds, from the shapes alone (`run`'s calls
+    def compile_for(self, n_seeds: int) -> None:
+        """Compile both programs for a batch of n_seeds seeds, from the shapes alone (the calls
         then find them compiled)."""
+        import jax
+        import jax.numpy as jnp
+
+        cfg = self.cfg
         O, T, E, D, F = len(cfg.offsets), cfg.n_heldout, cfg.n_experts, cfg.d_model, cfg.d_hidden
 
         def f32(*shape):
@@ -171,10 +152,56 @@ def stage_two(cfg: Toy3Config):
         logits, bias, masks, kth = _compile_kth_values(cfg, n_seeds)
         table = (f32(O, E, T, D), None, None, None) if merges_read_table(cfg) else (
             None, f32(E, D, F), f32(E, F, D), f32(O, T, D))
-        errors.lower(logits, bias, masks, kth, *table).compile()
+        self.errors.lower(logits, bias, masks, kth, *table).compile()
 
-    run.compile_for = compile_for
-    return run
+
+def _pruning_errors(cfg: Toy3Config, logits, bias, masks, kth, f, w1, w2, x):
+    """`PruningProgram`'s jitted body: one (seed, offset) at a time (`_pruning_seed_offset`), which
+    bounds memory ([W, A, T, D] outputs)."""
+    import jax
+    import jax.numpy as jnp
+
+    n_pruned = len(layout(cfg).pruned)
+    n_offsets = logits.shape[1]
+    masks, kth = masks[..., :n_pruned, :], kth[..., :1 + n_pruned, :]   # the full layer and the pruning variants
+    seed_offset = functools.partial(_pruning_seed_offset, cfg, n_offsets, w1, w2)
+    lead = logits.shape[:2]
+    flat = jax.tree.map(_flat_seed_offset, (logits, bias, masks, kth, f, x))
+    rel, per_token = jax.lax.map(seed_offset, (jnp.arange(lead[0] * lead[1]), *flat))
+    return rel.reshape(*lead, *rel.shape[1:]), per_token.reshape(*lead, *per_token.shape[1:])
+
+
+def _pruning_seed_offset(cfg: Toy3Config, n_offsets: int, w1, w2, args):
+    """One (seed, offset): its held-out table (tabulated here when not given), then every load's
+    errors (`_pruning_condition`, vmapped over the loads)."""
+    import jax
+
+    from moejax.models import toy_layer
+
+    i, logits_TE, bias_WE, masks_WAE, kth_WAT, f_ETD, x_TD = args
+    if f_ETD is None:
+        s = i // n_offsets
+        f_ETD = toy_layer.expert_output_table({"w1": w1[s], "w2": w2[s]}, x_TD)
+    condition = jax.vmap(functools.partial(_pruning_condition, cfg), in_axes=(None, None, 0, 0, 0))
+    # s of the unpruned layer: sigmoid, or softmax over all E
+    return condition(f_ETD, toy_layer.router_scores(logits_TE, cfg.router), bias_WE, masks_WAE, kth_WAT)
+
+
+def _pruning_condition(cfg: Toy3Config, f_ETD, s_TE, bias_E, masks_AE, kth_AT):
+    """Per (seed, offset, load): [T, E] scores, [E] bias, [A, E] masks -> (all-token relative error
+    [A], per-token relative errors [A, T])."""
+    from moejax.models import toy_layer
+    from moejax.moe.dispatch import table_rows
+    from moejax.moe.routing import gates
+    from moejax.moe.topk import topk_indices_at_threshold
+
+    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+    idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
+    gate_ATK = gates(s_TE, idx_ATK, router_cfg)
+    n_experts, n_tokens, d = f_ETD.shape
+    err_sq_AT, y_sq_T = _errors_against_reference(gate_ATK, table_rows(idx_ATK, n_tokens),
+                                                  f_ETD.reshape(n_experts * n_tokens, d))
+    return err_sq_AT.sum(axis=-1) / y_sq_T.sum(), err_sq_AT / y_sq_T
 
 
 # The merged experts' table rows are computed only for the (row, token) pairs some variant reads
@@ -183,7 +210,7 @@ def stage_two(cfg: Toy3Config):
 # variants read 17-19% of it (the pairs whose token routes to a member of the row's cluster); each
 # 0.1 of share the buffer holds costs about 0.2 s of the merges' program even where it is skipped,
 # and 256-row blocks ran fastest. A batch that needs more is computed again at full capacity
-# (`stage_merges`' run): slower, never wrong.
+# (`MergesProgram.__call__`): slower, never wrong.
 MERGED_SHARE = 0.25
 MERGED_BLOCK_ROWS = 256
 
@@ -198,108 +225,63 @@ def merged_capacity(n_rows: int, n_tokens: int, share: float) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
-    """The merges' variants, as `stage_two` evaluates the pruning ones: route the held-out tokens,
-    compute the merged experts on the tokens that reach them and measure each variant's error.
-    Returns a function (f_held, logits_held, bias, masks, kth, rows, x_held, merged) -> (sum_t
+def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE) -> MergesProgram:
+    """The merges' program for `cfg` with a buffer for `share` of the merged table
+    (`MergesProgram`), made once per (config, share): its calls and `compile_for` share one jitted
+    function, so a program compiled ahead is the one called."""
+    return MergesProgram(cfg, share)
+
+
+class MergesProgram:
+    """The merges' variants, as `PruningProgram` evaluates the pruning ones: route the held-out
+    tokens, compute the merged experts on the tokens that reach them and measure each variant's
+    error. Called as (f_held, logits_held, bias, masks, kth, rows, x_held, merged) -> (sum_t
     ||y'_t - y_t||^2 [..., A], per-token relative errors ||y'_t - y_t||^2 / ||y_t||^2 [..., A, T],
     ||y_t||^2 [..., T], the full layer's routing, experts and gates [..., T, K], and the merged
     (row, token) pairs computed [...]).
 
     A variant is an expert map. The merges' shrunk forms are routed under their masks (masks,
-    kth: every masked variant's, as `stage_two` takes them; it reads the shrunk forms', after the
-    pruning variants'); the rest (tied forms, Eq. 6 pairs) keep
+    kth: every masked variant's, as `PruningProgram` takes them; it reads the shrunk forms', after
+    the pruning variants'); the rest (tied forms, Eq. 6 pairs) keep
     every slot, so they take the full layer's routing. rows [..., A, E]: the row of the table
     [E + W * n_slots, T, D] that each slot computes with: the layer's own experts (f_held), then
     each load's merged experts (merged: {"w1": [..., W, n_slots, D, F], "w2": ...}, None when there
     are none). Per (seed, offset), every load is routed first; then the merged rows are computed
     for the (row, token) pairs some variant of some load reads, and only those
     (`grouped.sparse_output_table`, `MERGED_SHARE`): a token reaches a merged expert only through
-    a member of its cluster, and the whole table cost 5.6x the FLOPs.
+    a member of its cluster, and the whole table cost 5.6x the FLOPs. A batch with more pairs than
+    the buffer holds is computed again by the full-capacity program (share 1).
 
     The batch of variants is led by the full layer (every slot its own row), its reference
     (`_errors_against_reference`): a merge of singletons has an error of exactly zero
     (tests/test_toy3_merging.py checks it).
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from moejax.models import toy_layer
-    from moejax.moe.dispatch import relu_mlp, table_rows
-    from moejax.moe.grouped import sparse_output_table
-    from moejax.moe.routing import gates
-    from moejax.moe.topk import topk_indices_at_threshold
+    def __init__(self, cfg: Toy3Config, share: float = MERGED_SHARE):
+        import jax
 
-    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
-    lay = layout(cfg)
-    n_pruned, n_shrunk = len(lay.pruned), len(lay.merged)
-    n_merged_rows = len(cfg.loads) * lay.n_slots
-    n_blocks = merged_capacity(n_merged_rows, cfg.n_heldout, share)
+        self.cfg, self.share = cfg, share
+        n_blocks = merged_capacity(len(cfg.loads) * layout(cfg).n_slots, cfg.n_heldout, share)
+        self.errors = jax.jit(functools.partial(_merges_errors, cfg, n_blocks))
 
-    # per load ([W, ...] biases, masks, K-th values, rows; logits shared): every variant's slots
-    # [A, T, K], their table rows and gates, and the full layer's routing
-    @functools.partial(jax.vmap, in_axes=(None, 0, 0, 0, 0))
-    def route(logits_TE, bias_E, masks_AE, kth_AT, rows_AE):
-        s_TE = toy_layer.router_scores(logits_TE, cfg.router)
-        idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
-        gate_ATK = gates(s_TE, idx_ATK, router_cfg)
-        same = (rows_AE.shape[0] - n_shrunk,) + idx_ATK.shape[1:]
-        slot_ATK = jnp.concatenate([idx_ATK, jnp.broadcast_to(idx_ATK[0], same)])
-        gate_v_ATK = jnp.concatenate([gate_ATK, jnp.broadcast_to(gate_ATK[0], same)])
-        rows_v_AE = jnp.concatenate([jnp.arange(rows_AE.shape[1], dtype=rows_AE.dtype)[None], rows_AE])
-        row_ATK = jnp.take_along_axis(rows_v_AE[:, None, :], slot_ATK, axis=-1)  # ExpertMap.apply
-        return row_ATK, gate_v_ATK, idx_ATK[0], gate_ATK[0]
+    def __call__(self, f, logits, bias, masks, kth, rows, x=None, merged=None):
+        import jax
+        import numpy as np
 
-    @functools.partial(jax.vmap, in_axes=(None, 0, 0))  # per load, the table shared
-    def measure(rows_MD, at_ATK, gate_v_ATK):
-        err_sq_AT, y_sq_T = _errors_against_reference(gate_v_ATK, at_ATK, rows_MD)
-        return err_sq_AT.sum(axis=-1), err_sq_AT / y_sq_T, y_sq_T
-
-    @jax.jit
-    def errors(f, logits, bias, masks, kth, rows, x, merged):
-        # the shrunk forms' masks, and the K-th values of the full layer and the shrunk forms
-        masks = masks[..., n_pruned:, :]
-        kth = jnp.concatenate([kth[..., :1, :], kth[..., 1 + n_pruned:, :]], axis=-2)
-
-        def seed_offset(args):
-            f_ETD, x_TD, merged_W, logits_TE, *per_load = args
-            row_WATK, gate_v_WATK, idx_WTK, gate_WTK = route(logits_TE, *per_load)
-            n_experts, n_tokens, d = f_ETD.shape
-            token_T1 = jnp.arange(n_tokens, dtype=row_WATK.dtype)[:, None]
-            at_WATK = table_rows(row_WATK, n_tokens)   # the own experts' rows of the flat table
-            rows_MD, n_pairs = f_ETD.reshape(n_experts * n_tokens, d), jnp.zeros((), jnp.int32)
-            overflow = jnp.zeros((), bool)
-            if merged_W is not None:  # every load's merged experts, after the layer's own
-                merged_WATK = row_WATK >= n_experts
-                selected_ET = jnp.zeros((n_merged_rows, n_tokens), bool).at[
-                    jnp.where(merged_WATK, row_WATK - n_experts, n_merged_rows),
-                    jnp.broadcast_to(token_T1, row_WATK.shape)].set(True, mode="drop")
-                flat = {k: w.reshape(-1, *w.shape[2:]) for k, w in merged_W.items()}
-                out = sparse_output_table(x_TD, selected_ET, flat, relu_mlp, n_blocks, MERGED_BLOCK_ROWS)
-                at_merged_WATK = n_experts * n_tokens + out.pos_ET[jnp.where(merged_WATK, row_WATK - n_experts, 0),
-                                                                   jnp.broadcast_to(token_T1, row_WATK.shape)]
-                at_WATK = jnp.where(merged_WATK, at_merged_WATK, at_WATK)
-                rows_MD = jnp.concatenate([rows_MD, out.rows_MD])
-                n_pairs, overflow = jnp.sum(selected_ET, dtype=jnp.int32), out.overflow
-            return (*measure(rows_MD, at_WATK, gate_v_WATK), idx_WTK, gate_WTK, n_pairs, overflow)
-
-        lead = f.shape[:2]  # one (seed, offset) at a time bounds memory: [W, A, T, D] outputs
-        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), (f, x, merged, logits, bias, masks, kth, rows))
-        out = jax.lax.map(seed_offset, flat)
-        return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
-
-    def run(f, logits, bias, masks, kth, rows, x=None, merged=None):
-        *out, overflow = errors(f, logits, bias, masks, kth, rows, x, merged)
-        if share < 1 and np.any(jax.device_get(overflow)):   # more pairs than the capacity: all of them
+        *out, overflow = self.errors(f, logits, bias, masks, kth, rows, x, merged)
+        if self.share < 1 and np.any(jax.device_get(overflow)):   # more pairs than the capacity: all of them
             log.info("toy3: the merged experts' pairs overflowed a buffer for %.0f%% of the table; computing "
-                     "them again at full capacity (slower, the same results)", 100 * share)
-            return stage_merges(cfg, 1.0)(f, logits, bias, masks, kth, rows, x, merged)
+                     "them again at full capacity (slower, the same results)", 100 * self.share)
+            return stage_merges(self.cfg, 1.0)(f, logits, bias, masks, kth, rows, x, merged)
         return tuple(out)
 
-    def compile_for(n_seeds: int) -> None:
+    def compile_for(self, n_seeds: int) -> None:
         """Compile both programs for a batch of n_seeds seeds from the shapes alone (as
-        `stage_two`'s compile_for; `run`'s calls then find them compiled)."""
+        `PruningProgram.compile_for`; the calls then find them compiled)."""
+        import jax
+        import jax.numpy as jnp
+
+        cfg, lay = self.cfg, layout(self.cfg)
         O, W, T, E = len(cfg.offsets), len(cfg.loads), cfg.n_heldout, cfg.n_experts
         D, F = cfg.d_model, cfg.d_hidden
 
@@ -309,11 +291,102 @@ def stage_merges(cfg: Toy3Config, share: float = MERGED_SHARE):
         logits, bias, masks, kth = _compile_kth_values(cfg, n_seeds)
         merged = {"w1": spec(jnp.float32, O, W, lay.n_slots, D, F),
                   "w2": spec(jnp.float32, O, W, lay.n_slots, F, D)} if lay.n_slots else None
-        errors.lower(spec(jnp.float32, O, E, T, D), logits, bias, masks, kth, spec(jnp.int32, O, W, lay.n_mapped, E),
-                     None if merged is None else spec(jnp.float32, O, T, D), merged).compile()
+        self.errors.lower(spec(jnp.float32, O, E, T, D), logits, bias, masks, kth,
+                          spec(jnp.int32, O, W, lay.n_mapped, E),
+                          None if merged is None else spec(jnp.float32, O, T, D), merged).compile()
 
-    run.compile_for = compile_for
-    return run
+
+def _merges_errors(cfg: Toy3Config, n_blocks: int, f, logits, bias, masks, kth, rows, x, merged):
+    """`MergesProgram`'s jitted body: one (seed, offset) at a time (`_merges_seed_offset`), which
+    bounds memory ([W, A, T, D] outputs)."""
+    import jax
+    import jax.numpy as jnp
+
+    n_pruned = len(layout(cfg).pruned)
+    # the shrunk forms' masks, and the K-th values of the full layer and the shrunk forms
+    masks = masks[..., n_pruned:, :]
+    kth = jnp.concatenate([kth[..., :1, :], kth[..., 1 + n_pruned:, :]], axis=-2)
+    seed_offset = functools.partial(_merges_seed_offset, cfg, n_blocks)
+    lead = f.shape[:2]
+    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), (f, x, merged, logits, bias, masks, kth, rows))
+    out = jax.lax.map(seed_offset, flat)
+    return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
+
+
+def _merges_seed_offset(cfg: Toy3Config, n_blocks: int, args):
+    """One (seed, offset): every load routed (`_route_load`), the merged rows computed for the
+    pairs some variant reads (`_merged_rows`), every load's errors (`_measure_load`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.moe.dispatch import table_rows
+
+    f_ETD, x_TD, merged_W, logits_TE, *per_load = args
+    route = jax.vmap(functools.partial(_route_load, cfg), in_axes=(None, 0, 0, 0, 0))   # logits shared
+    row_WATK, gate_v_WATK, idx_WTK, gate_WTK = route(logits_TE, *per_load)
+    n_experts, n_tokens, d = f_ETD.shape
+    token_T1 = jnp.arange(n_tokens, dtype=row_WATK.dtype)[:, None]
+    at_WATK = table_rows(row_WATK, n_tokens)   # the own experts' rows of the flat table
+    rows_MD, n_pairs = f_ETD.reshape(n_experts * n_tokens, d), jnp.zeros((), jnp.int32)
+    overflow = jnp.zeros((), bool)
+    if merged_W is not None:  # every load's merged experts, after the layer's own
+        at_WATK, rows_MD, n_pairs, overflow = _merged_rows(cfg, n_blocks, n_experts, x_TD, merged_W, row_WATK,
+                                                           token_T1, at_WATK, rows_MD)
+    measure = jax.vmap(_measure_load, in_axes=(None, 0, 0))   # per load, the table shared
+    return (*measure(rows_MD, at_WATK, gate_v_WATK), idx_WTK, gate_WTK, n_pairs, overflow)
+
+
+def _route_load(cfg: Toy3Config, logits_TE, bias_E, masks_AE, kth_AT, rows_AE):
+    """Per load (its bias, masks, K-th values and rows; the logits shared): every variant's slots
+    [A, T, K], their table rows and gates, and the full layer's routing."""
+    import jax.numpy as jnp
+
+    from moejax.models import toy_layer
+    from moejax.moe.routing import gates
+    from moejax.moe.topk import topk_indices_at_threshold
+
+    router_cfg = toy_layer.router_config(cfg.top_k, cfg.router)
+    n_shrunk = len(layout(cfg).merged)
+    s_TE = toy_layer.router_scores(logits_TE, cfg.router)
+    idx_ATK = topk_indices_at_threshold((s_TE + bias_E).T, kth_AT, cfg.top_k, keep_E=_with_unpruned(masks_AE))
+    gate_ATK = gates(s_TE, idx_ATK, router_cfg)
+    same = (rows_AE.shape[0] - n_shrunk,) + idx_ATK.shape[1:]
+    slot_ATK = jnp.concatenate([idx_ATK, jnp.broadcast_to(idx_ATK[0], same)])
+    gate_v_ATK = jnp.concatenate([gate_ATK, jnp.broadcast_to(gate_ATK[0], same)])
+    rows_v_AE = jnp.concatenate([jnp.arange(rows_AE.shape[1], dtype=rows_AE.dtype)[None], rows_AE])
+    row_ATK = jnp.take_along_axis(rows_v_AE[:, None, :], slot_ATK, axis=-1)  # ExpertMap.apply
+    return row_ATK, gate_v_ATK, idx_ATK[0], gate_ATK[0]
+
+
+def _merged_rows(cfg: Toy3Config, n_blocks: int, n_experts: int, x_TD, merged_W, row_WATK, token_T1, at_WATK,
+                 rows_MD):
+    """Every load's merged experts computed on the (row, token) pairs some variant reads
+    (`sparse_output_table`), appended to the flat table rows_MD: (each slot's position in the
+    table, the table, the pairs computed, whether they overflowed the buffer)."""
+    import jax.numpy as jnp
+
+    from moejax.moe.dispatch import relu_mlp
+    from moejax.moe.grouped import sparse_output_table
+
+    n_merged_rows, n_tokens = len(cfg.loads) * layout(cfg).n_slots, token_T1.shape[0]
+    merged_WATK = row_WATK >= n_experts
+    selected_ET = jnp.zeros((n_merged_rows, n_tokens), bool).at[
+        jnp.where(merged_WATK, row_WATK - n_experts, n_merged_rows),
+        jnp.broadcast_to(token_T1, row_WATK.shape)].set(True, mode="drop")
+    flat = {k: w.reshape(-1, *w.shape[2:]) for k, w in merged_W.items()}
+    out = sparse_output_table(x_TD, selected_ET, flat, relu_mlp, n_blocks, MERGED_BLOCK_ROWS)
+    at_merged_WATK = n_experts * n_tokens + out.pos_ET[jnp.where(merged_WATK, row_WATK - n_experts, 0),
+                                                       jnp.broadcast_to(token_T1, row_WATK.shape)]
+    at_WATK = jnp.where(merged_WATK, at_merged_WATK, at_WATK)
+    rows_MD = jnp.concatenate([rows_MD, out.rows_MD])
+    return at_WATK, rows_MD, jnp.sum(selected_ET, dtype=jnp.int32), out.overflow
+
+
+def _measure_load(rows_MD, at_ATK, gate_v_ATK):
+    """Per load (the table shared): (sum_t of each variant's squared error [A], its per-token
+    relative errors [A, T], ||y_t||^2 [T])."""
+    err_sq_AT, y_sq_T = _errors_against_reference(gate_v_ATK, at_ATK, rows_MD)
+    return err_sq_AT.sum(axis=-1), err_sq_AT / y_sq_T, y_sq_T
 
 
 @functools.lru_cache(maxsize=8)
