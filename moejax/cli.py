@@ -171,18 +171,39 @@ def _substitute(args) -> None:
         print(f"note: {note}")
 
 
+# `moejax merge`'s flags for a merge method's settings (`moejax.merging.method`): flag -> setting
+MERGE_SETTING_FLAGS = {"--hc-method": "clustering", "--score": "score", "--group-size": "group_size",
+                       "--ream-tokens": "tokens"}
+
+
+def merge_method(args):
+    """The merge method object `--method` names, with the settings its flags give (the others at the
+    method's defaults); a flag of a setting the method does not have is refused, naming it."""
+    from moejax.errors import ConfigError
+    from moejax.merging.method import MERGE_METHODS, parse
+
+    given = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in MERGE_SETTING_FLAGS}
+    given = {flag: value for flag, value in given.items() if value is not None}
+    own = MERGE_METHODS.defaults()[args.method]
+    foreign = [flag for flag in given if MERGE_SETTING_FLAGS[flag] not in own]
+    if foreign:
+        owners = {flag: [m for m, d in MERGE_METHODS.defaults().items() if MERGE_SETTING_FLAGS[flag] in d]
+                  for flag in foreign}
+        raise ConfigError(f"{', '.join(foreign)}: not a setting of --method {args.method} (its settings: "
+                          f"{sorted(own) or 'none'}); " + "; ".join(f"{flag} is {', '.join(m)}'s" for flag, m in owners.items()))
+    return parse(args.method, **{MERGE_SETTING_FLAGS[flag]: value for flag, value in given.items()})
+
+
 def _merge(args) -> None:
     from moejax.hf.io.storage import require_local
     from moejax.surgery.merge import merge_checkpoint
 
     require_local(args.src, "moejax merge")
-
     record = merge_checkpoint(
-        args.src, args.dst, method=args.method, keep=parse_keep(args.keep), text=args.text, tokens=args.tokens,
-        seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size, allocation=args.allocation,
-        hc_method=args.hc_method, collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, dtype=args.dtype,
-        seed=args.seed, overwrite=args.overwrite, score=args.score, group_size=args.group_size,
-        ream_tokens=args.ream_tokens, sequential=args.sequential)
+        args.src, args.dst, method=merge_method(args), keep=parse_keep(args.keep), text=args.text,
+        tokens=args.tokens, seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size,
+        allocation=args.allocation, collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, dtype=args.dtype,
+        seed=args.seed, overwrite=args.overwrite, sequential=args.sequential)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers merged by {args.method}"
           f"{' sequentially' if args.sequential else ''} into {counts} experts "
@@ -203,11 +224,14 @@ def _reroute(args) -> None:
         request_cpu_devices(mesh.n_devices)
     from moejax.surgery.reroute import reroute_checkpoint
 
+    from moejax.training.reroute_settings import RerouteSettings
+
+    given = {name: getattr(args, name) for name in ("steps", "lr", "warmup", "final_lr_fraction", "weight_decay",
+                                                    "batch_size", "holdout", "eval_every")}
+    settings = RerouteSettings(**{name: value for name, value in given.items() if value is not None})
     record = reroute_checkpoint(
-        args.src, args.compressed, args.dst, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
-        max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, warmup=args.warmup,
-        final_lr_fraction=args.final_lr_fraction, weight_decay=args.weight_decay, batch_size=args.batch_size,
-        holdout=args.holdout, eval_every=args.eval_every, teacher_cache=args.teacher_cache, overwrite=args.overwrite,
+        args.src, args.compressed, args.dst, settings=settings, text=args.text, tokens=args.tokens,
+        seq_len=args.seq_len, max_tokens=args.max_tokens, teacher_cache=args.teacher_cache, overwrite=args.overwrite,
         mesh=mesh)
     losses, kept = record["losses"], dict(record["heldout"])
     for key in ("kl_before", "kl_after"):
@@ -218,14 +242,15 @@ def _reroute(args) -> None:
           f"{', stopped: ' + kept['stopped'] if kept['stopped'] else ''}); record in {args.dst}/reroute.json")
 
 
-def _calibration_arguments(p, required: bool = True, dtype: bool = True) -> None:
+def _calibration_arguments(p, required: bool = True, dtype: bool = True, batch_size: int | None = 8) -> None:
     data = p.add_mutually_exclusive_group(required=required)
     data.add_argument("--text", nargs="+", help="text files, folders or globs")
     data.add_argument("--tokens", help="pre-tokenised ids, a .npy int array [n_seq, seq_len]")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (default 512, or max_position_embeddings if shorter)")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--batch-size", "--batch", type=int, default=8, help="sequences per batch (reroute: per training step)")
+    p.add_argument("--batch-size", "--batch", type=int, default=batch_size,
+                   help="sequences per batch (reroute: per training step)")
     if dtype:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                        help="compute dtype (bfloat16 halves a layer's memory)")
@@ -243,9 +268,21 @@ def _diff(args) -> None:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moejax", description="moejax checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_score_parser, _prune_parser, _merge_parser, _reroute_parser, _other_parser):
+        add(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(f"moejax {args.command}", lambda: args.func(args))
+
+
+def _score_parser(sub) -> None:
+    """`moejax score`."""
     p = sub.add_parser("score", help="every expert score of every MoE layer from one calibration pass "
                        "(or, without --text/--tokens, the data-free --scores of a local or remote checkpoint)")
     p.add_argument("checkpoint", help="a local folder; for data-free scores also an https:// base URL or "
@@ -260,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="scores.parquet")
     p.set_defaults(func=_score)
 
+
+def _prune_parser(sub) -> None:
+    """`moejax prune` (and `--substitute`)."""
     p = sub.add_parser("prune", help="write a pruned HF checkpoint, streamed shard by shard")
     p.add_argument("src")
     p.add_argument("dst")
@@ -284,26 +324,41 @@ def main(argv=None) -> int:
     _calibration_arguments(p, required=False)
     p.set_defaults(func=_prune)
 
+
+def _default(setting: str) -> str:
+    """"default X" of a merge method's setting, as the registry declares it (for the help text)."""
+    from moejax.merging.method import MERGE_METHODS
+
+    return "; ".join(f"{name}'s default {d[setting]}" for name, d in MERGE_METHODS.defaults().items() if setting in d)
+
+
+def _merge_parser(sub) -> None:
+    """`moejax merge`: the method's choices are the registry's names."""
+    from moejax.merging.method import MERGE_METHODS
+
     p = sub.add_parser("merge", help="write a merged HF checkpoint (HC-SMoE, M-SMoE or REAM, one router row per cluster)")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--method", required=True, choices=["hc_smoe", "m_smoe", "ream"])
+    p.add_argument("--method", required=True, choices=MERGE_METHODS.names())
     p.add_argument("--keep", required=True, help="clusters per MoE layer: a count (32) or a ratio of E (0.5)")
     _calibration_arguments(p)
     p.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
                    help="global: per-layer counts from one threshold on normalised frequency (same total)")
-    p.add_argument("--hc-method", default="average", choices=["average", "kmeans"],
-                   help="HC-SMoE clustering: average linkage (the paper) or k-means (its public scripts' fallback)")
+    p.add_argument("--hc-method", default=None,
+                   help=f"hc_smoe: its clustering, average (average linkage: the paper's) or kmeans (its public "
+                        f"scripts' fallback) ({_default('clustering')})")
     p.add_argument("--collapse-groups", action="store_true",
                    help="allow uneven routing groups by routing over all kept experts (n_group=1)")
     p.add_argument("--drop-mtp", action="store_true",
                    help="remove the MTP layer(s), which the calibration pass does not run (as prune --drop-mtp)")
     p.add_argument("--score", default=None,
-                   help="ream: the score choosing centroids and weighting each group's average (default reap)")
+                   help=f"ream: the score choosing centroids and weighting each group's average ({_default('score')})")
     p.add_argument("--group-size", type=int, default=None,
-                   help="ream: C, the most experts a group holds, its centroid included (default 16; 0: M-SMoE's rule)")
+                   help=f"ream: C, the most experts a group holds, its centroid included ({_default('group_size')}; "
+                        "0: M-SMoE's rule)")
     p.add_argument("--ream-tokens", type=int, default=None,
-                   help="ream: calibration tokens sampled for the neuron alignment's activations (default 2048)")
+                   help=f"ream: calibration tokens sampled for the neuron alignment's activations "
+                        f"({_default('tokens')})")
     p.add_argument("--sequential", action="store_true",
                    help="merge layer by layer, each on the calibration stream of the model merged up to the layer "
                         "before (REAM's sequential mode; uniform allocation)")
@@ -311,20 +366,24 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_merge)
 
+
+def _reroute_parser(sub) -> None:
+    """`moejax reroute`."""
     p = sub.add_parser("reroute", help="distil a compressed checkpoint's routers from its source (router distillation)")
     p.add_argument("src", help="the original checkpoint (the teacher)")
     p.add_argument("compressed", help="a checkpoint moejax pruned, merged or substituted from SRC (the student)")
     p.add_argument("dst")
-    _calibration_arguments(p, dtype=False)   # the student trains in float32
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
-    p.add_argument("--final-lr-fraction", type=float, default=0.1, help="the cosine ends at lr x this")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--holdout", type=float, default=0.1,
+    _calibration_arguments(p, dtype=False, batch_size=None)   # a float32 student; its batch: RerouteSettings
+    # router distillation's settings: each None unless given, then `RerouteSettings`' default (its one declaration)
+    p.add_argument("--steps", type=int, default=None, help="training steps")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps")
+    p.add_argument("--final-lr-fraction", type=float, default=None, help="the cosine ends at lr x this")
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--holdout", type=float, default=None,
                    help="share of the calibration sequences held out: the routers returned are the best measured "
                         "on them, the input's included (never worse)")
-    p.add_argument("--eval-every", type=int, default=10, help="steps between held-out measurements")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between held-out measurements")
     p.add_argument("--teacher-cache", default=None,
                    help="folder keeping the teacher's log-probs between runs on the same data")
     p.add_argument("--mesh-expert", type=int, default=1, help="devices the routed experts are split over")
@@ -332,6 +391,9 @@ def main(argv=None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_reroute)
 
+
+def _other_parser(sub) -> None:
+    """`moejax diff`, `inspect`, `plan` and `clean`."""
     p = sub.add_parser("diff", help="recover and audit a pruned checkpoint's selection against its source")
     p.add_argument("src", help="a local folder, an https:// base URL or hf://org/name[@revision]")
     p.add_argument("pruned", help="the same kinds of location")
@@ -346,9 +408,6 @@ def main(argv=None) -> int:
     p = sub.add_parser("clean", help="remove staging folders left in FOLDER by a killed prune or save")
     p.add_argument("folder", nargs="+", help="folders that held the destination of the killed command")
     p.set_defaults(func=_clean)
-
-    args = parser.parse_args(argv)
-    return run_command(f"moejax {args.command}", lambda: args.func(args))
 
 
 def run_command(prog: str, command) -> int:

@@ -83,7 +83,10 @@ def read_text(path) -> str:
 
 
 class Tokenizer:
-    """encode(text) -> list[int]; `name` says which tokenizer it is (recorded in the sidecar)."""
+    """encode(text) -> list[int]; `name` says which tokenizer it is (recorded in the sidecar). The
+    calibration and training text's tokenizer: special tokens are never produced from text (module
+    docstring). lm-eval's tasks use `moejax.evaluation.lm_eval.LmEvalTokenizer` instead, which
+    follows transformers (special tokens added, decoding, BOS / EOS ids)."""
 
     def __init__(self, checkpoint_dir, vocab_size: int):
         checkpoint_dir = Path(checkpoint_dir)

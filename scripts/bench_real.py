@@ -44,16 +44,17 @@ import json, sys, time
 import numpy as np
 from moejax.evaluation.carried import evaluate_pruning
 from moejax.hf.model_io import open_checkpoint
+from moejax.merging.method import parse
 path, calib, held, mode, scores, keeps = sys.argv[1], np.load(sys.argv[2]), np.load(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]), json.loads(sys.argv[6])
 def once():
     t0 = time.perf_counter()
     if mode == "carried":
         evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, progress=False)
     elif mode == "carried_merges":  # the same pass with HC-SMoE and M-SMoE (tied and shrunk) beside the scores
-        evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, merges=("hc_smoe", "m_smoe"),
-                         progress=False)
+        evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps,
+                         merges=(parse("hc_smoe"), parse("m_smoe")), progress=False)
     elif mode == "carried_ream":  # with REAM (tied and shrunk; centroids by reap, C = 16)
-        evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, merges=("ream",),
+        evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, merges=(parse("ream"),),
                          progress=False)
     elif mode == "carried_mone":  # with MoNE: the mone score's selections substituted
         evaluate_pruning(open_checkpoint(path), calib, {"heldout": held}, scores, keeps, substitutes=("mone",),
@@ -170,7 +171,12 @@ def timed(fn, into, streams_arg=None):
 ev._layer_pass = timed(ev._layer_pass, layer_s, streams_arg=2)
 ev._perplexity_rows = timed(ev._perplexity_rows, head_s)
 t0 = time.perf_counter()
-merges = {"merges": tuple(json.loads(sys.argv[8]))} if json.loads(sys.argv[8]) else {}  # old code may lack merges
+try:  # merge methods as registered objects (this code); older code takes their names
+    from moejax.merging.method import parse
+except ImportError:
+    parse = str
+names = json.loads(sys.argv[8])
+merges = {"merges": tuple(parse(n) for n in names)} if names else {}  # old code may lack merges
 rows, info = ev.evaluate_pruning(open_checkpoint(path), calib, {"a": held_a, "b": held_b}, json.loads(sys.argv[6]),
                                  json.loads(sys.argv[7]), progress=False, **merges)
 total = time.perf_counter() - t0
@@ -406,13 +412,14 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
     # numpy's float32 rate or XLA's bfloat16 one (AMX where the CPU has it), whichever is higher
     import jax
 
-    from moejax.merging.average import _bf16_neuron_block, _bf16_similarity
+    from moejax.merging.average import _axes
+    from moejax.merging.bf16_align import bf16_neuron_block, bf16_similarity
     a = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
     b = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
     pair_flops = 2 * ffn * ffn * 3 * hidden
     rate32 = pair_flops / min(timed(lambda: a @ b.T)[1] for _ in range(5))
-    blocks = [_bf16_neuron_block({k: w[j] for k, w in weights.items()}) for j in (0, 1)]
-    rate16 = pair_flops / min(timed(lambda: jax.block_until_ready(_bf16_similarity(*blocks)))[1] for _ in range(5))
+    blocks = [bf16_neuron_block({k: w[j] for k, w in weights.items()}, _axes(weights)) for j in (0, 1)]
+    rate16 = pair_flops / min(timed(lambda: jax.block_until_ready(bf16_similarity(*blocks)))[1] for _ in range(5))
     rate, flops = max(rate32, rate16), unique * pair_flops
     floor = (unique * lsa + 2 * flops / rate) / 2   # both cores busy: assignments on one each, products on both
     print(f"  the similarities need {flops / 1e12:.2f} TFLOP ({unique} x {pair_flops / 1e9:.1f} GFLOP): "

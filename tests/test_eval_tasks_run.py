@@ -175,8 +175,8 @@ def test_rerouted_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
     real = rr.train_routers
     monkeypatch.setattr(rr, "train_routers", lambda model, teacher, batches, settings, *a, **k: calls.append(1) or real(
         model, teacher, batches, dataclasses.replace(settings, eval_every=1), *a, **k))
-    run_job(job(ckpt, keep=[8], scores=["frequency"], tasks=["stdlib_ppl"],
-                prune={"reroute": True, "reroute_steps": 3}), tmp_path)
+    run_job(job(ckpt, keep=[8], scores=["frequency"], tasks=["stdlib_ppl"], prune={"reroute": True},
+                router_distillation={"steps": 3, "warmup": 0, "lr": 5e-3, "batch_size": 4}), tmp_path)
     assert len(calls) == 1
     df = pd.read_parquet(tmp_path / "results.parquet")
     assert df.rerouted.dtype == bool

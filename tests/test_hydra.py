@@ -57,6 +57,7 @@ def test_composed_defaults_are_the_dataclass_defaults(name):
     from omegaconf import OmegaConf
 
     from moejax.experiments import EXPERIMENTS, _plain, get, hydra_defaults
+    from moejax.merging.method import MERGE_METHODS
 
     assert name in EXPERIMENTS
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -64,7 +65,15 @@ def test_composed_defaults_are_the_dataclass_defaults(name):
     module = get(name)
     settings = module.settings_from(OmegaConf.to_container(cfg, resolve=True))
     default = module.Config()
-    expected = {f.name: _plain(getattr(default, f.name)) for f in dataclasses.fields(default)}
+    flat = {}
+    for f in dataclasses.fields(default):   # eval_tasks composes prune_real's config: its fields sit beside its own
+        value = getattr(default, f.name)
+        flat.update({g.name: getattr(value, g.name) for g in dataclasses.fields(value)} if f.name == "prune_real"
+                    else {f.name: value})
+    expected = {k: _plain(v) for k, v in flat.items()}
+    if "merges" in expected:   # the `merge` block: every registered merge method's default settings
+        expected["merge"] = {m: dataclasses.asdict(MERGE_METHODS.parse(m)) for m in MERGE_METHODS.names()}
+        assert set(expected["merge"]) == {"hc_smoe", "m_smoe", "ream"}
     assert set(settings) <= set(expected)
     for key, value in expected.items():
         if key != "path":  # model.path: the model group's (or ??? = required)

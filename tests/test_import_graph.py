@@ -4,7 +4,8 @@ imported; a package's `__init__`, which Python runs before any module below it, 
 where it is imported by name). There is no cycle, and a new one fails here by name. The models are
 a layer: nothing under `moejax/models/` imports a moejax module outside `MODELS_MAY_IMPORT` (the
 loader `moejax.hf.model_io` imports the model, generation takes it as an argument, never the
-reverse)."""
+reverse). The whole package is a house of floors (`FLOORS`): every module sits in exactly one room,
+and no import runs up to a higher floor."""
 
 import ast
 import subprocess
@@ -129,6 +130,99 @@ def test_the_layer_check_finds_a_planted_upward_import():
     assert "moejax.moe.dispatch" in graph["moejax.models.layers"]   # an edge it allows is still an edge
 
 
+# The house, lowest floor first. A room is a package (it and every module below it) or a module;
+# the room `moejax` is the package face, `moejax/__init__.py`, alone. A module may import its own
+# floor (rooms beside each other may import one another) and every floor below; an import up a
+# floor fails `test_no_import_runs_up_a_floor`, naming both modules and both floors. A new module
+# under a room is placed already; a new room must be added here.
+FACE = "moejax"
+FLOORS = (
+    # 1: errors, the kill switch, the typed settings' refusals
+    ("moejax.errors", "moejax.signals", "moejax.settings_check"),
+    # 2: routing and dispatch, result files, the mesh, host buffers, settings registries
+    ("moejax.moe", "moejax.results", "moejax.parallel", "moejax.host_memory", "moejax.registry"),
+    # 3: the model families (on moe)
+    ("moejax.models",),
+    # 4: checkpoints and the loader (which imports the model)
+    ("moejax.hf",),
+    # 5: text and tokenizers (read through hf.io.staging); running a model (stream, nll, generate);
+    #    the package face, whose lazy attributes are hf's loaders and the models' registry
+    ("moejax.data", "moejax.inference", FACE),
+    # 6: train_tiny (its loss is inference's nll, its skill match inference's generate)
+    ("moejax.training",),
+    # 7: scores and the calibration pass (on inference.stream), data-free statistics
+    ("moejax.scoring",),
+    # 8: VariantSpec, VariantPlan (kept sets from scoring.select)
+    ("moejax.variants",),
+    # 9: the merge methods (a merge's router forms from variants.spec)
+    ("moejax.merging",),
+    # 10: the carried pass, the lm-eval backend, the offline tasks
+    ("moejax.evaluation",),
+    # 11: the checkpoint commands; the experiments
+    ("moejax.surgery", "moejax.experiments"),
+    # 12: the entry points
+    ("moejax.cli", "moejax.run"),
+)
+
+
+def rooms_of(module: str, floors=FLOORS) -> list:
+    """[(floor, room)] of every room that holds `module` (floors numbered from 1): one, if placed."""
+    return [(n, room) for n, rooms in enumerate(floors, 1) for room in rooms
+            if module == room or (room != FACE and module.startswith(room + "."))]
+
+
+def misplaced(graph: dict, floors=FLOORS) -> list:
+    """(module, its rooms) for every module in no room or in several, sorted."""
+    return sorted((m, [room for _, room in rooms_of(m, floors)]) for m in graph if len(rooms_of(m, floors)) != 1)
+
+
+def upward(graph: dict, floors=FLOORS) -> list:
+    """(importing module, its floor, imported module, its floor) for every import that runs up a
+    floor, sorted. Modules in no room or several are left to `misplaced`."""
+    floor = {m: rooms[0][0] for m in graph if len(rooms := rooms_of(m, floors)) == 1}
+    return sorted((m, floor[m], t, floor[t]) for m, targets in graph.items() for t in targets
+                  if m in floor and t in floor and floor[t] > floor[m])
+
+
+def test_every_module_has_one_room():
+    graph = import_graph()
+    found = misplaced(graph)
+    assert not found, ("moejax modules in no room of FLOORS, or in several (add the new room to a floor "
+                       f"in tests/test_import_graph.py): {found}")
+    empty = [room for rooms in FLOORS for room in rooms if room not in graph]
+    assert not empty, f"rooms of FLOORS that are no moejax module or package (moved or removed?): {empty}"
+
+
+def test_no_import_runs_up_a_floor():
+    found = upward(import_graph())
+    assert not found, ("imports that run up a floor of FLOORS (function-level imports count; move the helper "
+                       "down to where its users are):\n" + "\n".join(
+                           f"  {m} (floor {a}) imports {t} (floor {b})" for m, a, t, b in found))
+
+
+def test_the_floor_check_finds_a_planted_upward_import():
+    graph = import_graph()
+    graph["moejax.training.config"].add("moejax.experiments")      # the settings check back in experiments
+    graph["moejax.hf.model_io"].add(FACE)                           # `from moejax import ...` in the loader
+    graph["moejax.scoring.observe"].add("moejax.evaluation.carried")
+    assert upward(graph) == [("moejax.hf.model_io", 4, "moejax", 5),
+                             ("moejax.scoring.observe", 7, "moejax.evaluation.carried", 10),
+                             ("moejax.training.config", 6, "moejax.experiments", 11)]
+    # what it allows is still an edge: beside on one floor, and down
+    assert "moejax.errors" in graph["moejax.settings_check"] and "moejax.hf.io.staging" in graph["moejax.data"]
+    assert "moejax.inference.stream" in graph["moejax.scoring.observe"]
+
+
+def test_the_room_check_finds_a_planted_unplaced_module():
+    graph = import_graph()
+    graph["moejax.kitchen"] = {"moejax.errors"}                      # a new top-level module, in no room
+    assert misplaced(graph) == [("moejax.kitchen", [])]
+    assert upward(graph) == []                                       # an unplaced module is not a floor violation
+    with_a_nested_room = FLOORS + (("moejax.hf.io",),)               # a room inside another room
+    assert ("moejax.hf.io.storage", ["moejax.hf", "moejax.hf.io"]) in misplaced(graph, with_a_nested_room)
+    assert rooms_of(FACE) == [(5, FACE)] and rooms_of("moejax.results") == [(2, "moejax.results")]
+
+
 # The modules that import no JAX (nor flax, optax, orbax): `import moejax` and `moejax.results`
 # (a notebook loads a sweep without JAX), the commands' parsers (`moejax.cli`, `moejax.run`: --help and
 # the sweep controller), the experiments' configs and runner (Hydra composes and validates before a job
@@ -144,6 +238,7 @@ JAX_FREE = (
     "moejax.evaluation", "moejax.evaluation.carried_rows", "moejax.evaluation.chat_template",
     "moejax.evaluation.routing_table", "moejax.evaluation.skills_tasks", "moejax.evaluation.tasks",
     "moejax.experiments", "moejax.experiments.eval_tasks", "moejax.experiments.prune_real",
+    "moejax.experiments.settings",
     "moejax.experiments.runner", "moejax.experiments.score", "moejax.experiments.toy3",
     "moejax.experiments.toy3.config", "moejax.experiments.toy3.draw", "moejax.experiments.toy3.eq6",
     "moejax.experiments.toy3.host", "moejax.experiments.toy3.job", "moejax.experiments.toy3.results",
@@ -154,7 +249,9 @@ JAX_FREE = (
     "moejax.hf.io.remote", "moejax.hf.io.safetensors_format", "moejax.hf.io.staging", "moejax.hf.io.storage",
     "moejax.hf.layout", "moejax.hf.mapping", "moejax.hf.provenance", "moejax.hf.quant",
     "moejax.hf.quant.decode", "moejax.hf.quant.encode", "moejax.hf.substitution",
-    "moejax.merging", "moejax.merging.allocation", "moejax.merging.method",
+    "moejax.inference",
+    "moejax.merging", "moejax.merging.allocation", "moejax.merging.average", "moejax.merging.clusters",
+    "moejax.merging.method", "moejax.merging.ream",
     "moejax.models", "moejax.models.config_base", "moejax.models.deepseek_v3",
     "moejax.models.deepseek_v3.config", "moejax.models.deepseek_v3.names", "moejax.models.deepseek_v3.presets",
     "moejax.models.family", "moejax.models.glm4_moe", "moejax.models.glm4_moe.config",
@@ -168,14 +265,18 @@ JAX_FREE = (
     "moejax.models.registry", "moejax.models.variant",
     "moejax.moe",
     "moejax.parallel", "moejax.parallel.distributed", "moejax.parallel.mesh",
+    "moejax.registry",
     "moejax.results",
     "moejax.run",
-    "moejax.scoring", "moejax.scoring.score_checkpoint", "moejax.scoring.scores", "moejax.scoring.select",
+    "moejax.scoring", "moejax.scoring.data_free", "moejax.scoring.score_checkpoint", "moejax.scoring.scores",
+    "moejax.scoring.select",
+    "moejax.settings_check",
     "moejax.signals",
     "moejax.surgery", "moejax.surgery.diff", "moejax.surgery.inspect", "moejax.surgery.plan",
     "moejax.surgery.prune", "moejax.surgery.prune_plan", "moejax.surgery.reroute", "moejax.surgery.substitute",
     "moejax.training", "moejax.training.checkpoints", "moejax.training.config", "moejax.training.corpus",
-    "moejax.training.progress", "moejax.training.skill_match", "moejax.training.skills",
+    "moejax.training.progress", "moejax.training.reroute_settings", "moejax.training.skill_match",
+    "moejax.training.skills",
     "moejax.training.trainer",
     "moejax.variants", "moejax.variants.check", "moejax.variants.plan", "moejax.variants.spec",
 )

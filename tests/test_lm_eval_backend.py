@@ -222,6 +222,7 @@ def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(set
     from moejax.evaluation.lm_eval import MoejaxLM
     from moejax.merging.calibration import merge_stats
     from moejax.merging.layer import merge_layer
+    from moejax.merging.method import MergeContext, parse
 
     ckpt, tasks = setup
     model = load_pretrained(ckpt)
@@ -229,7 +230,8 @@ def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(set
     merges = {}
     for l, z in model.jitted()(jnp.asarray(calib), None, return_moe_inputs=True).moe_inputs.items():
         moe = model.model.layers[l].mlp
-        merges[l] = merge_layer("hc_smoe", 6, merge_stats(moe, [z], [None]), moe.expert_weights())
+        merges[l] = merge_layer(parse("hc_smoe"), 6, MergeContext.of(merge_stats(moe, [z], [None])),
+                                moe.expert_weights())
     lm = MoejaxLM(pretrained=str(ckpt), batch_size=4)
     merged = evaluate(lm.variant({l: m.expert_map("tied") for l, m in merges.items()}), tasks, ["stdlib_mc"])
     for l, m in merges.items():  # the same merge written into the experts themselves

@@ -28,11 +28,12 @@ from hf_fixtures import batch, make_checkpoint  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from moejax.errors import ConfigError, MoejaxError  # noqa: E402
-from moejax.evaluation.nll import next_token_nll  # noqa: E402
+from moejax.inference.nll import next_token_nll  # noqa: E402
 from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.hf.model_io import load_pretrained, open_checkpoint  # noqa: E402
 from moejax.merging.calibration import merge_stats  # noqa: E402
 from moejax.merging.layer import merge_clusters, merge_layer  # noqa: E402
+from moejax.merging.method import MergeContext, parse  # noqa: E402
 
 E = 8
 
@@ -53,7 +54,8 @@ def layer_merges(model, calib, method, keep):
     merges = {}
     for l, z in out.moe_inputs.items():
         moe = model.model.layers[l].mlp
-        merges[l] = merge_layer(method, keep, merge_stats(moe, [z], [None]), moe.expert_weights())
+        ctx = MergeContext.of(merge_stats(moe, [z], [None]))
+        merges[l] = merge_layer(parse(method), keep, ctx, moe.expert_weights())
     return merges
 
 
@@ -131,7 +133,8 @@ def test_merged_checkpoint_loads_in_transformers_and_equals_the_shrunk_variant(m
     assert main(["merge", str(src), str(dst), "--method", method, "--keep", "4", "--tokens", str(tokens)]) == 0
     record = json.loads((dst / "pruning.json").read_text())
     config = json.loads((dst / "config.json").read_text())
-    assert config.get("num_experts", config.get("num_local_experts")) == 4 and record["method"] == method and record["router"] == "shrunk"
+    assert config.get("num_experts", config.get("num_local_experts")) == 4
+    assert (record["method"], record["form"]) == (method, "shrunk")
     source = load_pretrained(src)
     # the clusters are the in-memory merge's (the streamed pass equals the in-memory one)
     calib = np.load(tokens)
@@ -144,7 +147,8 @@ def test_merged_checkpoint_loads_in_transformers_and_equals_the_shrunk_variant(m
         labels = np.empty(E, np.int64)
         for c, members in enumerate(layer["clusters"]):
             labels[members] = c
-        np.testing.assert_array_equal(merge_clusters(method, labels, layer["counts"],
+        recorded = MergeContext(None, np.asarray(layer["counts"]))   # the recorded clusters merged again
+        np.testing.assert_array_equal(merge_clusters(parse(method), labels, recorded,
                                                      source.model.layers[l].mlp.expert_weights()).weights["gate"][
             np.argsort(np.argsort([m[0] for m in layer["clusters"]]))], np.asarray(lm.weights["gate"])[
             np.argsort(lm.leaders)])
@@ -198,8 +202,8 @@ def streamed_merge_stats(src, tokens, monkeypatch, batch_size=2) -> dict:
 
     monkeypatch.setattr(surgery_merge, "plan_merge", capture)
     with pytest.raises(_Captured):
-        surgery_merge.merge_checkpoint(src, src.parent / "never_written", method="hc_smoe", keep=4, tokens=tokens,
-                                       batch_size=batch_size)
+        surgery_merge.merge_checkpoint(src, src.parent / "never_written", method=parse("hc_smoe"), keep=4,
+                                       tokens=tokens, batch_size=batch_size)
     return seen
 
 
@@ -221,7 +225,7 @@ def carried_merge_stats(src, calib, monkeypatch) -> dict:
     monkeypatch.setattr(moejax.evaluation.carried, "merge_stats", recording)
     with pytest.raises(_Captured):
         moejax.evaluation.carried.evaluate_pruning(ckpt, calib, {"t": calib[:1, :8]}, ["frequency"], [ckpt.config.n_experts],
-                                         merges=("hc_smoe",), batch_size=2)
+                                         merges=(parse("hc_smoe"),), batch_size=2)
     return dict(zip(layers, seen))
 
 
@@ -261,7 +265,7 @@ def test_merge_statistics_equal_numpy_on_transformers_hooks(dsv3, merged_qwen3, 
     forward, for a sigmoid router with balance bias and shared experts (DeepSeek-V3) and a softmax
     GQA family (Qwen3-MoE); so do the clusters and leaders drawn from them."""
     from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups_from_gram
-    from moejax.merging.layer import cluster_leaders
+    from moejax.merging.clusters import cluster_leaders
 
     if family == "deepseek_v3":
         src, _, calib = dsv3
@@ -353,7 +357,7 @@ def test_merged_layer_forms_equal_transformers_blocks_with_experts_replaced(dsv3
     for l, (x, _, _, idx) in seen.items():
         moe, block = model.model.layers[l].mlp, hf.model.layers[l].mlp
         x_TH = jnp.asarray(x.numpy())
-        lm = merge_layer(method, 3, merge_stats(moe, [x_TH], [None]), moe.expert_weights())
+        lm = merge_layer(parse(method), 3, MergeContext.of(merge_stats(moe, [x_TH], [None])), moe.expert_weights())
         assert np.bincount(lm.labels_E).max() > 1  # some cluster merges experts
         # the leaders by definition: each cluster's most frequent member on transformers' routing
         counts = np.bincount(idx.numpy().reshape(-1), minlength=E)
@@ -401,7 +405,7 @@ def test_hc_smoe_checkpoint_equals_the_definitions_on_transformers_numbers(merge
     assert main(["merge", str(src), str(dst), "--method", "hc_smoe", "--keep", "4", "--tokens", str(tokens)]) == 0
     record = json.loads((dst / "pruning.json").read_text())
     config = json.loads((dst / "config.json").read_text())
-    assert (record["method"], record["router"], record["hc_method"]) == ("hc_smoe", "shrunk", "average")
+    assert (record["method"], record["form"], record["settings"]) == ("hc_smoe", "shrunk", {"clustering": "average"})
     assert config.get("num_experts", config.get("num_local_experts")) == 4
     want = reference_merge_stats(src, np.load(tokens))
     a, b = CheckpointReader(src), CheckpointReader(dst)
@@ -446,14 +450,16 @@ def test_merge_refuses_before_the_pass(merged_qwen3, tmp_path):
     from moejax.surgery.merge import merge_checkpoint
 
     _, src, _, tokens = merged_qwen3
-    with pytest.raises(ConfigError, match="--method"):
-        merge_checkpoint(src, tmp_path / "x", method="zipit", keep=4, tokens=tokens)
+    with pytest.raises(ConfigError, match="^unknown merge method 'zipit'; valid: \\['hc_smoe', 'm_smoe', 'ream'\\]"):
+        merge_checkpoint(src, tmp_path / "x", method=parse("zipit"), keep=4, tokens=tokens)
+    with pytest.raises(ConfigError, match="expected a merge method object"):   # a name, not a method object
+        merge_checkpoint(src, tmp_path / "x", method="hc_smoe", keep=4, tokens=tokens)
     with pytest.raises(ConfigError, match="below top_k"):
-        merge_checkpoint(src, tmp_path / "x", method="hc_smoe", keep=1, tokens=tokens)
+        merge_checkpoint(src, tmp_path / "x", method=parse("hc_smoe"), keep=1, tokens=tokens)
     with pytest.raises(ConfigError, match="allocation"):
-        merge_checkpoint(src, tmp_path / "x", method="hc_smoe", keep=4, tokens=tokens, allocation="local")
+        merge_checkpoint(src, tmp_path / "x", method=parse("hc_smoe"), keep=4, tokens=tokens, allocation="local")
     with pytest.raises(MoejaxError, match="exactly one"):
-        merge_checkpoint(src, tmp_path / "x", method="hc_smoe", keep=4)
+        merge_checkpoint(src, tmp_path / "x", method=parse("hc_smoe"), keep=4)
     assert not (tmp_path / "x").exists()
 
 
@@ -478,7 +484,7 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
     assert sum(want.values()) == 3 * len(stats) and len(set(want.values())) > 1  # not uniform here
     heldout = {"a": np.random.default_rng(4).integers(0, 96, size=(3, 20)).astype(np.int32)}
     rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["frequency"], [E, 3],
-                                  merges=("m_smoe",), allocation="global", batch_size=4)
+                                  merges=(parse("m_smoe"),), allocation="global", batch_size=4)
     df = pd.DataFrame(rows)
     ppl = df[(df.metric == "perplexity") & (df.text == "a")]
     unpruned = ppl[ppl["form"] == "none"].value.item()
@@ -514,7 +520,8 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
         merges = {}
         for l, z in out.moe_inputs.items():
             moe = model.model.layers[l].mlp
-            merges[l] = merge_layer(method, want[l], merge_stats(moe, [z], [None]), moe.expert_weights())
+            merges[l] = merge_layer(parse(method), want[l], MergeContext.of(merge_stats(moe, [z], [None])),
+                                    moe.expert_weights())
             assert info["clusters"][l][f"{method}@3"] == merges[l].clusters() and merges[l].n_clusters == want[l]
         for form in ("tied", "shrunk"):
             got = ppl[(ppl["form"] == form) & (ppl.method == method) & (ppl.keep == 3)].value.item()
@@ -557,7 +564,8 @@ def test_carried_pass_holds_no_merged_experts(dsv3, monkeypatch):
     monkeypatch.setattr(carried, "stacked_expert_map", stacked_expert_map)
     ckpt = open_checkpoint(path)
     keeps = [4, 3]
-    _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], keeps, merges=("hc_smoe", "m_smoe"),
+    _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], keeps,
+                                       merges=(parse("hc_smoe"), parse("m_smoe")),
                                        batch_size=4)
     n_moe = len(ckpt.config.moe_layers)
     assert len(tables) == 2 * len(keeps) * n_moe
@@ -578,7 +586,8 @@ def test_carried_pass_holds_no_merged_experts(dsv3, monkeypatch):
              for p in info["plans"] if p.spec.merged for l in p.layers}
     assert len({id(t[0]) for t in where.values()}) == len(tables)
     assert all(p.layers[l].merge.weights is None for p in info["plans"] if p.spec.merged for l in p.layers)
-    _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], keeps, merges=("hc_smoe", "m_smoe"),
+    _, info = carried.evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], keeps,
+                                       merges=(parse("hc_smoe"), parse("m_smoe")),
                                        batch_size=4, merged_weights=True)
     checked = 0
     for p in info["plans"]:
@@ -605,7 +614,7 @@ def test_merge_refuses_a_quantised_source_before_the_pass(dsv3, tmp_path):
     src = rewrite(path, tmp_path / "fp8", quantize("fp8_block"), {"quantization_config": QUANT_CONFIGS["fp8_block"]})
     np.save(tmp_path / "calib.npy", calib)
     with pytest.raises(CheckpointError, match="quantised.*does not re-quantise"):
-        merge_checkpoint(src, tmp_path / "out", method="m_smoe", keep=4, tokens=tmp_path / "calib.npy")
+        merge_checkpoint(src, tmp_path / "out", method=parse("m_smoe"), keep=4, tokens=tmp_path / "calib.npy")
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["calib.npy", "fp8"]
 
 
@@ -628,7 +637,7 @@ def test_a_bfloat16_checkpoints_merged_experts_are_what_moejax_merge_writes(tmp_
                  "--tokens", str(tmp_path / "calib.npy"), "--batch-size", "4"]) == 0
     record = json.loads((tmp_path / "merged" / "pruning.json").read_text())
     ckpt = open_checkpoint(path)
-    _, info = evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], [4], merges=("m_smoe",), batch_size=4,
+    _, info = evaluate_pruning(ckpt, calib, {"a": calib}, ["frequency"], [4], merges=(parse("m_smoe"),), batch_size=4,
                                merged_weights=True)
     plan = next(p for p in info["plans"] if p.spec.method == "m_smoe" and p.spec.form == "shrunk")
     written, merged_rows = CheckpointReader(tmp_path / "merged"), 0

@@ -404,7 +404,7 @@ def test_allocation_refuses_bad_requests():
     assert ALLOCATIONS == ("uniform", "global")
 
 
-# --- each cluster's leader: moejax.merging.layer.cluster_leaders -----------------------------------------
+# --- each cluster's leader: moejax.merging.clusters.cluster_leaders -----------------------------------------
 
 def leaders_reference(labels, counts):
     """From the definition (SPEC section 8, `shrunk`): each cluster's most frequent member, ties to
@@ -415,7 +415,7 @@ def leaders_reference(labels, counts):
 
 
 def test_cluster_leaders_from_the_definition_with_ties():
-    from moejax.merging.layer import cluster_leaders
+    from moejax.merging.clusters import cluster_leaders
 
     # {0, 2, 7} tie at the top (4, 4): the lower, 0; {1, 4, 5} tie (5, 5) above its lowest member: 4;
     # {3} alone; {6} never routed; a leader is neither the lowest member nor the first listed
@@ -440,6 +440,7 @@ def test_a_layer_merge_and_a_merge_plan_lead_each_cluster_by_its_most_frequent_m
     the definition; for M-SMoE each leader is its cluster's dominant expert (ties at the cut)."""
     from moejax.merging.calibration import MergeStats
     from moejax.merging.layer import merge_layer
+    from moejax.merging.method import MergeContext, parse
     from moejax.surgery.merge import plan_merge
 
     rng = np.random.default_rng(12)
@@ -449,13 +450,14 @@ def test_a_layer_merge_and_a_merge_plan_lead_each_cluster_by_its_most_frequent_m
     stats = MergeStats(counts_E=counts, output_sum_EH=rng.normal(size=(E, H)) * 40, logit_gram_EE=logits.T @ logits,
                        n_tokens=40)
     weights = {"gate": rng.normal(size=(E, H, F)), "up": rng.normal(size=(E, H, F)), "down": rng.normal(size=(E, F, H))}
+    merge = parse(method)
     for keep in (2, 4, 5):
-        lm = merge_layer(method, keep, stats, weights)
+        lm = merge_layer(merge, keep, MergeContext.of(stats), weights)
         want = leaders_reference(lm.labels_E, counts)
         assert lm.leaders.tolist() == want and np.flatnonzero(lm.kept_E("shrunk")).tolist() == sorted(want)
         assert [c[0] for c in lm.clusters()] == want
         if method == "m_smoe":
             dominant = sorted(sorted(range(E), key=lambda e: (-counts[e], e))[:keep])
             assert sorted(want) == dominant, keep
-        plan = plan_merge({3: stats}, method, keep, top_k=1)
+        plan = plan_merge({3: stats}, merge, keep, top_k=1)
         assert plan.leaders[3].tolist() == want and plan.labels[3].tolist() == lm.labels_E.tolist()

@@ -283,7 +283,8 @@ def test_the_checkpoint_is_constant_v1_with_byte_identical_survivors(substituted
     src, dst, ids, record, before = substituted
     assert file_hashes(src) == before  # the source is never modified
     stats, kept = in_memory(src, ids)
-    assert record["method"] == "mone" and record["format"] == fmt.FORMAT and record["score"] == "mone"
+    assert record["method"] == "mone" and record["format"] == fmt.FORMAT and record["form"] == "substituted"
+    assert record["keep"] == 4 and record["settings"] == {} and record["rerouted"] is False
     assert {int(l): v["kept"] for l, v in record["layers"].items()} == kept
     a, b = CheckpointReader(src), CheckpointReader(dst)
     source_config, config = json.loads((src / "config.json").read_text()), json.loads((dst / "config.json").read_text())

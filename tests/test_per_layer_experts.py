@@ -21,7 +21,7 @@ from hf_fixtures import batch, make_checkpoint, with_mtp_layer  # noqa: E402
 from moejax import AutoModelForCausalLM, from_pretrained, save_pretrained  # noqa: E402
 from moejax.cli import main  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
-from moejax.evaluation.generate import generate  # noqa: E402
+from moejax.inference.generate import generate  # noqa: E402
 from moejax.hf.check import check_checkpoint  # noqa: E402
 from moejax.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from moejax.models.deepseek_v3.presets import PRESETS  # noqa: E402
@@ -302,11 +302,12 @@ def test_tools_that_need_one_count_say_so(source, tmp_path):
     """`moejax merge` and the prune_real pass refuse a per-layer checkpoint by name."""
     from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
+    from moejax.merging.method import parse
     from moejax.surgery.merge import merge_checkpoint
 
     _, dst, _ = source
     np.save(tmp_path / "ids.npy", np.ones((2, 8), np.int64))
     with pytest.raises(ConfigError, match="needs one expert count in every layer"):
-        merge_checkpoint(dst, tmp_path / "merged", method="m_smoe", keep=3, tokens=tmp_path / "ids.npy")
+        merge_checkpoint(dst, tmp_path / "merged", method=parse("m_smoe"), keep=3, tokens=tmp_path / "ids.npy")
     with pytest.raises(ConfigError, match="evaluate_pruning .* needs one count in every layer"):
         evaluate_pruning(open_checkpoint(dst), np.ones((2, 8), np.int64), {}, ["l1"], [3])

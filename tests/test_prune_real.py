@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from hf_fixtures import make_checkpoint  # noqa: E402
 
 from moejax.evaluation import carried as evaluate
-from moejax.evaluation import stream  # noqa: E402
+from moejax.inference import stream  # noqa: E402
 from moejax.evaluation.carried import evaluate_pruning  # noqa: E402
 from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.hf.model_io import open_checkpoint  # noqa: E402

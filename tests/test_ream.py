@@ -1,4 +1,4 @@
-"""REAM merging (moejax.merging.ream, `merge_layer("ream")`, `moejax merge --method ream`) against
+"""REAM merging (moejax.merging.ream, `merge_layer(Ream(...))`, `moejax merge --method ream`) against
 plain float64 numpy written here from REAM's rules (SamsungSAILMontreal/ream: `ream/ream.py`
 `pseudo_group`, `ream/merger.py` `Merger.fit` / `_merge`, `ream/moe_utils.py` `run_all_experts`,
 `ream/weight_utils.py`), and a merged checkpoint checked on transformers' own numbers.
@@ -24,7 +24,8 @@ from scipy.optimize import linear_sum_assignment
 from moejax.errors import ConfigError
 from moejax.merging.calibration import MergeStats, merge_stats, subsample_positions
 from moejax.merging.clusters import canonical_labels, m_smoe_groups_from_gram
-from moejax.merging.layer import layer_clusters, merge_layer
+from moejax.merging.layer import merge_layer
+from moejax.merging.method import MergeContext, parse
 from moejax.merging.ream import (ream_align, ream_groups, ream_merge, ream_similarity, saliency_weights,
                                  weight_features)
 
@@ -411,7 +412,7 @@ def test_permuted_copies_are_recovered(moe_layer):
     x = jnp.asarray(rng.normal(size=(48, 64)).astype(np.float32))
     stats = merge_stats(moe, [x], [None], ream=True, ream_tokens=32)
     scores = np.array([1.0, 0.5, 0.9, 2.0, 0.3, 0.0, 0.8, 0.6])   # centroids: 3 (copies of 1) and 0 (copies of 0)
-    lm = merge_layer("ream", 2, stats, new, scores_E=scores, group_size=4)
+    lm = merge_layer(parse("ream", group_size=4), 2, MergeContext.of(stats, scores), new)
     assert lm.clusters() == [[0, 2, 4, 6], [3, 1, 5, 7]] and lm.leaders.tolist() == [0, 3]
     for c, lead in enumerate(lm.leaders):
         for k in new:
@@ -425,10 +426,11 @@ def test_merge_layer_needs_scores_and_ream_statistics(moe_layer):
     rng = np.random.default_rng(10)
     x = jnp.asarray(rng.normal(size=(16, 64)).astype(np.float32))
     w = moe_layer.expert_weights()
+    ream = parse("ream")
     with pytest.raises(ConfigError, match="scores_E"):
-        merge_layer("ream", 4, merge_stats(moe_layer, [x], [None], ream=True), w)
+        merge_layer(ream, 4, MergeContext.of(merge_stats(moe_layer, [x], [None], **ream.stats_options())), w)
     with pytest.raises(ConfigError, match="ream=True"):
-        merge_layer("ream", 4, merge_stats(moe_layer, [x], [None]), w, scores_E=np.ones(8))
+        merge_layer(ream, 4, MergeContext.of(merge_stats(moe_layer, [x], [None]), np.ones(8)), w)
     with pytest.raises(ConfigError, match="ream_tokens"):
         merge_stats(moe_layer, [x], [None], ream=True, ream_tokens=0)
 
@@ -447,8 +449,9 @@ def test_ream_does_not_collapse_into_one_giant_cluster_where_hc_smoe_does(capsys
                        logit_gram_EE=logits.T @ logits, n_tokens=T, gated_output_sum_EH=mean_out * T / E,
                        act_inputs_NH=rng.normal(size=(4, H)))
     reap = norms * rng.uniform(0.5, 1.5, size=E)
-    hc = sorted(np.bincount(layer_clusters("hc_smoe", keep, stats)).tolist(), reverse=True)
-    ream = sorted(np.bincount(layer_clusters("ream", keep, stats, scores_E=reap, group_size=C)).tolist(), reverse=True)
+    hc = sorted(np.bincount(parse("hc_smoe").clusters(keep, MergeContext.of(stats))).tolist(), reverse=True)
+    ream = sorted(np.bincount(parse("ream", group_size=C).clusters(keep, MergeContext.of(stats, reap))).tolist(),
+                  reverse=True)
     with capsys.disabled():
         print(f"\n{E} experts into {keep} clusters, sizes: hc_smoe {hc}, ream (C={C}) {ream}")
     assert hc[0] >= 0.75 * E and ream[0] <= C and len(ream) == keep
@@ -457,8 +460,9 @@ def test_ream_does_not_collapse_into_one_giant_cluster_where_hc_smoe_does(capsys
 # --- moejax merge --method ream ----------------------------------------------------------------------
 
 
-def test_merge_refuses_bad_ream_settings_before_the_pass(dsv3, tmp_path, monkeypatch):
-    import moejax.evaluation.stream
+def test_merge_refuses_bad_ream_settings_before_the_pass(dsv3, tmp_path, monkeypatch, capsys):
+    import moejax.inference.stream
+    from moejax.cli import main
     from moejax.surgery.merge import merge_checkpoint
 
     path, _, calib = dsv3
@@ -468,17 +472,32 @@ def test_merge_refuses_bad_ream_settings_before_the_pass(dsv3, tmp_path, monkeyp
     def no_pass(*args, **kwargs):
         raise AssertionError("the calibration pass started")
 
-    monkeypatch.setattr(moejax.evaluation.stream, "stream_layers", no_pass)
-    bad = [(dict(score="nonsense"), "^--score 'nonsense': unknown score; REAM takes one of \\['reap'"),
-           (dict(score="w_mean"), "'w_mean': can be negative"), (dict(score="bias"), "'bias': can be negative"), (dict(group_size=-1), "group_size"),
-           (dict(group_size=2, keep=3), "cannot hold all 8"), (dict(ream_tokens=0), "ream_tokens"),
-           (dict(method="m_smoe", score="reap"), "--score: REAM's settings"),
-           (dict(method="hc_smoe", group_size=4), "--group-size: REAM's settings"),
-           (dict(sequential=True, allocation="global"), "--sequential with --allocation global")]
-    for kwargs, match in bad:
-        kwargs = {"method": "ream", "keep": 4, **kwargs}
+    monkeypatch.setattr(moejax.inference.stream, "stream_layers", no_pass)
+    # (the method's settings, merge_checkpoint's own arguments, the refusal): a method's settings are
+    # checked when it is made (`parse`), the keep-dependent ones and the command's by merge_checkpoint
+    bad = [(dict(score="nonsense"), {}, "^ream: score \\(--score, merge\\.ream\\.score\\) 'nonsense': unknown score; "
+                                        "REAM takes one of \\['reap'"),
+           (dict(score="w_mean"), {}, "'w_mean': can be negative"), (dict(score="bias"), {}, "'bias': can be negative"),
+           (dict(group_size=-1), {}, "group_size"),
+           (dict(group_size=2), dict(keep=3), "cannot hold all 8"), (dict(tokens=0), {}, "ream_tokens"),
+           (dict(method="m_smoe", score="reap"), {}, "^merge method m_smoe: unknown setting\\(s\\) \\['score'\\]; "
+                                                     "its settings: none"),
+           (dict(method="hc_smoe", group_size=4), {},
+            "^merge method hc_smoe: unknown setting\\(s\\) \\['group_size'\\]; its settings: \\['clustering'\\]"),
+           ({}, dict(sequential=True, allocation="global"), "--sequential with --allocation global")]
+    for settings, kwargs, match in bad:
+        settings, kwargs = {"method": "ream", **settings}, {"keep": 4, **kwargs}
         with pytest.raises(ConfigError, match=match):
-            merge_checkpoint(path, tmp_path / "out", tokens=tokens, **kwargs)
+            merge_checkpoint(path, tmp_path / "out", tokens=tokens, method=parse(settings.pop("method"), **settings),
+                             **kwargs)
+    # the command line: a flag of a setting the method lacks is refused, naming the method it belongs to
+    for flags, message in ((["--method", "m_smoe", "--score", "reap"],
+                            "--score: not a setting of --method m_smoe (its settings: none); --score is ream's"),
+                           (["--method", "hc_smoe", "--group-size", "4"],
+                            "--group-size: not a setting of --method hc_smoe (its settings: ['clustering']); "
+                            "--group-size is ream's")):
+        assert main(["merge", str(path), str(tmp_path / "out"), "--keep", "4", "--tokens", str(tokens), *flags]) == 2
+        assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -501,7 +520,8 @@ def test_ream_checkpoint_equals_the_definitions_on_transformers_numbers_and_load
     assert main(["merge", str(path), str(dst), "--method", "ream", "--keep", "4", "--group-size", str(C),
                  "--tokens", str(tokens), "--ream-tokens", str(N), "--batch-size", "3"]) == 0
     record = json.loads((dst / "pruning.json").read_text())
-    assert (record["method"], record["score"], record["group_size"], record["ream_tokens"]) == ("ream", "reap", C, N)
+    assert (record["method"], record["form"], record["settings"]) == ("ream", "shrunk",
+                                                                      {"score": "reap", "group_size": C, "tokens": N})
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
                                                            experts_implementation="eager").eval()
     mask = np.ones(calib.shape, np.int32)
@@ -573,9 +593,10 @@ def test_sequential_ream_checkpoint_is_the_carried_pass_sequential_merge(dsv3, t
     assert main(["merge", str(path), str(dst), "--method", "ream", "--keep", "4", "--group-size", "3",
                  "--tokens", str(tokens), "--batch-size", "4", "--sequential"]) == 0
     record = json.loads((dst / "pruning.json").read_text())
-    assert record["sequential"] is True
-    _, info = evaluate_pruning(open_checkpoint(path), calib, {"a": calib}, ["frequency"], [4], merges=("ream",),
-                               group_size=3, sequential_merges=True, batch_size=4, merged_weights=True)
+    assert record["form"] == "sequential_shrunk"
+    _, info = evaluate_pruning(open_checkpoint(path), calib, {"a": calib}, ["frequency"], [4],
+                               merges=(parse("ream", group_size=3),), sequential_merges=True, batch_size=4,
+                               merged_weights=True)
     plans = {p.spec.form: p for p in info["plans"] if p.spec.method == "ream"}
     b, same = CheckpointReader(dst), {}
     for l, layer in record["layers"].items():

@@ -62,9 +62,9 @@ def edited_copy(src: Path, dst: Path, **config) -> Path:
 
 def no_pass(monkeypatch):
     """Fail the test if a calibration pass starts."""
-    import moejax.evaluation.stream
+    import moejax.inference.stream
 
-    monkeypatch.setattr(moejax.evaluation.stream, "stream_layers", lambda *a, **k: pytest.fail("the calibration pass ran"))
+    monkeypatch.setattr(moejax.inference.stream, "stream_layers", lambda *a, **k: pytest.fail("the calibration pass ran"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,8 +201,10 @@ def test_merge_settings_refused_before_the_pass(ckpts, tmp_path, capsys, monkeyp
 @pytest.mark.parametrize("eq6_pairs", [0, 2])
 def test_toy3_switches(router, merges, eq6_pairs):
     from moejax.experiments import toy3
+    from moejax.merging.method import parse
 
-    cfg = toy3.Toy3Config(seeds=1, keep=(4,), scores=("frequency",), merges=merges, eq6_pairs=eq6_pairs,
+    cfg = toy3.Toy3Config(seeds=1, keep=(4,), scores=("frequency",), merges=tuple(parse(m) for m in merges),
+                          eq6_pairs=eq6_pairs,
                           router=router, n_experts=8, top_k=2, d_model=4, d_hidden=8, n_calib=32, n_heldout=24,
                           balance_steps=1, offsets=("ones",), loads=("skewed",))
     if eq6_pairs and not merges:
@@ -322,12 +324,15 @@ def test_disk_full_writing_a_scores_file_names_it(ckpts, tmp_path, capsys, monke
 
 
 def test_eval_tasks_errors_carry_its_own_name(ckpts):
+    import dataclasses
+
     from moejax.experiments.eval_tasks import EvalTasksConfig
 
+    prune_real = EvalTasksConfig().prune_real   # eval_tasks' composed prune_real settings (its default scores)
     with pytest.raises(ConfigError, match="^eval_tasks: set model=tiny or model.path="):
-        EvalTasksConfig(path="").validate()
+        EvalTasksConfig(prune_real=dataclasses.replace(prune_real, path="")).validate()
     with pytest.raises(ConfigError, match="^eval_tasks: dtype='float16'; expected float32 or bfloat16"):
-        EvalTasksConfig(path=str(ckpts / "src"), dtype="float16").validate()
+        EvalTasksConfig(prune_real=dataclasses.replace(prune_real, path=str(ckpts / "src"), dtype="float16")).validate()
 
 
 def test_hf_location_must_name_a_repository(capsys):
@@ -344,7 +349,7 @@ def test_hf_location_must_name_a_repository(capsys):
 def test_numpy_integer_top_k_is_an_integer():
     import jax.numpy as jnp
 
-    from moejax.evaluation.generate import Sampling, filtered_logits
+    from moejax.inference.generate import Sampling, filtered_logits
 
     Sampling(1.0, np.int64(5)).validate()
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 10)), jnp.float32)

@@ -286,7 +286,8 @@ def test_reroute_refuses_before_any_work(dsv3, tmp_path, monkeypatch):
     make_checkpoint(tmp_path / "other", seed=32, n_group=1, topk_group=1)
     monkeypatch.setattr(rr, "teacher_log_probs", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
     tokens = str(root / "calib.npy")
-    cases = [(dict(src=root / "src", compressed=root / "pruned", steps=0), ConfigError, "steps=0"),
+    cases = [(dict(src=root / "src", compressed=root / "pruned", settings=RerouteSettings(steps=0)), ConfigError,
+              "steps=0"),
              (dict(src=tmp_path / "other", compressed=root / "pruned"), CheckpointError, "not SRC"),
              (dict(src=root / "src", compressed=tmp_path / "other"), CheckpointError, "no pruning.json")]
     for kw, error, match in cases:
@@ -333,7 +334,8 @@ def test_teacher_cache_is_reused_for_its_own_key_only(dsv3, tmp_path, monkeypatc
 
     root, ids = dsv3
     cache = tmp_path / "cache"
-    kw = dict(tokens=root / "calib.npy", steps=3, batch_size=4, lr=1e-2, warmup=0, teacher_cache=cache)
+    kw = dict(tokens=root / "calib.npy", settings=RerouteSettings(steps=3, batch_size=4, lr=1e-2, warmup=0),
+              teacher_cache=cache)
     first = reroute_checkpoint(root / "src", root / "pruned", tmp_path / "a", **kw)
     assert first["teacher_cache"]["reused"] is False
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "cache"]   # no staging folder left
@@ -364,7 +366,7 @@ def test_a_bad_teacher_cache_is_refused_by_name_before_the_teacher_runs(dsv3, tm
 
     root, _ = dsv3
     good = tmp_path / "good"
-    kw = dict(tokens=root / "calib.npy", steps=1, batch_size=4, lr=1e-2, warmup=0)
+    kw = dict(tokens=root / "calib.npy", settings=RerouteSettings(steps=1, batch_size=4, lr=1e-2, warmup=0))
     surgery.reroute_checkpoint(root / "src", root / "pruned", tmp_path / "first", teacher_cache=good, **kw)
     _teacher_must_not_run(monkeypatch)
 
@@ -437,8 +439,8 @@ def test_a_full_disk_leaves_no_teacher_cache_and_names_it(dsv3, tmp_path, monkey
 
     monkeypatch.setattr(np, "save", full)
     with pytest.raises(WriteError, match=re.escape(f"{cache}: could not be written (No space left on device)")):
-        reroute_checkpoint(root / "src", root / "pruned", tmp_path / "out", tokens=root / "calib.npy", steps=1,
-                           batch_size=4, lr=1e-2, warmup=0, teacher_cache=cache)
+        reroute_checkpoint(root / "src", root / "pruned", tmp_path / "out", tokens=root / "calib.npy",
+                           settings=RerouteSettings(steps=1, batch_size=4, lr=1e-2, warmup=0), teacher_cache=cache)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["cache"] if existing else [])
     assert not existing or not list(cache.iterdir())
 
@@ -460,7 +462,7 @@ def test_a_non_finite_router_is_refused_and_nothing_is_left(dsv3, tmp_path, monk
     monkeypatch.setattr(rr, "reroute", poisoned)
     with pytest.raises(CheckpointError, match=r"mlp\.gate\.weight'?: 1 of \d+ values are not finite"):
         surgery.reroute_checkpoint(root / "src", root / "pruned", tmp_path / "out", tokens=root / "calib.npy",
-                                   steps=1, batch_size=4, lr=1e-2, warmup=0)
+                                   settings=RerouteSettings(steps=1, batch_size=4, lr=1e-2, warmup=0))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -482,8 +484,8 @@ def test_reroute_merged_and_substituted_checkpoints(dsv3, tmp_path, kind, holdou
             if kind == "merged" else
             ["prune", str(root / "src"), str(comp), "--substitute", "--score", "mone", "--keep", "4", "--tokens", tokens])
     assert main(args) == 0
-    reroute_checkpoint(root / "src", comp, dst, tokens=tokens, steps=3, batch_size=4, lr=1e-2, warmup=0,
-                       holdout=holdout)
+    reroute_checkpoint(root / "src", comp, dst, tokens=tokens,
+                       settings=RerouteSettings(steps=3, batch_size=4, lr=1e-2, warmup=0, holdout=holdout))
     record = json.loads((dst / "reroute.json").read_text())
     assert record["heldout"]["selection"] == ("heldout" if holdout else "training")
     assert record["heldout"]["kept_step"] == 3 and record["heldout"]["kl_after"] < record["heldout"]["kl_before"]
@@ -519,8 +521,8 @@ def test_reroute_every_family_loads_in_transformers(family, tmp_path):
     ids = np.random.default_rng(6).integers(2, 96, size=(4, 12)).astype(np.int32)
     np.save(tmp_path / "calib.npy", ids)
     dst = tmp_path / "rerouted"
-    reroute_checkpoint(tmp_path / "src", tmp_path / "pruned", dst, tokens=tmp_path / "calib.npy", steps=4, batch_size=4,
-                       lr=2e-2, warmup=0, holdout=0)
+    reroute_checkpoint(tmp_path / "src", tmp_path / "pruned", dst, tokens=tmp_path / "calib.npy",
+                       settings=RerouteSettings(steps=4, batch_size=4, lr=2e-2, warmup=0, holdout=0))
     record = json.loads((dst / "reroute.json").read_text())
     assert record["losses"][-1] < record["losses"][0] and record["heldout"]["kept_step"] > 0
     _same_but_routers(tmp_path / "pruned", dst, record["trained"])
@@ -544,7 +546,7 @@ def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path, monkeypa
 
     import moejax.training.reroute as training
 
-    from moejax.evaluation.nll import next_token_nll
+    from moejax.inference.nll import next_token_nll
     from moejax.experiments import prune_real
     from moejax.hf.model_io import load_pretrained
     from moejax.variants import VariantSpec
@@ -556,7 +558,7 @@ def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path, monkeypa
     cfg = prune_real.PruneRealConfig.from_mapping(dict(
         path=str(path), keep=[4], scores=["frequency"], merges=["hc_smoe"], substitutes=["frequency"],
         calib=[str(text)], heldout=[str(text)], seq_len=32, calib_tokens=256, heldout_tokens=128, batch_size=4,
-        reroute=True, reroute_steps=4, reroute_lr=5e-3))
+        reroute=True, router_distillation={"steps": 4, "warmup": 0, "lr": 5e-3, "batch_size": 4}))
     seen = {}
     real = prune_real.rerouted_variants
 
@@ -579,8 +581,8 @@ def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path, monkeypa
         #                   the gates' gradient cannot see; on trained models it does, README)
         kl = rr[rr.metric.str.startswith("reroute_kl_") & (rr.method == spec.method) & (rr.form == spec.form)]
         assert len(kl) == 2 and np.isfinite(kl.value).all() and (kl.value > 0).all(), spec
-    with pytest.raises(ConfigError, match="reroute_steps=0"):
-        prune_real.PruneRealConfig.from_mapping(dict(path=str(path), reroute=True, reroute_steps=0))
+    with pytest.raises(ConfigError, match=r"prune_real: router_distillation\.steps=0"):
+        prune_real.PruneRealConfig.from_mapping(dict(path=str(path), reroute=True, router_distillation={"steps": 0}))
     # the router override against a model whose router weights are the trained ones
     ids = np.stack([np.frombuffer(text.read_bytes()[:32 * 4], np.uint8)[i * 32:(i + 1) * 32] for i in range(4)])
     plans = {p.spec: p for p in info["plans"]}
@@ -625,7 +627,7 @@ def test_reroute_on_a_mesh_equals_one_device(dsv3, tmp_path):
     if jax.device_count() < 8:
         pytest.skip("needs conftest's 8 simulated CPU devices")
     root, _ = dsv3
-    kw = dict(tokens=root / "calib.npy", steps=3, batch_size=4, lr=1e-2, warmup=0)
+    kw = dict(tokens=root / "calib.npy", settings=RerouteSettings(steps=3, batch_size=4, lr=1e-2, warmup=0))
     one = reroute_checkpoint(root / "src", root / "pruned", tmp_path / "one", **kw)
     many = reroute_checkpoint(root / "src", root / "pruned", tmp_path / "mesh", mesh=MeshConfig(data=2, expert=4), **kw)
     assert many["mesh"] == {"data": 2, "expert": 4}

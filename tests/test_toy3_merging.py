@@ -11,6 +11,7 @@ from toy3_reference import np_balance, np_route
 from moejax.errors import ConfigError
 from moejax.experiments import toy3
 from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups
+from moejax.merging.method import MergeContext, parse
 from test_toy3 import np_softmax_route
 
 # A small layer (16 experts, compiles fast); keep=16 is every expert (test_singleton_clusters_change_nothing)
@@ -153,7 +154,7 @@ def test_tied_and_shrunk_share_weights_and_differ_in_routing():
     rng = np.random.default_rng(0)
     w1, w2 = rng.standard_normal((6, 3, 5)), rng.standard_normal((6, 5, 3))
     labels, counts = np.array([0, 1, 0, 2, 1, 1]), np.array([5.0, 2.0, 5.0, 7.0, 3.0, 0.0])
-    mm = toy3.merge_map("hc_smoe", labels, counts, w1, w2, first_row=6)
+    mm = toy3.merge_map(parse("hc_smoe"), labels, MergeContext(None, counts), w1, w2, first_row=6)
     np.testing.assert_array_equal(mm.leaders, [0, 4, 3])  # 0 and 2 tie: the lower; 4 has the most; 3 alone
     np.testing.assert_array_equal(mm.rows_E, [6, 7, 6, 3, 7, 7])  # expert 3 computes with itself
     np.testing.assert_allclose(mm.experts[0]["w1"], (5 * w1[0] + 5 * w1[2]) / 10)
@@ -161,8 +162,9 @@ def test_tied_and_shrunk_share_weights_and_differ_in_routing():
     # in the experiment: the shrunk form is routed under its leaders, the tied form as the unpruned layer
     lay = toy3.layout(toy3.Toy3Config(**SMALL))
     labels = lay.labels([(0, 1)] * SMALL["eq6_pairs"])
-    assert labels[len(lay.pruned):lay.n_masked] == [(f"{m}:shrunk", k) for m in toy3.DEFAULT_MERGES for k in (4, 8, 16)]
-    assert labels[lay.n_masked:lay.n_masked + len(lay.merged)] == [(f"{m}:tied", k) for m in toy3.DEFAULT_MERGES
+    assert labels[len(lay.pruned):lay.n_masked] == [(f"{m.name}:shrunk", k) for m in toy3.DEFAULT_MERGES
+                                                     for k in (4, 8, 16)]
+    assert labels[lay.n_masked:lay.n_masked + len(lay.merged)] == [(f"{m.name}:tied", k) for m in toy3.DEFAULT_MERGES
                                                                     for k in (4, 8, 16)]
 
 
@@ -231,9 +233,11 @@ def test_merges_in_the_summary_table(run):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(merges=("hc_smoe", "zipit")), r"merges=\['hc_smoe', 'zipit'\]; valid merges: \['hc_smoe', 'm_smoe', 'ream'\]"),
-    (dict(merges=("ream",), merge_score="signed"), "toy3: toy.merge_score 'signed'"),
-    (dict(merges=("ream",), keep=(4,), group_size=4), "toy3: REAM with keep=4 and group_size=4"),
+    (dict(merges=("hc_smoe", "zipit")),
+     r"toy3: merges: unknown merge method 'zipit'; valid: \['hc_smoe', 'm_smoe', 'ream'\]"),
+    (dict(merges=("ream",), merge={"ream": {"score": "signed"}}),
+     r"toy3: ream: score \(--score, merge\.ream\.score\) 'signed': can be negative"),
+    (dict(merges=("ream",), keep=(4,), merge={"ream": {"group_size": 4}}), "toy3: REAM with keep=4 and group_size=4"),
     (dict(substitutes=("nope",)), "unknown score"),
     (dict(substitutes=("reap_code",)), "reap_code"),
     (dict(merges=("m_smoe", "m_smoe")), "each at most once"),
@@ -242,20 +246,20 @@ def test_merges_in_the_summary_table(run):
 ])
 def test_bad_merge_settings_fail_before_compute(kw, match):
     with pytest.raises(ConfigError, match=match):
-        toy3.Toy3Config(**kw).validate()
+        toy3.Toy3Config.from_mapping(kw)
 
 
 def test_no_merges():
     cfg = toy3.Toy3Config.from_mapping({"merges": [], "eq6_pairs": 0})
     assert cfg.merges == () and toy3.layout(cfg).n_slots == 0
-    assert toy3.Toy3Config().merges == ("hc_smoe", "m_smoe") and toy3.Toy3Config().eq6_pairs == 16
+    assert toy3.Toy3Config().merges == (parse("hc_smoe"), parse("m_smoe")) and toy3.Toy3Config().eq6_pairs == 16
 
 
 def test_pair_map_merges_one_pair():
     """An Eq. 6 variant: the pair's slots compute with their frequency-weighted average, every other
     slot with its own expert; its leaders are those of the partition {i, j} + singletons."""
     from moejax.merging.clusters import canonical_labels
-    from moejax.merging.layer import cluster_leaders
+    from moejax.merging.clusters import cluster_leaders
 
     rng = np.random.default_rng(1)
     w1, w2 = rng.standard_normal((6, 3, 5)), rng.standard_normal((6, 5, 3))
@@ -273,7 +277,7 @@ def test_pair_map_merges_one_pair():
 
 # --- REAM and MoNE substitution in toy3 (issue 28) ----------------------------------------------------
 
-NEW = dict(SMALL, eq6_pairs=0, merges=("ream",), substitutes=("frequency", "mone"), keep=(4, 8))
+NEW = dict(SMALL, eq6_pairs=0, merges=(parse("ream"),), substitutes=("frequency", "mone"), keep=(4, 8))
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +313,7 @@ def test_ream_in_toy3_matches_numpy(run_new):
         gated = np.stack([p[:, j] @ np_expert(cond.w1[j], cond.w2[j], cond.x_cal) for j in range(E)])
         L = cond.logits_cal.astype(np.float64)
         for keep in (4, 8):
-            labels = ream_groups(reap, ream_similarity(gated, L.T @ L), keep, cfg.group_size)
+            labels = ream_groups(reap, ream_similarity(gated, L.T @ L), keep, cfg.merges[0].group_size)
             leaders = centroid_leaders(labels, reap)
             merged = ream_merge({"w1": cond.w1, "w2": cond.w2}, labels, leaders, reap, cond.x_cal)
             slots = {e: (merged["w1"][labels[e]], merged["w2"][labels[e]]) for e in range(E)}

@@ -9,6 +9,7 @@ import pytest
 
 from moejax.errors import ConfigError
 from moejax.merging.layer import LayerMerge
+from moejax.merging.method import parse
 from moejax.variants import Kept, Merged, Substituted, VariantPlan, VariantSpec
 
 
@@ -29,11 +30,54 @@ def test_spec_from_rows():
     assert VariantSpec.from_row(pd.Series(dict(method=None, form="none", keep=np.nan))) == VariantSpec.unpruned()
 
 
+def test_records_of_every_schema_read_back():
+    """A checkpoint's record (pruning.json; reroute.json's variant) in each schema written before the
+    spec (prune: `score`; merge: `method`, `router`, `sequential`; --substitute: `form` "substitute")
+    and in today's (`VariantSpec.record`) names its spec; a dict that is none of them is refused."""
+    import dataclasses
+
+    old_prune = {"source": "/ckpt", "fingerprint": "abc", "score": "reap", "keep": 4, "kept": {"1": [0, 2, 5, 7]}}
+    old_merge = {"source": "/ckpt", "method": "ream", "router": "shrunk", "sequential": False, "keep": 0.5,
+                 "score": "reap", "group_size": 16, "ream_tokens": 2048, "seed": 0, "allocation": "uniform"}
+    old_sequential_merge = {**old_merge, "method": "hc_smoe", "router": "tied", "sequential": True, "keep": 3,
+                            "hc_method": "average"}
+    old_substitute = {"source": "/ckpt", "method": "mone", "form": "substitute", "score": "mone", "keep": 3,
+                      "format": 1}
+    for record, want in ((old_prune, VariantSpec("reap", 4, "one_shot")),
+                         (old_merge, VariantSpec("ream", 0.5, "shrunk")),
+                         (old_sequential_merge, VariantSpec("hc_smoe", 3, "sequential_tied")),
+                         (old_substitute, VariantSpec("mone", 3, "substituted"))):
+        got = VariantSpec.from_record(record)
+        assert got == want, record
+        assert (got.method, got.keep, got.form, got.rerouted) == (want.method, want.keep, want.form, False), record
+    ream = parse("ream", group_size=8)
+    for spec, settings in ((VariantSpec("reap", 4, "one_shot"), {}),
+                           (VariantSpec("ream", 0.5, "shrunk"), ream.settings()),
+                           (VariantSpec("ream", 0.5, "sequential_shrunk"), ream.settings()),
+                           (VariantSpec("hc_smoe", None, "shrunk"), parse("hc_smoe").settings()),
+                           (VariantSpec("mone", 3, "substituted"), {}),
+                           (VariantSpec("ream", 6, "shrunk", rerouted=True), ream.settings()),
+                           (VariantSpec.unpruned(), {})):
+        record = {"source": "/ckpt", "seed": 0, **spec.record(settings)}
+        assert record["settings"] == settings and record["rerouted"] is spec.rerouted
+        got = VariantSpec.from_record(json.loads(json.dumps(record)))   # as read back from pruning.json
+        assert got == spec and (got.method, got.keep, got.form, got.rerouted) == (
+            spec.method, spec.keep, spec.form, spec.rerouted), spec
+    rerouted = dataclasses.replace(VariantSpec("ream", 0.5, "shrunk"), rerouted=True)
+    assert VariantSpec.from_record(rerouted.record(ream.settings())).rerouted is True
+    for bad in ({"keep": 4, "seed": 0}, {"method": "hc_smoe", "keep": 4}, {"method": "reap", "form": "pruned", "keep": 4},
+                {}):
+        with pytest.raises(ConfigError, match="not a moejax checkpoint record"):
+            VariantSpec.from_record(bad)
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        VariantSpec.from_record(["reap", 4])
+
+
 def test_plans_become_expert_maps_in_one_place():
     kept = np.array([True, False, True, True])
     labels, leaders = np.array([0, 0, 1, 2]), np.array([0, 2, 3])
     weights = {k: np.arange(3 * 2 * 2, dtype=np.float32).reshape(3, 2, 2) for k in ("gate", "up", "down")}
-    merge = LayerMerge("hc_smoe", labels, leaders, weights)
+    merge = LayerMerge(parse("hc_smoe"), labels, leaders, weights)
     plan = VariantPlan(VariantSpec("x", 3, "one_shot"), {1: Kept(kept)})
     (em,) = plan.expert_maps().values()
     assert np.asarray(em.mask_E).tolist() == kept.tolist() and em.rows_E is None and em.weights is None
@@ -45,7 +89,7 @@ def test_plans_become_expert_maps_in_one_place():
     assert shrunk.experts() == [0, 2, 3]
     assert VariantPlan(VariantSpec.unpruned()).expert_maps() is None
     with pytest.raises(ConfigError, match="without its merged weights"):
-        Merged(LayerMerge("hc_smoe", labels, leaders, None), "tied").expert_map()
+        Merged(LayerMerge(parse("hc_smoe"), labels, leaders, None), "tied").expert_map()
     with pytest.raises(ConfigError, match="form"):
         Merged(merge, "one_shot")
     sub = Substituted(kept, np.ones((4, 2)))
@@ -84,7 +128,7 @@ def test_every_plan_of_the_carried_pass_reproduces_its_perplexity_in_the_forward
     from hf_fixtures import make_checkpoint
 
     from moejax.evaluation.carried import evaluate_pruning
-    from moejax.evaluation.nll import next_token_nll
+    from moejax.inference.nll import next_token_nll
     from moejax.hf.model_io import load_pretrained, open_checkpoint
     from moejax.scoring.observe import calibrate
 
@@ -95,7 +139,7 @@ def test_every_plan_of_the_carried_pass_reproduces_its_perplexity_in_the_forward
     calib = np.random.default_rng(1).integers(0, 96, size=(4, 20)).astype(np.int32)
     ids = np.random.default_rng(4).integers(0, 96, size=(3, 20)).astype(np.int32)
     rows, info = evaluate_pruning(open_checkpoint(path), calib, {"a": ids}, ["frequency"], [E, 3],
-                                  merges=("hc_smoe",), substitutes=("frequency",), batch_size=4,
+                                  merges=(parse("hc_smoe"),), substitutes=("frequency",), batch_size=4,
                                   merged_weights=True)
     df = pd.DataFrame(rows)
     ppl = {VariantSpec.from_row(r): r.value for r in df[(df.metric == "perplexity") & (df.text == "a")].itertuples()}
@@ -151,17 +195,19 @@ def test_new_methods_settings_are_refused_before_any_work(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))   # E = 32, top 4
     ok = PruneRealConfig.from_mapping({"path": str(tmp_path), "keep": [8], "merges": ["ream"], "substitutes": "mone"})
-    assert ok.substitutes == ("mone",) and ok.group_size == 16
+    assert ok.substitutes == ("mone",) and ok.merges == (parse("ream"),) and ok.merges[0].group_size == 16
     cases = [({"substitutes": ["nope"]}, "unknown score"),
              ({"substitutes": ["mone", "mone"]}, "more than once"),
-             ({"merges": ["ream"], "merge_score": "signed"}, "merge_score 'signed'"),
-             ({"merges": ["ream"], "keep": [4], "group_size": 4}, "cannot hold all 32"),
-             ({"merges": ["ream"], "group_size": -1}, "group_size=-1")]
+             ({"merges": ["ream"], "merge": {"ream": {"score": "signed"}}},
+              r"score \(--score, merge\.ream\.score\) 'signed'"),
+             ({"merges": ["ream"], "keep": [4], "merge": {"ream": {"group_size": 4}}}, "cannot hold all 32"),
+             ({"merges": ["ream"], "merge": {"ream": {"group_size": -1}}}, "group_size=-1")]
     for over, match in cases:
         with pytest.raises(ConfigError, match=match):
             PruneRealConfig.from_mapping({"path": str(tmp_path), "keep": [8], **over})
     with pytest.raises(ConfigError, match="eval_tasks: .*cannot hold all 32"):
-        EvalTasksConfig.from_mapping({"path": str(tmp_path), "keep": [4], "merges": ["ream"], "group_size": 4})
+        EvalTasksConfig.from_mapping({"path": str(tmp_path), "keep": [4], "merges": ["ream"],
+                                      "merge": {"ream": {"group_size": 4}}})
 
 
 def test_sequential_merges_merge_each_layer_on_the_model_merged_up_to_it(tmp_path):
@@ -174,10 +220,11 @@ def test_sequential_merges_merge_each_layer_on_the_model_merged_up_to_it(tmp_pat
     from hf_fixtures import make_checkpoint
 
     from moejax.evaluation.carried import evaluate_pruning
-    from moejax.evaluation.nll import next_token_nll
+    from moejax.inference.nll import next_token_nll
     from moejax.hf.model_io import load_pretrained, open_checkpoint
     from moejax.merging.calibration import merge_stats
     from moejax.merging.layer import merge_layer, merge_stats_options
+    from moejax.merging.method import MergeContext
     from moejax.scoring.observe import accumulate_layer
     from moejax.scoring.scores import StatsAccumulator, compute_scores
 
@@ -189,7 +236,7 @@ def test_sequential_merges_merge_each_layer_on_the_model_merged_up_to_it(tmp_pat
     with pytest.raises(ConfigError, match="merges is empty"):
         evaluate_pruning(open_checkpoint(path), calib, {"a": ids}, ["frequency"], [3], sequential_merges=True)
     rows, info = evaluate_pruning(open_checkpoint(path), calib, {"a": ids}, ["frequency"], [3],
-                                  merges=("ream", "hc_smoe"), sequential_merges=True, batch_size=4,
+                                  merges=(parse("ream"), parse("hc_smoe")), sequential_merges=True, batch_size=4,
                                   merged_weights=True)
     df = pd.DataFrame(rows)
     ppl = {VariantSpec.from_row(r): r.value for r in df[(df.metric == "perplexity") & (df.text == "a")].itertuples()}
@@ -208,8 +255,9 @@ def test_sequential_merges_merge_each_layer_on_the_model_merged_up_to_it(tmp_pat
                 acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
                 accumulate_layer(moe, [z], [None], acc, outputs=False)
                 reap = compute_scores(acc.stats(np.asarray(moe.router[...]), moe.balance_bias()), ["reap"])["reap"]
-                want = merge_layer(method, 3, merge_stats(moe, [z], [None], **merge_stats_options([method])),
-                                   moe.expert_weights(), scores_E=reap)
+                m = parse(method)
+                stats = merge_stats(moe, [z], [None], **merge_stats_options([m]))
+                want = merge_layer(m, 3, MergeContext.of(stats, scores_E=reap), moe.expert_weights())
                 got = plan.layers[layer].merge
                 assert got.labels_E.tolist() == want.labels_E.tolist(), (spec, layer)
                 for k in want.weights:

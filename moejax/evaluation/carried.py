@@ -53,12 +53,12 @@ from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.average import averaged_rows
-from moejax.merging.layer import (MERGE_METHODS, LayerMerge, layer_clusters, layer_leaders, merge_averaging,
-                                  merge_stats_options, merged_rows)
+from moejax.merging.layer import LayerMerge, merge_averaging, merge_stats_options, merged_rows
+from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
-from moejax.scoring.scores import StatsAccumulator, compute_scores
+from moejax.scoring.scores import OUTPUT_SCORES, StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
-from moejax.evaluation.stream import batch_geometry, embed, head_nll
+from moejax.inference.stream import batch_geometry, embed, head_nll
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
 from moejax.variants.plan import stacked_expert_map
 from moejax.models.variant import check_routable
@@ -81,8 +81,8 @@ def _geometry(ckpt: OpenCheckpoint, batches, dtype):
 
 
 def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
-                     keeps: list, *, merges: tuple = (), substitutes: tuple = (), group_size: int = 16,
-                     merge_score: str = "reap", sequential: bool = False, sequential_merges: bool = False,
+                     keeps: list, *, merges: tuple[MergeMethod, ...] = (), substitutes: tuple = (),
+                     sequential: bool = False, sequential_merges: bool = False,
                      allocation: str = "uniform",
                      batch_size: int = 8, dtype=jnp.float32, seed: int = 0, merged_weights: bool = False,
                      progress: bool | None = None) -> tuple[list[dict], dict]:
@@ -115,24 +115,27 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                           "count in every layer: evaluate it with the model's forward, generate or the lm-eval backend")
     keeps = sorted({resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok) for k in keeps}, reverse=True)
     one_shot = [VariantSpec(s, k, "one_shot") for s in scores for k in keeps]
-    merged = [VariantSpec(m, k, form) for m in merges for k in keeps for form in ROUTER_FORMS]
+    merged = [VariantSpec(m.name, k, form) for m in merges for k in keeps for form in ROUTER_FORMS]
     substituted = [VariantSpec(s, k, "substituted") for s in substitutes for k in keeps]
     selecting = list(dict.fromkeys([*scores, *substitutes]))   # the scores kept sets are chosen by
     seq_variants = [VariantSpec(s, k, "sequential") for s in scores for k in keeps] if sequential else []
     if sequential_merges:
         if not merges:
             raise ConfigError("sequential_merges=True: no merge method to run sequentially (merges is empty)")
-        seq_variants += [VariantSpec(m, k, f"sequential_{form}") for m in merges for k in keeps for form in ROUTER_FORMS]
+        seq_variants += [VariantSpec(m.name, k, f"sequential_{form}") for m in merges for k in keeps
+                         for form in ROUTER_FORMS]
     show = sys.stderr.isatty() if progress is None else progress
     if allocation == "global":
-        counts = _global_counts(ckpt, calib, selecting, merges, keeps, batch_size, dtype, seed, show)
+        counts = _global_counts(ckpt, calib, selecting, [m.name for m in merges], keeps, batch_size, dtype, seed,
+                                show)
     elif allocation not in ALLOCATIONS:
         raise ConfigError(f"allocation={allocation!r}: expected one of {list(ALLOCATIONS)}")
     else:
-        counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*selecting, *merges] for k in keeps}
+        counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*selecting, *(m.name for m in merges)]
+                  for k in keeps}
     streams = _Streams.embedded(ckpt, calib, heldout, one_shot + merged + substituted, seq_variants, batch_size,
                                 dtype)
-    methods = _Methods(tuple(scores), tuple(substitutes), tuple(merges), group_size, merge_score)
+    methods = _Methods(tuple(scores), tuple(substitutes), tuple(merges))
     errors, rows, kept_by_layer, clusters_by_layer = ErrorSums(), [], {}, {}
     plans = {v: VariantPlan(v) for v in streams.order[1:]}
     t0 = time.perf_counter()
@@ -212,7 +215,7 @@ def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_siz
     """{(score or merge method, keep): {MoE layer: count}} under one global threshold, from a
     statistics pass over the calibration tokens (the unpruned model's scores; merges allocate by
     M-SMoE's rule on normalised frequency)."""
-    from moejax.evaluation.stream import stream_layers  # at call time: tests patch it to refuse a pass
+    from moejax.inference.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
     cfg = ckpt.config
     batches = [(calib[i:i + batch_size], None) for i in range(0, len(calib), batch_size)]
@@ -230,91 +233,131 @@ def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_siz
 @dataclasses.dataclass(frozen=True)
 class _Methods:
     """What a layer decides variants by: scores (pruning), substitutes (scores whose selections are
-    also substituted), merges, and REAM's settings."""
+    also substituted), merges (`MergeMethod` objects, each with its settings)."""
     scores: tuple
     substitutes: tuple = ()
     merges: tuple = ()
-    group_size: int = 16
-    merge_score: str = "reap"
+
+    def merge(self, name: str) -> MergeMethod:
+        """The merge method a variant names (its spec holds the name)."""
+        return next(m for m in self.merges if m.name == name)
 
     @property
     def needs_outputs(self) -> bool:
         """Whether the layer's statistics need the routed outputs' sums (mone, substitutes' constants):
         they bring every routed pair's output to the host, which no other score needs."""
-        return bool(self.substitutes) or "mone" in self.computed
+        return bool(self.substitutes) or bool(set(OUTPUT_SCORES) & set(self.computed))
 
     @property
     def computed(self) -> list:
-        """Every score the layer computes: the pruning scores, the substitutes' and REAM's."""
-        scored = any(MERGE_METHODS[m].scored for m in self.merges)   # a merge reading a score per expert
-        return list(dict.fromkeys([*self.scores, *self.substitutes, *([self.merge_score] if scored else [])]))
+        """Every score the layer computes: the pruning scores, the substitutes' and the merges' (REAM's)."""
+        return list(dict.fromkeys([*self.scores, *self.substitutes, *(s for m in self.merges for s in m.scores)]))
 
 
 def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods: _Methods, keeps, counts: dict,
                 errors: ErrorSums, seed: int, dtype, merged_weights: bool = False
                 ) -> tuple[list[dict], dict | None, dict | None]:
     """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
-    layer's output. At a MoE layer: every variant's expert map (one-shot pruning and merging: from
-    the unpruned calibration stream; sequential: from the variant's own calibration stream), its
-    layer-local errors (into `errors`) and the analyses. Returns (analysis rows, {VariantSpec:
-    its LayerPlan here}, {merge name: clusters}), the last two None at a dense layer (the kept
-    experts of info["kept"] are the plans'); merged plans keep their merged experts only with `merged_weights`."""
-    cfg = ckpt.config
-    E = cfg.n_experts
+    layer's output, in three steps: decide (at a MoE layer, every variant's plan: one-shot pruning
+    and merging from the unpruned calibration stream, sequential ones from the variant's own,
+    `_decide_layer`), carry the calibration streams (`_carry_calibration`), carry the held-out
+    streams (their layer-local errors into `errors`). Returns (analysis rows, {VariantSpec: its
+    LayerPlan here}, {merge name: clusters}), the last two None at a dense layer (the kept experts
+    of info["kept"] are the plans'); merged plans keep their merged experts only with `merged_weights`."""
     layer = ckpt.decoder_layer(layer_idx, dtype, expert_dtype=ckpt.stored_expert_dtype(dtype))
     graphdef, state = nnx.split(layer)
     # per calibration group and batch: (h, z), the residual after attention and the MLP's (router's) input
     cal_hz = {group: [attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
               for group, xs in streams.cal.items()}
-    # variant -> what its calibration stream runs under at this layer: its kept experts [E] (one-shot
-    # and sequential pruning) or its ExpertMap (a sequential merge); none at a dense layer
+    decision = _decide_layer(ckpt.config, layer, layer_idx, cal_hz, streams, methods, keeps, counts, seed) \
+        if layer.is_moe else None
+    _carry_calibration(graphdef, state, streams, cal_hz, {} if decision is None else decision.carry_maps)
+    groups, kept_experts = None, ({} if merged_weights else None)   # merges made with their experts, for the plans
+    if decision is not None:
+        plans = [None if v is None else decision.plans[v] for v in streams.order]
+        groups = _table_groups(plans, layer.mlp.expert_weights(), ckpt.config.n_experts, decision.merged_experts,
+                               kept_experts)
+        decision.carry_maps = decision.merged_experts = plans = None   # (sequential merges' experts: carried above)
+    first_seq = 1 + streams.n_unpruned_inputs
+    energy_pos0 = carry_heldout(graphdef, state, streams.held, streams.held_geo, groups, streams.chunk, first_seq,
+                                lambda a, norm, err: errors.add((streams.order[a], layer_idx), norm, err,
+                                                                np.ones(norm.shape, bool)))
+    groups = None
+    if decision is None:
+        return [], None, None
+    layer_plans = _recorded_plans(decision.plans, kept_experts)
+    rows = [dict(form="one_shot", **r) for r in analysis_rows(layer_idx, decision.stats,
+                                                                {s: decision.scores[s] for s in methods.scores},
+                                                                decision.kept, keeps, energy_pos0)]
+    rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
+             for v in streams.order[1:]]
+    return rows, layer_plans, decision.clusters
+
+
+@dataclasses.dataclass
+class _LayerDecision:
+    """What a MoE layer decided for every variant (`_decide_layer`)."""
+    plans: dict                 # VariantSpec -> its LayerPlan (Kept, Merged, Substituted)
+    carry_maps: dict            # variant -> what its calibration stream runs under here: its kept experts [E]
+                                # (one-shot and sequential pruning) or its ExpertMap (a sequential merge)
+    clusters: dict | None       # {"counts": [...], merge name: clusters} (with merges)
+    stats: object               # the unpruned calibration stream's LayerStats
+    scores: dict                # {score: [E]} on it
+    kept: dict                  # (score, keep) -> bool [E]
+    merged_experts: Callable | None   # `_layer_merges`' experts(merge, rows_only)
+
+
+def _decide_layer(cfg, layer, layer_idx: int, cal_hz: dict, streams: _Streams, methods: _Methods, keeps,
+                  counts: dict, seed: int) -> _LayerDecision:
+    """Every variant's plan at this MoE layer, each checked routable before the layer computes under it."""
+    router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
+    group_scores = {}   # calibration group -> (statistics, {score: [E]}), computed once per group
+    weight_sums = expert_weight_sums(layer.mlp)  # the same for every group: the weights do not change
+
+    def scores_of(group):
+        if group not in group_scores:
+            acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
+            zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
+            accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums, outputs=methods.needs_outputs)
+            stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
+            group_scores[group] = stats, compute_scores(stats, methods.computed)
+        return group_scores[group]
+
+    stats, layer_sc = scores_of(None)
+    kept = {(s, k): select_kept(layer_sc[s], counts[s, k][layer_idx], f"layer {layer_idx}: score {s!r}")
+            for s in dict.fromkeys([*methods.scores, *methods.substitutes]) for k in keeps}
     carry_maps = {}
-    clusters = layer_plans = None
-    if layer.is_moe:
-        router, bias = np.asarray(layer.mlp.router[...]), layer.mlp.balance_bias()
-        group_scores = {}   # calibration group -> (statistics, {score: [E]}), computed once per group
-        weight_sums = expert_weight_sums(layer.mlp)  # the same for every group: the weights do not change
+    for v in streams.order[1:]:
+        if v.form == "one_shot":
+            carry_maps[v] = jnp.asarray(kept[v.method, v.keep])
+        elif v.form == "sequential":
+            _, own = scores_of(streams.group[v])
+            carry_maps[v] = jnp.asarray(select_kept(own[v.method], counts[v.method, v.keep][layer_idx],
+                                                    f"layer {layer_idx}: score {v.method!r} (sequential)"))
+    merge_of, merged_experts, clusters = {}, None, None   # merged variant -> its LayerMerge here
+    if methods.merges:
+        merge_of, merge_counts, merged_experts = _layer_merges(layer, layer_idx, cal_hz, streams, methods, counts,
+                                                               scores_of, seed)
+        one_shot = {(v.method, v.keep): lm for v, lm in merge_of.items() if not v.sequential}
+        clusters = {"counts": merge_counts.tolist(),
+                    **{f"{m}@{k}": lm.clusters() for (m, k), lm in one_shot.items()},
+                    **{v.name: lm.clusters() for v, lm in merge_of.items() if v.sequential}}
+        for v, lm in merge_of.items():
+            if v.sequential:   # its calibration stream runs on under its own merge
+                carry_maps[v] = Merged(lm, v.router).expert_map()
+    plans = {v: Merged(merge_of[v], v.router) if v.merged
+             else Substituted(kept[v.method, v.keep], _novice_constants(stats)) if v.form == "substituted"
+             else Kept(np.asarray(carry_maps[v])) for v in streams.order[1:]}
+    for v, layer_plan in plans.items():  # the rule every variant meets, before this layer computes under it
+        check_routable(layer_plan.routable_E, layer_idx, cfg, v.name)
+    return _LayerDecision(plans, carry_maps, clusters, stats, layer_sc, kept, merged_experts)
 
-        def scores_of(group):
-            if group not in group_scores:
-                acc = StatsAccumulator(E, cfg.hidden_size)
-                zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
-                accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums, outputs=methods.needs_outputs)
-                stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
-                group_scores[group] = stats, compute_scores(stats, methods.computed)
-            return group_scores[group]
 
-        stats, layer_sc = scores_of(None)
-        kept = {(s, k): select_kept(layer_sc[s], counts[s, k][layer_idx], f"layer {layer_idx}: score {s!r}")
-                for s in dict.fromkeys([*methods.scores, *methods.substitutes]) for k in keeps}
-        for v in streams.order[1:]:
-            if v.form == "one_shot":
-                carry_maps[v] = jnp.asarray(kept[v.method, v.keep])
-            elif v.form == "sequential":
-                _, own = scores_of(streams.group[v])
-                seq_kept = select_kept(own[v.method], counts[v.method, v.keep][layer_idx],
-                                       f"layer {layer_idx}: score {v.method!r} (sequential)")
-                carry_maps[v] = jnp.asarray(seq_kept)
-        merge_of, merged_experts = {}, None   # merged variant -> its LayerMerge here (clusters; experts if sequential)
-        if methods.merges:
-            merge_of, merge_counts, merged_experts = _layer_merges(layer, layer_idx, cal_hz, streams, methods, counts,
-                                                                   scores_of, seed)
-            one_shot = {(v.method, v.keep): lm for v, lm in merge_of.items() if not v.sequential}
-            clusters = {"counts": merge_counts.tolist(),
-                        **{f"{m}@{k}": lm.clusters() for (m, k), lm in one_shot.items()},
-                        **{v.name: lm.clusters() for v, lm in merge_of.items() if v.sequential}}
-            for v, lm in merge_of.items():
-                if v.sequential:   # its calibration stream runs on under its own merge
-                    carry_maps[v] = Merged(lm, v.router).expert_map()
-        layer_plans = {v: Merged(merge_of[v], v.router) if v.merged
-                       else Substituted(kept[v.method, v.keep], _novice_constants(stats)) if v.form == "substituted"
-                       else Kept(np.asarray(carry_maps[v])) for v in streams.order[1:]}
-        for v, layer_plan in layer_plans.items():  # the rule every variant meets, before this layer computes under it
-            check_routable(layer_plan.routable_E, layer_idx, cfg, v.name)
-    # the MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
-    # MoE layer, by its own mask) leaves its group for one of its own, keyed by itself; the streams
-    # it does not prune move on together. (A group keyed by a variant holds that variant alone, so
-    # the two kinds of key never meet.)
+def _carry_calibration(graphdef, state, streams: _Streams, cal_hz: dict, carry_maps: dict) -> None:
+    """The MLP on the calibration streams, once per group: a stream this layer prunes (a variant at a
+    MoE layer, by its own mask) leaves its group for one of its own, keyed by itself; the streams
+    it does not prune move on together. (A group keyed by a variant holds that variant alone, so
+    the two kinds of key never meet.)"""
     carried = {}
     for key, group in streams.group.items():
         variant = carry_maps.get(key)
@@ -323,31 +366,20 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
             carried[new_group] = [mlp(graphdef, state, h, z, variant) for h, z in cal_hz[group]]
         streams.group[key] = new_group
     streams.cal = carried
-    groups = None
-    if layer.is_moe:
-        plans = [None if v is None else layer_plans[v] for v in streams.order]
-        kept_experts = {} if merged_weights else None   # merges made with their experts, kept for the plans
-        groups = _table_groups(plans, layer.mlp.expert_weights(), E, merged_experts, kept_experts)
-    carry_maps = merge_of = plans = None   # (sequential merges' experts: used by the calibration streams above)
-    first_seq = 1 + streams.n_unpruned_inputs
-    energy_pos0 = carry_heldout(graphdef, state, streams.held, streams.held_geo, groups, streams.chunk, first_seq,
-                                lambda a, norm, err: errors.add((streams.order[a], layer_idx), norm, err,
-                                                                np.ones(norm.shape, bool)))
-    groups = None
-    if not layer.is_moe:
-        return [], None, None
-    recorded = {}   # id(merge) -> what its plans keep (one object for its router forms): its clusters, and
-    for v, p in layer_plans.items():   # with merged_weights all its merged experts
+
+
+def _recorded_plans(plans: dict, kept_experts: dict | None) -> dict:
+    """The plans as the pass records them: a merge's plans (one LayerMerge for both router forms)
+    keep its clusters, and with `kept_experts` ({id(merge): the merge with all its experts},
+    filled by `_table_groups`) all its merged experts."""
+    recorded, out = {}, dict(plans)
+    for v, p in plans.items():
         if v.merged:
             if id(p.merge) not in recorded:
-                recorded[id(p.merge)] = kept_experts.get(id(p.merge), p.merge) if merged_weights else (
+                recorded[id(p.merge)] = kept_experts.get(id(p.merge), p.merge) if kept_experts is not None else (
                     p.merge if p.merge.weights is None else dataclasses.replace(p.merge, weights=None))
-            layer_plans[v] = Merged(recorded[id(p.merge)], v.router)
-    rows = [dict(form="one_shot", **r) for r in analysis_rows(layer_idx, stats, {s: layer_sc[s] for s in methods.scores},
-                                                                kept, keeps, energy_pos0)]
-    rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
-             for v in streams.order[1:]]
-    return rows, layer_plans, clusters
+            out[v] = Merged(recorded[id(p.merge)], v.router)
+    return out
 
 
 def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods, counts, scores_of, seed
@@ -374,11 +406,10 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
         """The merge's `AveragedRows` (rows_only: its clusters of two or more, in n_experts rows so
         every merge of the layer's shape shares one compiled program), or its merged experts
         {name: [C, ...]} (bitwise the same rows: `averaged_rows`)."""
-        stats, scores_E = source[id(lm)]
-        how = dict(scores_E=scores_E, act_inputs_NH=stats.act_inputs_NH, seed=seed, alignments=alignments)
+        ctx = source[id(lm)]
         if not rows_only:
-            return merged_rows(lm.method, lm.labels_E, lm.leaders, stats.counts_E, host, **how)
-        a = merge_averaging(lm.method, lm.labels_E, lm.leaders, stats.counts_E, host, **how)
+            return merged_rows(lm.method, lm.labels_E, lm.leaders, ctx, host)
+        a = merge_averaging(lm.method, lm.labels_E, lm.leaders, ctx, host)
         return averaged_rows(host, lm.labels_E, a, lm.shared_clusters(), n_experts)
 
     def merged(method, keep, group, with_experts):
@@ -387,22 +418,21 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
                 zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
                 group_stats[group] = merge_stats(layer.mlp, zs, [None] * len(zs), **options)
             _, layer_sc = scores_of(group)
-            # every method gets the same settings (REAM reads its centroid score and group size)
-            stats, scores_E = group_stats[group], layer_sc.get(methods.merge_score)
-            labels = layer_clusters(method, counts[method, keep][layer_idx], stats, seed=seed, scores_E=scores_E,
-                                    group_size=methods.group_size)
-            lm = LayerMerge(method, labels, layer_leaders(method, labels, stats.counts_E, scores_E), None)
-            source[id(lm)] = stats, scores_E
+            scores_E = layer_sc[method.scores[0]] if method.scores else None   # REAM's centroid score
+            ctx = MergeContext.of(group_stats[group], scores_E, seed, alignments)
+            labels = method.clusters(counts[method.name, keep][layer_idx], ctx)
+            lm = LayerMerge(method, labels, method.leaders(labels, ctx), None)
+            source[id(lm)] = ctx
             if with_experts:
                 lm = dataclasses.replace(lm, weights=experts(lm, rows_only=False))
-                source[id(lm)] = stats, scores_E
+                source[id(lm)] = ctx
             done[method, keep, group] = lm
         return done[method, keep, group]
 
     variants = [v for v in streams.order[1:] if v.merged]
     for v in sorted(variants, key=lambda v: not v.sequential):   # the merges a calibration stream runs under first
-        merged(v.method, v.keep, streams.group[v] if v.sequential else None, v.sequential)
-    merge_of = {v: done[v.method, v.keep, streams.group[v] if v.sequential else None] for v in variants}
+        merged(methods.merge(v.method), v.keep, streams.group[v] if v.sequential else None, v.sequential)
+    merge_of = {v: done[methods.merge(v.method), v.keep, streams.group[v] if v.sequential else None] for v in variants}
     return merge_of, group_stats[None].counts_E, experts
 
 
@@ -440,7 +470,7 @@ def _novice_constants(stats) -> np.ndarray:
 
 
 def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dict]:
-    """The final norm and head on every held-out stream (`moejax.evaluation.stream.head_nll`): a
+    """The final norm and head on every held-out stream (`moejax.inference.stream.head_nll`): a
     perplexity row per stream and text, and over all texts ("all")."""
     nll = head_nll(ckpt, streams.held, streams.held_ids, dtype)
     rows, totals = [], {}

@@ -20,29 +20,10 @@ import importlib
 from hydra.core.config_store import ConfigStore
 
 from moejax.errors import ConfigError
+from moejax.experiments.settings import MERGE_BLOCK, merge_block
+from moejax.registry import Registered
 
 EXPERIMENTS = ("toy3", "score", "train_tiny", "prune_real", "eval_tasks")
-
-
-def refuse_unknown_settings(cls, settings: dict, experiment: str) -> None:
-    """Every experiment's typed config refuses keys it does not have, naming the valid ones."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(settings) - fields)
-    if unknown:
-        raise ConfigError(f"{experiment}: unknown setting(s) {unknown}; valid: {sorted(fields)}")
-
-
-def refuse_repeats(experiment: str, name: str, values, given=None) -> None:
-    """Every experiment's list settings (scores, merges, keeps, tasks) name each thing at most once:
-    a repeat would run the same variant again and write its result rows twice. values: what is
-    compared (keeps as expert counts); given: the setting as written, for the message."""
-    values = list(values)
-    repeated = [v for i, v in enumerate(values) if v in values[:i] and v not in values[i + 1:]]
-    if repeated:
-        shown = list(values if given is None else given)
-        counted = "" if given is None else " (as expert counts)"
-        raise ConfigError(f"{experiment}: {name}={shown} names {repeated}{counted} more than once; give each at "
-                          "most once")
 
 
 def get(name: str):
@@ -56,30 +37,32 @@ def get(name: str):
 # (block -> fields; "" = top level, "*" = every field not placed elsewhere). The fields of
 # _ELSEWHERE come from other config groups (model.path, the mesh group), not from the experiment.
 # train_tiny's dataclass lives in moejax.training.config (its experiment module imports JAX).
+# prune_real's settings, in its Hydra config and in eval_tasks' (which composes its PruneRealConfig)
+_PRUNE_REAL = {"": ("keep", "scores", "merges", "substitutes", "allocation", "calibration", "dtype", "seed",
+                    "router_distillation"),
+               "prune": ("sequential", "sequential_merges", "reroute"), "data": "*"}
 _DEFAULTS = {
     "toy3": ("moejax.experiments.toy3:Toy3Config", {"": ("seed", "seeds", "keep"), "toy": "*"}),
     "score": ("moejax.experiments.score:ScoreConfig", {"": ("scores",), "data": "*"}),
     "train_tiny": ("moejax.training.config:TrainTinyConfig", {"": "*"}),
-    "prune_real": ("moejax.experiments.prune_real:PruneRealConfig",
-                   {"": ("keep", "scores", "merges", "substitutes", "allocation", "calibration", "dtype", "seed"),
-                    "prune": ("sequential", "sequential_merges", "group_size", "merge_score", "reroute", "reroute_steps",
-                              "reroute_lr"), "data": "*"}),
+    "prune_real": ("moejax.experiments.prune_real:PruneRealConfig", _PRUNE_REAL),
     "eval_tasks": ("moejax.experiments.eval_tasks:EvalTasksConfig",
-                   {"": ("keep", "scores", "merges", "substitutes", "tasks", "calibration", "dtype", "seed"),
-                    "prune": ("sequential", "sequential_merges", "group_size", "merge_score", "reroute", "reroute_steps",
-                              "reroute_lr"),
+                   {**_PRUNE_REAL, "": (*_PRUNE_REAL[""], "tasks"),
                     "lm_eval": ("task_dir", "include_defaults", "limit", "eval_batch_size", "n_nextline", "n_mc",
                                 "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll", "n_degen", "routing_docs",
-                                "bootstrap_iters"),
-                    "data": "*"}),
+                                "bootstrap_iters")}),
 }
+COMPOSED = ("prune_real",)   # a field holding another experiment's whole config: its fields sit beside the others
 _ELSEWHERE = ("path", "mesh_data", "mesh_expert")
 DEFAULTS_GROUP = "experiment_defaults"
 
 
 def _plain(value):
-    """A default as the composed config holds it: a nested dataclass as its mapping (its own
-    `as_dict` where it has one: train_tiny's open `arch` mapping), tuples as lists."""
+    """A default as the composed config holds it: a registered method as its name (its settings sit
+    in the `merge` block), a nested dataclass as its mapping (its own `as_dict` where it has one:
+    train_tiny's open `arch` mapping), tuples as lists."""
+    if isinstance(value, Registered):
+        return value.name
     if dataclasses.is_dataclass(value):
         if hasattr(value, "as_dict"):
             return value.as_dict()
@@ -94,17 +77,28 @@ def hydra_defaults(name: str) -> dict:
     (`settings_from` of the composed config gives them back). JAX-free."""
     where, layout = _DEFAULTS[name]
     module, cls = where.split(":")
-    defaults = getattr(importlib.import_module(module), cls)()
-    fields = [f.name for f in dataclasses.fields(defaults) if f.name not in _ELSEWHERE]
+    values = _flat_values(getattr(importlib.import_module(module), cls)())
+    fields = [f for f in values if f not in _ELSEWHERE]
     placed = {f for block in layout.values() if block != "*" for f in block}
     out: dict = {}
     for block, names in layout.items():
         names = [f for f in fields if f not in placed] if names == "*" else names
-        node = {f: _plain(getattr(defaults, f)) for f in names}
+        node = {f: _plain(values[f]) for f in names}
         if block:
             out[block] = node
         else:
             out.update(node)
+    if "merges" in values:   # every merge method's settings, so `merge.ream.group_size=8` overrides a key that exists
+        out[MERGE_BLOCK] = merge_block()
+    return out
+
+
+def _flat_values(config) -> dict:
+    """{field: default} of an experiment's dataclass, a COMPOSED field's own fields in its place."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out.update(_flat_values(value) if f.name in COMPOSED else {f.name: value})
     return out
 
 

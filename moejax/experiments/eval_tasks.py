@@ -37,10 +37,10 @@ from moejax.evaluation.routing_table import routing_rows, routing_shares
 from moejax.evaluation.skills_tasks import (DEGEN_BYTES, DEGEN_TASK, default_sources, skill_of, task_names,
                                             write_skills_tasks)
 from moejax.evaluation.tasks import heldout_files, position_budget, write_stdlib_tasks
-from moejax.experiments import prune_real, refuse_repeats, refuse_unknown_settings
+from moejax.experiments import prune_real
 from moejax.experiments.prune_real import PruneRealConfig, rerouted_as_form
-from moejax.models.registry import read_config
-from moejax.scoring.select import resolve_keep
+from moejax.experiments.settings import MERGE_BLOCK, typed_settings
+from moejax.settings_check import refuse_repeats
 from moejax.training.skills import documents, longest_document, text
 from moejax.variants import VariantPlan, VariantSpec, is_rerouted
 
@@ -49,31 +49,20 @@ DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
 SKILL_TASKS = tuple(task_names())  # the skills tasks (moejax.evaluation.skills_tasks), built into the job folder when named
 
 
+DEFAULT_SCORES = ("frequency", "reap", "ean", "signed", "l1", "random")   # scores=null: every score the model has
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalTasksConfig:
-    path: str = ""
+    """eval_tasks' settings: prune_real's (its calibration pass decides every variant; one
+    `PruneRealConfig`, composed, not copied) and the tasks'. In the Hydra config both sit side by
+    side (`keep`, `merges`, `prune.*`, `data.*` are prune_real's; `tasks`, `lm_eval.*` the tasks')."""
+
+    prune_real: PruneRealConfig = dataclasses.field(default_factory=lambda: PruneRealConfig(scores=DEFAULT_SCORES))
     tasks: tuple = DEFAULT_TASKS
     task_dir: str = ""             # folder of lm-eval YAML tasks; "" = build the stdlib tasks in the job folder
     include_defaults: bool = True  # also look tasks up among lm-eval's own
     limit: int | None = None       # documents per task (None = all)
-    keep: tuple = (0.5, 0.25)
-    scores: tuple | None = ("frequency", "reap", "ean", "signed", "l1", "random")   # null: every score the model has
-    merges: tuple = ()             # merging baselines beside the scores (hc_smoe, m_smoe, ream), tied and shrunk
-    substitutes: tuple = ()        # as prune_real: scores also evaluated substituted (MoNE), e.g. [mone]
-    group_size: int = 16           # as prune_real: REAM's C
-    merge_score: str = "reap"      # as prune_real: REAM's centroid score
-    sequential: bool = False
-    sequential_merges: bool = False  # as prune_real: each merge also sequentially (REAM's mode)
-    reroute: bool = False          # as prune_real: every variant also with its routers distilled (rerouted=True)
-    reroute_steps: int = 200
-    reroute_lr: float = 5e-3
-    calib: tuple = ()              # as prune_real: files/folders/globs; empty = standard-library sources
-    calibration: str = "code"      # as prune_real: code | skills | uniform | train | 'code=0.5,kv=0.5'
-    heldout: tuple = ()
-    seq_len: int = 256
-    calib_tokens: int = 32768
-    heldout_tokens: int = 16384
-    batch_size: int = 8            # calibration pass
     eval_batch_size: int = 8       # lm-eval requests per forward
     n_nextline: int = 200          # sizes of the built stdlib tasks
     n_mc: int = 200
@@ -84,36 +73,32 @@ class EvalTasksConfig:
     n_degen: int = 48
     routing_docs: int = 100        # held-out documents per skill for the routing table (skills tasks only)
     bootstrap_iters: int = 1000    # lm-eval's stderr bootstrap for non-mean metrics
-    dtype: str = "float32"
-    seed: int = 0
 
     @classmethod
     def from_mapping(cls, d: dict) -> "EvalTasksConfig":
-        refuse_unknown_settings(cls, d, "eval_tasks")
-        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None or k in ("limit", "n_ppl", "scores")}
-        for key in ("keep", "tasks", "scores", "merges", "substitutes"):
-            if key in d and d[key] is not None and not isinstance(d[key], tuple):
-                d[key] = (d[key],)
-        cfg = cls(**d)
+        """prune_real's settings (its fields and the `merge` block) into the composed PruneRealConfig,
+        the rest into the tasks'; a key neither has is refused, naming both's."""
+        inner = {f.name for f in dataclasses.fields(PruneRealConfig)} | {MERGE_BLOCK}
+        own = {f.name for f in dataclasses.fields(cls)} - {"prune_real"}
+        unknown = sorted(set(d) - inner - own)
+        if unknown:
+            raise ConfigError(f"eval_tasks: unknown setting(s) {unknown}; valid: {sorted((inner | own) - {MERGE_BLOCK})}")
+        nested = {k: v for k, v in d.items() if k in inner}
+        if "scores" not in nested:
+            nested["scores"] = DEFAULT_SCORES
+        with prune_real_as_eval_tasks():
+            prune = PruneRealConfig(**typed_settings(PruneRealConfig, nested, "prune_real", nullable=("scores",)))
+        mine = typed_settings(cls, {k: v for k, v in d.items() if k in own}, "eval_tasks",
+                              nullable=("limit", "n_ppl"))
+        cfg = cls(prune_real=prune, **mine)
         cfg.validate()
         return cfg
-
-    def prune_real(self) -> PruneRealConfig:
-        return PruneRealConfig(path=self.path, keep=self.keep, scores=self.scores, merges=self.merges,
-                               substitutes=self.substitutes, group_size=self.group_size, merge_score=self.merge_score,
-                               calib=self.calib,
-                               calibration=self.calibration,
-                               heldout=self.heldout, seq_len=self.seq_len, calib_tokens=self.calib_tokens,
-                               heldout_tokens=self.heldout_tokens, batch_size=self.batch_size,
-                               sequential=self.sequential, sequential_merges=self.sequential_merges,
-                               reroute=self.reroute, reroute_steps=self.reroute_steps, reroute_lr=self.reroute_lr,
-                               dtype=self.dtype, seed=self.seed)
 
     def validate(self) -> None:
         """Everything checkable before a model is loaded: the checkpoint and its tokenizer, the
         scores and keeps (prune_real's checks, keeps resolved against E and top-k), the task names."""
         with prune_real_as_eval_tasks():
-            self.prune_real().validate()
+            self.prune_real.validate()
         if not self.tasks:
             raise ConfigError("eval_tasks: tasks is empty; name lm-eval tasks, e.g. tasks=[stdlib_mc]")
         refuse_repeats("eval_tasks", "tasks", self.tasks)
@@ -124,12 +109,10 @@ class EvalTasksConfig:
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
                                        or self.limit < 1):
             raise ConfigError(f"eval_tasks: limit={self.limit!r}; expected null or an integer >= 1")
-        if not (Path(self.path) / "tokenizer.json").is_file():
-            raise ConfigError(f"eval_tasks: {self.path} has no tokenizer.json (lm-eval tasks are text; for a "
-                              f"byte-level train_tiny model: python -m moejax.data write-tokenizer {self.path})")
-        cfg = read_config(Path(self.path) / "config.json")
-        for k in self.keep:
-            resolve_keep(k, cfg.n_experts, cfg.num_experts_per_tok)
+        path = self.prune_real.path
+        if not (Path(path) / "tokenizer.json").is_file():
+            raise ConfigError(f"eval_tasks: {path} has no tokenizer.json (lm-eval tasks are text; for a "
+                              f"byte-level train_tiny model: python -m moejax.data write-tokenizer {path})")
         if self.task_dir and not Path(self.task_dir).is_dir():
             raise ConfigError(f"eval_tasks: task_dir={self.task_dir}: no such folder")
         built = set(DEFAULT_TASKS) | set(SKILL_TASKS)
@@ -137,7 +120,7 @@ class EvalTasksConfig:
             raise ConfigError(f"eval_tasks: tasks {sorted(set(self.tasks) - built)} need task_dir=... "
                               "or include_defaults=true")
         if not self.task_dir and set(self.tasks) & set(SKILL_TASKS):
-            budget, source = position_budget(self.path)
+            budget, source = position_budget(path)
             longest = DEGEN_BYTES if DEGEN_TASK in self.tasks else longest_document(
                 {skill_of(t) for t in self.tasks} - {None})
             if longest > budget:
@@ -162,13 +145,13 @@ def prune_real_as_eval_tasks():
 
 
 def settings_from(cfg: dict) -> dict:
-    model, data, prune, lm = (cfg.get(k) or {} for k in ("model", "data", "prune", "lm_eval"))
-    settings = {"path": model.get("path") or "", **data, **prune, **lm}
-    for key in ("keep", "scores", "merges", "substitutes", "tasks", "calibration", "dtype", "seed"):
-        if key == "scores" and key in cfg:   # null: every score the model supports
-            settings[key] = cfg[key]
-        elif cfg.get(key) is not None:
-            settings[key] = cfg[key]
+    """prune_real's settings (`prune_real.settings_from`: model, data, prune and the top-level ones)
+    plus the tasks' (`tasks`, the `lm_eval` block)."""
+    settings = {**prune_real.settings_from(cfg), **(cfg.get("lm_eval") or {})}
+    if "scores" in cfg:   # null: every score the model supports
+        settings["scores"] = cfg["scores"]
+    if cfg.get("tasks") is not None:
+        settings["tasks"] = cfg["tasks"]
     return settings
 
 
@@ -200,12 +183,12 @@ def build_tasks(cfg: EvalTasksConfig, job_dir: Path) -> Path | None:
 
     out = job_dir / "tasks"
     if stdlib:
-        write_stdlib_tasks(out, checkpoint=cfg.path, n_nextline=cfg.n_nextline, n_mc=cfg.n_mc, n_ppl=cfg.n_ppl,
-                           seed=cfg.seed)
+        write_stdlib_tasks(out, checkpoint=cfg.prune_real.path, n_nextline=cfg.n_nextline, n_mc=cfg.n_mc,
+                           n_ppl=cfg.n_ppl, seed=cfg.prune_real.seed)
     if skills:
-        code, prose = default_sources(cfg.path)
+        code, prose = default_sources(cfg.prune_real.path)
         write_skills_tasks(out / "skills", n=cfg.n_skill, n_mc=cfg.n_skill_mc, n_ll=cfg.n_skill_ll,
-                           n_degen=cfg.n_degen, code_files=code, prose_file=prose, seed=cfg.seed)
+                           n_degen=cfg.n_degen, code_files=code, prose_file=prose, seed=cfg.prune_real.seed)
     return out
 
 
@@ -250,10 +233,10 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         for key, value in one.items():
             loaded.setdefault(key, {}).update(value)
     for task in loaded["tasks"].values():
-        task.set_fewshot_seed(seed=cfg.seed)  # as simple_evaluate does
+        task.set_fewshot_seed(seed=cfg.prune_real.seed)  # as simple_evaluate does
 
     with prune_real_as_eval_tasks():
-        ppl_df, info, timings = prune_real.evaluate(cfg.prune_real(), progress, merged_weights=True)
+        ppl_df, info, timings = prune_real.evaluate(cfg.prune_real, progress, merged_weights=True)
     plans = [VariantPlan(VariantSpec.unpruned()), *info["plans"]]   # every variant, as the pass decided it
 
     rows = []
@@ -270,7 +253,8 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         rows.append(dict(method=method, form=form, keep=int(keep), task="heldout", metric="rel_error_mean",
                          value=float(value), stderr=math.nan))
 
-    base = MoejaxLM(pretrained=cfg.path, dtype=cfg.dtype, batch_size=cfg.eval_batch_size, seed=cfg.seed)
+    base = MoejaxLM(pretrained=cfg.prune_real.path, dtype=cfg.prune_real.dtype, batch_size=cfg.eval_batch_size,
+                    seed=cfg.prune_real.seed)
     rows += skill_routing_rows(cfg, base.model)
     # every plan, then (reroute=true) every rerouted variant, as the pass left them: nothing trained twice
     variants = [(plan.spec, plan.expert_maps()) for plan in plans] + list(info.get("rerouted", {}).items())
@@ -278,10 +262,10 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         results = evaluator.evaluate(lm=base.variant(maps), task_dict=loaded, limit=cfg.limit,
                                      bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING")
         rows += task_rows(results, spec.row())
-    df = pd.DataFrame(rows, columns=COLUMNS[:3] + ["rerouted"] + COLUMNS[3:] if cfg.reroute else COLUMNS)
+    df = pd.DataFrame(rows, columns=COLUMNS[:3] + ["rerouted"] + COLUMNS[3:] if cfg.prune_real.reroute else COLUMNS)
     for col in ("keep", "layer", "expert"):
         df[col] = df[col].astype("Int64")
-    if cfg.reroute:
+    if cfg.prune_real.reroute:
         df["rerouted"] = df["rerouted"].map(is_rerouted)
     timings["variants"] = len(variants)
     return df, timings
@@ -293,16 +277,17 @@ def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:
     skills = sorted({skill_of(t) for t in cfg.tasks} - {None})
     if not skills:
         return []
-    texts = {s: "".join(text(*d) for d in documents(s, cfg.routing_docs, cfg.seed, "heldout")) for s in skills}
-    code = "".join(read_text(p) for _, p in heldout_files(cfg.path)[:4])
+    texts = {s: "".join(text(*d) for d in documents(s, cfg.routing_docs, cfg.prune_real.seed, "heldout"))
+             for s in skills}
+    code = "".join(read_text(p) for _, p in heldout_files(cfg.prune_real.path)[:4])
     texts["code"] = code[:16384]
-    shares = routing_shares(model, texts, position_budget(cfg.path)[0])
+    shares = routing_shares(model, texts, position_budget(cfg.prune_real.path)[0])
     return [dict(r, **VariantSpec.unpruned().row(), stderr=math.nan)
             for r in routing_rows(shares, model.config.moe_layers)]
 
 
 def summary_title(cfg: EvalTasksConfig) -> str:
-    return f"{cfg.path}: task metrics and held-out perplexity by variant (rows) and keep (columns):"
+    return f"{cfg.prune_real.path}: task metrics and held-out perplexity by variant (rows) and keep (columns):"
 
 
 def summary_table(df):

@@ -33,12 +33,14 @@ import numpy as np
 
 from moejax.data import Tokenizer, pack, read_text, text_files
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_repeats, refuse_unknown_settings
+from moejax.experiments.settings import typed_settings
+from moejax.settings_check import refuse_repeats
 from moejax.merging.allocation import ALLOCATIONS
 from moejax.models.registry import read_config
 from moejax.results import write_json_atomic
 from moejax.scoring.scores import check_score_names, scores_for
 from moejax.scoring.select import resolve_keep
+from moejax.training.reroute_settings import RerouteSettings
 from moejax.training.skills import CODE, calibration_documents, calibration_mix
 from moejax.variants import is_rerouted
 
@@ -51,11 +53,10 @@ class PruneRealConfig:
     path: str = ""
     keep: tuple = (0.5, 0.25)
     scores: tuple | None = None    # None: every score the model supports (moejax.scoring.scores.scores_for)
-    merges: tuple = ()             # merging baselines beside the scores: hc_smoe, m_smoe, ream (moejax.merging)
+    merges: tuple = ()             # merging baselines beside the scores (moejax.merging.method.MergeMethod objects,
+                                   # from merges=[hc_smoe,ream] and their settings merge.ream.group_size=8)
     substitutes: tuple = ()        # scores whose selections are also evaluated substituted (MoNE: a removed
                                    # expert's slot returns its mean routed output), e.g. [mone]
-    group_size: int = 16           # REAM: experts each centroid takes (its C); 0 = M-SMoE's rule
-    merge_score: str = "reap"      # REAM: the score its centroids are ranked and averaged by
     allocation: str = "uniform"    # or "global": per-layer counts from one threshold (moejax.merging.allocation)
     calib: tuple = ()              # files/folders/globs; empty = standard-library sources
     calibration: str = "code"      # which text calibrates: code | skills | uniform | train | 'code=0.5,kv=0.5'
@@ -69,27 +70,17 @@ class PruneRealConfig:
                                      # model merged up to layer l, per router form (form sequential_tied/_shrunk)
     reroute: bool = False          # also every variant with its routers distilled from the unpruned model on
                                    # the calibration tokens (moejax.training.reroute): rows with rerouted=True
-    reroute_steps: int = 200
-    reroute_lr: float = 5e-3
+    router_distillation: RerouteSettings = dataclasses.field(default_factory=RerouteSettings)   # its settings
     dtype: str = "float32"
     seed: int = 0
 
     @classmethod
     def from_mapping(cls, d: dict) -> "PruneRealConfig":
-        refuse_unknown_settings(cls, d, "prune_real")
-        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if v is not None}
-        for key in ("merges", "substitutes"):
-            if isinstance(d.get(key), str):
-                d[key] = (d[key],)
-        if "keep" in d and not isinstance(d["keep"], tuple):
-            d["keep"] = (d["keep"],)
-        cfg = cls(**d)
+        cfg = cls(**typed_settings(cls, d, "prune_real"))
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        from moejax.merging.layer import check_merge_names
-
         if not self.path:
             raise ConfigError("prune_real: set model=tiny or model.path=CHECKPOINT_FOLDER")
         if not (Path(self.path) / "config.json").is_file():
@@ -100,26 +91,21 @@ class PruneRealConfig:
         if self.scores is not None:
             check_score_names(self.scores)
             scores_for(self.scores, has_bias, f"prune_real: {self.path}")
-        check_merge_names(self.merges, "prune_real: merges")
         if self.reroute:
             self.reroute_settings()
         if self.sequential_merges and not self.merges:
             raise ConfigError("prune_real: sequential_merges=true merges nothing: name the merges too, "
                               "e.g. merges=[ream]")
-        refuse_repeats("prune_real", "merges", self.merges)
         if self.substitutes:
             scores_for(self.substitutes, has_bias, f"prune_real: substitutes ({self.path})")
             refuse_repeats("prune_real", "substitutes", self.substitutes)
-        from moejax.merging.layer import MERGE_METHODS
-
-        try:  # each merge method's own settings (REAM: its centroid score and group size), before any work
-            for method in (MERGE_METHODS[m] for m in self.merges):
-                if method.scored:
-                    scores_for([self.merge_score], has_bias, f"merge_score ({self.path})")
-                for k in self.keep if method.check else ():
+        try:  # each merge method's settings against the model (REAM: its score, its group size), before any work
+            for method in self.merges:
+                if method.scores:
+                    scores_for(list(method.scores), has_bias, f"{method.name}'s score ({self.path})")
+                for k in self.keep:
                     method.check(resolve_keep(k, config.n_experts, config.num_experts_per_tok)
-                                 if self.allocation == "uniform" else None, config.n_experts, self.merge_score,
-                                 self.group_size)
+                                 if self.allocation == "uniform" else None, config.n_experts)
         except ConfigError as e:
             raise ConfigError(f"prune_real: {e}") from None
         if self.scores is not None:
@@ -137,16 +123,12 @@ class PruneRealConfig:
             raise ConfigError(f"prune_real: dtype={self.dtype!r}; expected float32 or bfloat16")
         self.calibration_mix()
 
-    def reroute_settings(self):
-        """Router distillation's settings (steps, peak learning rate; batches of `batch_size`
-        calibration sequences), checked."""
-        from moejax.training.reroute import RerouteSettings
-
+    def reroute_settings(self) -> RerouteSettings:
+        """Router distillation's settings (`router_distillation.*`), checked."""
         try:
-            return RerouteSettings(steps=self.reroute_steps, lr=self.reroute_lr, batch_size=self.batch_size,
-                                   warmup=min(10, self.reroute_steps // 10)).check()
+            return self.router_distillation.check()
         except ConfigError as e:
-            raise ConfigError(f"prune_real: {str(e).replace('reroute: ', 'reroute_')}") from None
+            raise ConfigError(f"prune_real: {str(e).replace('reroute: ', 'router_distillation.')}") from None
 
     def calibration_mix(self) -> dict:
         """Shares of the calibration tokens by text (moejax.training.skills.calibration_mix), the
@@ -168,7 +150,8 @@ Config = PruneRealConfig
 def settings_from(cfg: dict) -> dict:
     model, data, prune = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("prune") or {}
     settings = {"path": model.get("path") or "", **data, **prune}
-    for key in ("keep", "scores", "merges", "substitutes", "allocation", "calibration", "dtype", "seed"):
+    for key in ("keep", "scores", "merges", "merge", "substitutes", "allocation", "calibration", "dtype", "seed",
+                "router_distillation"):
         if cfg.get(key) is not None:
             settings[key] = cfg[key]
     return settings
@@ -237,8 +220,7 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
     heldout = {f.name: tokens([f], cfg.heldout_tokens) for f in heldout_files}
     scores = scores_for(cfg.scores, ckpt.config.HAS_BALANCE_BIAS, f"prune_real: {cfg.path}")
     rows, info = evaluate_pruning(ckpt, calib, heldout, scores, list(cfg.keep), merges=cfg.merges,
-                                  substitutes=cfg.substitutes, group_size=cfg.group_size,
-                                  merge_score=cfg.merge_score, sequential=cfg.sequential,
+                                  substitutes=cfg.substitutes, sequential=cfg.sequential,
                                   sequential_merges=cfg.sequential_merges, allocation=cfg.allocation,
                                   batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
                                   merged_weights=merged_weights or cfg.reroute, progress=progress is not None or None)
@@ -271,7 +253,7 @@ def rerouted_variants(cfg: PruneRealConfig, calib, heldout: dict, plans: list) -
 
     settings = cfg.reroute_settings()
     model = load_pretrained(cfg.path, jnp.dtype(cfg.dtype))
-    batches = [(calib[i:i + cfg.batch_size], None) for i in range(0, len(calib), cfg.batch_size)]
+    batches = [(calib[i:i + settings.batch_size], None) for i in range(0, len(calib), settings.batch_size)]
     teacher = teacher_log_probs(model, batches)
     forward = model.jitted()
     rows, maps_of = [], {}
@@ -292,7 +274,7 @@ def forward_perplexity_rows(forward, heldout: dict, maps: dict, batch_size: int,
     stream (rerouted ones). A test holds it equal to the carried pass's rows for the same plan."""
     import jax.numpy as jnp
 
-    from moejax.evaluation.nll import next_token_nll
+    from moejax.inference.nll import next_token_nll
 
     rows, total, count = [], 0.0, 0
     for text, ids in heldout.items():
@@ -321,7 +303,7 @@ def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):
 
 def summary_title(cfg: PruneRealConfig) -> str:
     modes = "one-shot and sequential" if cfg.sequential else "one-shot"
-    merged = f"; merging by {', '.join(cfg.merges)}, router tied and shrunk" if cfg.merges else ""
+    merged = f"; merging by {', '.join(map(str, cfg.merges))}, router tied and shrunk" if cfg.merges else ""
     return (f"{cfg.path}: held-out perplexity (all texts) and mean layer-local relative error, by score "
             f"and keep ({modes} pruning{merged}):")
 

@@ -7,8 +7,8 @@ import dataclasses
 import time
 
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_repeats, refuse_unknown_settings
 from moejax.parallel.mesh import MeshConfig
+from moejax.settings_check import refuse_repeats, refuse_unknown_settings
 
 
 @dataclasses.dataclass(frozen=True)

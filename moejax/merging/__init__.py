@@ -18,14 +18,15 @@
 - `calibration`: `MergeStats` of a MoE layer from a calibration pass (counts, every expert's output
   summed over all tokens, the router-logit Gram matrix; for REAM, the router-weighted output sums
   and the router inputs of a fixed sample of tokens).
-- `method`: what a merge method is (`MergeMethod`: clusters, leaders, averaging, the statistics it
-  needs; `MergeContext`: what it may read; `Averaging`: how its clusters become experts, each
-  member's weight and neuron permutation, which `merge_weights` applies). `clusters.HC_SMOE`, `clusters.M_SMOE` and `ream.REAM`
-  are the three, named once in `layer.MERGE_METHODS`: a new method is its module, that line and
-  its tests.
-- `layer`: `merge_layer(method, keep, stats, weights)` -> `LayerMerge` (clusters, leaders, merged
+- `method`: what a merge method is: one frozen settings object registered by name (`MergeMethod`:
+  its settings as fields, their checks, `clusters`, `leaders`, `averaging`, the statistics and
+  scores it reads; `MergeContext`: what it may read; `Averaging`: how its clusters become experts,
+  each member's weight and neuron permutation, which `merge_weights` applies). `clusters.HcSmoe`,
+  `clusters.MSmoe` and `ream.Ream` are the three, `@register`ed; `parse(name, **settings)` is the
+  only check of a name. A new method is its module, its line in `MERGE_METHODS` and its tests.
+- `layer`: `merge_layer(method, keep, ctx, weights)` -> `LayerMerge` (clusters, leaders, merged
   experts) and its `ExpertMap` under the `tied` or `shrunk` router form.
 
 Labels are int [E]: the cluster of each expert, clusters numbered by their lowest member, so equal
-partitions give equal labels. Pure numpy/scipy except `calibration` (one jitted function) and `averaged_rows`.
+partitions give equal labels. Pure numpy/scipy except `calibration` (one jitted function), `averaged_rows` and `bf16_align` (XLA).
 """

@@ -26,14 +26,11 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from moejax.errors import ConfigError
 from moejax.host_memory import aligned_empty
-from moejax.moe.averaged_rows import AveragedRows
 
 NEURON_AXES = {"swiglu": {"gate": 1, "up": 1, "down": 0}, "relu_mlp": {"w1": 1, "w2": 0}}
 
@@ -175,9 +172,13 @@ def align_layer(weights: dict, labels_E, leaders, alignments: dict | None = None
     bf16 = all(np.dtype(w.dtype) == ml_dtypes.bfloat16 for w in weights.values())
     dtype = _compute_dtype(weights.values())
 
+    if bf16:   # XLA's float32-accumulated bfloat16 products (JAX: imported only for a bfloat16 layer)
+        from moejax.merging.bf16_align import bf16_neuron_block as _bf16_neuron_block
+        from moejax.merging.bf16_align import bf16_similarity as _bf16_similarity
+
     def blocks(j):
         if bf16:  # the expert neuron-first, [F, K] bfloat16: `_bf16_similarity` accumulates in float32
-            return _bf16_neuron_block({k: w[j] for k, w in weights.items()})
+            return _bf16_neuron_block({k: w[j] for k, w in weights.items()}, _axes(weights))
         return _neuron_blocks({k: w[j] for k, w in weights.items()}, dtype)
 
     def similarity(a, b):  # bfloat16: dispatched to XLA and not waited for (the assignment thread waits)
@@ -228,29 +229,6 @@ class _Inline:
         return self._Done(fn(*args))
 
 
-def _bf16_neuron_block(w: dict) -> jax.Array:
-    """One bfloat16 expert as a [F, K] device array, each matrix neuron-first side by side in
-    `_neuron_blocks`' order (K = 3H for SwiGLU), copied once by numpy into an aligned buffer that
-    the array uses in place (no second copy)."""
-    axes = _axes(w)
-    moved = [np.moveaxis(np.asarray(w[k]), axes[k], 0) for k in sorted(axes)]
-    moved = [m.reshape(m.shape[0], -1) for m in moved]
-    out = aligned_empty((moved[0].shape[0], sum(m.shape[1] for m in moved)), np.uint16)
-    at = 0
-    for m in moved:  # as uint16: numpy's plain copy loop (bfloat16 goes through ml_dtypes' casts)
-        np.copyto(out[:, at:at + m.shape[1]], m.view(np.uint16))
-        at += m.shape[1]
-    return jax.device_put(out.view(ml_dtypes.bfloat16))
-
-
-@jax.jit
-def _bf16_similarity(dominant, member):
-    """`_similarity` of two bfloat16 experts as `_bf16_neuron_block` lays them out ([F, K] each),
-    S [F, F] float32 = dominant @ member.T: the bfloat16 products exact in float32, accumulated in
-    float32."""
-    return jax.lax.dot_general(dominant, member, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=None, perms=None,
                   alignments: dict | None = None, out_dtype=None) -> dict:
     """A layer's clusters merged: {"gate": [C, H, F], ...}, row c the merged expert of the cluster
@@ -297,13 +275,17 @@ def merge_weights(weights: dict, labels_E, freq_E, align: bool = False, leaders=
     return out
 
 
-def averaged_rows(weights: dict, labels_E, averaging, clusters, n_rows: int) -> AveragedRows:
+def averaged_rows(weights: dict, labels_E, averaging, clusters, n_rows: int):
     """The merged experts of `clusters` as table rows made when read (`moejax.moe.averaged_rows`),
     over the layer's experts `weights` ({name: [E, ...]}): row i the merged expert of clusters[i]
     under `averaging` (a `moejax.merging.method.Averaging`), bit for bit `merge_weights`' row
     (the same shares, permutations, order of terms and rounding into the layer's dtype); rows from
     len(clusters) to n_rows are zero (padding, so merges share one compiled shape). Holds index
     arrays and one share per expert: no expert is copied."""
+    import jax.numpy as jnp
+
+    from moejax.moe.averaged_rows import AveragedRows
+
     labels = _check_labels(weights, labels_E)
     E, axes = len(labels), _axes(weights)
     if len(clusters) > n_rows:

@@ -33,7 +33,6 @@ from flax import nnx
 from moejax.errors import ConfigError
 
 HIGHEST = jax.lax.Precision.HIGHEST
-REAM_TOKENS = 2048  # default N: calibration tokens whose router inputs REAM's alignment keeps per layer
 
 
 @dataclasses.dataclass
@@ -99,11 +98,12 @@ def _sums(graphdef, state, x_TH, valid_T, ream: bool):
     return gram, sums, counts, gated
 
 
-def merge_stats(moe, router_inputs, masks, ream: bool = False, ream_tokens: int = REAM_TOKENS,
+def merge_stats(moe, router_inputs, masks, ream: bool = False, ream_tokens: int | None = None,
                 seed: int = 0) -> MergeStats:
     """MergeStats of one MoE layer over batches of router inputs [T, H] (masks [T] or None).
     ream: also REAM's statistics (the router-weighted output sums and the router inputs of
-    `subsample_positions(n_valid, ream_tokens, seed)`)."""
+    `subsample_positions(n_valid, ream_tokens, seed)`; ream_tokens is `Ream.tokens`, which
+    `Ream.stats_options()` passes)."""
     if ream and (isinstance(ream_tokens, bool) or not isinstance(ream_tokens, (int, np.integer)) or ream_tokens < 1):
         raise ConfigError(f"ream_tokens={ream_tokens!r}: expected an integer >= 1 (calibration tokens REAM's "
                           "neuron alignment samples)")

@@ -1,6 +1,6 @@
 """Which experts merge: HC-SMoE's hierarchical clustering and M-SMoE's dominant-expert grouping, each
-cluster's leader (its most frequent member), and the two methods as `MergeMethod`s (`HC_SMOE`,
-`M_SMOE`: members averaged by frequency, M-SMoE's aligned to the leader first)."""
+cluster's leader (its most frequent member), and the two methods as registered `MergeMethod`s
+(`HcSmoe`, `MSmoe`: members averaged by frequency, M-SMoE's aligned to the leader first)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 
 from moejax.errors import ConfigError
 from moejax.merging.average import align_layer
-from moejax.merging.method import Averaging, MergeContext, MergeMethod
+from moejax.merging.method import Averaging, MergeContext, MergeMethod, register
 from moejax.scoring.select import select_kept
 
 HC_SMOE_METHODS = ("average", "kmeans")
@@ -103,24 +103,45 @@ def cluster_leaders(labels_E, counts_E) -> np.ndarray:
     return np.asarray(leaders, np.int64)
 
 
-def _frequency_leaders(labels_E, ctx: MergeContext) -> np.ndarray:
-    return cluster_leaders(labels_E, ctx.counts_E)
+class FrequencyAveraged(MergeMethod):
+    """Leaders are each cluster's most frequent member (`cluster_leaders`); members averaged by
+    frequency, W_G = sum_{j in G} freq_j P_j(W_j) / sum_{j in G} freq_j, P_j the alignment onto the
+    leader when `ALIGN` (`average.align_layer`), else the identity."""
 
+    ALIGN = False
 
-def _frequency_average(align: bool):
-    """W_G = sum_{j in G} freq_j P_j(W_j) / sum_{j in G} freq_j (P_j: alignment onto the leader, or
-    the identity)."""
-    def averaging(weights, labels_E, leaders, ctx: MergeContext) -> Averaging:
+    def leaders(self, labels_E, ctx: MergeContext) -> np.ndarray:
+        return cluster_leaders(labels_E, ctx.counts_E)
+
+    def averaging(self, weights, labels_E, leaders, ctx: MergeContext) -> Averaging:
         return Averaging(np.asarray(ctx.counts_E, np.float64),
-                         align_layer(weights, labels_E, leaders, ctx.alignments) if align else {})
-    return averaging
+                         align_layer(weights, labels_E, leaders, ctx.alignments) if self.ALIGN else {})
 
 
-HC_SMOE = MergeMethod(
-    "hc_smoe", clusters=lambda keep, ctx: hc_smoe_clusters(ctx.stats.mean_output_EH, keep, method=ctx.hc_method,
-                                                           seed=ctx.seed),
-    leaders=_frequency_leaders, averaging=_frequency_average(align=False),
-    seed_use="it seeds k-means++ with --hc-method kmeans; average linkage draws nothing at random")
-M_SMOE = MergeMethod(
-    "m_smoe", clusters=lambda keep, ctx: m_smoe_groups_from_gram(ctx.stats.logit_gram_EE, ctx.counts_E, keep),
-    leaders=_frequency_leaders, averaging=_frequency_average(align=True))
+@register("hc_smoe")
+class HcSmoe(FrequencyAveraged):
+    """HC-SMoE: `hc_smoe_clusters` of the experts' mean outputs over all calibration tokens."""
+
+    clustering: str = "average"   # "average": average-linkage clustering (the paper's); "kmeans": k-means++
+    reads = ("mean_output_EH",)
+    seed_use = "it seeds k-means++ with --hc-method kmeans; average linkage draws nothing at random"
+
+    def check_settings(self) -> None:
+        if self.clustering not in HC_SMOE_METHODS:
+            raise ConfigError(f"hc_smoe: clustering={self.clustering!r} (--hc-method, merge.hc_smoe.clustering): "
+                              f"expected one of {list(HC_SMOE_METHODS)}")
+
+    def clusters(self, keep: int, ctx: MergeContext) -> np.ndarray:
+        return hc_smoe_clusters(ctx.stats.mean_output_EH, keep, method=self.clustering, seed=ctx.seed)
+
+
+@register("m_smoe")
+class MSmoe(FrequencyAveraged):
+    """M-SMoE: the `keep` most frequent experts dominate (`m_smoe_groups_from_gram`); members' neurons
+    aligned to their dominant expert before averaging."""
+
+    ALIGN = True
+    reads = ("logit_gram_EE",)
+
+    def clusters(self, keep: int, ctx: MergeContext) -> np.ndarray:
+        return m_smoe_groups_from_gram(ctx.stats.logit_gram_EE, ctx.counts_E, keep)

@@ -21,10 +21,9 @@ import numpy as np
 from moejax.errors import ConfigError
 from moejax.merging.average import _assign, _axes, _check_labels, _check_leaders, _neuron_blocks, merge_weights
 from moejax.merging.clusters import _check_keep, canonical_labels
-from moejax.merging.method import Averaging, MergeMethod
+from moejax.merging.method import Averaging, MergeContext, MergeMethod, register
 from moejax.scoring.scores import ALL_SCORES
 
-GROUP_SIZE = 16          # REAM's C (`merge.py --group_size`, default 16)
 PCA_DIM = 64             # REAM's `Merger.pca_dim` ("heuristic")
 PCA_OVERSAMPLE = 10      # randomised PCA: extra sketch columns beyond PCA_DIM
 PCA_POWER_ITERATIONS = 2  # as torch.pca_lowrank's default niter
@@ -140,7 +139,7 @@ def ream_centroids(scores_E, keep: int) -> np.ndarray:
     return np.argsort(-s, kind="stable")[:keep]
 
 
-def ream_groups(scores_E, similarity_EE, keep: int, group_size: int = GROUP_SIZE) -> np.ndarray:
+def ream_groups(scores_E, similarity_EE, keep: int, group_size: int) -> np.ndarray:
     """labels [E] (numbered by lowest member, `canonical_labels`) of REAM's pseudo-pruning groups
     (`ream.py: pseudo_group`):
 
@@ -327,28 +326,57 @@ def ream_merge(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = 
     return merge_weights(weights, labels_E, a.weights_E, leaders=leaders, perms=a.perms, out_dtype=out_dtype)
 
 
-def _needs_scores(ctx) -> np.ndarray:
+def _needs_scores(ctx: MergeContext) -> np.ndarray:
     if ctx.scores_E is None:
         raise ConfigError("merge method 'ream' needs each layer's expert scores (scores_E, float64 [E], higher = "
                           "keep; REAP by default): they choose the centroids and weight the average")
     return np.asarray(ctx.scores_E, np.float64)
 
 
-def _ream_clusters(keep: int, ctx) -> np.ndarray:
-    st = ctx.stats
-    if not st.has_ream:
-        raise ConfigError("merge method 'ream' needs REAM's calibration statistics (router-weighted output sums, "
-                          "sampled router inputs): gather them with merge_stats(..., ream=True)")
-    return ream_groups(_needs_scores(ctx), ream_similarity(st.gated_output_sum_EH, st.logit_gram_EE), keep,
-                       ctx.group_size)
+@register("ream")
+class Ream(MergeMethod):
+    """REAM: centroids by `score`, pseudo-pruning groups of at most `group_size` (`ream_groups` on
+    `ream_similarity`), members aligned on `tokens` sampled calibration tokens plus PCA weight rows
+    (`ream_align`), averaged with the score weights (`ream_averaging`)."""
 
+    score: str = "reap"      # ranks the centroids and weights the average (`merge.py --saliency`); non-negative
+    group_size: int = 16     # C, the most experts a group holds, its centroid included (`--group_size`); 0: M-SMoE's rule
+    tokens: int = 2048       # N, calibration tokens whose router inputs the neuron alignment compares, per layer
+    reads = ("gated_output_sum_EH", "logit_gram_EE", "act_inputs_NH")
+    seed_use = ("it draws REAM's sample of --ream-tokens calibration tokens for the neuron alignment, and the "
+                "randomised PCA of large layers")
 
-REAM = MergeMethod(
-    "ream", clusters=_ream_clusters, leaders=lambda labels, ctx: centroid_leaders(labels, _needs_scores(ctx)),
-    averaging=lambda weights, labels, leaders, ctx: ream_averaging(weights, labels, leaders, _needs_scores(ctx),
-                                                                   ctx.act_inputs_NH, seed=ctx.seed),
-    stats={"ream": True}, scored=True,
-    check=lambda keep, n_experts, score, group_size: (check_ream_score(score, "merge_score"),
-                                                      check_group_size(group_size, keep, n_experts)),
-    seed_use="it draws REAM's sample of --ream-tokens calibration tokens for the neuron alignment, and the "
-             "randomised PCA of large layers")
+    def check_settings(self) -> None:
+        check_ream_score(self.score, "ream: score (--score, merge.ream.score)")
+        check_group_size(self.group_size)
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, (int, np.integer)) or self.tokens < 1:
+            raise ConfigError(f"ream_tokens={self.tokens!r} (--ream-tokens, merge.ream.tokens): expected an integer "
+                              ">= 1 (calibration tokens whose activations REAM's neuron alignment compares)")
+
+    def check(self, keep: int | None, n_experts: int) -> None:
+        check_group_size(self.group_size, keep, n_experts)
+
+    @property
+    def scores(self) -> tuple:
+        return (self.score,)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return self.tokens
+
+    def stats_options(self) -> dict:
+        return {"ream": True, "ream_tokens": self.tokens}
+
+    def clusters(self, keep: int, ctx: MergeContext) -> np.ndarray:
+        st = ctx.stats
+        if not st.has_ream:
+            raise ConfigError("merge method 'ream' needs REAM's calibration statistics (router-weighted output sums, "
+                              "sampled router inputs): gather them with merge_stats(..., ream=True)")
+        return ream_groups(_needs_scores(ctx), ream_similarity(st.gated_output_sum_EH, st.logit_gram_EE), keep,
+                           self.group_size)
+
+    def leaders(self, labels_E, ctx: MergeContext) -> np.ndarray:
+        return centroid_leaders(labels_E, _needs_scores(ctx))
+
+    def averaging(self, weights, labels_E, leaders, ctx: MergeContext) -> Averaging:
+        return ream_averaging(weights, labels_E, leaders, _needs_scores(ctx), ctx.act_inputs_NH, seed=ctx.seed)

@@ -211,17 +211,22 @@ def stats_from_pairs(expert_idx_TK, gate_TK, out_norm_TK, mean_input_D, router_E
 SCORES: dict[str, Callable[[LayerStats], np.ndarray]] = {}
 _DATA_FREE: set[str] = set()
 _READS_EXPERTS: set[str] = set()
+_READS_OUTPUTS: set[str] = set()
 
 
-def register(name: str, *, data_free: bool = False, reads_experts: bool = False):
+def register(name: str, *, data_free: bool = False, reads_experts: bool = False, reads_outputs: bool = False):
     """reads_experts: a data-free score that reads the routed experts' weight matrices (not only the
-    router), so the data-free path must read them (`LayerStats.weight_*`)."""
+    router), so the data-free path must read them (`LayerStats.weight_*`). reads_outputs: a score
+    that reads the sums of the routed outputs (`LayerStats.output_sum_EH`, ...), which bring every
+    routed pair's output to the host: a pass gathers them only for such a score."""
     def deco(fn):
         SCORES[name] = fn
         if data_free:
             _DATA_FREE.add(name)
         if reads_experts:
             _READS_EXPERTS.add(name)
+        if reads_outputs:
+            _READS_OUTPUTS.add(name)
         return fn
     return deco
 
@@ -292,7 +297,7 @@ def max_act(st: LayerStats) -> np.ndarray:
     return _need(st, "norm_max_E", "max_act", "the maximum output norm").copy()
 
 
-@register("mone")
+@register("mone", reads_outputs=True)
 def mone(st: LayerStats) -> np.ndarray:
     """||sqrt(var_j)||_2 * rs_j   (MoNE, arXiv 2507.00390: routing score times output fluctuation;
     its code zxgx/mode-pd, `expert_prune_by_mone`, metric `fusion`), where
@@ -367,6 +372,7 @@ def aimer(st: LayerStats) -> np.ndarray:
 ALL_SCORES = tuple(SCORES)                                          # every score, in this file's order
 DATA_FREE_SCORES = tuple(n for n in SCORES if n in _DATA_FREE)     # bias, signed, l1, random, aimer
 EXPERT_WEIGHT_SCORES = tuple(n for n in SCORES if n in _READS_EXPERTS)  # aimer: data-free, reads the experts
+OUTPUT_SCORES = tuple(n for n in SCORES if n in _READS_OUTPUTS)    # mone: reads the routed outputs' sums
 
 
 def rank_correlation(a, b) -> float:

@@ -3,7 +3,7 @@ checkpoint in the `shrunk` router form (SPEC section 8), which transformers and 
 
 Three steps:
 
-1. A streamed calibration pass (one decoder layer's weights at a time, `moejax.evaluation.stream`) gathers
+1. A streamed calibration pass (one decoder layer's weights at a time, `moejax.inference.stream`) gathers
    each MoE layer's merging statistics (`moejax.merging.calibration.MergeStats`); for `--method ream`
    also REAM's (`merge_stats(..., ream=True)`) and the centroid score (`--score`, REAP by default:
    `moejax.scoring.observe.accumulate_layer` and `moejax.scoring.scores.compute_scores` on the same
@@ -12,7 +12,7 @@ Three steps:
    as written), so every layer is clustered on the model merged up to the layer before (REAM's
    sequential mode; the stream computes the merged experts in the pass's dtype).
 2. Planning, before anything is written: per-layer cluster counts (`--keep`, uniform or
-   `--allocation global`), clusters (`moejax.merging.layer.layer_clusters`) and each cluster's
+   `--allocation global`), clusters (the method's `clusters`) and each cluster's
    leader (its most frequent member; REAM: its centroid). The leaders are the kept experts of a pruning plan
    (`moejax.surgery.prune_plan.plan_pruning`: the new config, routing groups, per-layer counts), so the
    router keeps one row (and bias entry) per cluster: the leader's, byte-identical to the source.
@@ -24,9 +24,10 @@ Three steps:
    down as its slab of `gate_up_proj` and `down_proj`).
 
 Quantised sources are refused: merging dequantised experts and writing them beside quantised
-ones would need a re-quantisation this command does not do. `pruning.json` records the method,
-the per-layer counts and every cluster (leader first, in the merged checkpoint's expert order);
-for REAM also the score, the group size C, the sampled token count and each layer's scores.
+ones would need a re-quantisation this command does not do. `pruning.json` records the variant
+(`VariantSpec.record`: the method, form shrunk or sequential_shrunk, the keep asked and the method's
+settings), the per-layer counts and every cluster (leader first, in the merged checkpoint's expert
+order), and for a method that reads a score (REAM) each layer's scores.
 """
 
 from __future__ import annotations
@@ -46,31 +47,35 @@ from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.model_io import opened
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
-from moejax.merging.calibration import REAM_TOKENS, merge_stats
-from moejax.merging.clusters import HC_SMOE_METHODS
-from moejax.merging.layer import (MERGE_METHODS, LayerMerge, check_merge_names, layer_clusters, layer_leaders,
-                                  leader_first_clusters, merge_clusters, merge_layer, merge_stats_options)
-from moejax.merging.ream import GROUP_SIZE, check_group_size, check_ream_score
+from moejax.merging.calibration import merge_stats
+from moejax.merging.layer import LayerMerge, leader_first_clusters, merge_clusters, merge_layer
+from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.score_checkpoint import calibration_ids
-from moejax.scoring.scores import StatsAccumulator, compute_scores, scores_for
+from moejax.scoring.scores import OUTPUT_SCORES, StatsAccumulator, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.surgery.prune import other_files, write_folder
 from moejax.surgery.prune_plan import per_group_needed, plan_pruning
+from moejax.variants.spec import VariantSpec
 
 PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 @dataclasses.dataclass(frozen=True)
 class MergePlan:
-    method: str
+    method: MergeMethod
     counts: dict[int, int]           # MoE layer -> number of clusters
     labels: dict[int, np.ndarray]    # MoE layer -> int [E], each expert's cluster (numbered by lowest member)
     leaders: dict[int, np.ndarray]   # MoE layer -> int [C], each cluster's most frequent member
     freq: dict[int, np.ndarray]      # MoE layer -> routing decisions per expert on the calibration tokens
-    scores: dict | None = None       # REAM: MoE layer -> the centroid score per expert
+    scores: dict | None = None       # a method reading a score (REAM): MoE layer -> its score per expert
     act_inputs: dict | None = None   # REAM: MoE layer -> router inputs of the sampled tokens [N, H]
     seed: int = 0                    # REAM: seeds the randomised PCA of large layers
+
+    def context(self, layer: int) -> MergeContext:
+        """What the method's leaders and averaging read at `layer` (no statistics: the plan's)."""
+        return MergeContext(None, self.freq[layer], None if self.scores is None else self.scores[layer], self.seed,
+                            None if self.act_inputs is None else self.act_inputs[layer])
 
     def record_layers(self) -> dict:
         """Per layer: the kept (leader) experts ascending and each cluster with its leader first,
@@ -106,19 +111,18 @@ def cluster_counts(stats: dict, keep, top_k: int, allocation: str) -> dict[int, 
     return layer_counts({l: st.counts_E for l, st in stats.items()}, count, top_k, allocation)
 
 
-def plan_merge(stats: dict, method: str, keep, top_k: int, allocation: str = "uniform",
-               hc_method: str = "average", seed: int = 0, scores: dict | None = None,
-               group_size: int = GROUP_SIZE) -> MergePlan:
-    """Clusters and leaders of every MoE layer from its MergeStats (ream: and its scores, {layer: [E]})."""
+def plan_merge(stats: dict, method: MergeMethod, keep, top_k: int, allocation: str = "uniform", seed: int = 0,
+               scores: dict | None = None) -> MergePlan:
+    """Clusters and leaders of every MoE layer from its MergeStats (and, for a method that reads a
+    score, its scores {layer: [E]})."""
     counts = cluster_counts(stats, keep, top_k, allocation)
-    layer_scores = scores if method == "ream" else {}
-    labels = {l: layer_clusters(method, counts[l], st, hc_method, seed, layer_scores.get(l), group_size)
-              for l, st in stats.items()}
-    leaders = {l: layer_leaders(method, labels[l], stats[l].counts_E, layer_scores.get(l)) for l in stats}
-    ream = {} if method != "ream" else dict(
-        scores={l: np.asarray(layer_scores[l], np.float64).copy() for l in stats},
-        act_inputs={l: st.act_inputs_NH for l, st in stats.items()}, seed=seed)
-    return MergePlan(method, counts, labels, leaders, {l: st.counts_E.copy() for l, st in stats.items()}, **ream)
+    scores = scores or None
+    ctx = {l: MergeContext.of(st, None if scores is None else scores[l], seed) for l, st in stats.items()}
+    labels = {l: method.clusters(counts[l], ctx[l]) for l in stats}
+    leaders = {l: method.leaders(labels[l], ctx[l]) for l in stats}
+    return MergePlan(method, counts, labels, leaders, {l: st.counts_E.copy() for l, st in stats.items()},
+                     scores=None if scores is None else {l: np.asarray(scores[l], np.float64).copy() for l in stats},
+                     act_inputs={l: st.act_inputs_NH for l, st in stats.items()}, seed=seed)
 
 
 class MergedTensors:
@@ -142,10 +146,7 @@ class MergedTensors:
             name = next(n for n, t in self.targets.items() if t[0] == layer)
             dtype = jnp.dtype(PLAIN_DTYPES[self.ckpt.reader.info(name).dtype])
             weights = self.ckpt.decoder_layer(layer, dtype).mlp.expert_weights()
-            ream = {} if self.plan.scores is None else dict(
-                scores_E=self.plan.scores[layer], act_inputs_NH=self.plan.act_inputs[layer], seed=self.plan.seed)
-            self._merge = merge_clusters(self.plan.method, self.plan.labels[layer], self.plan.freq[layer], weights,
-                                         **ream)
+            self._merge = merge_clusters(self.plan.method, self.plan.labels[layer], self.plan.context(layer), weights)
             self._layer = layer
         return self._merge
 
@@ -181,51 +182,14 @@ def _check_before_pass(checked, count: int, keep, allocation: str, collapse_grou
                           "over all kept experts without groups, or a keep that divides into the groups")
 
 
-def _check_ream_args(method: str, score, group_size, ream_tokens):
-    """(score, group_size, ream_tokens) with REAM's defaults filled in; refused unless method is
-    ream when any is given, or when one is out of range."""
-    if method != "ream":
-        given = [n for n, v in (("--score", score), ("--group-size", group_size), ("--ream-tokens", ream_tokens))
-                 if v is not None]
-        if given:
-            raise ConfigError(f"{', '.join(given)}: REAM's settings, for --method ream only (not {method})")
-        return None, None, None
-    score = "reap" if score is None else score
-    check_ream_score(score)
-    group_size = check_group_size(GROUP_SIZE if group_size is None else group_size)
-    ream_tokens = REAM_TOKENS if ream_tokens is None else ream_tokens
-    if isinstance(ream_tokens, bool) or not isinstance(ream_tokens, (int, np.integer)) or ream_tokens < 1:
-        raise ConfigError(f"ream_tokens={ream_tokens!r} (--ream-tokens): expected an integer >= 1 (calibration "
-                          "tokens whose activations REAM's neuron alignment compares)")
-    return score, group_size, int(ream_tokens)
-
-
-def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq_len: int | None = None,
-                     max_tokens: int | None = None, batch_size: int = 8, allocation: str = "uniform",
-                     hc_method: str = "average", collapse_groups: bool = False, drop_mtp: bool = False,
-                     dtype: str = "float32", seed: int = 0, overwrite: bool = False, progress: bool | None = None,
-                     score: str | None = None, group_size: int | None = None, ream_tokens: int | None = None,
-                     sequential: bool = False) -> dict:
-    """Write the merged checkpoint of `src` to `dst` (shrunk router form) and return its record
-    (also dst/pruning.json). The destination, the checkpoint, the arguments and the calibration
-    data are checked before the pass; the plan (groups, counts) before the first byte is written.
-    MTP layers (DeepSeek-V3's, after the decoder layers) are not run by the calibration pass, so
-    they have no merge statistics: drop_mtp removes them as `moejax prune --drop-mtp` does
-    (num_nextn_predict_layers = 0); without it a checkpoint that has them is refused.
-    method="ream" only: score (default "reap", a non-negative score of `moejax.merging.ream.
-    REAM_SCORES`), group_size (REAM's C, default 16; 0: M-SMoE's rule), ream_tokens (calibration
-    tokens sampled for the neuron alignment, default `calibration.REAM_TOKENS`); seed also draws
-    that sample. sequential: each layer merged on the calibration stream of the model merged up
-    to the layer before (uniform allocation only; group-limited routing kept, not collapsed, so
-    the stream routes as the written checkpoint does)."""
-    from moejax.evaluation.stream import stream_layers  # at call time: tests patch it to refuse a pass
-
-    check_merge_names([method], "--method")
-    score, group_size, ream_tokens = _check_ream_args(method, score, group_size, ream_tokens)
+def _check_settings(method: MergeMethod, allocation: str, dtype: str, batch_size: int, sequential: bool,
+                    seed) -> None:
+    """The command's own settings, refused before any work (the method checked its own when made)."""
+    if not isinstance(method, MergeMethod):
+        raise ConfigError(f"method={method!r}: expected a merge method object (moejax.merging.method.parse(name, "
+                          "**settings))")
     if allocation not in ALLOCATIONS:
         raise ConfigError(f"--allocation {allocation!r}: expected one of {list(ALLOCATIONS)}")
-    if hc_method not in HC_SMOE_METHODS:
-        raise ConfigError(f"--hc-method {hc_method!r}: expected one of {list(HC_SMOE_METHODS)}")
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
     if batch_size < 1:
@@ -235,57 +199,88 @@ def merge_checkpoint(src, dst, *, method: str, keep, text=None, tokens=None, seq
                           "layer's statistics, which a sequential pass knows only after the layers it merges; "
                           "use --allocation uniform")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({MERGE_METHODS[method].seed_use})")
-    src, dst = Path(src), Path(dst)
-    check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
-    checked = check_checkpoint(src)
+        raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({method.seed_use})")
+
+
+def _check_checkpoint(checked, method: MergeMethod, keep, allocation: str, collapse_groups: bool, drop_mtp: bool,
+                      sequential: bool) -> int:
+    """The checkpoint against the settings, before the pass; returns the uniform cluster count."""
+    cfg = checked.config
     _refuse_quantised(checked)
-    ckpt, cfg = opened(checked), checked.config
     count = resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
     _check_before_pass(checked, count, keep, allocation, collapse_groups, drop_mtp)
     if sequential and collapse_groups and cfg.router_settings().get("n_group", 1) > 1:
-        raise ConfigError(f"{src}: --sequential with --collapse-groups: the written checkpoint would route without "
-                          "the routing groups the sequential pass routes its calibration stream with; keep the "
-                          "groups (a --keep that divides into them) or merge one-shot")
-    merge_method = MERGE_METHODS[method]
-    if merge_method.scored:
-        scores_for([score], cfg.HAS_BALANCE_BIAS, f"{src}: --score")
-    if merge_method.check:  # the method's own settings (global: each layer's count is known after the pass)
-        merge_method.check(count if allocation == "uniform" else None, cfg.n_experts, score, group_size)
+        raise ConfigError(f"{checked.path}: --sequential with --collapse-groups: the written checkpoint would route "
+                          "without the routing groups the sequential pass routes its calibration stream with; keep "
+                          "the groups (a --keep that divides into them) or merge one-shot")
+    if method.scores:
+        scores_for(list(method.scores), cfg.HAS_BALANCE_BIAS, f"{checked.path}: --score")
+    method.check(count if allocation == "uniform" else None, cfg.n_experts)  # global: each layer's count is known later
+    return count
+
+
+def _merge_pass(ckpt, method: MergeMethod, batches, dtype: str, seed: int, count: int, sequential: bool,
+                show: bool) -> tuple[dict, dict]:
+    """({layer: MergeStats}, {layer: the method's score per expert}) from one streamed calibration
+    pass; sequential: each layer merged (shrunk) as soon as its statistics are in, for the stream to
+    pass through it as the checkpoint will hold it."""
+    from moejax.inference.stream import stream_layers  # at call time: tests patch it to refuse a pass
+
+    stats, layer_scores, merged_layers = {}, {}, {}
+    carry = (lambda layer: merged_layers.pop(layer)) if sequential else None
+    for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show, variant_of=carry):
+        masks = [None] * len(router_inputs)
+        stats[layer] = merge_stats(moe, router_inputs, masks, **method.stats_options(), seed=seed)
+        if method.scores:
+            acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
+            accumulate_layer(moe, router_inputs, masks, acc, outputs=bool(set(OUTPUT_SCORES) & set(method.scores)))
+            layer_stats = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), seed=seed,
+                                    layer=layer)
+            layer_scores[layer] = compute_scores(layer_stats, list(method.scores))[method.scores[0]]
+        if sequential:
+            ctx = MergeContext.of(stats[layer], layer_scores.get(layer), seed)
+            merged_layers[layer] = merge_layer(method, count, ctx, moe.expert_weights()).expert_map("shrunk")
+    return stats, layer_scores
+
+
+def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=None, seq_len: int | None = None,
+                     max_tokens: int | None = None, batch_size: int = 8, allocation: str = "uniform",
+                     collapse_groups: bool = False, drop_mtp: bool = False, dtype: str = "float32", seed: int = 0,
+                     overwrite: bool = False, progress: bool | None = None, sequential: bool = False) -> dict:
+    """Write the merged checkpoint of `src` to `dst` (shrunk router form) and return its record
+    (also dst/pruning.json). method: a merge method object with its settings
+    (`moejax.merging.method.parse("ream", group_size=8)`). The destination, the checkpoint, the
+    settings and the calibration data are checked before the pass; the plan (groups, counts)
+    before the first byte is written. MTP layers (DeepSeek-V3's, after the decoder layers) are not
+    run by the calibration pass, so they have no merge statistics: drop_mtp removes them as
+    `moejax prune --drop-mtp` does (num_nextn_predict_layers = 0); without it a checkpoint that has
+    them is refused. seed: k-means' and REAM's sample and PCA (`method.seed_use`). sequential: each
+    layer merged on the calibration stream of the model merged up to the layer before (uniform
+    allocation only; group-limited routing kept, not collapsed, so the stream routes as the
+    written checkpoint does)."""
+    _check_settings(method, allocation, dtype, batch_size, sequential, seed)
+    src, dst = Path(src), Path(dst)
+    check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
+    checked = check_checkpoint(src)
+    count = _check_checkpoint(checked, method, keep, allocation, collapse_groups, drop_mtp, sequential)
+    ckpt, cfg = opened(checked), checked.config
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
-    stats, layer_scores = {}, {}
-    merged_layers = {}   # sequential: MoE layer -> its merged layer's ExpertMap, until the stream has passed it
-    carry = (lambda layer: merged_layers.pop(layer)) if sequential else None
-    for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show, variant_of=carry):
-        masks = [None] * len(router_inputs)
-        stats[layer] = merge_stats(moe, router_inputs, masks, **merge_stats_options([method]),
-                                   ream_tokens=ream_tokens, seed=seed)
-        if merge_method.scored:
-            acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
-            accumulate_layer(moe, router_inputs, masks, acc, outputs=False)  # the routed outputs: only mone reads them
-            layer_stats = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), seed=seed,
-                                    layer=layer)
-            layer_scores[layer] = compute_scores(layer_stats, [score])[score]
-        if sequential:  # the layer as the checkpoint will hold it (shrunk), for the stream to pass through
-            merged_layers[layer] = merge_layer(method, count, stats[layer], moe.expert_weights(), hc_method, seed,
-                                               layer_scores.get(layer), group_size).expert_map("shrunk")
-    plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, hc_method, seed,
-                      scores=layer_scores or None, group_size=group_size)
+    stats, layer_scores = _merge_pass(ckpt, method, batches, dtype, seed, count, sequential, show)
+    plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, seed, scores=layer_scores)
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
                      for l, lab in plan.labels.items()}
-    prune_plan = plan_pruning(reader, layout, cfg, score=f"{method} cluster leaders", layers_keep=plan.counts,
+    prune_plan = plan_pruning(reader, layout, cfg, score=f"{method.name} cluster leaders", layers_keep=plan.counts,
                               collapse_groups=collapse_groups, drop_mtp=drop_mtp, layer_scores=leader_scores,
                               leaders=True)
     prune_plan = dataclasses.replace(prune_plan, notes=prune_plan.notes + tuple(file_notes))
+    spec = VariantSpec(method.name, keep, "sequential_shrunk" if sequential else "shrunk")
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
-        "method": method, "router": "shrunk",
-        "hc_method": hc_method if method == "hc_smoe" else None, "keep": keep, "allocation": allocation,
-        "score": score, "group_size": group_size, "ream_tokens": ream_tokens, "sequential": sequential,
+        **spec.record(method.settings()), "allocation": allocation,
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
         "seed": seed, "groups": prune_plan.groups, "dropped_layers": list(prune_plan.dropped_layers),

@@ -41,6 +41,7 @@ from moejax.hf.io.staging import check_destination, staged_directory
 from moejax.hf.layout import CheckpointLayout, layer_of
 from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
 from moejax.surgery.prune_plan import PrunePlan, plan_pruning
+from moejax.variants.spec import VariantSpec
 
 PRUNING_RECORD = "pruning.json"
 
@@ -206,9 +207,9 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
                         drop_mtp=drop_mtp, seed=seed, allocation=allocation)
     plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))
     record = {
-        "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: fingerprint, "score": score,
-        "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "keep": keep,
-        "layers_keep": layers_keep, "allocation": allocation, "seed": seed, "group_aware": group_aware, "groups": plan.groups,
+        "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: fingerprint,
+        **VariantSpec(score, keep, "one_shot").record(),
+        "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep, "allocation": allocation, "seed": seed, "group_aware": group_aware, "groups": plan.groups,
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }

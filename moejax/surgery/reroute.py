@@ -41,23 +41,24 @@ import sys
 import time
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from moejax import __version__
 from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
-from moejax.hf.io.safetensors_format import INDEX_NAME
+from moejax.hf.io.safetensors_format import CONFIG_NAME, numpy_dtype
 from moejax.hf.io.staging import check_apart, check_destination, staged_directory, text_inputs
 from moejax.hf.io.storage import require_local
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.hf.substitution import SubstitutedExpertsView
 from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.scoring.score_checkpoint import calibration_ids
-from moejax.surgery.prune import write_index, write_shard
+from moejax.surgery.prune import PRUNING_RECORD, other_files, write_index, write_shard
 from moejax.surgery.substitute import load_substituted
+from moejax.variants.spec import VariantSpec
 
 RECORD = "reroute.json"
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")   # the router dtypes reroute writes back
 
 
 def _student_record(checked) -> dict:
@@ -179,32 +180,10 @@ def _teacher_cache(cache: Path | None, key: dict, shapes: list, compute) -> tupl
     return out, False
 
 
-def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len: int | None = None,
-                       max_tokens: int | None = None, steps: int = 200, lr: float = 1e-3, warmup: int = 10,
-                       final_lr_fraction: float = 0.1, weight_decay: float = 0.0, batch_size: int = 8,
-                       holdout: float = 0.1, eval_every: int = 10, teacher_cache=None, overwrite: bool = False,
-                       progress: bool | None = None, mesh=None) -> dict:
-    """Write DST (COMPRESSED with its routers distilled from SRC) and return its record (also
-    DST/reroute.json). mesh: a `moejax.parallel.MeshConfig`; with several devices the teacher and
-    the student are loaded with their routed experts split over its expert axis (the "ep"
-    dispatch, gradients included) and the tokens over its data axis. holdout, eval_every: the
-    held-out slice that keeps the result never worse than COMPRESSED (`RerouteSettings`)."""
-    import jax
-    import jax.numpy as jnp
-
-    from moejax.hf.model_io import load_opened, opened
-    from moejax.training.reroute import RerouteSettings, reroute, teacher_log_probs
-
-    settings = RerouteSettings(steps=steps, lr=lr, warmup=warmup, final_lr_fraction=final_lr_fraction,
-                               weight_decay=weight_decay, batch_size=batch_size, holdout=holdout,
-                               eval_every=eval_every).check()
-    for path, what in ((src, "SRC"), (compressed, "COMPRESSED")):
-        require_local(path, f"moejax reroute ({what})")
-    src, compressed, dst = Path(src), Path(compressed), Path(dst)
-    check_destination(dst, overwrite, inputs=(src, compressed, text_inputs(text), tokens, teacher_cache))
-    if teacher_cache is not None:   # written as well as read: never into, or over, an input
-        check_apart(teacher_cache, (src, compressed, text_inputs(text), tokens), "the teacher cache (--teacher-cache)")
-    teacher_cache = check_teacher_cache(teacher_cache)
+def _check_inputs(src: Path, compressed: Path, mesh):
+    """Both checkpoints' headers against their configs, that COMPRESSED was made from SRC (its
+    record's fingerprint is SRC's), the same vocabulary and widths, and the mesh against every
+    layer's expert count. Returns (teacher's check, student's check, the student's variant)."""
     teacher_checked = check_checkpoint(src, uniform_experts=False)
     student_checked = check_checkpoint(compressed, uniform_experts=False, substituted=True)
     record = _student_record(student_checked)
@@ -213,25 +192,54 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
         raise CheckpointError(f"{compressed}/pruning.json: made from a checkpoint with fingerprint "
                               f"{record.get(FINGERPRINT_KEY)!r} ({record.get('source')}), not SRC {src} "
                               f"({fingerprint!r}); the teacher must be the checkpoint it was compressed from")
+    try:
+        student = VariantSpec.from_record(record)
+    except ConfigError as e:
+        raise CheckpointError(f"{compressed}/pruning.json: {e}") from None
     tcfg, scfg = teacher_checked.config, student_checked.config
     for field in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if getattr(tcfg, field) != getattr(scfg, field):
             raise CheckpointError(f"{field}: SRC {getattr(tcfg, field)}, COMPRESSED {getattr(scfg, field)}")
-    mesh = mesh or MeshConfig()
     for cfg_, where in ((tcfg, src), (scfg, compressed)):
         for count in sorted({cfg_.experts_in_layer(l) for l in cfg_.moe_layers}):
             mesh.check_experts(count, str(where))
+    return teacher_checked, student_checked, dataclasses.replace(student, rerouted=True), record.get("settings") or {}
+
+
+def reroute_checkpoint(src, compressed, dst, *, settings=None, text=None, tokens=None, seq_len: int | None = None,
+                       max_tokens: int | None = None, teacher_cache=None, overwrite: bool = False,
+                       progress: bool | None = None, mesh=None) -> dict:
+    """Write DST (COMPRESSED with its routers distilled from SRC) and return its record (also
+    DST/reroute.json). settings: a `moejax.training.reroute.RerouteSettings` (steps, learning rate,
+    batch size, the held-out slice that keeps the result never worse than COMPRESSED, ...; None: its
+    defaults). mesh: a `moejax.parallel.MeshConfig`; with several devices the teacher and the
+    student are loaded with their routed experts split over its expert axis (the "ep" dispatch,
+    gradients included) and the tokens over its data axis."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.hf.model_io import load_opened, opened
+    from moejax.training.reroute import reroute, teacher_log_probs
+    from moejax.training.reroute_settings import RerouteSettings
+
+    settings = (settings or RerouteSettings()).check()
+    for path, what in ((src, "SRC"), (compressed, "COMPRESSED")):
+        require_local(path, f"moejax reroute ({what})")
+    src, compressed, dst = Path(src), Path(compressed), Path(dst)
+    check_destination(dst, overwrite, inputs=(src, compressed, text_inputs(text), tokens, teacher_cache))
+    if teacher_cache is not None:   # written as well as read: never into, or over, an input
+        check_apart(teacher_cache, (src, compressed, text_inputs(text), tokens), "the teacher cache (--teacher-cache)")
+    teacher_cache = check_teacher_cache(teacher_cache)
+    mesh = mesh or MeshConfig()
+    teacher_checked, student_checked, variant_spec, method_settings = _check_inputs(src, compressed, mesh)
+    tcfg, scfg = teacher_checked.config, student_checked.config
     device_mesh = make_mesh(mesh) if mesh.n_devices > 1 else None
     ids, tokenizer = calibration_ids(src, tcfg, text, tokens, seq_len, max_tokens)
-    batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
+    batches = [(ids[i:i + settings.batch_size], None) for i in range(0, len(ids), settings.batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
 
     t0 = time.perf_counter()
-    # what the cached log-probs depend on: the teacher, the tokens, their batching, the vocabulary, the dtype
-    # (not the mesh: it changes them by float rounding only)
-    key = {"format": CACHE_FORMAT, "teacher": fingerprint,
-           "tokens": hashlib.sha256(np.ascontiguousarray(ids).tobytes()).hexdigest(), "shape": list(ids.shape),
-           "batch_size": batch_size, "vocab_size": int(tcfg.vocab_size), "dtype": "float32"}
+    key = _cache_key(checkpoint_fingerprint(teacher_checked), ids, settings.batch_size, int(tcfg.vocab_size))
     shapes = [(len(b), int(ids.shape[1]), int(tcfg.vocab_size)) for b, _ in batches]
 
     def compute():
@@ -239,8 +247,8 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
         return teacher_log_probs(teacher, batches)
 
     def report(i, loss):
-        if show and (i % max(1, steps // 20) == 0 or i == steps - 1):
-            print(f"reroute: step {i + 1}/{steps} KL {loss:.5f}", file=sys.stderr)
+        if show and (i % max(1, settings.steps // 20) == 0 or i == settings.steps - 1):
+            print(f"reroute: step {i + 1}/{settings.steps} KL {loss:.5f}", file=sys.stderr)
 
     substituted = isinstance(student_checked.reader, SubstitutedExpertsView)
     with contextlib.nullcontext() if device_mesh is None else jax.set_mesh(device_mesh):
@@ -251,16 +259,13 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
         else:
             student, variant = load_opened(opened(student_checked), jnp.float32, mesh=device_mesh), None
         result = reroute(student, teacher_logp, batches, settings, variant, progress=report)
-    routers = {}
-    layout = student_checked.layout
-    for l, ml in layout.moe_layers.items():
-        if l < scfg.num_hidden_layers:
-            routers[ml.router] = np.asarray(student.model.layers[l].mlp.router[...], np.float32)
+    routers = {ml.router: np.asarray(student.model.layers[l].mlp.router[...], np.float32)
+               for l, ml in student_checked.layout.moe_layers.items() if l < scfg.num_hidden_layers}
     out = {
         "moejax_version": __version__, "method": "router distillation (arXiv 2603.02217)",
-        "teacher": {"path": str(src.resolve()), FINGERPRINT_KEY: fingerprint},
-        "student": {"path": str(compressed.resolve()), "method": record.get("method", record.get("score")),
-                    "form": record.get("form"), "keep": record.get("keep")},
+        "variant": variant_spec.record(method_settings),
+        "teacher": {"path": str(src.resolve()), FINGERPRINT_KEY: key["teacher"]},
+        "student": {"path": str(compressed.resolve())},
         "settings": dataclasses.asdict(settings), "trained": sorted(routers),
         "mesh": {"data": mesh.data, "expert": mesh.expert},
         "data": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
@@ -269,17 +274,24 @@ def reroute_checkpoint(src, compressed, dst, *, text=None, tokens=None, seq_len:
         "teacher_cache": None if teacher_cache is None else {"path": str(teacher_cache.resolve()), "reused": reused},
         "teacher_seconds": teacher_s, "train_seconds": result.seconds,
     }
-    fused = student_checked.reader._inner if substituted else student_checked.reader   # names as stored
-    _write(fused, routers, compressed, dst, out, overwrite)
+    _write(student_checked.reader, routers, compressed, dst, out, overwrite)   # (a substituted view: names as stored)
     return out
+
+
+def _cache_key(teacher: str, ids, batch_size: int, vocab_size: int) -> dict:
+    """What the cached log-probs depend on: the teacher, the tokens, their batching, the vocabulary,
+    the dtype (not the mesh: it changes them by float rounding only)."""
+    return {"format": CACHE_FORMAT, "teacher": teacher,
+            "tokens": hashlib.sha256(np.ascontiguousarray(ids).tobytes()).hexdigest(), "shape": list(ids.shape),
+            "batch_size": batch_size, "vocab_size": vocab_size, "dtype": "float32"}
 
 
 def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, overwrite: bool) -> None:
     """DST: COMPRESSED's shards with the routers replaced (in their stored dtype), its other files
-    copied byte for byte, and reroute.json. fused: COMPRESSED's `FusedExpertsReader` (stored names
-    to the family's names)."""
+    copied byte for byte (`moejax.surgery.prune.other_files`' checks: regular files inside the
+    folder), its config.json and pruning.json as they are, and reroute.json. fused: COMPRESSED's
+    reader (stored names to the family's names: `view_name`)."""
     stored = fused.reader
-    dtypes = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F64": np.float64}
     names_of = {name: fused.view_name(name) for name in stored.keys() if fused.view_name(name) in routers}
     missing = set(routers) - set(names_of.values())
     if missing:
@@ -287,14 +299,16 @@ def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, over
     values = {}   # each router in its stored dtype, checked before anything is written
     for name, view in names_of.items():
         info = stored.info(name)
-        if info.dtype not in dtypes:
+        if info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{compressed}: router {name} is {info.dtype}; reroute writes float "
-                                  "routers only (F32, BF16, F16, F64)")
+                                  f"routers only ({', '.join(FLOAT_DTYPES)})")
         value = routers[view]
         if tuple(info.shape) != value.shape:
             raise CheckpointError(f"{compressed}: router {name} is {list(info.shape)} on disk, the "
                                   f"student's {list(value.shape)}")
-        values[name] = value.astype(dtypes[info.dtype])   # (a non-finite one, an F16 overflow too: the writer refuses)
+        values[name] = value.astype(numpy_dtype(info.dtype, name))   # (a non-finite one, an F16 overflow: the writer refuses)
+    copied, _ = other_files(stored)
+    copied = [r for r in copied if r.as_posix() != RECORD] + [Path(CONFIG_NAME), Path(PRUNING_RECORD)]
     with staged_directory(dst, overwrite) as staging:
         weight_map, total = {}, 0
         for path in stored.files():
@@ -302,12 +316,7 @@ def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, over
             if tensors:
                 total += write_shard(staging, stored, path, tensors, weight_map)
         write_index(staging, stored, weight_map, total)
-        shards = {p.resolve() for p in stored.files()}
-        for item in sorted(compressed.rglob("*")):
-            relative = item.relative_to(compressed)
-            if item.is_dir() or item.resolve() in shards or relative.as_posix() == INDEX_NAME \
-                    or any(part.startswith(".") for part in relative.parts) or relative.as_posix() == RECORD:
-                continue
+        for relative in copied:
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(item, staging / relative)
+            shutil.copyfile(compressed / relative, staging / relative)
         (staging / RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

@@ -26,8 +26,9 @@ Three steps, as `moejax merge` does them:
    bias entry stays; each substituted expert's constant is written in float32 as
    `{experts prefix}.{e}.approx_value` [H] into the shard holding its layer's router; config.json
    gains `compression_config.transform_config.expert_substitution` (expert counts unchanged);
-   `pruning.json` records the method, score, keep, calibration and, per layer, the kept and
-   substituted experts.
+   `pruning.json` records the variant (`VariantSpec.record`: method = the ranking score, form
+   substituted, the keep asked), the format, calibration and, per layer, the kept and substituted
+   experts.
 
 MTP layers (DeepSeek-V3's, after the decoder layers) are not run by the calibration pass, so they
 have no statistics: they are written whole (no substitution), and the record says so.
@@ -58,6 +59,7 @@ from moejax.scoring.scores import LayerStats, check_score_names, compute_scores,
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import other_files, write_folder, write_index, write_shard
 from moejax.surgery.prune_plan import PrunePlan
+from moejax.variants.spec import VariantSpec
 
 METHOD = "mone"
 
@@ -226,7 +228,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
                      config=config, groups="unchanged", notes=tuple(notes))
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
-        "method": METHOD, "form": "substitute", "format": fmt.FORMAT, "score": score, "keep": keep,
+        **VariantSpec(score, keep, "substituted").record(), "format": fmt.FORMAT,
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
         "groups": "unchanged", "dropped_layers": [], "notes": notes,

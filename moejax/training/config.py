@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_unknown_settings
 from moejax.models.registry import FAMILIES
+from moejax.settings_check import refuse_unknown_settings
 from moejax.training.skills import CODE, check_mix, longest_document
 
 ORBAX_SUFFIX = ".orbax"   # the orbax checkpoints of model.path=P are in P.orbax/ (TrainTinyConfig.orbax_dir)
@@ -26,11 +26,8 @@ def _typed(cls, d, where: str):
         d = {}
     if not isinstance(d, dict):
         raise ConfigError(f"train_tiny: {where} must be a mapping, got {d!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise ConfigError(f"train_tiny: unknown setting(s) {[f'{where}.{k}' for k in unknown]}; "
-                          f"valid {where}.*: {sorted(fields)}")
+    refuse_unknown_settings(cls, d, "train_tiny", lambda unknown, valid: (
+        f"train_tiny: unknown setting(s) {[f'{where}.{k}' for k in unknown]}; valid {where}.*: {valid}"))
     out = {}
     for k, v in d.items():
         want = _NULLABLE.get(k) or type(getattr(cls(), k))

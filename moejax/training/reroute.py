@@ -30,7 +30,8 @@ finite is refused (ConfigError naming the batch); a step whose KL is not finite 
 training with the best finite routers kept; the routers returned are checked finite.
 
     RerouteSettings          steps, learning rate, warmup, final fraction, weight decay, batch,
-                             held-out fraction, evaluation interval
+                             held-out fraction, evaluation interval (`moejax.training.reroute_settings`,
+                             JAX-free: the one declaration of its defaults)
     ROUNDING_KL              the KL below which the student equals the teacher to float32 rounding
     router_filter            the nnx filter of the trained parameters (`MoE.router`)
     kl_loss(t_logp, s_logits, valid)   the loss above, float32
@@ -59,53 +60,10 @@ from flax import nnx
 from moejax.errors import ConfigError
 from moejax.models.causal_lm import _checked
 from moejax.moe.expert_map import ExpertMap
+from moejax.training.reroute_settings import RerouteSettings  # noqa: F401 (train_routers' settings)
 
 
 ROUNDING_KL = float(np.finfo(np.float32).eps)   # 1.19e-7: a KL (nats) float32 rounding of the log-probs alone gives
-
-
-@dataclasses.dataclass(frozen=True)
-class RerouteSettings:
-    steps: int = 200
-    lr: float = 1e-3
-    warmup: int = 10               # linear warmup steps (0: none)
-    final_lr_fraction: float = 0.1  # the cosine decays to lr * this at the last step
-    weight_decay: float = 0.0      # AdamW's decoupled decay (0: plain Adam), on the router weights
-    batch_size: int = 8            # sequences per step
-    holdout: float = 0.1           # the last max(1, floor(holdout * N)) of the N sequences are held out: they
-    #                                select the routers kept and are never trained on (0: select on the training tokens)
-    eval_every: int = 10           # the held-out KL is measured every this many steps (and before the first step,
-    #                                after the last)
-
-    def check(self) -> "RerouteSettings":
-        """Refused before any work, naming the setting."""
-        def integer(name, low):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-                raise ConfigError(f"reroute: {name}={v!r}; expected an integer >= {low}")
-
-        integer("steps", 1)
-        integer("warmup", 0)
-        integer("batch_size", 1)
-        integer("eval_every", 1)
-        if self.warmup >= self.steps and self.warmup:
-            raise ConfigError(f"reroute: warmup={self.warmup} must be below steps={self.steps}")
-        for name, low, high in (("lr", 0.0, 1.0), ("final_lr_fraction", 0.0, 1.0), ("weight_decay", 0.0, 1.0),
-                                ("holdout", 0.0, 0.5)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or not low <= v <= high \
-                    or (name == "lr" and v == 0):
-                raise ConfigError(f"reroute: {name}={v!r}; expected a number in {'(' if name == 'lr' else '['}"
-                                  f"{low}, {high}]")
-        return self
-
-    def schedule(self):
-        """Linear warmup from 0 to lr over `warmup` steps, then a cosine to lr * final_lr_fraction."""
-        return optax.warmup_cosine_decay_schedule(0.0, self.lr, self.warmup, self.steps,
-                                                  self.lr * self.final_lr_fraction)
-
-    def optimizer(self) -> optax.GradientTransformation:
-        return optax.adamw(self.schedule(), weight_decay=self.weight_decay)
 
 
 def router_filter(path, value) -> bool:
@@ -225,6 +183,28 @@ def train_routers(model, teacher_logp: list, batches: list, settings: RerouteSet
     log-probs. The routers returned are the best on the held-out tokens of those measured, the
     input's included (the module's docstring: never worse; early stop at rounding level). The model
     itself is left as it was."""
+    _check_inputs(teacher_logp, batches, settings)
+    graphdef, routers, rest = nnx.split(model, router_filter, ...)
+    routers = jax.tree.map(jnp.copy, routers)   # trained apart from the model's own
+    paths = [path for path, _ in nnx.to_flat_state(routers)]
+    if not paths:
+        raise ConfigError("reroute: the model has no MoE router to train")
+    data = _RerouteData.split(batches, teacher_logp, settings.holdout, _checked(variant, model.config))
+    kl_sum = _kl_sum_fn(graphdef)
+    optimizer = settings.optimizer()
+    opt_state = optimizer.init(routers)
+    step = _step_fn(graphdef, optimizer)
+    t0 = time.perf_counter()
+    best = _BestRouters(functools.partial(_selection_kl, kl_sum, rest, data), routers, data.selection)
+    losses, stopped = _train(step, routers, opt_state, rest, data, settings, best, progress)
+    trained = _finite_routers(best.routers)
+    return trained, RerouteResult(losses, time.perf_counter() - t0, [".".join(map(str, p)) for p in paths],
+                                  best.before, best.kl, best.step, stopped, data.selection, data.n_held,
+                                  best.evaluations)
+
+
+def _check_inputs(teacher_logp: list, batches: list, settings: RerouteSettings) -> None:
+    """The settings, and one teacher log-prob array [B, S, V] per batch of ids [B, S]."""
     settings.check()
     if len(teacher_logp) != len(batches) or not batches:
         raise ConfigError(f"reroute: {len(batches)} batches and {len(teacher_logp)} teacher log-prob arrays")
@@ -233,59 +213,80 @@ def train_routers(model, teacher_logp: list, batches: list, settings: RerouteSet
             raise ConfigError(f"reroute: batch {i}: teacher log-probs {list(np.shape(t))} for ids "
                               f"{list(np.shape(ids))}; "
                               "expected [B, S, V] of the batch's [B, S]")
-    graphdef, routers, rest = nnx.split(model, router_filter, ...)
-    routers = jax.tree.map(jnp.copy, routers)   # trained apart from the model's own
-    paths = [path for path, _ in nnx.to_flat_state(routers)]
-    if not paths:
-        raise ConfigError("reroute: the model has no MoE router to train")
-    variant = _checked(variant, model.config)
-    held, n_held = held_out_rows(batches, settings.holdout)
-    selection = "heldout" if n_held else "training"
-    # (batch index, validity [B, S]) of the training rotation and of the selection measurement
-    train = [(b, _valid(ids, mask, ~rows)) for b, ((ids, mask), rows) in enumerate(zip(batches, held))
-             if not rows.all()]
-    measured = [(b, _valid(ids, mask, rows if n_held else np.ones(len(ids), bool)))
-                for b, ((ids, mask), rows) in enumerate(zip(batches, held)) if rows.any() or not n_held]
 
-    def device(b, valid):
-        ids, mask = batches[b]
+
+@dataclasses.dataclass(frozen=True)
+class _RerouteData:
+    """The batches as training and selection read them: (batch index, validity [B, S]) of the
+    training rotation (batches with a sequence to train on, the held-out rows masked out) and of
+    the selection measurement (the held-out rows; every row when nothing is held out)."""
+
+    batches: list
+    teacher_logp: list
+    variant: object
+    train: list
+    measured: list
+    selection: str   # "heldout" | "training"
+    n_held: int
+
+    @classmethod
+    def split(cls, batches: list, teacher_logp: list, holdout: float, variant) -> _RerouteData:
+        held, n_held = held_out_rows(batches, holdout)
+        train = [(b, _valid(ids, mask, ~rows)) for b, ((ids, mask), rows) in enumerate(zip(batches, held))
+                 if not rows.all()]
+        measured = [(b, _valid(ids, mask, rows if n_held else np.ones(len(ids), bool)))
+                    for b, ((ids, mask), rows) in enumerate(zip(batches, held)) if rows.any() or not n_held]
+        return cls(batches, teacher_logp, variant, train, measured, "heldout" if n_held else "training", n_held)
+
+    def on_device(self, b: int, valid) -> tuple:
+        """(ids, mask or None, valid, teacher log-probs) of batch b on the device."""
+        ids, mask = self.batches[b]
         return (jnp.asarray(ids), None if mask is None else jnp.asarray(mask, bool), jnp.asarray(valid),
-                jnp.asarray(teacher_logp[b]))
+                jnp.asarray(self.teacher_logp[b]))
 
-    kl_sum = _kl_sum_fn(graphdef)
 
-    def measure(r) -> float:
-        total, count = 0.0, 0.0
-        for b, valid in measured:
-            s, n, finite = kl_sum(r, rest, *device(b, valid), variant)
-            if not bool(finite):
-                raise ConfigError(f"reroute: the teacher log-probs of batch {b} are not finite; expected finite "
-                                  "log-softmaxes")
-            total, count = total + float(s), count + float(n)
-        return total / max(count, 1.0)
+def _selection_kl(kl_sum, rest, data: _RerouteData, routers) -> float:
+    """The student's mean KL under `routers` on the selection tokens; a teacher batch that is not
+    finite is refused by name."""
+    total, count = 0.0, 0.0
+    for b, valid in data.measured:
+        s, n, finite = kl_sum(routers, rest, *data.on_device(b, valid), data.variant)
+        if not bool(finite):
+            raise ConfigError(f"reroute: the teacher log-probs of batch {b} are not finite; expected finite "
+                              "log-softmaxes")
+        total, count = total + float(s), count + float(n)
+    return total / max(count, 1.0)
 
-    optimizer = settings.optimizer()
-    opt_state = optimizer.init(routers)
-    step = _step_fn(graphdef, optimizer)
-    t0 = time.perf_counter()
-    best, best_kl, best_step = routers, measure(routers), 0
-    before, evaluations = best_kl, [(0, best_kl)]
-    if not np.isfinite(before):
-        raise ConfigError(f"reroute: the input student's KL on the {selection} tokens is {before}; "
-                          "expected a finite number (a non-finite weight in the student?)")
 
-    def consider(r, updates):
-        nonlocal best, best_kl, best_step
-        kl = measure(r)
-        evaluations.append((updates, kl))
-        if improves(kl, best_kl):
-            best, best_kl, best_step = r, kl, updates
+class _BestRouters:
+    """The routers kept: the input's (measured first, refused when not finite), replaced by a
+    candidate only when it `improves` on them; every measurement is recorded."""
 
+    def __init__(self, measure, routers, selection: str):
+        self.measure = measure
+        self.routers, self.kl, self.step = routers, measure(routers), 0
+        self.before, self.evaluations = self.kl, [(0, self.kl)]
+        if not np.isfinite(self.before):
+            raise ConfigError(f"reroute: the input student's KL on the {selection} tokens is {self.before}; "
+                              "expected a finite number (a non-finite weight in the student?)")
+
+    def consider(self, routers, updates: int) -> None:
+        kl = self.measure(routers)
+        self.evaluations.append((updates, kl))
+        if improves(kl, self.kl):
+            self.routers, self.kl, self.step = routers, kl, updates
+
+
+def _train(step, routers, opt_state, rest, data: _RerouteData, settings: RerouteSettings, best: _BestRouters,
+           progress) -> tuple[list, str | None]:
+    """Up to settings.steps steps over the training rotation, a candidate measured every
+    eval_every steps and after the last; (the training KL of every step run, why it stopped early:
+    "rounding", "diverged" or None), the stopped step's update discarded."""
     losses, stopped = [], None
     for i in range(settings.steps):
-        b, valid = train[i % len(train)]
+        b, valid = data.train[i % len(data.train)]
         previous = routers
-        routers, opt_state, loss, finite = step(previous, rest, opt_state, *device(b, valid), variant)
+        routers, opt_state, loss, finite = step(previous, rest, opt_state, *data.on_device(b, valid), data.variant)
         if not bool(finite):
             raise ConfigError(f"reroute: the teacher log-probs of batch {b} are not finite; expected finite "
                               "log-softmaxes")
@@ -295,17 +296,21 @@ def train_routers(model, teacher_logp: list, batches: list, settings: RerouteSet
         if not np.isfinite(losses[-1]) or losses[-1] < ROUNDING_KL:
             # this step's update is rounding noise or garbage (diverged): the routers before it are the candidate
             stopped = "rounding" if np.isfinite(losses[-1]) else "diverged"
-            if evaluations[-1][0] != i:
-                consider(previous, i)
+            if best.evaluations[-1][0] != i:
+                best.consider(previous, i)
             break
         if (i + 1) % settings.eval_every == 0 or i + 1 == settings.steps:
-            consider(routers, i + 1)
-    trained = {int(path[2]): np.asarray(v[...], np.float32) for path, v in nnx.to_flat_state(best)}
+            best.consider(routers, i + 1)
+    return losses, stopped
+
+
+def _finite_routers(routers) -> dict:
+    """{MoE layer: router float32 [E, H]} of the routers kept, refused when one is not finite."""
+    trained = {int(path[2]): np.asarray(v[...], np.float32) for path, v in nnx.to_flat_state(routers)}
     for layer, router in trained.items():
         if not np.isfinite(router).all():
             raise ConfigError(f"reroute: layer {layer}'s router is not finite after training; nothing kept")
-    return trained, RerouteResult(losses, time.perf_counter() - t0, [".".join(map(str, p)) for p in paths],
-                                  before, best_kl, best_step, stopped, selection, n_held, evaluations)
+    return trained
 
 
 def reroute(student, teacher_logp: list, batches: list, settings: RerouteSettings, variant=None,

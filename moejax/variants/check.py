@@ -24,6 +24,7 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.provenance import check_made_from, checkpoint_fingerprint, scores_sidecar
 from moejax.models.variant import check_routable
 from moejax.scoring.select import resolve_keep, select_kept
+from moejax.variants.spec import VariantSpec
 
 
 def masks_from_kept(kept: dict, config, where: str = "kept sets") -> np.ndarray:
@@ -59,7 +60,8 @@ def masks_from_pruning_record(path, config, checkpoint=None) -> np.ndarray:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         layers = record["layers"]
-        merged = "method" in record or any(isinstance(layer, dict) and "clusters" in layer for layer in layers.values())
+        merged = VariantSpec.from_record(record).merged if "form" in record or "router" in record else False
+        merged = merged or any(isinstance(layer, dict) and "clusters" in layer for layer in layers.values())
         kept = {int(l): layer["kept"] for l, layer in layers.items()}
         sizes = {int(l): layer.get("n_experts") for l, layer in layers.items()}
     except FileNotFoundError:

@@ -2,7 +2,7 @@
 Hydra to the results table.
 
     method  a score (pruning, substitution; `moejax.scoring.scores`) or a merge method
-            (`moejax.merging.layer.MERGE_METHODS`); None for the unpruned model
+            (its name: `moejax.merging.method.MERGE_METHODS`); None for the unpruned model
     keep    router slots kept per MoE layer (a count: ratios are resolved against E first)
     rerouted  the variant with its routers distilled from the unpruned model afterwards
             (`moejax.training.reroute`); a results row carries `rerouted` only when True
@@ -17,6 +17,13 @@ Hydra to the results table.
                            already merged up to layer l (REAM's sequential mode), under that router form
               substituted  substitution (MoNE): a removed expert's slot stays in the router and
                            returns a constant vector
+
+A checkpoint's record (`pruning.json` of `moejax prune`, `merge`, `prune --substitute`; `reroute.json`'s
+`variant`) holds the spec's fields at its top level, `record()`, with `keep` as it was asked (a
+count or a ratio of E; None for per-layer counts) and the method's settings (`settings`: a merge
+method's, `moejax.merging.method`); `from_record` reads it back, and also the three schemas
+written before it (`prune`: `score`; `merge`: `method`, `router`, `sequential`; `--substitute`:
+`form` "substitute", `score`).
 
 Results tables carry `method`, `form` and `keep` columns, one per field (`row`, read back by
 `from_row`); tables written before these columns existed (`score` for the method, `mode` for the
@@ -33,7 +40,6 @@ PRUNING_FORMS = ("one_shot", "sequential")
 ROUTER_FORMS = ("tied", "shrunk")     # a merged layer's router: every slot, or one slot per cluster
 MERGE_FORMS = (*ROUTER_FORMS, *(f"sequential_{r}" for r in ROUTER_FORMS))
 FORMS = ("none", *PRUNING_FORMS, *MERGE_FORMS, "substituted")
-LEGACY_COLUMNS = {"score": "method", "mode": "form"}   # the results columns' names before the spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +100,29 @@ class VariantSpec:
             return cls.unpruned()
         rerouted = is_rerouted(fields.get("rerouted"))
         return cls(str(method), None if keep is None or keep != keep else int(keep), str(form), rerouted)
+
+    def record(self, settings: dict | None = None) -> dict:
+        """The spec's fields of a checkpoint's record (`RECORD_FIELDS`): method, form, keep (as
+        asked), rerouted, and the method's settings ({} for a score)."""
+        return {"method": self.method, "form": self.form, "keep": self.keep, "rerouted": self.rerouted,
+                "settings": dict(settings or {})}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "VariantSpec":
+        """The spec a checkpoint's record names: `record()`'s fields, or one of the schemas written
+        before them (refused, naming what it has, when it is none of them)."""
+        if not isinstance(record, dict):
+            raise ConfigError(f"a checkpoint record must be a JSON object, got {type(record).__name__}")
+        keep = record.get("keep")
+        if record.get("form") in FORMS and "method" in record:
+            return cls(record["method"], keep, record["form"], bool(record.get("rerouted", False)))
+        if record.get("form") == "substitute":   # `prune --substitute` before the spec: method "mone", its score
+            return cls(record.get("score") or record.get("method"), keep, "substituted")
+        if "router" in record and "method" in record:   # `moejax merge` before the spec
+            return cls(record["method"], keep, ("sequential_" if record.get("sequential") else "") + record["router"])
+        if "score" in record:   # `moejax prune` before the spec
+            return cls(record["score"], keep, "one_shot")
+        raise ConfigError(f"not a moejax checkpoint record (no method and form, nor score): keys {sorted(record)}")
 
 
 def is_rerouted(value) -> bool:

@@ -19,7 +19,7 @@ layer is on held-out tokens.
 
 Beside the scores, the merging baselines of SPEC section 8 at the same keeps (`merges`): HC-SMoE
 and M-SMoE by default, REAM when named (`toy.merges=[hc_smoe,m_smoe,ream]`: centroids by
-`toy.merge_score`, REAP by default, groups of at most `toy.group_size`), each under both router forms,
+`merge.ream.score`, REAP by default, groups of at most `merge.ream.group_size`), each under both router forms,
     tied      every router slot remains; slot e computes its cluster's merged expert
     shrunk    only each cluster's leader's slot remains (its most frequent member, ties to the lower
               index); it computes the merged expert
@@ -58,21 +58,19 @@ This module is what moejax.experiments.runner reads (`Config`, `settings_from`, 
 `summary_title`, `summary_table`) and the names callers import; importing it imports no JAX.
 """
 
-from moejax.experiments.toy3.config import (DEFAULT_MERGES, DEFAULT_SCORES, LOADS, MERGES, OFFSETS, ROUTERS,
+from moejax.experiments.toy3.config import (DEFAULT_MERGES, DEFAULT_SCORES, LOADS, OFFSETS, ROUTERS,
                                             Toy3Config, settings_from)
 from moejax.experiments.toy3.draw import draw_inputs
 from moejax.experiments.toy3.eq6 import coroute_pairs, eq6_metrics, eq6_prediction
 from moejax.experiments.toy3.job import run
 from moejax.experiments.toy3.results import summary_table, summary_title
 from moejax.experiments.toy3.stage_one import merges_read_table
-from moejax.experiments.toy3.variants import (Layout, MergeMap, layout, merge_labels, merge_map, merge_slots, pair_map,
-                                              ream_labels)
+from moejax.experiments.toy3.variants import Layout, MergeMap, layout, merge_map, merge_slots, pair_map
 
 # What moejax.experiments.runner looks for in an experiment module (see moejax.experiments).
 Config = Toy3Config
-_merges_read_table = merges_read_table  # its name before toy3 became a package (tests/test_toy3.py)
 
-__all__ = ["Config", "DEFAULT_MERGES", "DEFAULT_SCORES", "LOADS", "Layout", "MERGES", "MergeMap", "OFFSETS", "ROUTERS",
-           "Toy3Config", "coroute_pairs", "draw_inputs", "eq6_metrics", "eq6_prediction", "layout", "merge_labels",
-           "merge_map", "merge_slots", "merges_read_table", "pair_map", "ream_labels", "run", "settings_from",
+__all__ = ["Config", "DEFAULT_MERGES", "DEFAULT_SCORES", "LOADS", "Layout", "MergeMap", "OFFSETS", "ROUTERS",
+           "Toy3Config", "coroute_pairs", "draw_inputs", "eq6_metrics", "eq6_prediction", "layout",
+           "merge_map", "merge_slots", "merges_read_table", "pair_map", "run", "settings_from",
            "summary_table", "summary_title"]

@@ -6,17 +6,18 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.errors import ConfigError
-from moejax.experiments import refuse_repeats, refuse_unknown_settings
+from moejax.experiments.settings import typed_settings
+from moejax.merging.method import MERGE_METHODS
 from moejax.parallel.mesh import MeshConfig
-from moejax.scoring.scores import scores_for
+from moejax.scoring.scores import OUTPUT_SCORES, scores_for
 from moejax.scoring.select import resolve_keep
+from moejax.settings_check import refuse_repeats
 
 OFFSETS = ("ones", "random")
 LOADS = ("skewed", "balanced")
 ROUTERS = ("sigmoid", "softmax")  # toy_layer.ROUTERS, not imported: validating needs no JAX
 DEFAULT_SCORES = ("frequency", "signed", "l1", "random", "reap", "ean")
-MERGES = ("hc_smoe", "m_smoe", "ream")  # moejax.merging.layer.MERGE_METHODS, not imported: validating needs no JAX
-DEFAULT_MERGES = ("hc_smoe", "m_smoe")
+DEFAULT_MERGES = MERGE_METHODS.parse_all(("hc_smoe", "m_smoe"))   # moejax.merging.method: JAX-free
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +28,9 @@ class Toy3Config:
     seeds: int = 8                # seeds seed .. seed + seeds - 1, vectorised in one job
     keep: tuple = (8, 16, 32, 48)  # counts, or ratios of E (floats in (0, 1])
     scores: tuple = DEFAULT_SCORES  # any registered score but reap_code (aimer reads the experts' w1, w2)
-    merges: tuple = DEFAULT_MERGES  # merging baselines (SPEC section 8), each under both router forms; () = none;
-                                  # ream as well when named
+    merges: tuple = DEFAULT_MERGES  # merging baselines (SPEC section 8; `MergeMethod` objects, settings from the
+                                  # `merge` block: merge.ream.group_size=8), each under both router forms; () = none
     substitutes: tuple = ()       # scores whose kept sets are also evaluated substituted (MoNE), e.g. [mone]
-    group_size: int = 16          # ream: the most experts a group holds, its centroid included (REAM's C)
-    merge_score: str = "reap"     # ream: the score its centroids are ranked and averaged by
     eq6_pairs: int = 16           # Eq. 6 check: pairs merged one at a time per seed and condition; 0 = none
     offsets: tuple = OFFSETS
     loads: tuple = LOADS
@@ -54,23 +53,13 @@ class Toy3Config:
     @classmethod
     def from_mapping(cls, cfg: dict) -> "Toy3Config":
         """Build from a plain dict (a resolved Hydra config), rejecting unknown keys and bad values."""
-        cfg = dict(cfg)
-        refuse_unknown_settings(cls, cfg, "toy3")
-        if "keep" in cfg and cfg["keep"] is not None:
-            keep = cfg["keep"]
-            cfg["keep"] = tuple(keep) if isinstance(keep, (list, tuple)) else (keep,)
-        elif "keep" in cfg:
-            del cfg["keep"]
-        for key in ("scores", "merges", "substitutes", "offsets", "loads"):
-            if key in cfg:
-                cfg[key] = tuple(cfg[key]) if isinstance(cfg[key], (list, tuple)) else (cfg[key],)
-        out = cls(**cfg)
+        out = cls(**typed_settings(cls, cfg, "toy3"))
         out.validate()
         return out
 
     def validate(self) -> None:
         for name in ("seed", "seeds", "d_model", "d_hidden", "n_experts", "top_k", "n_calib",
-                     "n_heldout", "balance_steps", "seed_batch", "mesh_data", "mesh_expert", "eq6_pairs", "group_size"):
+                     "n_heldout", "balance_steps", "seed_batch", "mesh_data", "mesh_expert", "eq6_pairs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"toy3: {name} must be an integer, got {value!r}")
@@ -84,21 +73,16 @@ class Toy3Config:
                 raise ConfigError(f"toy3: {name}={list(value)}; valid values: {list(valid)}")
             refuse_repeats("toy3", name, value)
         self.check_router()
-        if [m for m in self.merges if m not in MERGES]:
-            raise ConfigError(f"toy3: merges={list(self.merges)}; valid merges: {list(MERGES)}, each at most "
-                              "once (toy.merges=[] for none)")
-        refuse_repeats("toy3", "merges", self.merges)
-        if "ream" in self.merges:
-            from moejax.merging.ream import check_group_size, check_ream_score   # numpy only
-
-            try:
-                check_ream_score(self.merge_score, "toy.merge_score")
-                if self.merge_score == "reap_code":
-                    raise ConfigError("toy.merge_score 'reap_code': the toy does not compute it (see scores)")
+        try:  # each merge method's settings against the toy's layer (REAM: its score, its group size)
+            for method in self.merges:
+                if "reap_code" in method.scores:
+                    raise ConfigError(f"{method.name}'s score 'reap_code': the toy does not compute it (see scores)")
+                if method.scores:
+                    scores_for(list(method.scores), self.has_balance_bias, f"{method.name}'s score (router={self.router})")
                 for keep in self.keep_counts():
-                    check_group_size(self.group_size, keep, self.n_experts)
-            except ConfigError as e:
-                raise ConfigError(f"toy3: {e}") from None
+                    method.check(keep, self.n_experts)
+        except ConfigError as e:
+            raise ConfigError(f"toy3: {e}") from None
         refuse_repeats("toy3", "scores", self.scores)
         n_pairs = self.n_experts * (self.n_experts - 1) // 2
         if not 0 <= self.eq6_pairs <= n_pairs:
@@ -141,8 +125,16 @@ class Toy3Config:
     def needs_outputs(self) -> bool:
         """Whether the calibration pass brings the routed pairs' outputs to the host: the mone score
         and the substitutes' constants read their sums."""
-        return bool(self.substitutes) or "mone" in self.scores or ("ream" in self.merges
-                                                                    and self.merge_score == "mone")
+        return bool(self.substitutes) or bool(set(OUTPUT_SCORES) & {*self.scores, *self.merge_scores})
+
+    @property
+    def merge_scores(self) -> tuple:
+        """The scores the merges read per expert (REAM's centroid score)."""
+        return tuple(dict.fromkeys(s for m in self.merges for s in m.scores))
+
+    def merges_read(self, field: str) -> bool:
+        """Whether a merge reads the `MergeStats` field `field` (stage one computes only those)."""
+        return any(field in m.reads for m in self.merges)
 
     @property
     def has_balance_bias(self) -> bool:
@@ -156,7 +148,7 @@ class Toy3Config:
 def settings_from(cfg: dict) -> dict:
     """toy3's settings from the resolved Hydra config: the `toy` block plus seed, seeds and keep."""
     settings = dict(cfg.get("toy") or {})
-    settings.update({k: cfg[k] for k in ("seed", "seeds", "keep") if cfg.get(k) is not None})
+    settings.update({k: cfg[k] for k in ("seed", "seeds", "keep", "merge") if cfg.get(k) is not None})
     mesh = MeshConfig.from_dict(cfg.get("mesh"))
     settings.update(mesh_data=mesh.data, mesh_expert=mesh.expert)
     if settings.get("backend", "auto") == "auto":  # the routed experts' backend follows the mesh

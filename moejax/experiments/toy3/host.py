@@ -13,8 +13,8 @@ import numpy as np
 
 from moejax.experiments.toy3.config import Toy3Config
 from moejax.experiments.toy3.eq6 import coroute_pairs
-from moejax.experiments.toy3.variants import (Layout, MergeMap, conditions, merge_labels, merge_map, pair_map,
-                                              ream_labels)
+from moejax.experiments.toy3.variants import Layout, MergeMap, conditions, merge_map, pair_map
+from moejax.merging.method import MergeContext
 from moejax.scoring.scores import LayerStats, compute_scores, stats_from_pairs
 from moejax.scoring.select import select_kept
 
@@ -98,7 +98,7 @@ def decide_variants(cfg: Toy3Config, lay: Layout, seeds, stacked: dict, host: di
         out.top16_share_ZOW[s, o, l_] = _top16_share(stats.counts_E)
         out.masks_ZOWAE[s, o, l_, :n_pruned], out.overlap_ZOWA[s, o, l_] = _pruning(cfg, lay, stats, scores)
         if (s, o) not in clustering:
-            clustering[s, o] = _clustering_inputs(cfg, host, stacked["x_cal"][s, o], (s, o), int(seed))
+            clustering[s, o] = _clustering_inputs(cfg, host, stacked["x_cal"][s, o], (s, o))
         w1, w2 = stacked["w1"][s], stacked["w2"][s]
         first_row = cfg.n_experts + l_ * lay.n_slots  # this load's merged experts in the table
         placed = _merges(cfg, lay, stats, clustering[s, o], alignments.setdefault(s, {}), (w1, w2), first_row,
@@ -148,52 +148,55 @@ def _pruning(cfg: Toy3Config, lay: Layout, stats: LayerStats, scores: dict) -> t
     return kept_AE, overlap_A
 
 
-def _clustering_inputs(cfg: Toy3Config, host: dict, x_cal_TD, at: tuple, seed: int) -> dict:
-    """What the merges' clusters read, per (seed, offset) `at`: hc_smoe the experts' mean outputs,
-    m_smoe the Gram matrix L^T L of the calibration tokens' router logits L [T, E] (float64), ream
-    its similarity and alignment tokens (`_ream_inputs`); each clustering of hc_smoe is kept here
-    too, under its keep, as it is the same under either load."""
-    logits = np.asarray(host["logits_cal"][at], np.float64) if "logits_cal" in host else None
-    inputs = {"mean_output": host["cal_mean_output"][at] if "cal_mean_output" in host else None,
-              "gram": None if logits is None else logits.T @ logits}
-    if "ream" in cfg.merges:
-        inputs.update(_ream_inputs(host["cal_gated_output"][at], inputs["gram"], x_cal_TD, seed))
+def _clustering_inputs(cfg: Toy3Config, host: dict, x_cal_TD, at: tuple) -> dict:
+    """What the merges read, per (seed, offset) `at`, by `MergeStats` field (each only when a merge
+    reads it, `MergeMethod.reads`): the experts' mean outputs over all calibration tokens, the Gram
+    matrix L^T L of the calibration tokens' router logits L [T, E] (float64), the router-weighted
+    output sums; and the calibration tokens' router inputs, which `_merge_stats` samples."""
+    inputs = {"x_cal_TD": x_cal_TD}
+    if "cal_mean_output" in host:
+        inputs["mean_output_EH"] = host["cal_mean_output"][at]
+    if "logits_cal" in host:
+        logits = np.asarray(host["logits_cal"][at], np.float64)
+        inputs["logit_gram_EE"] = logits.T @ logits
+    if "cal_gated_output" in host:
+        inputs["gated_output_sum_EH"] = host["cal_gated_output"][at]
     return inputs
 
 
-def _ream_inputs(gated_output_ED, gram_EE, x_cal_TD, seed: int) -> dict:
-    """What REAM reads beside the scores, per (seed, offset): the similarity its groups are formed
-    by, and the router inputs of `REAM_TOKENS` calibration tokens (`subsample_positions`, seeded by
-    the toy's seed) its alignment computes activations on."""
-    from moejax.merging.calibration import REAM_TOKENS, subsample_positions
-    from moejax.merging.ream import ream_similarity
+def _merge_stats(method, inputs: dict, counts_E, seed: int):
+    """One condition's `MergeStats` for `method`, from `_clustering_inputs` and the load's routing
+    counts: the fields it reads (`method.reads`); its sampled router inputs, `method.sampled_tokens`
+    of the calibration tokens (`subsample_positions`, seeded by the toy's seed). The mean outputs
+    are given as the sums over one token, so `mean_output_EH` is them exactly."""
+    from moejax.merging.calibration import MergeStats, subsample_positions   # (JAX: the host step runs after it)
 
-    return {"similarity": ream_similarity(gated_output_ED, gram_EE),
-            "act_inputs": x_cal_TD[subsample_positions(len(x_cal_TD), REAM_TOKENS, seed)]}
+    reads = set(method.reads)
+    x_cal_TD = inputs["x_cal_TD"]
+    act = (x_cal_TD[subsample_positions(len(x_cal_TD), method.sampled_tokens, seed)]
+           if "act_inputs_NH" in reads else None)
+    return MergeStats(counts_E, inputs.get("mean_output_EH"), inputs.get("logit_gram_EE"), 1,
+                      inputs.get("gated_output_sum_EH") if "gated_output_sum_EH" in reads else None, act)
 
 
 def _merges(cfg: Toy3Config, lay: Layout, stats: LayerStats, inputs: dict, alignments: dict, weights: tuple,
             first_row: int, seed: int) -> list[Placed]:
-    """Each merge (method, keep) of one condition: its clusters (SPEC section 8), merged into the
-    table rows from `first_row`, placed as its shrunk and tied forms. inputs: `_clustering_inputs`;
-    alignments: M-SMoE's memo for this seed's experts; weights: (w1, w2) of this seed's layer."""
-    if "ream" in cfg.merges:  # its centroid score, under this load's routing
-        ream_scores = compute_scores(stats, [cfg.merge_score])[cfg.merge_score]
+    """Each merge (method, keep) of one condition: its clusters (SPEC section 8, the method's own
+    `clusters`), merged into the table rows from `first_row`, placed as its shrunk and tied forms.
+    inputs: `_clustering_inputs`; alignments: M-SMoE's memo for this seed's experts; weights: (w1,
+    w2) of this seed's layer. A merge reading a score (REAM's centroids) reads it under this load's
+    routing."""
+    merge_scores = compute_scores(stats, list(cfg.merge_scores)) if cfg.merge_scores else {}
     n_pruned, n_merged = len(lay.pruned), len(lay.merged)
+    contexts = {}   # per method: its MergeContext under this condition, for every keep
     placed = []
     for m, (method, keep) in enumerate(lay.merged):
-        extra = {}   # the method's own merge arguments
-        if method == "hc_smoe":  # the same clusters under either load (only the weights' freq differ)
-            if keep not in inputs:
-                inputs[keep] = merge_labels(method, keep, stats.counts_E, inputs["mean_output"])
-            labels = inputs[keep]
-        elif method == "ream":
-            labels = ream_labels(keep, ream_scores, inputs["similarity"], cfg.group_size)
-            extra = dict(scores_E=ream_scores, act_inputs_NH=inputs["act_inputs"], seed=seed)
-        else:
-            labels = merge_labels(method, keep, stats.counts_E, logit_gram_EE=inputs["gram"])
-            extra = dict(alignments=alignments)
-        mm = merge_map(method, labels, stats.counts_E, *weights, first_row + lay.first_slot[m], **extra)
+        if method not in contexts:
+            contexts[method] = MergeContext.of(_merge_stats(method, inputs, stats.counts_E, seed),
+                                               merge_scores[method.scores[0]] if method.scores else None, seed,
+                                               alignments)
+        ctx = contexts[method]
+        mm = merge_map(method, method.clusters(keep, ctx), ctx, *weights, first_row + lay.first_slot[m])
         placed.append(Placed(mm, [m, n_merged + m], lay.first_slot[m], n_pruned + m))
     return placed
 

@@ -66,15 +66,15 @@ def stage_one(cfg: Toy3Config):
                    bias=bias_ZOWE, logits_held=logits_held)
         if cfg.needs_outputs:  # the routed pairs' outputs [Z, O, W, T, K, D]
             out["cal_out"] = cal[3]
-        if "hc_smoe" in cfg.merges:
+        if cfg.merges_read("mean_output_EH"):
             def mean_outputs(i):  # c_j = mean over the calibration tokens of f_j(x), one (seed, offset)
                 return toy_layer.mean_expert_outputs(weights(i // n_offsets), x_cal_ZOTD[i // n_offsets, i % n_offsets])
 
             out["cal_mean_output"] = jax.lax.map(mean_outputs, jnp.arange(n_held)).reshape(
                 *x_cal_ZOTD.shape[:2], cfg.n_experts, x_cal_ZOTD.shape[-1])
-        if "m_smoe" in cfg.merges or "ream" in cfg.merges:
+        if cfg.merges_read("logit_gram_EE"):
             out["logits_cal"] = logits_cal_ZOTE
-        if "ream" in cfg.merges:
+        if cfg.merges_read("gated_output_sum_EH"):
             def gated_outputs(i):  # m_j = sum_t softmax(l(x_t))_j f_j(x_t), one (seed, offset)
                 s, o = i // n_offsets, i % n_offsets
                 p_TE = jax.nn.softmax(logits_cal_ZOTE[s, o], axis=-1)

@@ -35,7 +35,7 @@ class Layout(NamedTuple):
     n_slots rows per load in all."""
 
     pruned: list      # (score, keep)
-    merged: list      # (method, keep)
+    merged: list      # (MergeMethod, keep)
     first_slot: list
     n_slots: int
     substituted: list = []   # (score, keep): MoNE's variants, evaluated apart (`stage_two.stage_substitutes`)
@@ -51,8 +51,8 @@ class Layout(NamedTuple):
 
     def labels(self, pairs) -> list:
         """(score, keep) of every variant; pairs: the (i, j) of the Eq. 6 variants."""
-        return (self.pruned + [(f"{m}:shrunk", k) for m, k in self.merged]
-                + [(f"{m}:tied", k) for m, k in self.merged] + [(f"pair:{i}+{j}", None) for i, j in pairs])
+        return (self.pruned + [(f"{m.name}:shrunk", k) for m, k in self.merged]
+                + [(f"{m.name}:tied", k) for m, k in self.merged] + [(f"pair:{i}+{j}", None) for i, j in pairs])
 
 
 def layout(cfg: Toy3Config) -> Layout:
@@ -71,27 +71,6 @@ def merge_slots(keep: int, n_experts: int) -> int:
     return min(keep, n_experts - keep)
 
 
-def merge_labels(method: str, keep: int, counts_E, mean_output_ED=None, logit_gram_EE=None) -> np.ndarray:
-    """The clusters [E] of `method` (SPEC section 8): hc_smoe from the experts' mean outputs over all
-    calibration tokens (average linkage), m_smoe from the Gram matrix L^T L of the calibration
-    tokens' router logits L [T, E] (the cosines of its columns) and the routing counts. (ream:
-    `ream_labels`.)"""
-    from moejax.merging.clusters import hc_smoe_clusters, m_smoe_groups_from_gram
-
-    if method == "hc_smoe":
-        return hc_smoe_clusters(mean_output_ED, keep)
-    return m_smoe_groups_from_gram(logit_gram_EE, counts_E, keep)
-
-
-def ream_labels(keep: int, scores_E, similarity_EE, group_size: int) -> np.ndarray:
-    """REAM's groups [E] (`moejax.merging.ream.ream_groups`): the `keep` highest-scoring experts are
-    centroids, each takes its group_size - 1 most similar unassigned experts, similarity =
-    `ream_similarity` of the router-weighted output sums and the router-logit Gram."""
-    from moejax.merging.ream import ream_groups
-
-    return ream_groups(scores_E, similarity_EE, keep, group_size)
-
-
 class MergeMap(NamedTuple):
     """One merge of the layer as expert maps: the shrunk form keeps the router slots `leaders` (each
     cluster's most frequent member, ties to the lower index), the tied form every slot; under both,
@@ -104,15 +83,15 @@ class MergeMap(NamedTuple):
     experts: list
 
 
-def merge_map(method: str, labels_E, counts_E, w1_EDF, w2_EFD, first_row: int, **extra) -> MergeMap:
-    """The merge of clusters `labels_E` (`moejax.merging.layer.merge_clusters`): each cluster G becomes
-    W_G = sum_{j in G} freq_j W_j / sum_{j in G} freq_j, w1 and w2 separately, freq the routing
-    counts; m_smoe first aligns each member's neurons to its cluster's leader, the dominant expert;
-    ream (extra: scores_E, act_inputs_NH, seed) aligns each member to its centroid and weights by
-    the scores; m_smoe's extra may be `alignments`, its memo of the layer's alignments (`MergeContext`)."""
+def merge_map(method, labels_E, ctx, w1_EDF, w2_EFD, first_row: int) -> MergeMap:
+    """The merge of clusters `labels_E` by `method` (a `MergeMethod`; `moejax.merging.layer.merge_clusters`
+    under the context `ctx`): each cluster G becomes W_G = sum_{j in G} freq_j W_j / sum_{j in G} freq_j,
+    w1 and w2 separately, freq the routing counts; m_smoe first aligns each member's neurons to its
+    cluster's leader, the dominant expert (ctx.alignments: its memo of the layer's alignments); ream
+    aligns each member to its centroid and weights by the scores."""
     from moejax.merging.layer import merge_clusters
 
-    merge = merge_clusters(method, labels_E, counts_E, {"w1": w1_EDF, "w2": w2_EFD}, **extra)
+    merge = merge_clusters(method, labels_E, ctx, {"w1": w1_EDF, "w2": w2_EFD})
     rows, experts = np.arange(len(merge.labels_E), dtype=np.int32), []
     for c in range(merge.n_clusters):
         members = np.flatnonzero(merge.labels_E == c)
