@@ -73,13 +73,14 @@ class Toy3Config:
                 raise ConfigError(f"toy3: {name}={list(value)}; valid values: {list(valid)}")
             refuse_repeats("toy3", name, value)
         self.check_router()
+        keeps = self.keep_counts() if self.merges else []   # (a bad keep is refused as itself, unprefixed)
         try:  # each merge method's settings against the toy's layer (REAM: its score, its group size)
             for method in self.merges:
                 if "reap_code" in method.scores:
                     raise ConfigError(f"{method.name}'s score 'reap_code': the toy does not compute it (see scores)")
                 if method.scores:
                     scores_for(list(method.scores), self.has_balance_bias, f"{method.name}'s score (router={self.router})")
-                for keep in self.keep_counts():
+                for keep in keeps:
                     method.check(keep, self.n_experts)
         except ConfigError as e:
             raise ConfigError(f"toy3: {e}") from None
