@@ -15,8 +15,8 @@ Two steps, both explicit so each can be read and tested alone:
    in order along the expert axis.
 
 The output is written to a hidden sibling folder and renamed at the end (never a half-written
-DST), beside a `pruning.json` recording the source, the score, the keep and the kept source
-indices per layer, which `moejax diff` can check against the files. `write_folder` and the shard
+DST), beside a `pruning.json` recording the source, the variant (`VariantSpec.record`: method the
+score, form one_shot, the keep asked) and the kept source indices per layer, which `moejax diff` can check against the files. `write_folder` and the shard
 writers here are shared by the other surgeries (`moejax merge`, `--substitute`, `reroute`).
 """
 
