@@ -306,3 +306,59 @@ def test_a_selection_leaving_a_token_short_of_top_k_kept_experts_is_refused(tmp_
                                           r"group-limited routing \(n_group=4, topk_group=2\) can give a token groups "
                                           r"holding only 2 kept experts, below num_experts_per_tok=4"):
         evaluate_pruning(open_checkpoint(path), ids, {"a": ids}, ["l1"], [E, 4], batch_size=2)
+
+
+def numpy_agreement(p_logits, q_logits):
+    """ESAP, KL(p || q) and top-1 agreement per position, float64 (moejax.inference.agreement's
+    definitions)."""
+    def logp(z):
+        z = np.asarray(z, np.float64)
+        return z - (np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) + z.max(-1, keepdims=True))
+    lp, lq = logp(p_logits), logp(q_logits)
+    return (np.minimum(np.exp(lp), np.exp(lq)).sum(-1), (np.exp(lp) * (lp - lq)).sum(-1),
+            np.argmax(p_logits, -1) == np.argmax(q_logits, -1))
+
+
+def test_agreement_rows_match_transformers_on_the_pruned_checkpoint(tmp_path):
+    """ESAP, KL and top-1 agreement of a one-shot variant, from the carried pass's chunked head (3
+    vocabulary chunks), against numpy on transformers' logits of the source and of the checkpoint
+    `moejax prune` writes with the same kept experts (its per-layer kept sets checked to be the
+    pass's first; no routing groups, so the written checkpoint routes as the variant does)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moejax.surgery.prune import prune_checkpoint
+
+    path = tmp_path / "src"
+    model = make_checkpoint(path, seed=32, vocab_size=256, n_routed_experts=8, n_group=1, topk_group=1,
+                            num_experts_per_tok=K)
+    rng = np.random.default_rng(1)
+    calib = rng.integers(0, 256, size=(4, SEQ)).astype(np.int32)
+    heldout = {"a": rng.integers(0, 256, size=(3, SEQ)).astype(np.int32),
+               "b": rng.integers(0, 256, size=(2, SEQ)).astype(np.int32)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "VOCAB_CHUNK", 100)
+        rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["l1"], [4, 8], batch_size=4)
+    df = pd.DataFrame(rows)
+    kept = {l: sorted(int(e) for e in by_name["l1@4"]) for l, by_name in info["kept"].items()}
+    record = prune_checkpoint(path, tmp_path / "pruned", score="l1", keep=4)
+    assert {int(l): v["kept"] for l, v in record["layers"].items()} == kept
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", torch_dtype=torch.float32).eval()
+    variant = df[(df["form"] == "one_shot") & (df.method == "l1") & (df.keep == 4)]
+    totals = {"esap": [], "kl": [], "top1_agreement": []}
+    for text, ids in heldout.items():
+        with torch.no_grad():
+            p = model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()[:, :-1]
+            q = pruned(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()[:, :-1]
+        for metric, want in zip(totals, numpy_agreement(p, q)):
+            totals[metric].append(want.ravel())
+            got = variant[(variant.text == text) & (variant.metric == metric)].value.item()
+            assert got == pytest.approx(float(want.mean()), abs=1e-4)
+    for metric, values in totals.items():
+        got = variant[(variant.text == "all") & (variant.metric == metric)].value.item()
+        assert got == pytest.approx(float(np.concatenate(values).mean()), abs=1e-4)
+    assert 0.05 < 1 - variant[(variant.text == "all") & (variant.metric == "esap")].value.item()   # it differs
+    assert df[(df["form"] == "none") & df.metric.isin(list(totals))].empty   # the reference is not a variant
+    full = df[(df.keep == 8) & df.metric.isin(["esap", "top1_agreement"])]
+    assert len(full) == 6 and np.allclose(full.value, 1.0, atol=1e-5)   # every expert kept: the same distribution
+    assert np.allclose(df[(df.keep == 8) & (df.metric == "kl")].value, 0.0, atol=1e-6)

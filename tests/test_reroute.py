@@ -604,13 +604,18 @@ def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path, monkeypa
     assert any(r.kept_step for r in results.values())   # (the override check above is not vacuous)
     # the rerouted rows' perplexity path (the whole forward) on each plan as built: the carried pass's rows
     forward = load_pretrained(path).jitted()
-    plain = df[(df.rerouted.astype(str) != "True") & (df.metric == "perplexity")]
+    # (and the agreement with the unpruned model: the forward's whole logits against the pass's chunked head)
+    metrics = ("perplexity", "esap", "kl", "top1_agreement")
+    plain = df[(df.rerouted.astype(str) != "True") & df.metric.isin(metrics)]
     for spec, plan in plans.items():
         got = prune_real.forward_perplexity_rows(forward, seen["heldout"], plan.expert_maps(), 4, spec.row())
         want = plain[(plain.method == spec.method) & (plain.form == spec.form) & (plain.keep == spec.keep)]
-        assert len(got) == len(want) == 2, spec
+        assert len(got) == len(want) == 2 * len(metrics), spec
         for row in got:
-            np.testing.assert_allclose(row["value"], want[want.text == row["text"]].value.item(), rtol=2e-5)
+            np.testing.assert_allclose(row["value"], want[(want.text == row["text"]) & (want.metric == row["metric"])]
+                                       .value.item(), rtol=2e-5, atol=1e-6)
+    rerouted = df[(df.rerouted.astype(str) == "True") & (df.metric == "esap")]
+    assert len(rerouted) and ((rerouted.value > 0) & (rerouted.value <= 1 + 1e-6)).all()
     table = prune_real.summary_table(df)
     assert ("one_shot+rerouted", "frequency") in table.index and ("one_shot", "frequency") in table.index
 

@@ -58,7 +58,7 @@ from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
 from moejax.scoring.scores import OUTPUT_SCORES, StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
-from moejax.inference.stream import batch_geometry, embed, head_nll
+from moejax.inference.stream import batch_geometry, embed, head_pass
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
 from moejax.variants.plan import stacked_expert_map
 from moejax.models.variant import check_routable
@@ -470,18 +470,30 @@ def _novice_constants(stats) -> np.ndarray:
 
 
 def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dict]:
-    """The final norm and head on every held-out stream (`moejax.inference.stream.head_nll`): a
-    perplexity row per stream and text, and over all texts ("all")."""
-    nll = head_nll(ckpt, streams.held, streams.held_ids, dtype)
+    """The final norm and head on every held-out stream (`moejax.inference.stream.head_pass`): a
+    perplexity row per stream and text, and over all texts ("all"); for every variant also its
+    agreement with the unpruned stream (`moejax.inference.agreement`: ESAP, KL, top-1), the mean
+    over the same positions."""
+    out = head_pass(ckpt, streams.held, streams.held_ids, dtype, agreement=len(streams.order) > 1)
+    per_metric = {"perplexity": out.nll, **({} if out.esap is None else
+                                           {"esap": out.esap, "kl": out.kl, "top1_agreement": out.top1})}
     rows, totals = [], {}
-    for text, per_batch in nll.items():   # [A or 1, B, S - 1] per batch
-        for i, v in enumerate(streams.order):
-            total = sum(float(b[i if b.shape[0] > 1 else 0].sum()) for b in per_batch)
-            count = sum(b[0].size for b in per_batch)
-            totals.setdefault(v, [0.0, 0])
-            totals[v][0] += total
-            totals[v][1] += count
-            rows.append(ppl_row(v, text, total, count))
-    for v, (s, n) in totals.items():
-        rows.append(ppl_row(v, "all", s, n))
-    return rows
+    for metric, values in per_metric.items():
+        for text, per_batch in values.items():   # [A or 1, B, S - 1] per batch
+            for i, v in enumerate(streams.order):
+                if v is None and metric != "perplexity":
+                    continue   # the unpruned stream against itself
+                total = sum(float(b[i if b.shape[0] > 1 else 0].sum(dtype=np.float64)) for b in per_batch)
+                count = sum(b[0].size for b in per_batch)
+                totals.setdefault((metric, v), [0.0, 0])
+                totals[metric, v][0] += total
+                totals[metric, v][1] += count
+                rows.append(_head_row(metric, v, text, total, count))
+    return rows + [_head_row(metric, v, "all", s, n) for (metric, v), (s, n) in totals.items()]
+
+
+def _head_row(metric: str, v, text: str, total: float, count: int) -> dict:
+    """A perplexity row (`ppl_row`: exp of the mean NLL), or an agreement metric's mean."""
+    if metric == "perplexity":
+        return ppl_row(v, text, total, count)
+    return dict(v.row(), text=text, metric=metric, value=total / count)

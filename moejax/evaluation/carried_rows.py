@@ -15,6 +15,10 @@ METRICS = {
     "rel_error": "all-token relative error of the layer's routed output, sum ||y'-y||^2 / sum ||y||^2",
     "rel_error_median": "median over held-out tokens of ||y'-y||^2 / ||y||^2",
     "perplexity": "held-out perplexity with every MoE layer pruned (score empty: unpruned)",
+    "esap": "mean over held-out positions of sum_v min(p_unpruned, p_variant): speculative decoding's expected "
+            "acceptance of the variant drafting for the unpruned model (EvoESAP's fitness)",
+    "kl": "mean over held-out positions of KL(p_unpruned || p_variant), nats",
+    "top1_agreement": "share of held-out positions where the variant's most likely next token is the unpruned model's",
     "usage_top_quarter": "share of routing decisions taken by the E/4 most-used experts (calibration)",
     "cosine_mu_ones": "cosine between the mean router input and the all-ones vector",
     "energy_pos0": "share of the routed output's energy sum ||y_t||^2 at sequence position 0 (held-out)",

@@ -46,6 +46,7 @@ from moejax.variants import VariantPlan, VariantSpec, is_rerouted
 
 COLUMNS = ["method", "form", "keep", "task", "metric", "value", "stderr", "layer", "expert"]   # + rerouted (reroute=true)
 DEFAULT_TASKS = ("stdlib_nextline", "stdlib_mc", "stdlib_ppl")
+HELDOUT_METRICS = ("perplexity", "esap", "kl", "top1_agreement")   # the carried pass's, in task "heldout"
 SKILL_TASKS = tuple(task_names())  # the skills tasks (moejax.evaluation.skills_tasks), built into the job folder when named
 
 
@@ -240,13 +241,14 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     plans = [VariantPlan(VariantSpec.unpruned()), *info["plans"]]   # every variant, as the pass decided it
 
     rows = []
-    all_ppl = ppl_df[(ppl_df.metric == "perplexity") & (ppl_df.text == "all")]
+    # over all held-out texts: perplexity, and each variant's agreement with the unpruned model (ESAP, KL, top-1)
+    all_ppl = ppl_df[ppl_df.metric.isin(HELDOUT_METRICS) & (ppl_df.text == "all")]
     reroute_kl = ppl_df[ppl_df.metric.str.startswith("reroute_kl_")]
     for _, r in reroute_kl.iterrows():
         rows.append(dict(VariantSpec.from_row(r).row(), task="heldout", metric=r.metric, value=float(r.value),
                          stderr=math.nan))
     for _, r in all_ppl.iterrows():
-        rows.append(dict(VariantSpec.from_row(r).row(), task="heldout", metric="perplexity", value=float(r.value),
+        rows.append(dict(VariantSpec.from_row(r).row(), task="heldout", metric=r.metric, value=float(r.value),
                          stderr=math.nan))
     err = ppl_df[ppl_df.metric == "rel_error"].groupby(["method", "form", "keep"]).value.mean()   # the pass's
     for (method, form, keep), value in err.items():

@@ -270,20 +270,34 @@ def rerouted_variants(cfg: PruneRealConfig, calib, heldout: dict, plans: list) -
 
 def forward_perplexity_rows(forward, heldout: dict, maps: dict, batch_size: int, columns: dict) -> list[dict]:
     """Held-out perplexity per text and over all ("all") by the whole model's jitted forward under
-    `maps` (`CausalLM.jitted()`), batch by batch: the path for variants the carried pass cannot
-    stream (rerouted ones). A test holds it equal to the carried pass's rows for the same plan."""
+    `maps` (`CausalLM.jitted()`), batch by batch, and the variant's agreement with the unpruned
+    forward (maps None) on the same positions (`moejax.inference.agreement`: ESAP, KL, top-1): the
+    path for variants the carried pass cannot stream (rerouted ones). A test holds it equal to the
+    carried pass's rows for the same plan."""
     import jax.numpy as jnp
 
+    from moejax.inference.agreement import logits_agreement
     from moejax.inference.nll import next_token_nll
 
-    rows, total, count = [], 0.0, 0
+    per_text = {}
     for text, ids in heldout.items():
-        nll = np.concatenate([np.asarray(next_token_nll(forward(jnp.asarray(ids[i:i + batch_size]), None, maps).logits_BSV,
-                                                        jnp.asarray(ids[i:i + batch_size])), np.float64).ravel()
-                              for i in range(0, len(ids), batch_size)])
-        rows.append(dict(columns, text=text, metric="perplexity", value=float(np.exp(nll.mean()))))
-        total, count = total + nll.sum(), count + nll.size
-    return rows + [dict(columns, text="all", metric="perplexity", value=float(np.exp(total / count)))]
+        values = {"perplexity": [], "esap": [], "kl": [], "top1_agreement": []}
+        for i in range(0, len(ids), batch_size):
+            batch = jnp.asarray(ids[i:i + batch_size])
+            logits = forward(batch, None, maps).logits_BSV
+            values["perplexity"].append(np.asarray(next_token_nll(logits, batch), np.float64).ravel())
+            agreement = logits_agreement(forward(batch, None, None).logits_BSV[:, :-1], logits[:, :-1])
+            for metric, value in zip(("esap", "kl", "top1_agreement"), agreement):
+                values[metric].append(np.asarray(value, np.float64).ravel())
+        per_text[text] = {metric: np.concatenate(v) for metric, v in values.items()}
+    rows = []
+    for text in [*per_text, "all"]:
+        values = per_text[text] if text != "all" else {
+            metric: np.concatenate([v[metric] for v in per_text.values()]) for metric in next(iter(per_text.values()))}
+        rows += [dict(columns, text=text, metric=metric,
+                      value=float(np.exp(v.mean())) if metric == "perplexity" else float(v.mean()))
+                 for metric, v in values.items()]
+    return rows
 
 
 def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from flax import nnx
 
 from moejax.errors import CheckpointError
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
+from moejax.inference.agreement import agreement_init, agreement_update
 from moejax.inference.nll import chunked_nll, chunked_nll_init, chunked_nll_update
 from moejax.models.layers import causal_allowed, linear, rms_norm
 
@@ -79,14 +80,37 @@ def head_specs(ckpt: OpenCheckpoint):
     return by_param["model.norm.weight"], by_param.get("lm_head", by_param["model.embed_tokens"])
 
 
-def head_nll(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype) -> dict:
-    """{text: per batch, float64 next-token NLL [A, B, S - 1]} of hidden states after the last
-    decoder layer (xs: text -> per batch [A, B, S, H], A streams of the same ids; ids: text -> per
-    batch [B, S]): the final norm (xs are replaced by their normed states, in place: the carried
-    streams are not needed after it), then the output head read a vocabulary chunk at a time
-    (`vocab_chunks`) and folded into each token's running log-sum-exp, never held whole
-    (Moonlight's is 1.3 GB in float32) and never turned into a [tokens, V] logits array: the model's
-    output end, as `embed` is its input end."""
+class HeadOutputs(NamedTuple):
+    """What the output head gives on A streams of the same held-out ids, per text and batch, each
+    [A, B, S - 1] over the positions that predict a next token: the NLL (float64); with agreement,
+    each stream against stream 0 (the unpruned one, `moejax.inference.agreement`): ESAP, KL(stream
+    0 || stream) and whether the two argmaxes agree."""
+    nll: dict
+    esap: dict | None = None
+    kl: dict | None = None
+    top1: dict | None = None
+
+
+@jax.jit
+def _agreement_chunk(x_ABSH, head_VH, lse_ABT, start, state):
+    """Fold vocabulary rows [start, start + C) into each stream's agreement sums against stream 0."""
+    ref_logp = linear(x_ABSH[0, :, :-1], head_VH.T).astype(jnp.float32) - lse_ABT[0][..., None]
+
+    def one(args):
+        x, lse, st = args
+        return agreement_update(st, linear(x[:, :-1], head_VH.T), lse, ref_logp, start)
+    return jax.lax.map(one, (x_ABSH, lse_ABT, state))
+
+
+def head_pass(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype, agreement: bool = False) -> HeadOutputs:
+    """The final norm and the output head on hidden states after the last decoder layer (xs: text
+    -> per batch [A, B, S, H], A streams of the same ids; ids: text -> per batch [B, S]): the norm
+    (xs are replaced by their normed states, in place: the carried streams are not needed after
+    it), then the head read a vocabulary chunk at a time (`vocab_chunks`) and folded into each
+    token's running log-sum-exp, never held whole (Moonlight's is 1.3 GB in float32) and never
+    turned into a [tokens, V] logits array: the model's output end, as `embed` is its input end.
+    agreement: a second pass over the chunks gives each stream's agreement with stream 0
+    (`HeadOutputs`)."""
     cfg = ckpt.config
     norm_spec, head_spec = head_specs(ckpt)
     norm_H = jnp.asarray(ckpt.read_param_tensor(norm_spec, jnp.dtype(dtype)))
@@ -101,7 +125,23 @@ def head_nll(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype) -> dict:
             state[text] = [_nll_chunk(x, head_VH, jnp.asarray(i), v0, st)
                            for x, i, st in zip(batches, ids[text], state[text])]
         jax.block_until_ready(state)  # one head chunk in memory at a time
-    return {text: [np.asarray(chunked_nll(st), np.float64) for st in states] for text, states in state.items()}
+    nll = {text: [np.asarray(chunked_nll(st), np.float64) for st in states] for text, states in state.items()}
+    if not agreement:
+        return HeadOutputs(nll)
+    lse = {text: [m + jnp.log(s) for m, s, _ in states] for text, states in state.items()}
+    sums = {text: [agreement_init(l.shape) for l in ls] for text, ls in lse.items()}
+    for v0, v1 in vocab_chunks(cfg.vocab_size):
+        head_VH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))
+        for text, batches in xs.items():
+            sums[text] = [_agreement_chunk(x, head_VH, l, v0, st) for x, l, st in zip(batches, lse[text], sums[text])]
+        jax.block_until_ready(sums)
+
+    def each(k, as_type):
+        return {text: [np.asarray(st[k]).astype(as_type) for st in states] for text, states in sums.items()}
+
+    args = each(3, np.int64)
+    top1 = {text: [a == a[:1] for a in per_batch] for text, per_batch in args.items()}
+    return HeadOutputs(nll, each(0, np.float64), each(1, np.float64), top1)
 
 
 def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:
