@@ -67,7 +67,8 @@ def test_every_variant_on_every_task_in_a_tidy_table(results):
     assert len(variants) == 1 + 2 * 2 * 2 and (variants == 3).all()  # none + 2 modes x 2 scores x 2 keeps
     assert set(tasks.metric) == {"exact_match", "chrf", "acc", "acc_norm", "word_perplexity", "byte_perplexity",
                                  "bits_per_byte"}
-    assert set(df[df.task == "heldout"].metric) == {"perplexity", "rel_error_mean"}
+    assert set(df[df.task == "heldout"].metric) == {"perplexity", "esap", "kl", "top1_agreement", "rel_error_mean"}
+    assert set(df[(df.task == "heldout") & (df["form"] == "none")].metric) == {"perplexity"}   # the reference
 
     from moejax.results import load
 
@@ -78,8 +79,11 @@ def test_every_variant_on_every_task_in_a_tidy_table(results):
 def test_keeping_every_expert_reproduces_the_unpruned_model_exactly(results):
     _, df = results
     base = df[df["form"] == "none"].set_index(["task", "metric"]).value
-    full = df[(df.keep == E) & (df.metric != "rel_error_mean")]
+    agreement = ["esap", "kl", "top1_agreement"]   # against the unpruned model, which has none of its own
+    full = df[(df.keep == E) & ~df.metric.isin(["rel_error_mean", *agreement])]
     assert len(full) == 2 * 2 * len(base)
+    same = df[(df.keep == E) & df.metric.isin(agreement)].set_index("metric").value
+    assert len(same) == 2 * 2 * 3 and np.allclose(same.drop("kl"), 1.0, atol=1e-5) and np.allclose(same["kl"], 0, atol=1e-6)
     for _, row in full.iterrows():
         assert row.value == base[(row.task, row.metric)], (row.task, row.metric)
     pruned = df[(df.keep == 8) & (df.metric == "bits_per_byte")]
@@ -183,4 +187,5 @@ def test_rerouted_variants_on_the_tasks(ckpt, tmp_path, monkeypatch):
     ppl = df[(df.task == "stdlib_ppl") & (df.metric == "bits_per_byte") & (df.method == "frequency")]
     assert sorted(ppl.rerouted) == [False, True] and ppl.value.nunique() == 2
     held = df[(df.task == "heldout") & (df.method == "frequency")]
-    assert set(held[held.rerouted].metric) == {"perplexity", "reroute_kl_first", "reroute_kl_last"}
+    assert set(held[held.rerouted].metric) == {"perplexity", "esap", "kl", "top1_agreement", "reroute_kl_first",
+                                               "reroute_kl_last"}
