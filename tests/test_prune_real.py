@@ -18,25 +18,32 @@ from moejax.hf.model_io import open_checkpoint  # noqa: E402
 E, K, SEQ = 16, 2, 24  # top-2 of 4 groups of 4, 2 chosen: every keep >= 4 routes each token to 2 kept experts
 
 
+def carried_pass(path, seed: int, rows: tuple, scores: list, keeps: list, stream_tokens=None, **pass_kw):
+    """A tiny DeepSeek-V3 checkpoint (make_checkpoint settings in pass_kw["checkpoint"]), random
+    calibration ids and held-out texts "a", "b" (rows: their sequence counts), and the carried pass
+    on them with the output head a vocabulary chunk at a time (100, 100, 56 rows: the running
+    log-sum-exp across chunks; `stream_tokens`: held-out tokens per call). Returns (model, calib,
+    heldout, rows as a DataFrame, info)."""
+    model = make_checkpoint(path, seed=seed, vocab_size=256, num_experts_per_tok=K, **pass_kw.pop("checkpoint"))
+    rng = np.random.default_rng(seed - 31)
+    calib = rng.integers(0, 256, size=(rows[0], SEQ)).astype(np.int32)
+    heldout = {t: rng.integers(0, 256, size=(n, SEQ)).astype(np.int32) for t, n in zip("ab", rows[1:])}
+    with pytest.MonkeyPatch.context() as mp:
+        if stream_tokens:
+            mp.setattr(evaluate, "STREAM_TOKENS", stream_tokens)
+        mp.setattr(stream, "VOCAB_CHUNK", 100)
+        out, info = evaluate_pruning(open_checkpoint(path), calib, heldout, scores, keeps, batch_size=4, **pass_kw)
+    return model, calib, heldout, pd.DataFrame(out), info
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    # 4 of the 31 held-out streams per call (the last call 3), so every test below checks the chunked paths
     path = tmp_path_factory.mktemp("real") / "src"
-    model = make_checkpoint(path, seed=31, vocab_size=256, n_routed_experts=E, n_group=4, topk_group=2,
-                            num_experts_per_tok=K)
-    rng = np.random.default_rng(0)
-    calib = rng.integers(0, 256, size=(6, SEQ)).astype(np.int32)
-    heldout = {"a": rng.integers(0, 256, size=(4, SEQ)).astype(np.int32),
-               "b": rng.integers(0, 256, size=(3, SEQ)).astype(np.int32)}
-    # The output head a vocabulary chunk at a time (100, 100, 56 rows: the running log-sum-exp
-    # across chunks) and 4 of the 31 held-out streams per call (the last call 3), so every test
-    # below checks the chunked paths.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(evaluate, "STREAM_TOKENS", 4 * 4 * SEQ)
-        mp.setattr(stream, "VOCAB_CHUNK", 100)
-        rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout,
-                                      ["frequency", "reap", "l1", "signed", "random"], [E, 8, 0.25],
-                                      sequential=True, batch_size=4)
-    return path, model, calib, heldout, pd.DataFrame(rows), info
+    model, calib, heldout, df, info = carried_pass(
+        path, 31, (6, 4, 3), ["frequency", "reap", "l1", "signed", "random"], [E, 8, 0.25],
+        stream_tokens=4 * 4 * SEQ, sequential=True, checkpoint=dict(n_routed_experts=E, n_group=4, topk_group=2))
+    return path, model, calib, heldout, df, info
 
 
 def test_unpruned_perplexity_matches_transformers(setup):
@@ -330,16 +337,8 @@ def test_agreement_rows_match_transformers_on_the_pruned_checkpoint(tmp_path):
     from moejax.surgery.prune import prune_checkpoint
 
     path = tmp_path / "src"
-    model = make_checkpoint(path, seed=32, vocab_size=256, n_routed_experts=8, n_group=1, topk_group=1,
-                            num_experts_per_tok=K)
-    rng = np.random.default_rng(1)
-    calib = rng.integers(0, 256, size=(4, SEQ)).astype(np.int32)
-    heldout = {"a": rng.integers(0, 256, size=(3, SEQ)).astype(np.int32),
-               "b": rng.integers(0, 256, size=(2, SEQ)).astype(np.int32)}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stream, "VOCAB_CHUNK", 100)
-        rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["l1"], [4, 8], batch_size=4)
-    df = pd.DataFrame(rows)
+    model, _, heldout, df, info = carried_pass(path, 32, (4, 3, 2), ["l1"], [4, 8],
+                                               checkpoint=dict(n_routed_experts=8, n_group=1, topk_group=1))
     kept = {l: sorted(int(e) for e in by_name["l1@4"]) for l, by_name in info["kept"].items()}
     record = prune_checkpoint(path, tmp_path / "pruned", score="l1", keep=4)
     assert {int(l): v["kept"] for l, v in record["layers"].items()} == kept
