@@ -78,6 +78,9 @@ class Registry:
         def decorate(cls):
             if not issubclass(cls, self.base):
                 raise TypeError(f"{cls.__name__} is not a {self.base.__name__}")
+            missing = sorted(getattr(cls, "__abstractmethods__", ()))
+            if missing:
+                raise TypeError(f"{self.kind} {name!r} ({cls.__name__}) does not define {missing}")
             if name in self._classes:
                 raise TypeError(f"{self.kind} {name!r} is registered twice ({self._classes[name].__name__}, "
                                 f"{cls.__name__})")

@@ -91,3 +91,17 @@ def test_a_new_method_is_its_class_and_nothing_else(first_k, tmp_path):
     np.testing.assert_allclose(lm.weights["gate"][2], np.tensordot(shares, weights["gate"][2:], 1), rtol=1e-6)
     with pytest.raises(ConfigError, match="spread=-1"):
         Toy3Config.from_mapping({"merges": ["first_k"], "merge": {"first_k": {"spread": -1}}})
+
+
+def test_a_method_without_its_algorithm_is_refused_when_registered():
+    """A class that leaves `leaders` or `averaging` unwritten is refused at its `@register`, naming
+    what it lacks, and the registry keeps no entry for it."""
+    from moejax.merging.method import MergeMethod
+
+    class Half(MergeMethod):
+        def clusters(self, keep, ctx):
+            return np.zeros(len(ctx.counts_E), np.int64)
+
+    with pytest.raises(TypeError, match=r"merge method 'half' \(Half\) does not define \['averaging', 'leaders'\]"):
+        register("half")(Half)
+    assert "half" not in MERGE_METHODS

@@ -20,6 +20,7 @@ pass's chunks into the sums, float32, never holding [tokens, V] logits.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.scipy.special import logsumexp
 
 
 def agreement_init(shape) -> tuple:
@@ -47,10 +48,8 @@ def agreement_update(state, logits_BTC, lse_BT, ref_logp_BTC, start):
 def logits_agreement(ref_logits_BTV, logits_BTV) -> tuple:
     """(ESAP, KL, top-1 agreement) per position [B, T] of whole logits against the reference's (one
     vocabulary chunk: for a forward that holds the logits anyway)."""
-    def lse(z):
-        z = z.astype(jnp.float32)
-        m = jnp.max(z, axis=-1)
-        return m + jnp.log(jnp.sum(jnp.exp(z - m[..., None]), axis=-1))
-    ref_logp = ref_logits_BTV.astype(jnp.float32) - lse(ref_logits_BTV)[..., None]
-    esap, kl, _, arg = agreement_update(agreement_init(logits_BTV.shape[:-1]), logits_BTV, lse(logits_BTV), ref_logp, 0)
-    return esap, kl, arg == jnp.argmax(ref_logits_BTV, axis=-1)
+    ref, logits = ref_logits_BTV.astype(jnp.float32), logits_BTV.astype(jnp.float32)
+    ref_logp = ref - logsumexp(ref, axis=-1, keepdims=True)
+    esap, kl, _, arg = agreement_update(agreement_init(logits.shape[:-1]), logits, logsumexp(logits, axis=-1),
+                                        ref_logp, 0)
+    return esap, kl, arg == jnp.argmax(ref, axis=-1)

@@ -40,7 +40,12 @@ def chunked_nll_update(state, logits_BV, targets_B, start):
     return m_new, s, t + jnp.where(inside, picked, 0.0)
 
 
+def chunked_logsumexp(state):
+    """The log-sum-exp of every logit once every vocabulary chunk is folded in."""
+    m, s, _ = state
+    return m + jnp.log(s)
+
+
 def chunked_nll(state):
     """-log p(target) once every vocabulary chunk is folded in: logsumexp - target logit."""
-    m, s, t = state
-    return m + jnp.log(s) - t
+    return chunked_logsumexp(state) - state[2]

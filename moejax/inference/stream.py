@@ -21,7 +21,7 @@ from flax import nnx
 from moejax.errors import CheckpointError
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
 from moejax.inference.agreement import agreement_init, agreement_update
-from moejax.inference.nll import chunked_nll, chunked_nll_init, chunked_nll_update
+from moejax.inference.nll import chunked_logsumexp, chunked_nll, chunked_nll_init, chunked_nll_update
 from moejax.models.layers import causal_allowed, linear, rms_norm
 
 
@@ -128,7 +128,7 @@ def head_pass(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype, agreement: bool 
     nll = {text: [np.asarray(chunked_nll(st), np.float64) for st in states] for text, states in state.items()}
     if not agreement:
         return HeadOutputs(nll)
-    lse = {text: [m + jnp.log(s) for m, s, _ in states] for text, states in state.items()}
+    lse = {text: [chunked_logsumexp(st) for st in states] for text, states in state.items()}
     sums = {text: [agreement_init(l.shape) for l in ls] for text, ls in lse.items()}
     for v0, v1 in vocab_chunks(cfg.vocab_size):
         head_VH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))

@@ -28,6 +28,7 @@ is imported).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import ClassVar
 
@@ -61,9 +62,10 @@ class Averaging:
     perms: dict             # {expert: int [F]}
 
 
-class MergeMethod(Registered):
+class MergeMethod(Registered, abc.ABC):
     """A merge method's settings (its dataclass fields) and algorithm. Subclasses are registered
-    with `@register(name)`, which makes them frozen dataclasses."""
+    with `@register(name)`, which makes them frozen dataclasses and refuses one that leaves
+    `clusters`, `leaders` or `averaging` unwritten."""
 
     seed_use: ClassVar[str] = "it draws nothing at random; the seed is recorded"
     reads: ClassVar[tuple] = ()   # the `MergeStats` fields it reads (beyond counts_E): what a pass must gather
@@ -86,17 +88,17 @@ class MergeMethod(Registered):
         """Its settings against a layer of `n_experts` merged to `keep` clusters (None: the count is
         known only per layer, later), refused before any work (ConfigError)."""
 
+    @abc.abstractmethod
     def clusters(self, keep: int, ctx: MergeContext) -> np.ndarray:
         """labels [E]: each expert's cluster, numbered by lowest member."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def leaders(self, labels_E, ctx: MergeContext) -> np.ndarray:
         """int [C]: each cluster's leader."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def averaging(self, weights: dict, labels_E, leaders, ctx: MergeContext) -> Averaging:
         """How each cluster of `labels_E` becomes one expert (host weights {name: [E, ...]})."""
-        raise NotImplementedError
 
 
 MERGE_METHODS = Registry("merge method", MergeMethod, modules=("moejax.merging.clusters", "moejax.merging.ream"))

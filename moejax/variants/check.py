@@ -60,8 +60,8 @@ def masks_from_pruning_record(path, config, checkpoint=None) -> np.ndarray:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         layers = record["layers"]
-        merged = VariantSpec.from_record(record).merged if "form" in record or "router" in record else False
-        merged = merged or any(isinstance(layer, dict) and "clusters" in layer for layer in layers.values())
+        merged = ("form" in record or "router" in record) and VariantSpec.from_record(record).merged \
+            or any(isinstance(layer, dict) and "clusters" in layer for layer in layers.values())
         kept = {int(l): layer["kept"] for l, layer in layers.items()}
         sizes = {int(l): layer.get("n_experts") for l, layer in layers.items()}
     except FileNotFoundError:
