@@ -5,7 +5,7 @@ A family supplies its attention module and rope tables by subclassing `CausalLM`
 
     class Qwen3MoeForCausalLM(CausalLM):
         config_class = Qwen3MoeConfig
-        attention_class = GQAttention            # __call__, prefill, decode, empty_cache
+        attention_class = GQAttention            # (cfg, dtype, rngs, layer): __call__, prefill, decode, empty_cache
         rope_tables = staticmethod(gqa_rope)     # (cfg, positions, dtype) -> (cos, sin)
 
     logits_BSV = model(input_ids_BS, attention_mask_BS, variant).logits_BSV
@@ -76,6 +76,11 @@ class LayerOutput(NamedTuple):
     z_BSH: jax.Array
 
 
+def decoder_norm(cfg, dtype) -> RMSNorm:
+    """The decoder's RMSNorm (layer norms and the final one) in the family's order of operations."""
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.NORM_SCALES_IN_FLOAT32)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm residual layer in two named halves: `attend` (x + attn(norm(x)), and the MLP's
     input) then `feed` (h + mlp(z), the MoE block in MoE layers). The forward, prefill and decode,
@@ -83,9 +88,9 @@ class DecoderLayer(nnx.Module):
     residual wiring."""
 
     def __init__(self, cfg, layer: int, dtype, rngs: nnx.Rngs, backend: str, attention_class):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = attention_class(cfg, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = decoder_norm(cfg, dtype)
+        self.self_attn = attention_class(cfg, dtype, rngs, layer)
+        self.post_attention_layernorm = decoder_norm(cfg, dtype)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = MoE(cfg, dtype, rngs, backend, cfg.experts_in_layer(layer)) if self.is_moe else MLP(
             cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
@@ -125,7 +130,7 @@ class Decoder(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs, backend: str, layer_factory):
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nnx.List([layer_factory(cfg, l, dtype, rngs, backend) for l in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = decoder_norm(cfg, dtype)
 
 
 class CausalLM(nnx.Module):
@@ -190,8 +195,8 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache of `length` columns in the model's dtype (what each column holds is the
         attention's choice: keys and values, or MLA's latents)."""
-        layers = tuple(self.attention_class.empty_cache(self.config, batch, length, self.dtype)
-                       for _ in self.model.layers)
+        layers = tuple(layer.self_attn.empty_cache(self.config, batch, length, self.dtype)
+                       for layer in self.model.layers)
         return KVCache(layers, jnp.zeros((batch, length), bool))
 
     def prefill(self, input_ids_BP, positions_BP, attention_mask_BP, cache: KVCache, variant=None,

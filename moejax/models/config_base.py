@@ -162,6 +162,9 @@ class MoeConfig:
     DEFAULTS: ClassVar[dict] = {}                       # inherited field -> this family's default
     UNIMPLEMENTED: ClassVar[dict] = {}
     HAS_BALANCE_BIAS: ClassVar[bool] = False            # e_score_correction_bias beside the router
+    HAS_ROUTER_BIAS: ClassVar[bool] = False             # a bias added to the router logits (gpt-oss)
+    NORM_SCALES_IN_FLOAT32: ClassVar[bool] = False      # RMSNorm scales before casting back (gpt-oss)
+    EXPERT_KIND: ClassVar[str] = "swiglu"               # a key of moejax.moe.dispatch.EXPERT_SHAPES
     num_nextn_predict_layers = 0                        # MTP layers after the decoder layers (a field where read)
 
     # field (= its config.json key) -> (accepts, expected) type/range rule
@@ -247,6 +250,12 @@ class MoeConfig:
     def shared_intermediate_size(self) -> int:
         """Inner width of the shared expert MLP of each MoE layer (0 = none)."""
         return 0
+
+    def expert_fn(self):
+        """The routed experts' function `expert_fn(linear, w, x)` (`moejax.moe.dispatch`; imports JAX)."""
+        from moejax.moe import dispatch
+
+        return dispatch.swiglu
 
     @property
     def quantization_config(self) -> dict | None:

@@ -2,7 +2,8 @@
 (transformers' eager forward): q/k/v projections (optional biases), optional q/k RMSNorm (over each
 head, or over the whole projection as OLMoE does), the default rope on the first `rotary_dim`
 channels of each head (half-split; GLM-4.5 rotates half of each head), key/value heads shared by
-num_attention_heads / num_key_value_heads query heads, softmax(q k^T / sqrt(head_dim)) v.
+num_attention_heads / num_key_value_heads query heads, softmax(q k^T / sqrt(head_dim)) v; gpt-oss adds a learned sink logit per head to every softmax and a
+sliding window on some layers (`cfg.attention_window(layer)`).
 
 N query heads, Q = head_dim; the cache keeps keys (after norm and rope) and values of the
 num_key_value_heads heads.
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.models.layers import RMSNorm, cached_attention, causal_attention, linear, param, zeros
+from moejax.models.layers import (RMSNorm, cached_attention, causal_attention, linear, param, within_window,
+                                  zeros)
 
 
 class KVLayerCache(NamedTuple):
@@ -47,9 +49,12 @@ def apply_rope(x_BSNQ, cos, sin):
 
 
 class GQAttention(nnx.Module):
-    def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs, layer: int = 0):
         H, N, Nk, Q = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim
         self.n_heads, self.n_kv, self.head_dim = N, Nk, Q
+        self.window = cfg.attention_window(layer)  # None: full attention
+        if cfg.attention_sinks:
+            self.sinks = param(rngs, (N,), dtype)
         self.q_proj = param(rngs, (H, N * Q), dtype)
         self.k_proj = param(rngs, (H, Nk * Q), dtype)
         self.v_proj = param(rngs, (H, Nk * Q), dtype)
@@ -89,6 +94,16 @@ class GQAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def _sinks(self):
+        sinks = getattr(self, "sinks", None)
+        return None if sinks is None else sinks[...]
+
+    def _attend(self, q, k, v, allowed_BSS):
+        """The whole sequence: query column s against key columns 0..s, within the window."""
+        allowed = within_window(allowed_BSS, jnp.arange(allowed_BSS.shape[1]), self.window)
+        return causal_attention(q, self._shared(k), self._shared(v), allowed, self.head_dim ** -0.5,
+                                sinks_N=self._sinks())
+
     def _shared(self, kv):  # each key/value head serves n_heads / n_kv query heads, in order
         return jnp.repeat(kv, self.n_heads // self.n_kv, axis=2)
 
@@ -98,15 +113,14 @@ class GQAttention(nnx.Module):
 
     def __call__(self, x_BSH, cos, sin, allowed_BSS):
         q, k, v = self._project(x_BSH, cos, sin)
-        return self._out(causal_attention(q, self._shared(k), self._shared(v), allowed_BSS, self.head_dim ** -0.5))
+        return self._out(self._attend(q, k, v, allowed_BSS))
 
     def prefill(self, x_BSH, cos, sin, allowed_BSS, cache: KVLayerCache):
         """`__call__` on a prompt that also writes its keys and values into cache columns 0..S-1."""
         q, k, v = self._project(x_BSH, cos, sin)
         cache = KVLayerCache(jax.lax.dynamic_update_slice(cache.k_BCNQ, k.astype(cache.k_BCNQ.dtype), (0, 0, 0, 0)),
                              jax.lax.dynamic_update_slice(cache.v_BCNQ, v.astype(cache.v_BCNQ.dtype), (0, 0, 0, 0)))
-        o = causal_attention(q, self._shared(k), self._shared(v), allowed_BSS, self.head_dim ** -0.5)
-        return self._out(o), cache
+        return self._out(self._attend(q, k, v, allowed_BSS)), cache
 
     def decode(self, x_B1H, cos, sin, cache: KVLayerCache, column, allowed_B1C):
         """One new token per row, written into cache column `column`, attending to the cache's
@@ -115,6 +129,7 @@ class GQAttention(nnx.Module):
         cache = KVLayerCache(
             jax.lax.dynamic_update_slice(cache.k_BCNQ, k.astype(cache.k_BCNQ.dtype), (0, column, 0, 0)),
             jax.lax.dynamic_update_slice(cache.v_BCNQ, v.astype(cache.v_BCNQ.dtype), (0, column, 0, 0)))
-        o = cached_attention(q, self._shared(cache.k_BCNQ), self._shared(cache.v_BCNQ), allowed_B1C,
-                             self.head_dim ** -0.5)
+        allowed = within_window(allowed_B1C, jnp.reshape(column, (1,)), self.window)
+        o = cached_attention(q, self._shared(cache.k_BCNQ), self._shared(cache.v_BCNQ), allowed,
+                             self.head_dim ** -0.5, sinks_N=self._sinks())
         return self._out(o), cache

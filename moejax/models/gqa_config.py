@@ -63,6 +63,17 @@ class GqaMoeConfig(MoeConfig):
     def qk_norm(self) -> str | None:
         return self.QK_NORM
 
+    ATTENTION_SINKS: ClassVar[bool] = False  # a learned sink logit per head joins each softmax (gpt-oss)
+
+    @property
+    def attention_sinks(self) -> bool:
+        return self.ATTENTION_SINKS
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention (keys within `window` columns of the
+        query, itself included), None for full attention (every family but gpt-oss)."""
+        return None
+
     # --- reading (what the fields do not say) -------------------------------------------------
     @classmethod
     def _read_rest(cls, d, valid, merged, problems, unimplemented, uniform_experts) -> dict:

@@ -31,20 +31,24 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def rms_norm(x, w, eps):
-    """transformers' RMSNorm: normalise in float32, cast back, then scale (order matters in bf16)."""
+def rms_norm(x, w, eps, scale_in_float32: bool = False):
+    """transformers' RMSNorm: normalise in float32, cast back, then scale (order matters in bf16);
+    scale_in_float32: scale in float32, then cast back (gpt-oss's order)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if scale_in_float32:
+        return (w.astype(jnp.float32) * xf).astype(x.dtype)
     return w * xf.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
+    def __init__(self, dim: int, eps: float, dtype, scale_in_float32: bool = False):
         self.weight = ones((dim,), dtype)
         self.eps = eps
+        self.scale_in_float32 = scale_in_float32
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], self.eps, self.scale_in_float32)
 
 
 class MLP(nnx.Module):
@@ -60,6 +64,16 @@ class MLP(nnx.Module):
         return dispatch_lib.swiglu(linear, w, x)
 
 
+def within_window(allowed_BSC, query_columns_S, window: int | None):
+    """allowed narrowed to a sliding window: query column q sees key column c only when
+    q - c < window (transformers' `sliding_window_overlay`; columns, not positions, so left padding
+    shifts nothing: a row's real tokens are consecutive columns). window None: unchanged."""
+    if window is None:
+        return allowed_BSC
+    keys_C = jnp.arange(allowed_BSC.shape[-1])
+    return allowed_BSC & ((jnp.asarray(query_columns_S)[:, None] - keys_C[None, :]) < window)[None]
+
+
 def causal_allowed(attention_mask_BS, B: int, S: int):
     """bool [B, S, S]: query s may attend to key s' <= s that is not padding (mask 0)."""
     allowed = jnp.tril(jnp.ones((S, S), bool))[None]
@@ -68,10 +82,22 @@ def causal_allowed(attention_mask_BS, B: int, S: int):
     return jnp.broadcast_to(allowed, (B, S, S))
 
 
-def causal_attention(q_BSNQ, k_BSNQ, v_BSNU, allowed_BSS, scale: float, block_rows: int = 256):
+def attention_weights(scores_BNSC, dtype, sinks_N=None):
+    """softmax over the keys in float32, cast to `dtype`. sinks_N: a learned logit per head (gpt-oss's
+    attention sinks) that joins every row's softmax as one more column and is then dropped, so a
+    row's weights sum to less than 1 (transformers' `eager_attention_forward` of gpt-oss)."""
+    scores = scores_BNSC.astype(jnp.float32)
+    if sinks_N is None:
+        return jax.nn.softmax(scores, axis=-1).astype(dtype)
+    sink = jnp.broadcast_to(sinks_N.astype(jnp.float32)[None, :, None, None], scores.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(dtype)
+
+
+def causal_attention(q_BSNQ, k_BSNQ, v_BSNU, allowed_BSS, scale: float, block_rows: int = 256, sinks_N=None):
     """softmax(q k^T * scale, masked) v per head (N heads, Q query/key and U value channels), in
     transformers' order of operations (scores scaled after the matmul, softmax in float32, weights
-    cast back before multiplying v).
+    cast back before multiplying v); with `sinks_N`, each head's sink logit joins the softmax
+    (`attention_weights`).
 
     allowed_BSS: True where query s may attend to key s'. It must be causal (False above the
     diagonal, padding may remove more): queries run in blocks of `block_rows`, and each block
@@ -89,15 +115,15 @@ def causal_attention(q_BSNQ, k_BSNQ, v_BSNU, allowed_BSS, scale: float, block_ro
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         scores = jnp.einsum("bnqd,bnkd->bnqk", q[:, :, lo:hi], k[:, :, :hi], precision=HIGHEST) * scale
         scores = jnp.where(allowed_BSS[:, None, lo:hi, :hi], scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        weights = attention_weights(scores, q.dtype, sinks_N)
         outs.append(jnp.einsum("bnqk,bnkc->bnqc", weights, v[:, :, :hi], precision=HIGHEST))
     return jnp.swapaxes(jnp.concatenate(outs, axis=2), 1, 2)
 
 
-def cached_attention(q_BSNQ, k_BCNQ, v_BCNU, allowed_BSC, scale: float):
+def cached_attention(q_BSNQ, k_BCNQ, v_BCNU, allowed_BSC, scale: float, sinks_N=None):
     """Attention of S new queries over C cache columns (decoding): softmax in float32, masked
-    columns (not written yet, padding, or after the query) excluded."""
+    columns (not written yet, padding, or after the query) excluded; sinks as `causal_attention`."""
     scores = jnp.einsum("bsnq,bcnq->bnsc", q_BSNQ, k_BCNQ, precision=HIGHEST) * scale
     scores = jnp.where(allowed_BSC[:, None], scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q_BSNQ.dtype)
+    weights = attention_weights(scores, q_BSNQ.dtype, sinks_N)
     return jnp.einsum("bnsc,bcnu->bsnu", weights, v_BCNU, precision=HIGHEST)

@@ -1,10 +1,11 @@
 """The one MoE block every family uses, and the interface executors and scorers read:
 
-    moe.router_logits(x_TH)   float32 [T, E]: x @ W_router.T (the router stays float32)
+    moe.router_logits(x_TH)   float32 [T, E]: x @ W_router.T (+ the logit bias where the family has
+                              one, gpt-oss; the router stays float32)
     moe.route(x_TH, mask_E)   `moejax.moe.routing.route` with the family's RouterConfig
                               (sigmoid/softmax, balance bias, groups, norm_topk_prob, scaling)
     moe.expert_weights()      the routed experts' stacked weights, as `moe.expert_fn` reads them
-    moe.expert_fn             `moejax.moe.dispatch.swiglu`
+    moe.expert_fn             `moejax.moe.dispatch.swiglu` (gpt-oss: `ClampedSwiglu`), `cfg.expert_fn()`
     moe.balance_bias()        e_score_correction_bias [E], or None for a family without one
     moe.shared_experts        the shared-expert MLP or None; `shared_gate` [H, 1] when the shared
                               output is gated by sigmoid(x @ shared_gate) (Qwen2-MoE's form)
@@ -36,10 +37,9 @@ from moejax.moe.routing import RouterConfig, route
 
 
 class MoE(nnx.Module):
-    """Router (float32, optional balance bias, optional groups) + routed experts (fast dispatch) +
-    optional shared experts."""
-
-    expert_fn = staticmethod(dispatch_lib.swiglu)
+    """Router (float32, optional balance bias, optional logit bias, optional groups) + routed experts
+    (fast dispatch; SwiGLU, or gpt-oss's biased clamped SwiGLU: `cfg.EXPERT_KIND`) + optional shared
+    experts."""
 
     def __init__(self, cfg, dtype, rngs: nnx.Rngs, backend: str = "sorted", n_experts: int | None = None):
         """n_experts: the routed experts of this layer (default cfg.n_experts; a checkpoint pruned
@@ -49,9 +49,11 @@ class MoE(nnx.Module):
         self.router_cfg.check_experts(E)  # a count the router cannot route over fails here, not in a trace
         self.router = param(rngs, (E, H), jnp.float32)                 # HF gate.weight layout, float32
         self.bias = BalanceBias(jnp.zeros((E,), jnp.float32)) if cfg.HAS_BALANCE_BIAS else None
-        self.experts_gate = param(rngs, (E, H, F), dtype)
-        self.experts_up = param(rngs, (E, H, F), dtype)
-        self.experts_down = param(rngs, (E, F, H), dtype)
+        self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32)) if cfg.HAS_ROUTER_BIAS else None
+        self.expert_fn = cfg.expert_fn()
+        self.expert_names = tuple(dispatch_lib.EXPERT_SHAPES[cfg.EXPERT_KIND](H, F))
+        for name, shape in dispatch_lib.EXPERT_SHAPES[cfg.EXPERT_KIND](H, F).items():
+            setattr(self, "experts_" + name, param(rngs, (E, *shape), dtype))
         shared = cfg.shared_intermediate_size
         self.shared_experts = MLP(H, shared, dtype, rngs) if shared else None
         self.shared_gate = param(rngs, (H, 1), dtype) if shared and getattr(cfg, "shared_expert_gate", False) else None
@@ -61,7 +63,8 @@ class MoE(nnx.Module):
         """[T, E] in float32 (the router stays float32 whatever the model dtype); router_EH: other
         router weights to route with (a rerouted variant's), default the layer's own."""
         weights = self.router[...] if router_EH is None else jnp.asarray(router_EH, jnp.float32)
-        return jnp.matmul(x_TH.astype(jnp.float32), weights.T, precision=HIGHEST)
+        logits = jnp.matmul(x_TH.astype(jnp.float32), weights.T, precision=HIGHEST)
+        return logits if self.router_bias is None else logits + self.router_bias[...]
 
     def balance_bias(self):
         return None if self.bias is None else self.bias[...]
@@ -70,8 +73,8 @@ class MoE(nnx.Module):
         return route(self.router_logits(x_TH, router_EH), self.router_cfg, self.balance_bias(), expert_mask_E)
 
     def expert_weights(self) -> dict:
-        """The routed experts' stacked weights as `expert_fn` reads them."""
-        return {"gate": self.experts_gate[...], "up": self.experts_up[...], "down": self.experts_down[...]}
+        """The routed experts' stacked weights as `expert_fn` reads them ({"gate", "up", "down"} for SwiGLU)."""
+        return {name: getattr(self, "experts_" + name)[...] for name in self.expert_names}
 
     def routed(self, x_TH, routing, forward_only: bool = False, weights: dict | None = None):
         """The gate-weighted sum of the routed experts' outputs [T, H] under `routing`, whose expert

@@ -31,6 +31,8 @@ over E for the oracle) and as a grouped matmul over blocks. See `relu_mlp` and `
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -50,6 +52,32 @@ def relu_mlp(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
 def swiglu(linear: Linear, w: dict, x: jax.Array) -> jax.Array:
     """The SwiGLU expert of every family: down(silu(gate(x)) * up(x)); gate/up [D, F], down [F, D]."""
     return linear(jax.nn.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert (transformers' `GptOssExperts._apply_gate`): one [D, 2F] matrix whose even
+    columns are the gate and odd the up projection, both biased; gate clamped above at `limit`, up
+    to [-limit, limit]; down((up + 1) * gate * sigmoid(alpha * gate)) + down_bias. gate_up [D, 2F],
+    gate_up_bias [2F], down [F, D], down_bias [D]."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, linear: Linear, w: dict, x: jax.Array) -> jax.Array:
+        gate_up = linear(x, w["gate_up"], w["gate_up_bias"])
+        gate = jnp.minimum(gate_up[..., 0::2], self.limit)
+        up = jnp.clip(gate_up[..., 1::2], -self.limit, self.limit)
+        return linear((up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha)), w["down"], w["down_bias"])
+
+
+# An expert kind's matrices and their shapes for hidden width D and inner width F (one expert; a
+# layer stacks E of each): what the MoE block holds as `experts_<name>` and a variant's table holds.
+EXPERT_SHAPES = {
+    "swiglu": lambda D, F: {"gate": (D, F), "up": (D, F), "down": (F, D)},
+    "clamped_swiglu": lambda D, F: {"gate_up": (D, 2 * F), "gate_up_bias": (2 * F,), "down": (F, D),
+                                    "down_bias": (D,)},
+}
 
 
 def _expert_parallel(x_TD, expert_idx_TK, weights, expert_fn, forward_only=False):

@@ -24,12 +24,16 @@ import jax.numpy as jnp
 
 from moejax.moe.averaged_rows import AveragedRows
 
-Linear = Callable[[jax.Array, jax.Array], jax.Array]
+Linear = Callable[..., jax.Array]  # linear(x, w, b=None): x @ w (+ b), for one expert or a block of rows
+
+
+def _plus(y, b):
+    return y if b is None else y + b
 ExpertFn = Callable[[Linear, dict, jax.Array], jax.Array]
 
 
-def _matmul(x, w):
-    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST)
+def _matmul(x, w, b=None):
+    return _plus(jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST), b)
 
 
 def _parts(table) -> tuple:
@@ -129,8 +133,9 @@ def _gathered_block_linear(block_expert_Y):
     """A `linear` over blocks [Y, M, I] whose weights [E, I, J] are gathered per block (block y
     with expert block_expert_Y[y]): for small experts, gathering each block's weights costs no
     more than its activations, and one batched matmul over all blocks beats a loop."""
-    def block_linear(h_YMI, w_EIJ):
-        return jnp.einsum("ymi,yij->ymj", h_YMI, w_EIJ[block_expert_Y], precision=jax.lax.Precision.HIGHEST)
+    def block_linear(h_YMI, w_EIJ, b_EJ=None):
+        y = jnp.einsum("ymi,yij->ymj", h_YMI, w_EIJ[block_expert_Y], precision=jax.lax.Precision.HIGHEST)
+        return y if b_EJ is None else y + b_EJ[block_expert_Y][:, None, :]
 
     return block_linear
 
@@ -242,12 +247,12 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
     return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0) if absent else y_TKD
 
 
-def _f32_matmul(h_MI, w_IJ):
+def _f32_matmul(h_MI, w_IJ, b_J=None):
     # Compute in float32 from the sliced expert. (XLA's loop-invariant code motion still hoists
     # the conversion of a bfloat16 stack out of the loop, a float32 copy of all experts;
     # `moejax score` turns that pass off for its memory budget, see moejax.cli.)
-    return jnp.matmul(h_MI.astype(jnp.float32), w_IJ.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST).astype(h_MI.dtype)
+    y = jnp.matmul(h_MI.astype(jnp.float32), w_IJ.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return _plus(y, None if b_J is None else b_J.astype(jnp.float32)).astype(h_MI.dtype)
 
 
 def _expert_weights(weights, e):
@@ -408,8 +413,11 @@ def ragged_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn):
     _, order_M, group_sizes_E = _sort_by_expert(expert_idx_TK, n_experts)
     xs_MD = x_TD[order_M // top_k]
 
-    def ragged_linear(h_MI, w_EIJ):
-        return jax.lax.ragged_dot(h_MI, w_EIJ, group_sizes_E, precision=jax.lax.Precision.HIGHEST)
+    expert_M = expert_idx_TK.reshape(-1)[order_M]
+
+    def ragged_linear(h_MI, w_EIJ, b_EJ=None):
+        y = jax.lax.ragged_dot(h_MI, w_EIJ, group_sizes_E, precision=jax.lax.Precision.HIGHEST)
+        return y if b_EJ is None else y + b_EJ[expert_M]
 
     ys_MD = expert_fn(ragged_linear, weights, xs_MD)
     y_MD = jnp.zeros_like(ys_MD).at[order_M].set(ys_MD)

@@ -11,30 +11,14 @@ is checked for its type and range before use, and every problem found is reporte
 
 from __future__ import annotations
 
-import dataclasses
-import math
 
 from moejax.errors import ConfigError
-from moejax.models.config_base import (BOOL, NONNEG_NUMBER_OR_NULL, POS_INT, POS_INT_OR_NULL, POS_NUMBER,
-                                       POS_NUMBER_OR_NULL, STRING, MoeConfig, SigmoidGroupRouter, check, check_fields,
-                                       family_config, key, layer_num_experts, message, show)
+from moejax.models.config_base import (BOOL, POS_INT, POS_INT_OR_NULL, MoeConfig, SigmoidGroupRouter,
+                                       check, check_fields, family_config, key, layer_num_experts, message)
+from moejax.models.rope_settings import RopeConfig, rope_from_dict, yarn_mscale  # noqa: F401 (yarn_mscale: re-export)
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    rope_type: str = "default"          # "default" or "yarn"
-    theta: float = 10000.0
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
 
 
 @family_config("DeepSeek-V3", MODEL_TYPES, ARCHITECTURE)
@@ -95,7 +79,7 @@ class DeepseekV3Config(SigmoidGroupRouter, MoeConfig):
         if None not in (rope_dim, nope_dim) and extra.get("qk_head_dim", rope_dim + nope_dim) != rope_dim + nope_dim:
             problems.append(f"qk_head_dim={d['qk_head_dim']} differs from qk_nope_head_dim + qk_rope_head_dim = "
                             f"{nope_dim} + {rope_dim}")
-        rope = _rope_from_dict(d, merged, problems, unimplemented)
+        rope = rope_from_dict(d, merged, problems, unimplemented)
         layer_counts = _layer_num_experts(d, merged, problems, unimplemented, uniform_experts)
         problems += _relations(merged)
         return dict(rope=rope, layer_num_experts=layer_counts)
@@ -118,14 +102,6 @@ class DeepseekV3Config(SigmoidGroupRouter, MoeConfig):
 
 
 # --- checking ------------------------------------------------------------------------------
-
-_ROPE_RULES = {
-    "rope_type": STRING, "type": STRING, "rope_theta": POS_NUMBER, "factor": POS_NUMBER_OR_NULL,
-    "original_max_position_embeddings": POS_INT_OR_NULL, "beta_fast": POS_NUMBER_OR_NULL,
-    "beta_slow": POS_NUMBER_OR_NULL, "mscale": NONNEG_NUMBER_OR_NULL, "mscale_all_dim": NONNEG_NUMBER_OR_NULL,
-    "attention_factor": POS_NUMBER_OR_NULL, "truncate": BOOL,
-}
-
 
 def _relations(v: dict) -> list[str]:
     """Constraints between fields, over those that passed their own check (`v`)."""
@@ -156,52 +132,3 @@ def _layer_num_experts(d: dict, v: dict, problems: list, unimplemented: list, un
                              v.get("n_routed_experts"), "n_routed_experts",
                              lambda layer: None if k0 is None else layer < k0, problems, unimplemented, uniform,
                              router=None if None in router.values() else router)
-
-
-def _rope_from_dict(d: dict, v: dict, problems: list, unimplemented: list) -> RopeConfig:
-    """transformers' resolution: `rope_scaling` wins over `rope_parameters`; a `rope_theta` inside the
-    dict wins over the top-level one; `type` is the legacy key of `rope_type`. `v`: the top-level
-    fields that passed their checks. Returns a placeholder when something is wrong (and noted)."""
-    n_problems = len(problems)
-    where, rp = None, {}
-    for key in ("rope_scaling", "rope_parameters"):
-        value = d.get(key)
-        if value is not None and not isinstance(value, dict):
-            problems.append(f"{key}={show(value)}, expected an object (or null)")
-        elif value and not rp:
-            where, rp = key, dict(value)
-    for name, rule in _ROPE_RULES.items():
-        if name in rp:
-            check(f"{where}.{name}", rp[name], rule, problems)
-    for name in ("rope_theta", "original_max_position_embeddings"):
-        if d.get(name) is not None:
-            check(name, d[name], _ROPE_RULES[name], problems)
-    theta_key = f"{where}.rope_theta" if "rope_theta" in rp else "rope_theta"
-    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
-    if theta is None and "rope_theta" not in rp:
-        problems.append(f"{theta_key}=null, expected {POS_NUMBER[1]}")
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if len(problems) > n_problems:
-        return RopeConfig()
-    if rope_type == "default":
-        return RopeConfig(theta=float(theta))
-    if rope_type != "yarn":
-        unimplemented.append(f"rope_type={rope_type!r} (only 'default' and 'yarn' are implemented)")
-        return RopeConfig()
-    max_pos = v.get("max_position_embeddings")
-    omp = d.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or max_pos
-    factor = rp.get("factor")
-    if omp is None or (factor is None and max_pos is None):
-        return RopeConfig()             # max_position_embeddings was wrong (and noted)
-    if factor is None:
-        factor = max_pos / omp
-    optional = {k: None if rp.get(k) is None else float(rp[k]) for k in ("mscale", "mscale_all_dim",
-                                                                          "attention_factor")}
-    return RopeConfig(
-        rope_type="yarn", theta=float(theta), factor=float(factor), original_max_position_embeddings=int(omp),
-        beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
-        truncate=rp.get("truncate", True), **optional)
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

@@ -29,7 +29,7 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the class default, 
 class MLA(nnx.Module):
     """Multi-head latent attention (with or without a q LoRA)."""
 
-    def __init__(self, cfg: DeepseekV3Config, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV3Config, dtype, rngs: nnx.Rngs, layer: int = 0):
         H, nh = cfg.hidden_size, cfg.num_attention_heads
         self.cfg = cfg
         if cfg.q_lora_rank is None:

@@ -3,41 +3,16 @@
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.models.deepseek_v3.config import DeepseekV3Config, yarn_mscale
+from moejax.models import rope
+from moejax.models.deepseek_v3.config import DeepseekV3Config
 
 
 def inv_freq_and_attention_factor(cfg: DeepseekV3Config) -> tuple[np.ndarray, float]:
     """inv_freq [d/2] (float32) and the factor that scales cos/sin, d = qk_rope_head_dim."""
-    d, rope = cfg.qk_rope_head_dim, cfg.rope
-    exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
-    pos_freqs = np.float32(rope.theta) ** exponents
-    if rope.rope_type == "default":
-        return (1.0 / pos_freqs).astype(np.float32), 1.0
-
-    def correction_dim(n_rot):
-        return d * math.log(rope.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(rope.theta))
-
-    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-    extrapolation = 1 - ramp
-    inv_freq = (1 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
-    factor = rope.attention_factor
-    if factor is None:
-        if rope.mscale and rope.mscale_all_dim:
-            factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
-        else:
-            factor = yarn_mscale(rope.factor)
-    return inv_freq.astype(np.float32), float(factor)
+    return rope.inv_freq_and_attention_factor(cfg.qk_rope_head_dim, cfg.rope)
 
 
 def cos_sin(cfg: DeepseekV3Config, positions, dtype):
