@@ -70,7 +70,7 @@ def lm_eval_setup(root, seed: int, files=("textwrap.py", "fractions.py"), **task
 
 
 def harden(model, router_std: float = 1.0):
-    """Make every parameter matter (in place; returns the model): norms random around 1, router rows
+    """Make every parameter matter (in place; returns the model): norms random around the identity, router rows
     wide (decisive routing: entries of standard deviation router_std), attention biases random,
     balance biases random and partly negative."""
     import torch
@@ -78,11 +78,13 @@ def harden(model, router_std: float = 1.0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
+                # around the identity: 1 for a norm scaling by w, 0 for one scaling by 1 + w (Qwen3-Next's,
+                # initialised to zeros)
+                p.copy_((0 if (p == 0).all() else 1) + 0.3 * torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0, router_std)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.1)
+            elif name.endswith((".bias", "_bias", ".sinks")):  # gpt-oss: experts' biases, attention sinks
+                p.normal_(0, 0.1 if "sinks" not in name else 1.0)
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.normal_(0, 0.3)
@@ -96,8 +98,9 @@ def hook_router(hf, ids, mask):
 
     seen, hooks = {}, []
     for l, layer in enumerate(hf.model.layers):
-        if hasattr(layer.mlp, "gate"):
-            hooks.append(layer.mlp.gate.register_forward_hook(
+        router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)  # gpt-oss: `router`
+        if router is not None:
+            hooks.append(router.register_forward_hook(
                 lambda mod, inp, out, l=l: seen.__setitem__(l, (inp[0].reshape(-1, inp[0].shape[-1]), *out))))
     with torch.no_grad():
         out = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))
@@ -115,9 +118,8 @@ def reference_scores(hf, seen, mask) -> dict:
     out = {}
     for l, x, logits, gates, idx, f in _routed_layers(hf, seen, mask):
         block = hf.model.layers[l].mlp
-        gate_up = block.experts.gate_up_proj.detach().double().numpy()
-        down = block.experts.down_proj.detach().double().numpy()
-        E = gate_up.shape[0]
+        matrices = expert_matrices(block.experts)
+        E = len(matrices)
 
         def reap(idx_TK, gate_TK):
             freq, gate_norm, norm, norm_sq, norm_max = (np.zeros(E) for _ in range(5))
@@ -136,33 +138,60 @@ def reference_scores(hf, seen, mask) -> dict:
         code_gate = np.take_along_axis(p, code_idx, 1)
         code_gate /= code_gate.sum(1, keepdims=True)
         reap_code = reap(code_idx, code_gate)[1]
-        W = block.gate.weight.detach().double().numpy()
+        router = getattr(block, "gate", None) or block.router  # gpt-oss: `router`
+        W = router.weight.detach().double().numpy()
         out[l] = {"frequency": freq, "reap": reap_real, "reap_code": reap_code, "ean": ean, "w_mean": W @ x.mean(0),
                   "signed": W.sum(1), "l1": np.abs(W).sum(1), "man": man, "msan": msan, "max_act": max_act,
-                  "aimer": -np.array([aimer_ratio(gate_up[j], down[j]) for j in range(E)]),
+                  "aimer": -np.array([aimer_ratio(*matrices[j]) for j in range(E)]),
                   "mone": mone_reference(x, gates, idx, f, E)[0]}
-        if hasattr(block.gate, "e_score_correction_bias"):
-            out[l]["bias"] = -block.gate.e_score_correction_bias.detach().double().numpy()
+        if hasattr(router, "e_score_correction_bias"):
+            out[l]["bias"] = -router.e_score_correction_bias.detach().double().numpy()
     return out
 
 
 def _routed_layers(hf, seen, mask):
     """Per MoE layer of `hook_router`'s record: (layer, router input x [T, H], logits, gates, chosen
     experts, f) in float64 numpy over the valid tokens, f(j, xs) expert j's output before its gate
-    from transformers' own weights (fused `experts.gate_up_proj`, gate rows first, and `down_proj`)."""
+    from transformers' own weights (`expert_function`)."""
     valid = mask.reshape(-1).astype(bool)
     for l, (x, logits, gates, idx) in seen.items():
-        block = hf.model.layers[l].mlp
-        gate_up = block.experts.gate_up_proj.detach().double().numpy()
-        down = block.experts.down_proj.detach().double().numpy()
-        Im = gate_up.shape[1] // 2
-
-        def f(j, xs, gate_up=gate_up, down=down, Im=Im):
-            g, u = xs @ gate_up[j, :Im].T, xs @ gate_up[j, Im:].T
-            return (g / (1 + np.exp(-g)) * u) @ down[j].T
-
         yield (l, x.double().numpy()[valid], logits.double().numpy()[valid], gates.double().numpy()[valid],
-               idx.numpy()[valid], f)
+               idx.numpy()[valid], expert_function(hf.model.layers[l].mlp.experts))
+
+
+def expert_matrices(experts) -> list:
+    """Expert by expert, the weight matrices of transformers' fused experts module in float64 (what
+    AIMER reads): gate_up_proj and down_proj (biases aside)."""
+    gate_up = experts.gate_up_proj.detach().double().numpy()
+    down = experts.down_proj.detach().double().numpy()
+    return [(gate_up[j], down[j]) for j in range(gate_up.shape[0])]
+
+
+def expert_function(experts):
+    """f(j, xs): expert j's output before its gate, from transformers' fused experts module in
+    float64: SwiGLU from `gate_up_proj` [E, 2 Im, H] (gate rows first) and `down_proj` [E, H, Im];
+    gpt-oss's (`swiglu_limit` set) from `gate_up_proj` [E, H, 2 Im] (gate columns even, up odd) and
+    `down_proj` [E, Im, H], with their biases, the clamps and (up + 1) * gate * sigmoid(alpha gate)."""
+    gate_up = experts.gate_up_proj.detach().double().numpy()
+    down = experts.down_proj.detach().double().numpy()
+    if hasattr(experts, "limit"):
+        gu_b = experts.gate_up_proj_bias.detach().double().numpy()
+        d_b = experts.down_proj_bias.detach().double().numpy()
+        alpha, limit = float(experts.alpha), float(experts.limit)
+
+        def f(j, xs):
+            h = xs @ gate_up[j] + gu_b[j]
+            g, u = np.minimum(h[:, 0::2], limit), np.clip(h[:, 1::2], -limit, limit)
+            return ((u + 1) * g / (1 + np.exp(-alpha * g))) @ down[j] + d_b[j]
+
+        return f
+    Im = gate_up.shape[1] // 2
+
+    def f(j, xs):
+        g, u = xs @ gate_up[j, :Im].T, xs @ gate_up[j, Im:].T
+        return (g / (1 + np.exp(-g)) * u) @ down[j].T
+
+    return f
 
 
 def mone_reference(x, gates, idx, f, E):

@@ -6,6 +6,7 @@ transformers' hooks, `moejax prune` (and compressed-tensors' pruner for `l1`), e
 generation, full-size shapes, hub spellings and refusals."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -171,11 +172,12 @@ def test_l1_equals_compressed_tensors_magnitude_pruner(family_checkpoints, famil
     from compressed_tensors.entrypoints.convert.converters.magnitude_expert_pruner import MagnitudeExpertPruner
 
     path = family_checkpoints[family][0]
-    block = REGISTRY[family].moe_block
+    fam = REGISTRY[family]
+    router = re.escape(fam.rule("router").hf.split("{l}.", 1)[1]) + "$"  # "mlp\.gate\.weight$"
+    experts = rf"{fam.moe_block}\.experts\." + ("" if fam.stores_fused else r"\d+\.")  # stacked [E, ...] or per expert
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     _prune(family, path, ours, keep=5, groups="collapse")  # compressed-tensors does not keep groups
-    pruner = MagnitudeExpertPruner.from_pretrained(path, router_pattern=rf"{block}\.gate\.weight$",
-                                                   expert_pattern=rf"{block}\.experts\.\d+\.", sparsity=0.375)
+    pruner = MagnitudeExpertPruner.from_pretrained(path, router_pattern=router, expert_pattern=experts, sparsity=0.375)
     convert_checkpoint(path, theirs, converter=pruner, max_workers=1, device="cpu")
     a, b = CheckpointReader(ours), CheckpointReader(theirs)
     assert a.keys() == b.keys() and all(a.read_bytes(n) == b.read_bytes(n) for n in a.keys())
@@ -284,8 +286,8 @@ def test_full_size_presets_match_the_name_table(family, preset, few_layers):
 
     fam = REGISTRY[family]
     for name, d in [(preset, fam.presets[preset])]:
-        if few_layers:
-            d = {**d, "num_hidden_layers": 4}
+        if few_layers:  # a per-layer list (gpt-oss's layer_types) is cut with the layers
+            d = {**d, "num_hidden_layers": 4, **({"layer_types": d["layer_types"][:4]} if "layer_types" in d else {})}
         cfg = fam.config_class.from_dict(d, source=name)
         model = nnx.eval_shape(lambda: fam.causal_lm()(cfg, jnp.bfloat16))
         shapes = param_shapes(model)

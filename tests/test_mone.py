@@ -51,20 +51,37 @@ def moe_block(name, seed=0):
     E = cfg.experts_in_layer(cfg.moe_layers[0])
     block = MoE(cfg, jnp.float32, nnx.Rngs(seed), "sorted", E)
     rng = np.random.default_rng(seed)
-    H, F = cfg.hidden_size, cfg.moe_intermediate_size
+    H = cfg.hidden_size
     block.router[...] = jnp.asarray(rng.normal(0, 0.4, (E, H)), jnp.float32)
     if block.bias is not None:
         block.bias[...] = jnp.asarray(rng.normal(0, 0.3, E), jnp.float32)
-    for attr, shape, std in (("experts_gate", (E, H, F), H ** -0.5), ("experts_up", (E, H, F), H ** -0.5),
-                             ("experts_down", (E, F, H), F ** -0.5)):
-        getattr(block, attr)[...] = jnp.asarray(rng.normal(0, std, shape), jnp.float32)
+    if block.router_bias is not None:
+        block.router_bias[...] = jnp.asarray(rng.normal(0, 0.3, E), jnp.float32)
+    for name in block.expert_names:  # matrices [E, in, out] at 1 / sqrt(in); biases (gpt-oss) at 0.1
+        shape = getattr(block, "experts_" + name)[...].shape
+        std = shape[1] ** -0.5 if len(shape) == 3 else 0.1
+        getattr(block, "experts_" + name)[...] = jnp.asarray(rng.normal(0, std, shape), jnp.float32)
     return block
+
+
+def np_expert(block, w, r, x):
+    """Expert row r of the table w (float64) on one token x: SwiGLU, or gpt-oss's biased clamped
+    SwiGLU (`ClampedSwiglu`: interleaved gate/up columns, limit, alpha, (up + 1))."""
+    if "gate" in w:
+        h = x @ w["gate"][r]
+        return (h / (1 + np.exp(-h)) * (x @ w["up"][r])) @ w["down"][r]
+    alpha, limit = block.expert_fn.alpha, block.expert_fn.limit
+    h = x @ w["gate_up"][r] + w["gate_up_bias"][r]
+    gate, up = np.minimum(h[0::2], limit), np.clip(h[1::2], -limit, limit)
+    return ((up + 1) * gate / (1 + np.exp(-alpha * gate))) @ w["down"][r] + w["down_bias"][r]
 
 
 def np_route(block, x, mask):
     """SPEC sections 1 and 7 in float64 numpy: (chosen slots [T, K], gates [T, K])."""
     rc = block.router_cfg
     logits = x.astype(np.float64) @ np.asarray(block.router[...], np.float64).T
+    if block.router_bias is not None:  # gpt-oss: a bias on the logits
+        logits = logits + np.asarray(block.router_bias[...], np.float64)
     if rc.scoring_func == "sigmoid":
         s = 1 / (1 + np.exp(-logits))
     else:
@@ -98,9 +115,7 @@ def np_routed(block, x, mask, novice=None, constants=None, rows=None, table=None
         if novice is not None and novice[e]:
             y[t] += g[t, k] * constants[e]
         else:
-            r = e if rows is None else rows[e]
-            h = x[t] @ w["gate"][r]
-            y[t] += g[t, k] * ((h / (1 + np.exp(-h)) * (x[t] @ w["up"][r])) @ w["down"][r])
+            y[t] += g[t, k] * np_expert(block, w, e if rows is None else rows[e], x[t])
     return y, idx
 
 
@@ -133,7 +148,8 @@ def test_a_novice_slot_returns_its_gate_times_its_constant(name):
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5, err_msg=f"forward_only={forward_only}")
         assert np.array_equal(np.asarray(r.expert_idx_TK), idx)  # routing unchanged: a novice stays routable
     # the experts of novice slots are not used (a forward-only dispatch does not compute their pairs)
-    for attr in ("experts_gate", "experts_up", "experts_down"):
+    for name in block.expert_names:
+        attr = "experts_" + name
         getattr(block, attr)[...] = getattr(block, attr)[...].at[jnp.asarray(novice)].set(jnp.nan)
     y, _ = block.routed_variant(jnp.asarray(x), em, forward_only=True)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)

@@ -282,9 +282,9 @@ def test_config_naming_only_its_architecture_is_read(ckpts, tmp_path, capsys):
 
     assert run(["inspect", only_arch], capsys)[0] == 0
     assert check_checkpoint(only_arch).config.n_experts == 8
-    other_family = edited_copy(ckpts / "src", tmp_path / "other", model_type=None, architectures=["GptOssForCausalLM"])
+    other_family = edited_copy(ckpts / "src", tmp_path / "other", model_type=None, architectures=["MiniMaxM2ForCausalLM"])
     code, err = run(["inspect", other_family], capsys)
-    assert code == 2 and "architectures=['GptOssForCausalLM'] is not a supported family" in err
+    assert code == 2 and "architectures=['MiniMaxM2ForCausalLM'] is not a supported family" in err
 
 
 def test_disk_full_names_the_destination(ckpts, tmp_path, capsys, monkeypatch):

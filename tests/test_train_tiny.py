@@ -407,6 +407,12 @@ REDUCED = {
                   "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 16}, 1, True),
     "qwen2_moe": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts": 8,
                    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}, 1, False),
+    "gpt_oss": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                 "num_local_experts": 8, "intermediate_size": 16, "sliding_window": 8}, 2, False),
+    "qwen3_next": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                    "num_experts": 8, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                    "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}, 2, False),
 }
 
 

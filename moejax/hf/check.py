@@ -218,8 +218,7 @@ def _checked(path, uniform_experts: bool, substituted: bool = False) -> tuple[li
         cfg = read_config(config_path, uniform_experts=uniform_experts)
     raw = CheckpointReader(storage)
     family = family_of(cfg)
-    reader = FusedExpertsReader(raw, tuple(family.rule(n).hf for n in ("expert_gate", "expert_up", "expert_down")),
-                                family.rule("router").hf)
+    reader = FusedExpertsReader(raw, family.fused_layout(cfg), family.rule("router").hf)
     fmt = quant.detect_format(cfg.quantization_config)
     substitution = parse_substitution(cfg.to_dict(), config_path)
     if substitution is not None:
@@ -233,6 +232,6 @@ def _checked(path, uniform_experts: bool, substituted: bool = False) -> tuple[li
         reader = SubstitutedExpertsView(reader, substitution, cfg.hidden_size, fmt)
     specs = tensor_specs(cfg)
     problems, stored, carried = check_tensors(cfg, reader, specs, fmt)
-    layout = checkpoint_layout(reader, family.moe_block) if not problems else None  # fused experts as per-expert
+    layout = checkpoint_layout(reader, family) if not problems else None  # fused experts as per-expert
     where = storage.root if storage.remote else storage.root.resolve()
     return problems, CheckedCheckpoint(where, cfg, family, reader, fmt, specs, stored, carried, layout)

@@ -23,11 +23,15 @@ import re
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.io.safetensors_format import TensorInfo, check_complete_read, tensor_nbytes
 
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.([a-z_]+)$")
 # transformers 5 writes its own module names (`mlp.experts`) whatever the family's hub names are
 CANONICAL = ("model.layers.{l}.mlp.experts.{e}.gate_proj.weight", "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
              "model.layers.{l}.mlp.experts.{e}.down_proj.weight")
 CANONICAL_ROUTER = "model.layers.{l}.mlp.gate.weight"
+# transformers 5's fused SwiGLU experts: stored name after `mlp.experts.` -> (the per-expert names its
+# slab of expert e is cut into, in row order (equal shares: gate_up_proj's first half gate, then up),
+# the fused tensor's rank)
+SWIGLU_FUSED = {"gate_up_proj": (CANONICAL[:2], 3), "down_proj": (CANONICAL[2:], 3)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,37 +44,37 @@ class _Slice:
 class FusedExpertsReader:
     """A CheckpointReader whose fused expert tensors also appear under per-expert names."""
 
-    def __init__(self, reader: CheckpointReader, expert_names: tuple = CANONICAL, router_name: str = CANONICAL_ROUTER):
-        """expert_names: the per-expert name templates of gate, up and down (`{l}` layer, `{e}`
-        expert) that the fused tensors are presented under, and router_name the router's: the
-        family's name table's (Mixtral: `...block_sparse_moe.experts.{e}.w1.weight`, w3, w2 and
-        `...block_sparse_moe.gate.weight`; transformers 5 writes `mlp.gate.weight` beside fused experts)."""
+    def __init__(self, reader: CheckpointReader, layout: dict | None = None, router_name: str = CANONICAL_ROUTER):
+        """layout: {fused tensor name after `model.layers.{l}.mlp.experts.`: (the per-expert name
+        templates (`{l}` layer, `{e}` expert) its slab of each expert is cut into, in row order, in
+        equal shares; the fused tensor's rank)}; default transformers 5's SwiGLU (`SWIGLU_FUSED`). A
+        tensor of another rank is not presented (the check names it, and the experts it lacks). The family's name table gives
+        them (Mixtral: `...block_sparse_moe.experts.{e}.w1.weight`, w3, w2; gpt-oss, which stores only
+        fused tensors: one name per fused tensor, the whole slab). router_name: the family's router
+        name (Mixtral: `...block_sparse_moe.gate.weight`; transformers 5 writes `mlp.gate.weight`
+        beside fused experts)."""
         self.reader = reader
-        self.expert_names = expert_names
+        self.layout = SWIGLU_FUSED if layout is None else layout
         self._virtual: dict[str, _Slice] = {}
         self._cache: tuple[str, object] | None = None  # one fused tensor at a time
         self._by_stored: tuple[dict, dict] | None = None  # see _index
         for name in reader.keys():
             match = _FUSED.match(name)
-            if match:
-                self._add(int(match.group(1)), match.group(2), reader.info(name))
+            if match and match.group(2) in self.layout:
+                self._add(int(match.group(1)), self.layout[match.group(2)], reader.info(name))
                 router, canonical = router_name.format(l=match.group(1)), CANONICAL_ROUTER.format(l=match.group(1))
                 if router != canonical and canonical in reader and router not in reader:
                     self._virtual[router] = _Slice(canonical, None, None)
         self._fused_names = frozenset(s.fused for s in self._virtual.values())
 
-    def _add(self, layer: int, kind: str, info: TensorInfo) -> None:
-        if len(info.shape) != 3:  # not presented: the check then names the missing experts and this tensor
-            return
-        n_experts, rows = info.shape[0], info.shape[1]
-        gate, up, down = self.expert_names
+    def _add(self, layer: int, parts: tuple, info: TensorInfo) -> None:
+        parts, rank = parts
+        if len(info.shape) != rank or info.shape[1] % len(parts):
+            return  # not presented: the check then names the missing experts and this tensor
+        n_experts, share = info.shape[0], info.shape[1] // len(parts)
         for e in range(n_experts):
-            if kind == "down_proj":
-                self._virtual[down.format(l=layer, e=e)] = _Slice(info.name, e, slice(0, rows))
-            else:
-                half = rows // 2
-                self._virtual[gate.format(l=layer, e=e)] = _Slice(info.name, e, slice(0, half))
-                self._virtual[up.format(l=layer, e=e)] = _Slice(info.name, e, slice(half, rows))
+            for i, template in enumerate(parts):
+                self._virtual[template.format(l=layer, e=e)] = _Slice(info.name, e, slice(i * share, (i + 1) * share))
 
     @property
     def fused_names(self) -> frozenset[str]:
@@ -123,7 +127,7 @@ class FusedExpertsReader:
         fused = self.reader.info(part.fused)
         if part.expert is None:
             return dataclasses.replace(fused, name=name)
-        shape = (part.rows.stop - part.rows.start, fused.shape[2])
+        shape = (part.rows.stop - part.rows.start, *fused.shape[2:])
         row = tensor_nbytes(fused.dtype, fused.shape[2:], f"{fused.file}: tensor {part.fused!r}")
         begin = fused.begin + (part.expert * fused.shape[1] + part.rows.start) * row
         return dataclasses.replace(fused, name=name, shape=shape, begin=begin, end=begin + shape[0] * row)

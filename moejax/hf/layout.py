@@ -3,7 +3,8 @@
 Checkpoint tools (prune, inspect, diff) work on any registered family's checkpoint without building
 a model, so they need to know, per decoder layer: which tensor is the router
 (`...{block}.gate.weight`, one row per routed expert), which is the balance bias
-(`...{block}.gate.e_score_correction_bias`, in the families that have one), and which tensors
+(`...{block}.gate.e_score_correction_bias`, in the families that have one) and the router's logit
+bias (gpt-oss: `mlp.router.bias`), names the family's table gives, and which tensors
 belong to routed expert `e` (`...{block}.experts.{e}.*`, quantisation companions included), where
 `{block}` is the family's MoE block (`mlp`; Mixtral: `block_sparse_moe`). Everything else (attention, norms,
 shared experts, dense MLPs, embeddings) is "other". MTP layers (index >= num_hidden_layers) are MoE
@@ -33,8 +34,14 @@ class MoeLayer:
     layer: int
     stem: str                                  # "model.layers.3.mlp."
     router: str                                # stem + "gate.weight", rows = experts (stem: "...layers.{l}.{block}.")
-    bias: str | None                           # stem + "gate.e_score_correction_bias"
+    bias: str | None                           # stem + "gate.e_score_correction_bias" (the balance bias)
     experts: dict[int, list[str]]              # expert index -> its tensors (sorted names)
+    router_bias: str | None = None             # stem + "router.bias": the router's logit bias (gpt-oss)
+
+    @property
+    def per_expert_rows(self) -> tuple[str, ...]:
+        """The tensors with one row per routed expert beside the experts: router, biases."""
+        return tuple(n for n in (self.router, self.bias, self.router_bias) if n)
 
     @property
     def n_experts(self) -> int:
@@ -59,7 +66,7 @@ class CheckpointLayout:
         return {n for ml in self.moe_layers.values() for names in ml.experts.values() for n in names}
 
     def router_names(self) -> set[str]:
-        return {n for ml in self.moe_layers.values() for n in (ml.router, ml.bias) if n}
+        return {n for ml in self.moe_layers.values() for n in ml.per_expert_rows}
 
 
 def layer_of(name: str) -> int | None:
@@ -68,18 +75,30 @@ def layer_of(name: str) -> int | None:
     return int(m["layer"]) if m else None
 
 
-def _patterns(block: str):
-    stem = r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\." + re.escape(block) + r"\.)"
-    return (re.compile(stem + r"experts\.(?P<expert>\d+)\.(?P<rest>.+)$"), re.compile(stem + r"gate\.weight$"),
-            re.compile(stem + r"gate\.e_score_correction_bias$"))
+def _in_block(family, rule: str) -> str | None:
+    """What follows `{block}.` in the family's name of `rule` ("gate.weight"), None without the rule."""
+    r = family.rule(rule)
+    return None if r is None else r.hf.split(f".{family.moe_block}.", 1)[1]
 
 
-def checkpoint_layout(reader: CheckpointReader | FusedExpertsReader, moe_block: str = "mlp") -> CheckpointLayout:
-    """Group a checkpoint's tensors into MoE layers; every inconsistency (experts numbered with
-    gaps, experts with different tensor sets, a router whose row count is not the expert count, a
-    bias of the wrong length) is collected and raised together. Reads headers only."""
-    expert_re, router_re, bias_re = _patterns(moe_block)
-    routers, biases, experts, other, decoder = {}, {}, {}, [], set()
+def _patterns(family):
+    stem = r"^(?P<stem>(?:.*\.)?layers\.(?P<layer>\d+)\." + re.escape(family.moe_block) + r"\.)"
+
+    def tail(rule):  # a family without the rule: a pattern that matches nothing
+        rest = _in_block(family, rule)
+        return re.compile(r"(?!)" if rest is None else stem + re.escape(rest) + "$")
+
+    return (re.compile(stem + r"experts\.(?P<expert>\d+)\.(?P<rest>.+)$"), tail("router"), tail("balance_bias"),
+            tail("router_bias"))
+
+
+def checkpoint_layout(reader: CheckpointReader | FusedExpertsReader, family) -> CheckpointLayout:
+    """Group a checkpoint's tensors into MoE layers, by the names of `family`'s table (its MoE
+    block, router, balance bias and router bias); every inconsistency (experts numbered with gaps,
+    experts with different tensor sets, a router whose row count is not the expert count, a bias of
+    the wrong length) is collected and raised together. Reads headers only."""
+    expert_re, router_re, bias_re, router_bias_re = _patterns(family)
+    routers, biases, router_biases, experts, other, decoder = {}, {}, {}, {}, [], set()
     stems: dict[int, str] = {}
     for name in reader.keys():
         if m := _DECODER.match(name):
@@ -93,22 +112,26 @@ def checkpoint_layout(reader: CheckpointReader | FusedExpertsReader, moe_block: 
             stems[int(m["layer"])] = m["stem"]
         elif m := bias_re.match(name):
             biases[int(m["layer"])] = name
+        elif m := router_bias_re.match(name):
+            router_biases[int(m["layer"])] = name
         else:
             other.append(name)
     problems, layers = [], {}
     for layer in sorted(set(routers) | set(experts)):
         if layer not in routers:
-            problems.append(f"layer {layer}: routed experts but no router tensor {stems[layer]}gate.weight")
+            problems.append(f"layer {layer}: routed experts but no router tensor {stems[layer]}{_in_block(family, 'router')}")
             continue
         if layer not in experts:  # a gate.weight without experts is not an MoE router: leave it alone
             other.append(routers.pop(layer))
             continue
         ml = MoeLayer(layer, stems[layer], routers[layer], biases.get(layer),
-                      {e: sorted(names) for e, names in sorted(experts[layer].items())})
+                      {e: sorted(names) for e, names in sorted(experts[layer].items())}, router_biases.get(layer))
         problems += _check_layer(ml, reader)
         layers[layer] = ml
     for layer in sorted(set(biases) - set(layers)):
         other.append(biases[layer])
+    for layer in sorted(set(router_biases) - set(layers)):
+        other.append(router_biases[layer])
     if problems:
         raise CheckpointError(f"{reader.directory}: MoE tensors are inconsistent:\n  " + "\n  ".join(problems))
     return CheckpointLayout(layers, sorted(decoder), sorted(other))
@@ -130,8 +153,7 @@ def _check_layer(ml: MoeLayer, reader: CheckpointReader) -> list[str]:
     router = reader.info(ml.router)
     if len(router.shape) != 2 or router.shape[0] != E:
         problems.append(f"{ml.router}: shape {list(router.shape)}, expected [{E}, hidden] for {E} experts")
-    if ml.bias is not None:
-        bias = reader.info(ml.bias)
-        if tuple(bias.shape) != (E,):
-            problems.append(f"{ml.bias}: shape {list(bias.shape)}, expected [{E}]")
+    for name in (ml.bias, ml.router_bias):
+        if name is not None and tuple(reader.info(name).shape) != (E,):
+            problems.append(f"{name}: shape {list(reader.info(name).shape)}, expected [{E}]")
     return problems

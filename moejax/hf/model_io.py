@@ -37,15 +37,17 @@ from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.io.checkpoint_writer import write_checkpoint
 from moejax.hf.io.safetensors_format import RawTensor, numpy_dtype
 from moejax.hf.io.storage import require_local
+from moejax.hf.layout import layer_of
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
 from moejax.hf.quant.decode import read_decoded
 from moejax.host_memory import aligned_empty
 from moejax.models.family import Family
+from moejax.models.registry import family_of
 from moejax.parallel.sharding import spec_for
 
 log = logging.getLogger(__name__)
 
-_ALWAYS_F32 = ("mlp.router", "mlp.bias")  # router weight and balance bias stay float32
+_ALWAYS_F32 = ("mlp.router", "mlp.bias", "mlp.router_bias")  # router weight and balance bias stay float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +268,28 @@ class _HostParams:
         return np.ascontiguousarray(value.astype(numpy_dtype(dtype_str, spec.hf_name)))
 
 
+def _fused_specs(family: Family, specs: list[TensorSpec]) -> dict:
+    """For a family whose experts exist only fused (gpt-oss): {per-expert HF name: (the fused
+    tensor's name, per expert the specs its slab concatenates) on the layer's first such spec, (the
+    name, None) on the others}; {} for the other families, which save per expert."""
+    if not family.stores_fused:
+        return {}
+    part_of = {rule: (stored, i) for stored, rules in family.fused.items() for i, rule in enumerate(rules)}
+    groups: dict[tuple, dict] = {}  # (layer, stored) -> {expert: [spec of each part]}
+    for s in specs:
+        if s.rule in part_of:
+            stored, i = part_of[s.rule]
+            slab = groups.setdefault((layer_of(s.hf_name), stored), {}).setdefault(s.expert, [None] * len(
+                family.fused[stored]))
+            slab[i] = s
+    out = {}
+    for (layer, stored), experts in groups.items():
+        name, parts = f"model.layers.{layer}.mlp.experts.{stored}", [experts[e] for e in sorted(experts)]
+        for spec in (p for expert in parts for p in expert):
+            out[spec.hf_name] = (name, parts if spec is parts[0][0] else None)
+    return out
+
+
 def save_pretrained(model, out_dir, *, max_shard_bytes: int = 5 * 2**30,
                     overwrite: bool = False) -> Path:
     """Write the model as a Hugging Face checkpoint folder (atomically: temporary folder, then
@@ -286,15 +310,25 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int = 5 * 2**30,
         info = reader.info(name)
         return name, RawTensor(info.dtype, tuple(info.shape), reader.read_bytes(name))
 
+    def dtype_of(s):
+        if source:
+            return source.dtypes.get(s.hf_name, default)
+        return "F32" if s.param.endswith(_ALWAYS_F32) else default
+
+    fused = _fused_specs(family_of(cfg), specs)
+
     def tensors():
         for s in specs:
             if source and s.hf_name in source.quantized:
                 yield from (from_source(name) for name in source.quantized[s.hf_name])
                 continue
-            dtype_str = source.dtypes.get(s.hf_name, default) if source else default
-            if not source and s.param.endswith(_ALWAYS_F32):
-                dtype_str = "F32"
-            yield s.hf_name, host.hf_tensor(s, dtype_str)
+            if s.hf_name in fused:  # a family stored only fused: expert 0's spec writes the layer's whole tensor
+                name, parts = fused[s.hf_name]
+                if parts is not None:
+                    yield name, np.stack([np.concatenate([host.hf_tensor(p, dtype_of(p)) for p in expert])
+                                          for expert in parts])
+                continue
+            yield s.hf_name, host.hf_tensor(s, dtype_of(s))
         yield from (from_source(name) for name in (source.carried if source else ()))
 
     extra = {}

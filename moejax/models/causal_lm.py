@@ -78,7 +78,7 @@ class LayerOutput(NamedTuple):
 
 def decoder_norm(cfg, dtype) -> RMSNorm:
     """The decoder's RMSNorm (layer norms and the final one) in the family's order of operations."""
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.NORM_SCALES_IN_FLOAT32)
+    return RMSNorm.of(cfg, cfg.hidden_size, dtype)
 
 
 class DecoderLayer(nnx.Module):

@@ -164,6 +164,7 @@ class MoeConfig:
     HAS_BALANCE_BIAS: ClassVar[bool] = False            # e_score_correction_bias beside the router
     HAS_ROUTER_BIAS: ClassVar[bool] = False             # a bias added to the router logits (gpt-oss)
     NORM_SCALES_IN_FLOAT32: ClassVar[bool] = False      # RMSNorm scales before casting back (gpt-oss)
+    NORM_PLUS_ONE: ClassVar[bool] = False               # RMSNorm scales by 1 + weight (Qwen3-Next)
     EXPERT_KIND: ClassVar[str] = "swiglu"               # a key of moejax.moe.dispatch.EXPERT_SHAPES
     num_nextn_predict_layers = 0                        # MTP layers after the decoder layers (a field where read)
 

@@ -55,7 +55,8 @@ class GQAttention(nnx.Module):
         self.window = cfg.attention_window(layer)  # None: full attention
         if cfg.attention_sinks:
             self.sinks = param(rngs, (N,), dtype)
-        self.q_proj = param(rngs, (H, N * Q), dtype)
+        self.output_gate = cfg.attention_output_gate  # q_proj also gives each head's output gate
+        self.q_proj = param(rngs, (H, N * Q * (2 if self.output_gate else 1)), dtype)
         self.k_proj = param(rngs, (H, Nk * Q), dtype)
         self.v_proj = param(rngs, (H, Nk * Q), dtype)
         self.o_proj = param(rngs, (N * Q, H), dtype)
@@ -65,11 +66,11 @@ class GQAttention(nnx.Module):
             self.o_proj_bias = zeros((H,), dtype)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(Q, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(Q, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm.of(cfg, Q, dtype)
+            self.k_norm = RMSNorm.of(cfg, Q, dtype)
         elif cfg.qk_norm == "full":
-            self.q_norm = RMSNorm(N * Q, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(Nk * Q, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm.of(cfg, N * Q, dtype)
+            self.k_norm = RMSNorm.of(cfg, Nk * Q, dtype)
 
     @staticmethod
     def empty_cache(cfg, batch: int, length: int, dtype) -> KVLayerCache:
@@ -81,9 +82,14 @@ class GQAttention(nnx.Module):
         return None if b is None else b[...]
 
     def _project(self, x_BSH, cos, sin):
-        """q [B, S, N, Q], k and v [B, S, kv heads, Q], q and k normalised and rotated."""
+        """q [B, S, N, Q], k and v [B, S, kv heads, Q], q and k normalised and rotated; and the
+        output gate [B, S, N * Q] (Qwen3-Next: q_proj gives each head's query, then its gate), or None."""
         B, S, _ = x_BSH.shape
         q = linear(x_BSH, self.q_proj[...], self._bias("q_proj"))
+        gate = None
+        if self.output_gate:
+            q, gate = jnp.split(q.reshape(B, S, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+            q, gate = q.reshape(B, S, -1), gate.reshape(B, S, -1)
         k = linear(x_BSH, self.k_proj[...], self._bias("k_proj"))
         v = linear(x_BSH, self.v_proj[...], self._bias("v_proj")).reshape(B, S, self.n_kv, self.head_dim)
         if self.qk_norm == "full":
@@ -92,7 +98,7 @@ class GQAttention(nnx.Module):
         k = k.reshape(B, S, self.n_kv, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
     def _sinks(self):
         sinks = getattr(self, "sinks", None)
@@ -107,29 +113,32 @@ class GQAttention(nnx.Module):
     def _shared(self, kv):  # each key/value head serves n_heads / n_kv query heads, in order
         return jnp.repeat(kv, self.n_heads // self.n_kv, axis=2)
 
-    def _out(self, o_BSNQ):
+    def _out(self, o_BSNQ, gate):
         B, S = o_BSNQ.shape[:2]
-        return linear(o_BSNQ.reshape(B, S, self.n_heads * self.head_dim), self.o_proj[...], self._bias("o_proj"))
+        o = o_BSNQ.reshape(B, S, self.n_heads * self.head_dim)
+        if gate is not None:
+            o = o * jax.nn.sigmoid(gate)
+        return linear(o, self.o_proj[...], self._bias("o_proj"))
 
     def __call__(self, x_BSH, cos, sin, allowed_BSS):
-        q, k, v = self._project(x_BSH, cos, sin)
-        return self._out(self._attend(q, k, v, allowed_BSS))
+        q, k, v, gate = self._project(x_BSH, cos, sin)
+        return self._out(self._attend(q, k, v, allowed_BSS), gate)
 
     def prefill(self, x_BSH, cos, sin, allowed_BSS, cache: KVLayerCache):
         """`__call__` on a prompt that also writes its keys and values into cache columns 0..S-1."""
-        q, k, v = self._project(x_BSH, cos, sin)
+        q, k, v, gate = self._project(x_BSH, cos, sin)
         cache = KVLayerCache(jax.lax.dynamic_update_slice(cache.k_BCNQ, k.astype(cache.k_BCNQ.dtype), (0, 0, 0, 0)),
                              jax.lax.dynamic_update_slice(cache.v_BCNQ, v.astype(cache.v_BCNQ.dtype), (0, 0, 0, 0)))
-        return self._out(self._attend(q, k, v, allowed_BSS)), cache
+        return self._out(self._attend(q, k, v, allowed_BSS), gate), cache
 
     def decode(self, x_B1H, cos, sin, cache: KVLayerCache, column, allowed_B1C):
         """One new token per row, written into cache column `column`, attending to the cache's
         columns where allowed_B1C: (output, cache)."""
-        q, k, v = self._project(x_B1H, cos, sin)
+        q, k, v, gate = self._project(x_B1H, cos, sin)
         cache = KVLayerCache(
             jax.lax.dynamic_update_slice(cache.k_BCNQ, k.astype(cache.k_BCNQ.dtype), (0, column, 0, 0)),
             jax.lax.dynamic_update_slice(cache.v_BCNQ, v.astype(cache.v_BCNQ.dtype), (0, column, 0, 0)))
         allowed = within_window(allowed_B1C, jnp.reshape(column, (1,)), self.window)
         o = cached_attention(q, self._shared(cache.k_BCNQ), self._shared(cache.v_BCNQ), allowed,
                              self.head_dim ** -0.5, sinks_N=self._sinks())
-        return self._out(o), cache
+        return self._out(o, gate), cache

@@ -64,6 +64,11 @@ class GqaMoeConfig(MoeConfig):
         return self.QK_NORM
 
     ATTENTION_SINKS: ClassVar[bool] = False  # a learned sink logit per head joins each softmax (gpt-oss)
+    ATTENTION_OUTPUT_GATE: ClassVar[bool] = False  # q_proj also gives a sigmoid gate on each head's output (Qwen3-Next)
+
+    @property
+    def attention_output_gate(self) -> bool:
+        return self.ATTENTION_OUTPUT_GATE
 
     @property
     def attention_sinks(self) -> bool:
@@ -76,10 +81,16 @@ class GqaMoeConfig(MoeConfig):
 
     # --- reading (what the fields do not say) -------------------------------------------------
     @classmethod
-    def _read_rest(cls, d, valid, merged, problems, unimplemented, uniform_experts) -> dict:
+    def _read_rope(cls, d, merged, problems, unimplemented) -> dict:
+        """The rope fields' values (the default rope: its theta and partial factor); a family with
+        another rope reads its own here."""
         theta, partial = _rope(d, problems, unimplemented, cls.__dataclass_fields__["partial_rotary_factor"].default)
-        problems += cls._relations(merged, partial)
-        rope = dict(rope_theta=theta, partial_rotary_factor=partial)
+        return dict(rope_theta=theta, partial_rotary_factor=partial)
+
+    @classmethod
+    def _read_rest(cls, d, valid, merged, problems, unimplemented, uniform_experts) -> dict:
+        rope = cls._read_rope(d, merged, problems, unimplemented)
+        problems += cls._relations(merged, rope.get("partial_rotary_factor", 1.0))
         counts = None
         if not problems:
             probe = cls(**valid, **rope)

@@ -31,24 +31,31 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def rms_norm(x, w, eps, scale_in_float32: bool = False):
+def rms_norm(x, w, eps, scale_in_float32: bool = False, plus_one: bool = False):
     """transformers' RMSNorm: normalise in float32, cast back, then scale (order matters in bf16);
-    scale_in_float32: scale in float32, then cast back (gpt-oss's order)."""
+    scale_in_float32: scale in float32, then cast back (gpt-oss's and Qwen3-Next's order);
+    plus_one: the scale is 1 + w (Qwen3-Next's zero-centred weight)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if scale_in_float32:
-        return (w.astype(jnp.float32) * xf).astype(x.dtype)
+    if scale_in_float32 or plus_one:
+        scale = w.astype(jnp.float32)
+        return ((1.0 + scale if plus_one else scale) * xf).astype(x.dtype)
     return w * xf.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, scale_in_float32: bool = False):
-        self.weight = ones((dim,), dtype)
+    def __init__(self, dim: int, eps: float, dtype, scale_in_float32: bool = False, plus_one: bool = False):
+        self.weight = (zeros if plus_one else ones)((dim,), dtype)  # the identity either way
         self.eps = eps
-        self.scale_in_float32 = scale_in_float32
+        self.scale_in_float32, self.plus_one = scale_in_float32, plus_one
+
+    @classmethod
+    def of(cls, cfg, dim: int, dtype) -> "RMSNorm":
+        """The family's RMSNorm (its order of operations and weight convention, read off the config)."""
+        return cls(dim, cfg.rms_norm_eps, dtype, cfg.NORM_SCALES_IN_FLOAT32, cfg.NORM_PLUS_ONE)
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps, self.scale_in_float32)
+        return rms_norm(x, self.weight[...], self.eps, self.scale_in_float32, self.plus_one)
 
 
 class MLP(nnx.Module):

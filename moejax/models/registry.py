@@ -9,7 +9,7 @@ from its TEST config."""
 from __future__ import annotations
 
 from moejax.errors import ConfigError
-from moejax.models import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from moejax.models import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from moejax.models.config_base import read_json_object
 from moejax.models.family import Family
 
@@ -20,6 +20,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     olmoe.FAMILY,
     glm4_moe.FAMILY,
     qwen2_moe.FAMILY,
+    gpt_oss.FAMILY,
+    qwen3_next.FAMILY,
 )}
 
 

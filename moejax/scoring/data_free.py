@@ -40,13 +40,14 @@ def data_free_stats(reader, ml: MoeLayer, cfg, names, seed: int = 0) -> LayerSta
 
 def stored_expert_weight_sums(reader, ml: MoeLayer, cfg) -> tuple[np.ndarray, np.ndarray, int]:
     """(sum |w| [E], sum w^2 [E], entries per expert) over every entry of layer `ml`'s routed
-    experts' gate, up and down matrices (the family's names), in float64: what `aimer` reads.
+    experts' weight matrices (gate, up and down; gpt-oss's gate_up and down, biases aside: the
+    family's names), in float64: what `aimer` reads.
     One tensor at a time, decoded from its stored format as the loader decodes it (FP8, INT4,
     MXFP4; a fused transformers-5 checkpoint through its per-expert view); a non-finite value is
     refused naming the tensor."""
     fmt, qcfg = detect_format(cfg.quantization_config), cfg.quantization_config
     family = family_of(cfg)
-    rests = [family.rule(r).hf.split("experts.{e}.", 1)[1] for r in ("expert_gate", "expert_up", "expert_down")]
+    rests = [r.hf.split("experts.{e}.", 1)[1] for r in family.expert_matrix_rules(cfg)]
     E = ml.n_experts
     abs_sum, sq_sum, count = np.zeros(E), np.zeros(E), 0
     for e in range(E):

@@ -117,10 +117,11 @@ def _weight_partial_sums(weights: dict) -> dict:
 
 
 def expert_weight_sums(moe) -> tuple[np.ndarray, np.ndarray, int]:
-    """(sum |w| [E], sum w^2 [E], entries per expert) of the layer's routed experts' weights as held
-    (`moe.expert_weights()`: every matrix `expert_fn` reads), partial sums on the device (split
-    over an expert mesh like the weights) finished in float64 on the host."""
-    weights = moe.expert_weights()
+    """(sum |w| [E], sum w^2 [E], entries per expert) of the layer's routed experts' weight matrices
+    as held (`moe.expert_weights()`: every matrix `expert_fn` reads; gpt-oss's biases, one vector
+    per expert, are not matrices and are left out, as the checkpoint path leaves them), partial sums
+    on the device (split over an expert mesh like the weights) finished in float64 on the host."""
+    weights = {k: w for k, w in moe.expert_weights().items() if w.ndim >= 3}
     partial = to_host(_weight_partial_sums(weights))
     E = next(iter(weights.values())).shape[0]
     abs_sum, sq_sum = np.zeros(E), np.zeros(E)

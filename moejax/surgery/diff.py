@@ -149,7 +149,7 @@ def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
     checked = check_checkpoint(src, uniform_experts=False)  # the source must be sound, as for prune
     src_reader, src_layout = checked.reader, checked.layout  # per-expert views: fused experts read as per-expert
     pruned_problems, pruned_reader = audit_checkpoint(pruned)  # the pruned one is audited: its problems reported
-    pruned_layout = checkpoint_layout(pruned_reader, checked.family.moe_block)  # read as the source's family
+    pruned_layout = checkpoint_layout(pruned_reader, checked.family)  # read as the source's family
     layers, kept_by_layer = {}, {}
     for layer, pml in pruned_layout.moe_layers.items():
         sml = src_layout.moe_layers.get(layer)

@@ -101,7 +101,7 @@ def write_pruned(reader: FusedExpertsReader, layout: CheckpointLayout, plan: Pru
     sliced = {}
     for l, ml in layout.moe_layers.items():
         if l not in plan.dropped_layers:
-            sliced.update({name: l for name in (ml.router, ml.bias) if name})
+            sliced.update({name: l for name in ml.per_expert_rows})
     stored = reader.reader
     weight_map, total = {}, 0
     files = stored.files()
