@@ -10,19 +10,22 @@ experts, no renormalisation). A family registered with a test config is tested b
 
 from __future__ import annotations
 
-from hf_fixtures import harden
+from hf_fixtures import decoder_layers, harden
 
 from moejax.models.registry import FAMILIES as REGISTRY
 
-FAMILIES = {name: (family.architecture.removesuffix("ForCausalLM"), family.test_config)
+FAMILIES = {name: (family.architecture, family.test_config)
             for name, family in REGISTRY.items() if family.test_config is not None}
 
 
 def hf_classes(family: str):
+    """(transformers' config class, its model class) of a family: `<Prefix>ForCausalLM` or a
+    multimodal wrapper's `<Prefix>ForConditionalGeneration`, configured by `<Prefix>Config`."""
     import transformers
 
-    prefix = FAMILIES[family][0]
-    return getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
+    architecture = FAMILIES[family][0]
+    prefix = architecture.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
+    return getattr(transformers, prefix + "Config"), getattr(transformers, architecture)
 
 
 def make_family_checkpoint(family: str, path, seed=0, dtype="float32", save_original_format=True, **overrides):
@@ -34,6 +37,8 @@ def make_family_checkpoint(family: str, path, seed=0, dtype="float32", save_orig
     config_cls, model_cls = hf_classes(family)
     torch.manual_seed(seed)
     kw = {**FAMILIES[family][1], "initializer_range": 0.15, **overrides}
+    if "text_config" in kw:  # a wrapper: its language model initialises from its own config
+        kw["text_config"] = {**kw["text_config"], "initializer_range": kw["initializer_range"]}
     cfg = config_cls(**kw, attn_implementation="eager", experts_implementation="eager")
     model = harden(model_cls(cfg).eval())
     if dtype == "bfloat16":
@@ -44,4 +49,4 @@ def make_family_checkpoint(family: str, path, seed=0, dtype="float32", save_orig
 
 def moe_blocks(hf) -> dict:
     """{layer: the transformers MoE block} of every MoE layer (the block has a router `gate`)."""
-    return {l: layer.mlp for l, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate")}
+    return {l: layer.mlp for l, layer in enumerate(decoder_layers(hf)) if hasattr(layer.mlp, "gate")}

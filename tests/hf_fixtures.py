@@ -91,13 +91,19 @@ def harden(model, router_std: float = 1.0):
     return model
 
 
+def decoder_layers(hf):
+    """transformers' decoder layers: `model.layers`, or a multimodal wrapper's language model's
+    (Qwen3.5-MoE: `model.language_model.layers`)."""
+    return getattr(hf.model, "language_model", hf.model).layers
+
+
 def hook_router(hf, ids, mask):
     """transformers' logits [B, S, V] (float32 numpy) and, per MoE layer (a block with a router
     `gate`), what its router saw and chose: (input x [T, H], logits, gates, chosen experts) as torch."""
     import torch
 
     seen, hooks = {}, []
-    for l, layer in enumerate(hf.model.layers):
+    for l, layer in enumerate(decoder_layers(hf)):
         router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)  # gpt-oss: `router`
         if router is not None:
             hooks.append(router.register_forward_hook(
@@ -117,7 +123,7 @@ def reference_scores(hf, seen, mask) -> dict:
     which `aimer` also reads (minus AIMER's ratio over the expert's gate, up and down entries)."""
     out = {}
     for l, x, logits, gates, idx, f in _routed_layers(hf, seen, mask):
-        block = hf.model.layers[l].mlp
+        block = decoder_layers(hf)[l].mlp
         matrices = expert_matrices(block.experts)
         E = len(matrices)
 
@@ -156,7 +162,7 @@ def _routed_layers(hf, seen, mask):
     valid = mask.reshape(-1).astype(bool)
     for l, (x, logits, gates, idx) in seen.items():
         yield (l, x.double().numpy()[valid], logits.double().numpy()[valid], gates.double().numpy()[valid],
-               idx.numpy()[valid], expert_function(hf.model.layers[l].mlp.experts))
+               idx.numpy()[valid], expert_function(decoder_layers(hf)[l].mlp.experts))
 
 
 def expert_matrices(experts) -> list:
@@ -212,7 +218,7 @@ def mone_reference(x, gates, idx, f, E):
 def reference_mean_outputs(hf, seen, mask) -> dict:
     """{MoE layer: each expert's mean output over the valid tokens routed to it [E, H]} (MoNE's
     novice constants) from the definitions on what transformers' model routed (`hook_router`)."""
-    return {l: mone_reference(x, gates, idx, f, hf.model.layers[l].mlp.experts.gate_up_proj.shape[0])[1]
+    return {l: mone_reference(x, gates, idx, f, decoder_layers(hf)[l].mlp.experts.gate_up_proj.shape[0])[1]
             for l, x, _, gates, idx, f in _routed_layers(hf, seen, mask)}
 
 

@@ -88,6 +88,10 @@ def test_pruned_checkpoint_in_transformers_equals_the_masked_source(family_check
     dst = tmp_path / "pruned"
     record = _prune(family, path, dst, keep=6)
     src_cfg, cfg = (json.loads((p / "config.json").read_text()) for p in (path, dst))
+    text = REGISTRY[family].config_class.TEXT_CONFIG  # a wrapper's language model settings (Qwen3.5-MoE)
+    if text:
+        assert {k for k in cfg if cfg[k] != src_cfg[k]} == {text}  # vision_config and the rest untouched
+        src_cfg, cfg = src_cfg[text], cfg[text]
     key = REGISTRY[family].config_class.from_json_file(path / "config.json").experts_key
     assert src_cfg[key] == 8 and cfg[key] == 6 and {k for k in cfg if cfg[k] != src_cfg[k]} == {key}
     hf_pruned = hf_classes(family)[1].from_pretrained(dst, attn_implementation="eager",

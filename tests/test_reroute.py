@@ -502,7 +502,8 @@ def test_reroute_merged_and_substituted_checkpoints(dsv3, tmp_path, kind, holdou
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "gpt_oss", "qwen3_next",
+                                    "qwen3_5_moe"])
 def test_reroute_every_family_loads_in_transformers(family, tmp_path):
     """A pruned checkpoint of each GQA family rerouted: only its routers change, the loss falls, and
     transformers computes what moejax computes from the written folder. holdout=0 (as in the merged

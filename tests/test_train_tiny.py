@@ -413,6 +413,10 @@ REDUCED = {
                     "num_experts": 8, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
                     "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
                     "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}, 2, False),
+    "qwen3_5_moe": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                     "num_experts": 8, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                     "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}, 2, False),
 }
 
 

@@ -82,15 +82,16 @@ def mtp_layers(cfg) -> range:
 
 def split_extra_tensors(cfg, names, expected: set) -> tuple[list, list]:
     """The checkpoint's names the model has no parameter for, split into (carried, unexpected):
-    carried are MTP-layer tensors (layers the config's num_nextn_predict_layers allows) and stray
-    rotary buffers; anything else is unexpected."""
+    carried are MTP-layer tensors (layers the config's num_nextn_predict_layers allows), stray
+    rotary buffers and the family's CARRIED_PREFIXES (a vision tower, a separate MTP block);
+    anything else is unexpected."""
     carried, unexpected = [], []
     mtp = mtp_layers(cfg)
     for name in names:
         if name in expected:
             continue
         layer = _LAYER.match(name)
-        if _STRAY.search(name) or (layer and int(layer.group(1)) in mtp):
+        if _STRAY.search(name) or (layer and int(layer.group(1)) in mtp) or name.startswith(cfg.CARRIED_PREFIXES):
             carried.append(name)
         else:
             unexpected.append(name)

@@ -23,7 +23,7 @@ import re
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.io.safetensors_format import TensorInfo, check_complete_read, tensor_nbytes
 
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.([a-z_]+)$")
+_FUSED = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.([a-z_]+)$")  # a wrapper's too
 # transformers 5 writes its own module names (`mlp.experts`) whatever the family's hub names are
 CANONICAL = ("model.layers.{l}.mlp.experts.{e}.gate_proj.weight", "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
              "model.layers.{l}.mlp.experts.{e}.down_proj.weight")

@@ -100,7 +100,11 @@ def checkpoint_layout(reader: CheckpointReader | FusedExpertsReader, family) -> 
     expert_re, router_re, bias_re, router_bias_re = _patterns(family)
     routers, biases, router_biases, experts, other, decoder = {}, {}, {}, {}, [], set()
     stems: dict[int, str] = {}
+    carried = family.config_class.CARRIED_PREFIXES  # a vision tower, an MTP block: never a decoder layer
     for name in reader.keys():
+        if name.startswith(carried):
+            other.append(name)
+            continue
         if m := _DECODER.match(name):
             decoder.add(int(m["layer"]))
         if m := expert_re.match(name):

@@ -166,6 +166,12 @@ class MoeConfig:
     NORM_SCALES_IN_FLOAT32: ClassVar[bool] = False      # RMSNorm scales before casting back (gpt-oss)
     NORM_PLUS_ONE: ClassVar[bool] = False               # RMSNorm scales by 1 + weight (Qwen3-Next)
     EXPERT_KIND: ClassVar[str] = "swiglu"               # a key of moejax.moe.dispatch.EXPERT_SHAPES
+    # A multimodal wrapper's config (Qwen3.5-MoE): the key of the language model's settings inside it
+    # (read and rewritten there; the wrapper's other keys, vision_config included, are kept as they are)
+    TEXT_CONFIG: ClassVar[str | None] = None
+    # Tensors with no parameter that the checkpoint carries byte for byte (a vision tower, an MTP
+    # block transformers does not read): name prefixes
+    CARRIED_PREFIXES: ClassVar[tuple] = ()
     num_nextn_predict_layers = 0                        # MTP layers after the decoder layers (a field where read)
 
     # field (= its config.json key) -> (accepts, expected) type/range rule
@@ -200,14 +206,14 @@ class MoeConfig:
     def experts_key(self) -> str:
         """The config.json key that holds the expert count, as the source spells it (a pruned
         checkpoint updates that key, so it keeps the source's spelling)."""
-        raw = getattr(self, "raw", None) or {}
+        raw = self.settings_dict()
         return next((k for k in self.EXPERTS_KEYS if k in raw), self.EXPERTS_KEYS[0])
 
     def keys_of(self, field: str) -> list[str]:
         """The config.json keys spelling `field` in this config's source (its own name and its
         aliases; at least its own name): a copy that changes the setting updates every one, or
         the spellings would disagree."""
-        raw = getattr(self, "raw", None) or {}
+        raw = self.settings_dict()
         keys = [field] + [key for key, target in self.ALIASES.items() if target == field]
         return [key for key in keys if key in raw] or [field]
 
@@ -275,8 +281,9 @@ class MoeConfig:
         uniform_experts: refuse (the default) a moe_sparsity_config.num_experts that gives layers
         different expert counts, for a caller that needs one count in every layer. The loader, scoring
         and prune pass False and ask `experts_in_layer` (the model builds each layer with its count)."""
-        check_family(d, source, cls.MODEL_TYPES, cls.ARCHITECTURE, cls.TITLE)
-        d = dict(d)
+        check_family(d, source, cls.MODEL_TYPES, cls.ARCHITECTURE, cls.TITLE, wrapper=cls.TEXT_CONFIG is not None)
+        outer = d
+        d = dict(cls._settings_of(d, source))
         problems: list[str] = []        # wrong types, ranges and inconsistencies
         unimplemented: list[str] = []   # valid settings moejax does not implement
         given, spelled = {}, {}         # field -> the value given, and the key that gave it
@@ -303,7 +310,7 @@ class MoeConfig:
         rest = cls._read_rest(d, valid, merged, problems, unimplemented, uniform_experts)
         if problems or unimplemented:
             raise ConfigError(message(source, problems, unimplemented))
-        return cls(**valid, **rest, raw=d)
+        return cls(**valid, **rest, raw=outer)
 
     @classmethod
     def config_keys(cls) -> dict:
@@ -314,6 +321,27 @@ class MoeConfig:
     def field_defaults(cls) -> dict:
         """field -> its default (this family's), for the fields read from config.json."""
         return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.FIELD_RULES}
+
+    @classmethod
+    def _settings_of(cls, d: dict, source: str) -> dict:
+        """The dictionary the fields are read from: config.json itself, or a wrapper's TEXT_CONFIG."""
+        if cls.TEXT_CONFIG is None:
+            return d
+        inner = d.get(cls.TEXT_CONFIG)
+        if not isinstance(inner, dict):
+            raise ConfigError(f"{source}: {cls.TEXT_CONFIG}={show(inner)}, expected an object (the language model's "
+                              f"config inside the {cls.TITLE} wrapper)")
+        return inner
+
+    def settings_dict(self) -> dict:
+        """A copy of the dictionary holding the settings (config.json, or a wrapper's TEXT_CONFIG):
+        what a writer changes, then gives back to `with_settings`."""
+        raw = self.to_dict()
+        return dict(raw.get(self.TEXT_CONFIG) or {}) if self.TEXT_CONFIG else raw
+
+    def with_settings(self, settings: dict) -> dict:
+        """config.json with `settings` (an edited `settings_dict()`) in their place."""
+        return {**self.to_dict(), self.TEXT_CONFIG: settings} if self.TEXT_CONFIG else dict(settings)
 
     def to_dict(self) -> dict:
         """The config as written to config.json: the source dictionary when there is one."""
@@ -401,12 +429,12 @@ def _object_noting_repeats(pairs: list, repeated: list) -> dict:
     return out
 
 
-def check_family(d, source: str, model_types: tuple, architecture: str, family: str) -> list:
-    """Refuse a non-object, a multimodal wrapper, and another family's model_type/architectures;
-    returns the architectures list."""
+def check_family(d, source: str, model_types: tuple, architecture: str, family: str, wrapper: bool = False) -> list:
+    """Refuse a non-object, a multimodal wrapper (unless the family is one: `wrapper`), and another
+    family's model_type/architectures; returns the architectures list."""
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: expected a JSON object (a {family} config), got {show(d)}")
-    if "text_config" in d and "hidden_size" not in d:
+    if "text_config" in d and "hidden_size" not in d and not wrapper:
         raise ConfigError(f"{source}: multimodal config (text_config) is not supported; pass the text model's config")
     archs = d.get("architectures") or [architecture]
     if not isinstance(archs, list):

@@ -141,6 +141,8 @@ class SparseStepLayers:
     mlp_only_layers: tuple = key(INT_LIST, ())
 
     def __post_init__(self):
+        if hasattr(super(), "__post_init__"):  # the next class's (a hybrid family's layer_types)
+            super().__post_init__()
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
 
     def is_moe_layer(self, layer: int) -> bool:

@@ -42,6 +42,13 @@ class TensorSpec:
     rule: str = ""                # the rule's name
 
 
+def prefixed(rules: tuple, prefix: str) -> tuple:
+    """A table whose `model.` names live under `prefix` instead (a multimodal wrapper's language model:
+    `model.language_model.`); `lm_head.weight` and the parameters stay as they are."""
+    return tuple(dataclasses.replace(r, hf=prefix + r.hf[len("model."):]) if r.hf.startswith("model.") else r
+                 for r in rules)
+
+
 def check_table(rules: tuple) -> tuple:
     """A family's table, checked once at import: unique names, known places."""
     names = [r.name for r in rules]

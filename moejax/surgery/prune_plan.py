@@ -131,7 +131,7 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     are worded for `moejax merge`)."""
     # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
     # config.json is the source's dictionary with the family's expert-count key updated.
-    new_config, notes = dict(cfg.to_dict()), []
+    new_config, notes = cfg.settings_dict(), []  # the settings' level (a wrapper's text_config)
     layers, dropped = _layers_to_prune(reader, layout, cfg, drop_mtp)
     counts = _keep_counts(layers, keep, layers_keep, cfg.num_experts_per_tok)
     scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
@@ -142,7 +142,7 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     _rewrite_mtp(cfg, dropped, new_config, notes)
     return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
                      n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,
-                     config=new_config, groups=groups, notes=tuple(notes))
+                     config=cfg.with_settings(new_config), groups=groups, notes=tuple(notes))
 
 
 def _layers_to_prune(reader, layout: CheckpointLayout, cfg, drop_mtp: bool) -> tuple[dict[int, MoeLayer], tuple]:

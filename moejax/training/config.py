@@ -78,6 +78,9 @@ class ArchConfig:
             raise ConfigError(f"train_tiny: the {family.title} family has no tiny preset (TINY in "
                               f"moejax/models/{family.name}/presets.py)")
         overrides = {k: list(v) if isinstance(v, tuple) else v for k, v in self.overrides}
+        text = family.config_class.TEXT_CONFIG  # a multimodal wrapper: the language model's settings live there
+        if text:
+            return {**family.tiny, text: {**family.tiny[text], **BYTE_LEVEL, "initializer_range": 0.02, **overrides}}
         return {**family.tiny, **BYTE_LEVEL, "initializer_range": 0.02, **overrides}
 
     def as_dict(self) -> dict:

@@ -4,9 +4,12 @@ attention with a sigmoid output gate from q_proj, per-head q/k RMSNorm and parti
 every fourth layer is full (`full_attention_interval`). The MoE block is Qwen2-MoE's (softmax top-k
 with `norm_topk_prob`, one shared expert gated by sigmoid(x . w)), 512 experts in the released model;
 MoE layers by `decoder_sparse_step` / `mlp_only_layers`. Every RMSNorm but DeltaNet's gated one
-scales by 1 + weight in float32."""
+scales by 1 + weight in float32. `HybridDeltaNetConfig` holds what Qwen3.5-MoE shares."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
 
 from moejax.models.config_base import BOOL, POS_INT, family_config, key, show
 from moejax.models.gqa_config import SILU_ONLY, GqaMoeConfig, SoftmaxRouter, SparseStepLayers
@@ -16,17 +19,17 @@ LAYER_TYPE_LIST = (lambda v: isinstance(v, list) and all(t in LAYER_TYPES for t 
                    f"a list of {' or '.join(repr(t) for t in LAYER_TYPES)}")
 
 
-@family_config("Qwen3-Next", ("qwen3_next",), "Qwen3NextForCausalLM")
-class Qwen3NextConfig(SparseStepLayers, SoftmaxRouter, GqaMoeConfig):
-    UNIMPLEMENTED = {"hidden_act": SILU_ONLY}
-    QK_NORM = "head"
-    ATTENTION_OUTPUT_GATE = True
-    NORM_SCALES_IN_FLOAT32 = True
-    NORM_PLUS_ONE = True
-    DELTANET_LAYOUT = "qwen3_next"  # moejax.models.gated_deltanet's projection layout
-    DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
-                    num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts_per_tok=10,
-                    rms_norm_eps=1e-6, max_position_embeddings=32768, norm_topk_prob=True, partial_rotary_factor=0.25)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridDeltaNetConfig(GqaMoeConfig):
+    """Qwen3-Next's and Qwen3.5-MoE's shared settings: the Gated DeltaNet's sizes, the layer
+    schedule, the gated attention, the zero-centred norms and the gated shared expert."""
+
+    UNIMPLEMENTED: ClassVar[dict] = {"hidden_act": SILU_ONLY}
+    QK_NORM: ClassVar[str] = "head"
+    ATTENTION_OUTPUT_GATE: ClassVar[bool] = True
+    NORM_SCALES_IN_FLOAT32: ClassVar[bool] = True
+    NORM_PLUS_ONE: ClassVar[bool] = True
+    DELTANET_LAYOUT: ClassVar[str] = "qwen3_next"  # moejax.models.gated_deltanet's projection layout
 
     moe_intermediate_size: int = key(POS_INT, 512)
     shared_expert_intermediate_size: int = key(POS_INT, 512)
@@ -43,7 +46,8 @@ class Qwen3NextConfig(SparseStepLayers, SoftmaxRouter, GqaMoeConfig):
     shared_expert_gate = True  # the shared expert's output is gated: sigmoid(x . shared_gate) * shared(x)
 
     def __post_init__(self):
-        super().__post_init__()
+        if hasattr(super(), "__post_init__"):
+            super().__post_init__()
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
 
@@ -76,3 +80,10 @@ class Qwen3NextConfig(SparseStepLayers, SoftmaxRouter, GqaMoeConfig):
 
     def _written(self) -> dict:
         return {**super()._written(), "layer_types": [self.layer_type(l) for l in range(self.num_hidden_layers)]}
+
+
+@family_config("Qwen3-Next", ("qwen3_next",), "Qwen3NextForCausalLM")
+class Qwen3NextConfig(SparseStepLayers, SoftmaxRouter, HybridDeltaNetConfig):
+    DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+                    num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts_per_tok=10,
+                    rms_norm_eps=1e-6, max_position_embeddings=32768, norm_topk_prob=True, partial_rotary_factor=0.25)

@@ -8,7 +8,7 @@ from moejax.models.gqa_names import gqa_rules
 from moejax.models.names import L, Rule, check_table, dense_mlp_rules, embedding_rules, moe_rules, norm_rules
 
 
-def _full(cfg, layer):
+def full_attention(cfg, layer):
     return not cfg.is_linear_attention(layer)
 
 
@@ -51,7 +51,7 @@ def deltanet_rules(layout: str) -> tuple:
     )
 
 
-RULES = check_table(embedding_rules() + norm_rules() + gqa_rules(when=_full) + deltanet_rules("qwen3_next")
+RULES = check_table(embedding_rules() + norm_rules() + gqa_rules(when=full_attention) + deltanet_rules("qwen3_next")
                     + dense_mlp_rules()
                     + moe_rules(shared=lambda cfg: cfg.shared_intermediate_size, shared_name="shared_expert",
                                 shared_gate=True))

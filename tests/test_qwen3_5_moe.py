@@ -1,0 +1,89 @@
+"""Qwen3.5-MoE beyond the shared family tests (tests/test_families.py runs it with the others):
+the Hub's layout (the multimodal wrapper, `model.language_model.*`, a vision tower and an `mtp.*`
+block transformers does not read) pruned and merged with every non-language tensor carried byte for
+byte and the wrapper's config changed only in its text_config; long padded batches."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from family_fixtures import make_family_checkpoint  # noqa: E402
+from hf_fixtures import rewrite  # noqa: E402
+
+from moejax import AutoModelForCausalLM  # noqa: E402
+from moejax.cli import main  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
+
+
+def _mtp_block(reader):
+    """An MTP block shaped as the Hub ships Qwen3.5-MoE's (its MoE layer per expert): random values."""
+    rng = np.random.default_rng(0)
+    H, E, F = 64, 8, 32
+    out = [("mtp.fc.weight", rng.normal(size=(H, 2 * H)).astype(np.float32)),
+           ("mtp.norm.weight", rng.normal(size=(H,)).astype(np.float32)),
+           ("mtp.layers.0.mlp.gate.weight", rng.normal(size=(E, H)).astype(np.float32))]
+    for e in range(E):
+        for name, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F))):
+            out.append((f"mtp.layers.0.mlp.experts.{e}.{name}.weight", rng.normal(size=shape).astype(np.float32)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hub_layout(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_5_moe")
+    make_family_checkpoint("qwen3_5_moe", root / "plain", seed=44)
+
+    def add_mtp(name, reader):
+        items = [(name, reader.read(name))]
+        return items + (_mtp_block(reader) if name == "lm_head.weight" else [])
+
+    rewrite(root / "plain", root / "src", add_mtp)
+    np.save(root / "calib.npy", np.random.default_rng(6).integers(0, 96, size=(4, 24)).astype(np.int32))
+    return root
+
+
+@pytest.mark.parametrize("command", [["prune", "--score", "l1"],
+                                     ["merge", "--method", "hc_smoe", "--tokens", "calib.npy"]])
+def test_vision_and_mtp_tensors_are_carried_byte_for_byte(hub_layout, command):
+    root = hub_layout
+    dst = root / command[0]
+    args = [str(root / a) if a.endswith(".npy") else a for a in command[1:]]
+    assert main([command[0], str(root / "src"), str(dst), *args, "--keep", "6"]) == 0
+    src, out = CheckpointReader(root / "src"), CheckpointReader(dst)
+    carried = [n for n in src.keys() if n.startswith(("model.visual.", "mtp."))]
+    assert len(carried) > 30 and set(carried) <= set(out.keys())
+    assert all(src.read_bytes(n) == out.read_bytes(n) for n in carried)
+    a, b = (json.loads((p / "config.json").read_text()) for p in (root / "src", dst))
+    assert {k for k in a if a[k] != b[k]} == {"text_config"} and b["text_config"]["num_experts"] == 6
+    assert {k for k in a["text_config"] if a["text_config"][k] != b["text_config"][k]} == {"num_experts"}
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(dst, attn_implementation="eager",
+                                                                  experts_implementation="eager").eval()
+    ids = np.random.default_rng(7).integers(2, 96, size=(2, 20))
+    with torch.no_grad():
+        want = hf(input_ids=torch.as_tensor(ids)).logits.numpy()
+    got = np.asarray(AutoModelForCausalLM.from_pretrained(dst).jitted()(jnp.asarray(ids)).logits_BSV)
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_long_padded_batch_is_exact_per_sequence(hub_layout):
+    """130 columns (three DeltaNet chunks), a row left-padded by 40: each row's logits equal moejax
+    on the row alone, and are within float32 of transformers on the row alone."""
+    model = AutoModelForCausalLM.from_pretrained(hub_layout / "src")
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(hub_layout / "src").eval()
+    ids = np.random.default_rng(3).integers(2, 96, size=(2, 130)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, :40] = 0
+    forward = model.jitted()
+    got = np.asarray(forward(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
+    for b in range(2):
+        real = mask[b].astype(bool)
+        alone = np.asarray(forward(jnp.asarray(ids[b:b + 1, real])).logits_BSV)[0]
+        assert np.abs(got[b, real] - alone).max() < 1e-4
+        with torch.no_grad():
+            theirs = hf(input_ids=torch.as_tensor(ids[b:b + 1, real], dtype=torch.long)).logits.numpy()[0]
+        assert np.abs(alone - theirs).max() < 2e-3 * max(1.0, np.abs(theirs).max())
