@@ -95,3 +95,21 @@ def test_mxfp4_checkpoint_is_refused_by_name_before_reading(gpt_oss, tmp_path):
     with pytest.raises(Exception, match="unsupported quant_method 'mxfp4'"):
         AutoModelForCausalLM.from_pretrained(src)
     assert main(["inspect", str(src)]) != 0
+
+
+def test_merge_is_refused_by_name_before_the_pass(gpt_oss, tmp_path):
+    """gpt-oss's experts (biased, gate and up columns interleaved) have no neuron layout for the
+    merge methods yet: `moejax merge` and the carried pass refuse it naming the expert kind,
+    before any calibration pass; pruning (test_families) works."""
+    from moejax.cli import main
+    from moejax.evaluation.carried import evaluate_pruning
+    from moejax.hf.model_io import open_checkpoint
+    from moejax.merging.method import parse
+
+    np.save(tmp_path / "ids.npy", np.zeros((2, 8), np.int32))
+    code = main(["merge", str(gpt_oss[0]), str(tmp_path / "m"), "--method", "hc_smoe", "--keep", "6",
+                 "--tokens", str(tmp_path / "ids.npy")])
+    assert code == 2 and not (tmp_path / "m").exists()
+    with pytest.raises(ConfigError, match="merging 'clamped_swiglu' experts is not implemented"):
+        evaluate_pruning(open_checkpoint(gpt_oss[0]), np.zeros((2, 8), np.int32), {"t": np.zeros((2, 8), np.int32)},
+                         ["l1"], [6], merges=(parse("hc_smoe"),))

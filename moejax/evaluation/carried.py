@@ -52,7 +52,7 @@ from moejax.host_memory import release_free_memory
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
-from moejax.merging.average import averaged_rows
+from moejax.merging.average import averaged_rows, check_mergeable
 from moejax.merging.layer import LayerMerge, merge_averaging, merge_stats_options, merged_rows
 from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
@@ -119,6 +119,8 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     substituted = [VariantSpec(s, k, "substituted") for s in substitutes for k in keeps]
     selecting = list(dict.fromkeys([*scores, *substitutes]))   # the scores kept sets are chosen by
     seq_variants = [VariantSpec(s, k, "sequential") for s in scores for k in keeps] if sequential else []
+    if merges:
+        check_mergeable(ckpt.config.EXPERT_KIND, f"evaluate_pruning: {ckpt.config.TITLE}")
     if sequential_merges:
         if not merges:
             raise ConfigError("sequential_merges=True: no merge method to run sequentially (merges is empty)")

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 from flax import nnx
 
-from moejax.errors import CheckpointError
+from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
 from moejax.inference.agreement import agreement_init, agreement_update
 from moejax.inference.nll import chunked_logsumexp, chunked_nll, chunked_nll_init, chunked_nll_update
@@ -43,7 +43,9 @@ def _layer_feed(graphdef, state, attended, variant):
 
 def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype):
     """(cos, sin, allowed [B, S, S]) of one batch: the family's rope tables and the causal (and
-    padding) mask."""
+    padding) mask. Refuses a model that cannot run one layer at a time, before any layer is read."""
+    if (why := ckpt.config.streaming_refusal()) is not None:
+        raise ConfigError(why)
     B, S = np.asarray(ids_BS).shape
     cos, sin = ckpt.family.causal_lm().rope_tables(ckpt.config, jnp.arange(S), jnp.dtype(dtype))
     return cos, sin, causal_allowed(mask_BS, B, S)
@@ -68,9 +70,10 @@ def _nll_chunk(x_ABSH, head_VH, ids_BS, start, state):
     return jax.lax.map(one, (x_ABSH, state))
 
 
-@jax.jit
-def _final_norm(x_ABSH, norm_H, eps):
-    return rms_norm(x_ABSH, norm_H, eps)
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _final_norm(x_ABSH, norm_H, eps, scale_in_float32: bool, plus_one: bool):
+    """The model's final RMSNorm in the family's order of operations (`RMSNorm.of`)."""
+    return rms_norm(x_ABSH, norm_H, eps, scale_in_float32, plus_one)
 
 
 def head_specs(ckpt: OpenCheckpoint):
@@ -117,7 +120,7 @@ def head_pass(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype, agreement: bool 
     state = {}
     for text, batches in xs.items():
         for b, x in enumerate(batches):
-            batches[b] = _final_norm(x, norm_H, cfg.rms_norm_eps)
+            batches[b] = _final_norm(x, norm_H, cfg.rms_norm_eps, cfg.NORM_SCALES_IN_FLOAT32, cfg.NORM_PLUS_ONE)
         state[text] = [chunked_nll_init((x.shape[0], i.shape[0], i.shape[1] - 1)) for x, i in zip(batches, ids[text])]
     for v0, v1 in vocab_chunks(cfg.vocab_size):
         head_VH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))

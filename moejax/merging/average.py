@@ -35,6 +35,14 @@ from moejax.host_memory import aligned_empty
 NEURON_AXES = {"swiglu": {"gate": 1, "up": 1, "down": 0}, "relu_mlp": {"w1": 1, "w2": 0}}
 
 
+def check_mergeable(expert_kind: str, where: str) -> None:
+    """Refuse, before any pass, experts with no neuron layout here (gpt-oss's biased clamped SwiGLU,
+    whose gate and up columns interleave): HC-SMoE, M-SMoE and REAM average neuron by neuron."""
+    if expert_kind not in NEURON_AXES:
+        raise ConfigError(f"{where}: merging {expert_kind!r} experts is not implemented (the merge methods average "
+                          f"experts neuron by neuron; layouts known: {sorted(NEURON_AXES)}); prune them instead")
+
+
 def _axes(w: dict) -> dict:
     for axes in NEURON_AXES.values():
         if set(axes) == set(w):

@@ -39,7 +39,8 @@ config.json (one "full"/"shared" per layer) or, when absent, `index_topk_pattern
 layer) or the schedule `index_topk_freq` (default 1) / `index_skip_topk_offset` (default 2): layer
 i is full iff max(i - offset + 1, 0) % freq == 0 (`indexer_types`). A shared layer reuses the
 selection of the nearest full layer below it (`selection_sources`). GLM-5.2's freq 4 / offset 3
-over 78 layers gives full layers 0, 1, 2, 6, 10, ..., 74 (21 indexers).
+over 78 layers gives full layers 0, 1, 2, 6, 10, ..., 74 (21 indexers). (Both functions are defined
+JAX-free with the configs that read them, `moejax.models.deepseek_v32.config`, and re-exported here.)
 
 How MLA applies it (`sparse_allowed`): transformers scatters the top-k indices into a "not
 selected" mask and folds it into the attention mask, additive masks getting finfo(dtype).min at the
@@ -60,7 +61,8 @@ std::nth_element / partial_sort (e.g. 8 of 10 zeros give [5, 9, 8, 7, 6, 3, 1, 2
 reproduced; away from ties the sets equal transformers'. -0.0 and +0.0 are equal for torch.topk
 but ordered by XLA's top_k, so scores are canonicalised (-0.0 -> +0.0) before selection.
 
-Use (full sequence, as `MLA.__call__`; decode with `IndexerCache`, as `MLA.prefill`/`decode`):
+Use (full sequence, as `sparse_mla.SparseMLA.attend`; decode with `IndexerCache`, as its
+`prefill_selecting`/`decode_selecting`):
 
     selected_BSS = indexer(x_BSH, q_lora_BSR, cos, sin, allowed_BSS)
     o = causal_attention(q, k, v, sparse_allowed(allowed_BSS, selected_BSS), scale)
@@ -69,7 +71,6 @@ Use (full sequence, as `MLA.__call__`; decode with `IndexerCache`, as `MLA.prefi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -77,17 +78,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.models.deepseek_v3.rope import apply_rope
+# the layer schedule is read by the (JAX-free) configs and name tables: it lives with them
+from moejax.models.deepseek_v32.config import _get, indexer_types, selection_sources  # noqa: F401 (re-exports)
 from moejax.models.layers import HIGHEST, linear, ones, param, zeros
 
 K_NORM_EPS = 1e-6  # nn.LayerNorm(index_head_dim, eps=1e-6), not rms_norm_eps
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 _INTERLEAVED = {"deepseek_v32": False, "glm_moe_dsa": True}  # transformers' indexer rope, by model type
-
-
-def _get(source, name, default=None):
-    if isinstance(source, Mapping):
-        return source.get(name, default)
-    return getattr(source, name, default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,38 +267,3 @@ def sparse_allowed(allowed_BSC, selected_BSC):
     layer's indexer, or by the nearest full layer below on a GLM-5 "shared" layer. Give it to
     `layers.causal_attention` / `cached_attention` (or MLA's absorbed decode) in place of allowed."""
     return allowed_BSC & selected_BSC
-
-
-def indexer_types(config) -> tuple[str, ...]:
-    """"full" or "shared" per decoder layer, as transformers derives it (GlmMoeDsaConfig): the
-    config's `indexer_types`; else `index_topk_pattern` ("F"/"S" characters or a list); else layer
-    i is full iff max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0 (defaults 2 and 1:
-    every layer full). DeepSeek-V3.2 (and any config without these keys) has every layer full."""
-    n = _get(config, "num_hidden_layers")
-    types = _get(config, "indexer_types")
-    if types is None and _get(config, "model_type") != "deepseek_v32":
-        pattern = _get(config, "index_topk_pattern")
-        if pattern is not None:
-            types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-        else:
-            freq = max(_get(config, "index_topk_freq", 1) or 1, 1)
-            offset = _get(config, "index_skip_topk_offset", 2)
-            offset = 2 if offset is None else offset
-            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-    types = tuple(types) if types is not None else ("full",) * n
-    if len(types) != n or set(types) - {"full", "shared"}:
-        raise ValueError(f"indexer_types must be {n} of 'full'/'shared', got {list(types)}")
-    return types
-
-
-def selection_sources(types) -> tuple[int, ...]:
-    """For each layer, the layer whose indexer selection it uses: itself when full, the nearest
-    full layer below when shared (transformers passes the previous layer's top-k along)."""
-    out, last = [], None
-    for i, t in enumerate(types):
-        if t == "full":
-            last = i
-        elif last is None:
-            raise ValueError(f"layer {i} shares the top-k of a previous full indexer layer, but none precedes it")
-        out.append(last)
-    return tuple(out)

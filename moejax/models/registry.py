@@ -9,7 +9,8 @@ from its TEST config."""
 from __future__ import annotations
 
 from moejax.errors import ConfigError
-from moejax.models import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
+from moejax.models import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from moejax.models import deepseek_v32, glm_moe_dsa
 from moejax.models.config_base import read_json_object
 from moejax.models.family import Family
 
@@ -22,6 +23,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen2_moe.FAMILY,
     gpt_oss.FAMILY,
     qwen3_next.FAMILY,
+    qwen3_5_moe.FAMILY,
+    deepseek_v32.FAMILY,
+    glm_moe_dsa.FAMILY,
 )}
 
 

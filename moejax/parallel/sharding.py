@@ -10,8 +10,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # (pattern on the dotted parameter path, partition spec); the first match wins.
 SHARDING_RULES = (
-    (r"\.mlp\.experts_(gate|up|down)$", P("expert")),  # [E, ...]: E/X routed experts per device
-    (r"^experts_(gate|up|down)$", P("expert")),         # a bare MoE layer (streaming, scoring)
+    # [E, ...]: E/X routed experts per device (every expert kind's arrays: `experts_<name>`, gpt-oss's biases too)
+    (r"\.mlp\.experts_[a-z_]+$", P("expert")),
+    (r"^experts_[a-z_]+$", P("expert")),                # a bare MoE layer (streaming, scoring)
     (r"^(w1|w2)$", P("expert")),                        # the toy layer's experts [E, ...]
     (r".*", P()),                                       # everything else replicated
 )

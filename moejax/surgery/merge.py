@@ -46,6 +46,7 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.model_io import opened
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
+from moejax.merging.average import check_mergeable
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import LayerMerge, leader_first_clusters, merge_clusters, merge_layer
@@ -207,6 +208,7 @@ def _check_checkpoint(checked, method: MergeMethod, keep, allocation: str, colla
     """The checkpoint against the settings, before the pass; returns the uniform cluster count."""
     cfg = checked.config
     _refuse_quantised(checked)
+    check_mergeable(cfg.EXPERT_KIND, f"{checked.path}: {cfg.TITLE}")
     count = resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
     _check_before_pass(checked, count, keep, allocation, collapse_groups, drop_mtp)
     if sequential and collapse_groups and cfg.router_settings().get("n_group", 1) > 1:

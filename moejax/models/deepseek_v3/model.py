@@ -59,18 +59,23 @@ class MLA(nnx.Module):
         b = getattr(self, name + "_bias", None)
         return None if b is None else b[...]
 
-    def _project(self, x_BSH, cos, sin):
+    def q_lora(self, x_BSH):
+        """The normalised query LoRA q_a_layernorm(q_a_proj(x)) [B, S, q_lora_rank] (what q_b_proj
+        reads, and DSA's lightning indexer too)."""
+        return self.q_a_layernorm(linear(x_BSH, self.q_a_proj[...], self._bias("q_a_proj")))
+
+    def _project(self, x_BSH, cos, sin, q_lora_BSR=None):
         """Queries split into their no-rope part [B, S, N, dn] and rotated rope part [B, S, N, dr],
         the normalised KV latent [B, S, R] and the rotated shared rope key [B, S, dr]: everything
-        attention needs, and (latent, rope key) is all a cache must keep."""
+        attention needs, and (latent, rope key) is all a cache must keep. q_lora_BSR: `q_lora(x)`
+        when the caller has it already."""
         cfg = self.cfg
         B, S, _ = x_BSH.shape
         nh, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         if cfg.q_lora_rank is None:
             q = linear(x_BSH, self.q_proj[...])
         else:
-            q = linear(self.q_a_layernorm(linear(x_BSH, self.q_a_proj[...], self._bias("q_a_proj"))),
-                       self.q_b_proj[...])
+            q = linear(self.q_lora(x_BSH) if q_lora_BSR is None else q_lora_BSR, self.q_b_proj[...])
         q = q.reshape(B, S, nh, dn + dr)                                # per head: [nope | rope]
         q_pass, q_rot = q[..., :dn], q[..., dn:]
         ckv = linear(x_BSH, self.kv_a_proj_with_mqa[...], self._bias("kv_a_proj_with_mqa"))
@@ -99,9 +104,7 @@ class MLA(nnx.Module):
         """`__call__` on a prompt that also writes its latents into cache columns 0..S-1:
         (output, cache)."""
         q_pass, q_rot, latent, k_rot = self._project(x_BSH, cos, sin)
-        cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BCR, latent.astype(cache.latent_BCR.dtype),
-                                                         (0, 0, 0)),
-                            jax.lax.dynamic_update_slice(cache.rope_BCQ, k_rot.astype(cache.rope_BCQ.dtype), (0, 0, 0)))
+        cache = write_latents(cache, latent, k_rot, 0)
         return self._expanded_attention(q_pass, q_rot, latent, k_rot, allowed_BSS), cache
 
     def decode(self, x_B1H, cos, sin, cache: "LatentCache", column, allowed_B1C):
@@ -111,23 +114,24 @@ class MLA(nnx.Module):
         itself) and the value projection is applied after the weighted sum of latents, so only
         kv_lora_rank + qk_rope_head_dim numbers per token are cached and nothing is expanded.
         Equal to `__call__` up to float rounding. Returns (output, updated cache)."""
-        cfg = self.cfg
-        B, S, _ = x_B1H.shape
-        nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         q_pass, q_rot, latent, k_rot = self._project(x_B1H, cos, sin)
-        cache = LatentCache(jax.lax.dynamic_update_slice(cache.latent_BCR, latent.astype(cache.latent_BCR.dtype),
-                                                         (0, column, 0)),
-                            jax.lax.dynamic_update_slice(cache.rope_BCQ, k_rot.astype(cache.rope_BCQ.dtype),
-                                                         (0, column, 0)))
+        cache = write_latents(cache, latent, k_rot, column)
+        return self._absorbed_attention(q_pass, q_rot, cache, allowed_B1C), cache
+
+    def _absorbed_attention(self, q_pass, q_rot, cache: "LatentCache", allowed_B1C):
+        """`decode`'s attention of the new queries over the cache's C columns where allowed_B1C."""
+        cfg = self.cfg
+        B, S = q_pass.shape[:2]
+        nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         w_kv_b = self.kv_b_proj[...].reshape(cfg.kv_lora_rank, nh, dn + dv)  # [R, N, dn + dv]
         q_latent = jnp.einsum("bsnq,rnq->bnsr", q_pass, w_kv_b[..., :dn], precision=HIGHEST)
         scores = (jnp.einsum("bnsr,bcr->bnsc", q_latent, cache.latent_BCR, precision=HIGHEST)
                   + jnp.einsum("bsnq,bcq->bnsc", q_rot, cache.rope_BCQ, precision=HIGHEST)) * cfg.softmax_scale()
         scores = jnp.where(allowed_B1C[:, None], scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x_B1H.dtype)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q_pass.dtype)
         o_latent = jnp.einsum("bnsc,bcr->bsnr", weights, cache.latent_BCR, precision=HIGHEST)
         o = jnp.einsum("bsnr,rnu->bsnu", o_latent, w_kv_b[..., dn:], precision=HIGHEST).reshape(B, S, nh * dv)
-        return linear(o, self.o_proj[...], self._bias("o_proj")), cache
+        return linear(o, self.o_proj[...], self._bias("o_proj"))
 
 
 class LatentCache(NamedTuple):
@@ -138,6 +142,11 @@ class LatentCache(NamedTuple):
     rope_BCQ: jax.Array
 
 
+def write_latents(cache: LatentCache, latent_BSR, k_rot_BSQ, column) -> LatentCache:
+    """The cache with S new tokens' latents and rope keys written into columns column..column+S-1."""
+    return LatentCache(
+        jax.lax.dynamic_update_slice(cache.latent_BCR, latent_BSR.astype(cache.latent_BCR.dtype), (0, column, 0)),
+        jax.lax.dynamic_update_slice(cache.rope_BCQ, k_rot_BSQ.astype(cache.rope_BCQ.dtype), (0, column, 0)))
 
 
 class DeepseekV3ForCausalLM(CausalLM):
