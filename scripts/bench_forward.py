@@ -4,6 +4,8 @@
     python scripts/bench_forward.py --tokens 512     # quicker
     python scripts/bench_forward.py --parts          # also each part alone: attention, dense MLP, MoE, head
     python scripts/bench_forward.py --floor          # also the forward's matmuls alone, XLA against torch
+    python scripts/bench_forward.py --family gpt_oss --shape tiny   # any registered family with a TEST config:
+    python scripts/bench_forward.py --family qwen3_next --shape mid  # its tiny test shape, or a mid-size one
 
 Both run the same random weights (transformers makes them; moejax loads the saved checkpoint) on
 the same tokens, timed alternately in the same run (best of --repeat each); the logits are
@@ -37,7 +39,11 @@ def main():
     ap.add_argument("--parts", action="store_true", help="also time each part of the forward alone")
     ap.add_argument("--floor", action="store_true",
                     help="also time the forward's matmuls alone (same shapes in XLA and in torch)")
+    ap.add_argument("--family", help="another registered family (its TEST config scaled by --shape) instead of Moonlight")
+    ap.add_argument("--shape", choices=("tiny", "mid"), default="mid")
     args = ap.parse_args()
+    if args.family:
+        return bench_family(args.family, args.shape, args.tokens, args.repeat)
 
     import jax
     import jax.numpy as jnp
@@ -87,6 +93,69 @@ def main():
         compare_parts(hf, model, args.tokens, args.repeat)
     if args.floor:
         compare_matmuls(model.config, args.tokens, min(args.repeat, 3), t_hf)
+
+
+# A mid-size shape for any family: its TEST config with these widths (DeltaNet, indexer and window sizes
+# scaled alike); the layer schedule and routing settings stay the TEST config's.
+MID = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=4,
+           num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts_per_tok=4,
+           shared_expert_intermediate_size=512, linear_key_head_dim=128, linear_value_head_dim=128,
+           linear_num_key_heads=4, linear_num_value_heads=8, sliding_window=128)
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def family_config(name: str, shape: str) -> dict:
+    """transformers' config arguments of a family's benchmark model (a wrapper's go in text_config)."""
+    from moejax.models.registry import FAMILIES
+
+    test = dict(FAMILIES[name].test_config)
+    inner = dict(test.get("text_config", test))
+    if shape == "mid":
+        inner.update({k: v for k, v in MID.items() if k in inner or k in ("head_dim",)})
+        inner.update({k: 32 for k in EXPERT_KEYS if k in inner})
+        if "layer_types" in inner:  # the TEST schedule repeated over the mid-size depth
+            inner["layer_types"] = [inner["layer_types"][l % len(inner["layer_types"])] for l in range(MID["num_hidden_layers"])]
+        for key in ("indexer_types",):
+            if key in inner:
+                inner[key] = ["full"] * MID["num_hidden_layers"]
+    return {**test, "text_config": inner} if "text_config" in test else inner
+
+
+def bench_family(name: str, shape: str, n_tokens: int, repeat: int) -> None:
+    """One family's forward: moejax jitted (float32) against transformers' eager forward, on the
+    same random weights and tokens, timed alternately; the logits compared."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from family_fixtures import hf_classes
+
+    from moejax import from_pretrained
+
+    config_cls, model_cls = hf_classes(name)
+    kw = family_config(name, shape)
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**kw, attn_implementation="eager", experts_implementation="eager")).eval()
+    vocab = kw.get("text_config", kw)["vocab_size"]
+    ids = np.random.default_rng(0).integers(0, vocab, size=(1, n_tokens)).astype(np.int32)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        model = from_pretrained(tmp, dtype=jnp.float32)
+    forward, ids_j, ids_t = model.jitted(), jnp.asarray(ids), torch.as_tensor(ids, dtype=torch.long)
+    t0 = time.perf_counter()
+    got = np.asarray(forward(ids_j).logits_BSV.block_until_ready())
+    t_compile = time.perf_counter() - t0
+    with torch.no_grad():
+        want = hf(input_ids=ids_t).logits.numpy()
+        t_hf, t_jax = best_alternating([lambda: hf(input_ids=ids_t), lambda: forward(ids_j).logits_BSV.block_until_ready()],
+                                       repeat)
+    n_params = sum(p.numel() for n, p in hf.named_parameters() if "visual" not in n) / 1e6
+    print(f"{name} {shape} ({n_params:.0f}M language-model parameters), {n_tokens} tokens, float32; "
+          f"{os.cpu_count()} CPU cores; torch {torch.__version__}, jax {jax.__version__}")
+    print(f"max |logits difference| {np.abs(got - want).max():.2e} (max |logit| {np.abs(want).max():.2f})")
+    print(f"forward    transformers eager {t_hf:7.3f} s | moejax jit {t_jax:7.3f} s -> {t_hf / t_jax:4.2f}x "
+          f"(first call incl. compilation {t_compile:.2f} s)")
 
 
 # moejax's attention skips the causal upper triangle of these two (about half of each); the other

@@ -247,7 +247,14 @@ def test_every_transformers_spelling_is_read_and_must_agree(family):
 
     fam = FAMILIES[family]
     cls = fam.config_class
-    hf_config = getattr(transformers, fam.architecture.replace("ForCausalLM", "Config"))
+    prefix = fam.architecture.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
+    text = cls.TEXT_CONFIG  # a wrapper (Qwen3.5-MoE): its language model's config class, its keys in text_config
+    hf_config = getattr(transformers, prefix + ("TextConfig" if text else "Config"))
+    tiny = fam.tiny[text] if text else fam.tiny
+
+    def config(settings: dict) -> dict:
+        return {**fam.tiny, text: settings} if text else settings
+
     fields = {f.name for f in dataclasses.fields(cls)}
     for alias, target in hf_config.attribute_map.items():
         field = next((f for f in (target, alias) if f in fields), None)
@@ -255,13 +262,13 @@ def test_every_transformers_spelling_is_read_and_must_agree(family):
         if field is None:
             continue
         assert cls.ALIASES.get(other) == field, (alias, target)
-        value = fam.tiny.get(field, getattr(cls, field))
+        value = tiny.get(field, getattr(cls, field))
         with pytest.raises(ConfigError, match=f"{other}={value + 1} \\(int\\) disagrees with {field}={value}"):
-            cls.from_dict({**fam.tiny, field: value, other: value + 1})
+            cls.from_dict(config({**tiny, field: value, other: value + 1}))
         with pytest.raises(ConfigError, match=f"{other}={float(value)} \\(float\\), expected"):  # equal is not enough
-            cls.from_dict({**fam.tiny, field: value, other: float(value)})
-        alone = {k: v for k, v in fam.tiny.items() if k != field}
-        assert getattr(cls.from_dict({**alone, other: value}), field) == value
+            cls.from_dict(config({**tiny, field: value, other: float(value)}))
+        alone = {k: v for k, v in tiny.items() if k != field}
+        assert getattr(cls.from_dict(config({**alone, other: value})), field) == value
 
 
 def test_disagreeing_expert_counts_named_by_key_and_prune_updates_every_spelling(ckpts, tmp_path, capsys):
