@@ -118,6 +118,11 @@ def family_config(name: str, shape: str) -> dict:
         for key in ("indexer_types",):
             if key in inner:
                 inner[key] = ["full"] * MID["num_hidden_layers"]
+        if "kv_lora_rank" in inner:  # MLA: one key/value head per query head, its latent widths
+            inner.update(num_key_value_heads=inner["num_attention_heads"], q_lora_rank=256, kv_lora_rank=128,
+                         qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_n_heads=8, index_head_dim=64,
+                         index_topk=128)
+        inner["max_position_embeddings"] = 4096
     return {**test, "text_config": inner} if "text_config" in test else inner
 
 
