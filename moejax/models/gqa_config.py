@@ -109,6 +109,9 @@ class GqaMoeConfig(MoeConfig):
             out.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
         if E is not None and k is not None and k > E:
             out.append(f"num_experts_per_tok={k} exceeds {cls.EXPERTS_FIELD}={E}")
+        types, n = v.get("layer_types"), v.get("num_hidden_layers")  # a per-layer schedule (gpt-oss, Qwen3-Next)
+        if types is not None and n is not None and len(types) != n:
+            out.append(f"layer_types={show(types)} has {len(types)} entries, expected num_hidden_layers={n}")
         hidden = v.get("hidden_size")
         head_dim = v.get("head_dim") or (hidden // heads if hidden and heads else None)
         if head_dim is not None and int(head_dim * partial) % 2:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from moejax.models.config_base import BOOL, POS_INT, family_config, key, show
+from moejax.models.config_base import BOOL, POS_INT, family_config, key
 from moejax.models.gqa_config import SILU_ONLY, GqaMoeConfig, SoftmaxRouter, SparseStepLayers
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -70,9 +70,6 @@ class HybridDeltaNetConfig(GqaMoeConfig):
     @classmethod
     def _relations(cls, v: dict, partial: float) -> list[str]:
         out = super()._relations(v, partial)
-        types, n = v.get("layer_types"), v.get("num_hidden_layers")
-        if types is not None and n is not None and len(types) != n:
-            out.append(f"layer_types={show(types)} has {len(types)} entries, expected num_hidden_layers={n}")
         heads, kv_heads = v.get("linear_num_value_heads"), v.get("linear_num_key_heads")
         if heads is not None and kv_heads is not None and heads % kv_heads:
             out.append(f"linear_num_value_heads={heads} is not a multiple of linear_num_key_heads={kv_heads}")
