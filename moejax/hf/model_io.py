@@ -37,7 +37,6 @@ from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.io.checkpoint_writer import write_checkpoint
 from moejax.hf.io.safetensors_format import RawTensor, numpy_dtype
 from moejax.hf.io.storage import require_local
-from moejax.hf.layout import layer_of
 from moejax.hf.mapping import TensorSpec, get_path, tensor_specs
 from moejax.hf.quant.decode import read_decoded
 from moejax.host_memory import aligned_empty
@@ -275,16 +274,16 @@ def _fused_specs(family: Family, specs: list[TensorSpec]) -> dict:
     if not family.stores_fused:
         return {}
     part_of = {rule: (stored, i) for stored, rules in family.fused.items() for i, rule in enumerate(rules)}
-    groups: dict[tuple, dict] = {}  # (layer, stored) -> {expert: [spec of each part]}
+    groups: dict[str, dict] = {}  # fused tensor name -> {expert: [spec of each part]}
     for s in specs:
         if s.rule in part_of:
             stored, i = part_of[s.rule]
-            slab = groups.setdefault((layer_of(s.hf_name), stored), {}).setdefault(s.expert, [None] * len(
-                family.fused[stored]))
+            fused = f"{s.hf_name.split('.experts.', 1)[0]}.experts.{stored}"  # the layer's tensor, its own prefix
+            slab = groups.setdefault(fused, {}).setdefault(s.expert, [None] * len(family.fused[stored]))
             slab[i] = s
     out = {}
-    for (layer, stored), experts in groups.items():
-        name, parts = f"model.layers.{layer}.mlp.experts.{stored}", [experts[e] for e in sorted(experts)]
+    for name, experts in groups.items():
+        parts = [experts[e] for e in sorted(experts)]
         for spec in (p for expert in parts for p in expert):
             out[spec.hf_name] = (name, parts if spec is parts[0][0] else None)
     return out

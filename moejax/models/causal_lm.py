@@ -74,6 +74,7 @@ class LayerOutput(NamedTuple):
     out_BSH: jax.Array  # h + mlp(z)
     routing: object     # Routing of a MoE layer's tokens (flattened); None for a dense layer
     z_BSH: jax.Array
+    carry: object = None  # what the attention hands to later layers (`passes_carry`), else None
 
 
 def decoder_norm(cfg, dtype) -> RMSNorm:
@@ -95,8 +96,20 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, dtype, rngs, backend, cfg.experts_in_layer(layer)) if self.is_moe else MLP(
             cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False) -> LayerOutput:
-        return self.feed(self.attend(x, cos, sin, allowed), variant, forward_only)
+    def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False, carry=None) -> LayerOutput:
+        """The whole layer. carry: what an earlier layer's attention handed on (an attention that
+        `passes_carry`, GLM-5.2's shared indexer selection; None for every other), returned updated."""
+        if not self.passes_carry:
+            return self.feed(self.attend(x, cos, sin, allowed), variant, forward_only)
+        a, carry = self.self_attn.carrying(self.input_layernorm(x), cos, sin, allowed, carry)
+        return self.feed(self._residual(x, a), variant, forward_only)._replace(carry=carry)
+
+    @property
+    def passes_carry(self) -> bool:
+        """True when this layer's attention takes something from earlier layers or hands something
+        to later ones (its `carrying`, `prefill_carrying`, `decode_carrying`): the model's own
+        forward, prefill and decode thread it; the per-layer passes (`attend`) cannot."""
+        return getattr(self.self_attn, "passes_carry", False)
 
     def attend(self, x, cos, sin, allowed) -> Attended:
         """The first half on the whole sequence (no cache)."""
@@ -111,15 +124,23 @@ class DecoderLayer(nnx.Module):
         y, routing = self.mlp(z, variant, forward_only)
         return LayerOutput(h + y, routing, z)
 
-    def prefill(self, x, cos, sin, allowed_BSS, cache, variant=None):
-        """The layer on a prompt, its keys (or latents) written into the cache: (output, cache)."""
-        a, cache = self.self_attn.prefill(self.input_layernorm(x), cos, sin, allowed_BSS, cache)
-        return self.feed(self._residual(x, a), variant, True).out_BSH, cache
+    def prefill(self, x, cos, sin, allowed_BSS, cache, variant=None, carry=None):
+        """The layer on a prompt, its keys (or latents) written into the cache: (output, cache, carry)."""
+        if self.passes_carry:
+            a, cache, carry = self.self_attn.prefill_carrying(self.input_layernorm(x), cos, sin, allowed_BSS, cache,
+                                                              carry)
+        else:
+            a, cache = self.self_attn.prefill(self.input_layernorm(x), cos, sin, allowed_BSS, cache)
+        return self.feed(self._residual(x, a), variant, True).out_BSH, cache, carry
 
-    def decode(self, x, cos, sin, cache, column, allowed_B1C, variant=None):
-        """The layer on one new token per row against its cache: (output, cache)."""
-        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1C)
-        return self.feed(self._residual(x, a), variant, True).out_BSH, cache
+    def decode(self, x, cos, sin, cache, column, allowed_B1C, variant=None, carry=None):
+        """The layer on one new token per row against its cache: (output, cache, carry)."""
+        if self.passes_carry:
+            a, cache, carry = self.self_attn.decode_carrying(self.input_layernorm(x), cos, sin, cache, column,
+                                                             allowed_B1C, carry)
+        else:
+            a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1C)
+        return self.feed(self._residual(x, a), variant, True).out_BSH, cache, carry
 
     def _residual(self, x, attention_out) -> Attended:
         h = x + attention_out
@@ -177,10 +198,10 @@ class CausalLM(nnx.Module):
         x = self.model.embed_tokens[...][input_ids_BS]
         cos, sin = self.rope_tables(self.config, jnp.arange(S) if positions_BS is None else positions_BS, x.dtype)
         allowed = causal_allowed(attention_mask_BS, B, S)
-        routings, moe_inputs = {}, {}
+        routings, moe_inputs, carry = {}, {}, None
         for l, layer in enumerate(self.model.layers):
-            out = layer(x, cos, sin, allowed, self._layer_variant(variant, l), forward_only)
-            x = out.out_BSH
+            out = layer(x, cos, sin, allowed, self._layer_variant(variant, l), forward_only, carry)
+            x, carry = out.out_BSH, out.carry
             if out.routing is not None:
                 routings[l], moe_inputs[l] = out.routing, out.z_BSH.reshape(B * S, -1)
         return CausalLMOutput(self._logits(x), routings if return_routing else None,
@@ -209,9 +230,10 @@ class CausalLM(nnx.Module):
         allowed_BPP = causal_allowed(mask, B, P)
         x = self.model.embed_tokens[...][input_ids_BP]
         cos, sin = self.rope_tables(self.config, positions_BP, x.dtype)
-        layers = []
+        layers, carry = [], None
         for l, layer in enumerate(self.model.layers):
-            x, layer_cache = layer.prefill(x, cos, sin, allowed_BPP, cache.layers[l], self._layer_variant(variant, l))
+            x, layer_cache, carry = layer.prefill(x, cos, sin, allowed_BPP, cache.layers[l],
+                                                  self._layer_variant(variant, l), carry)
             layers.append(layer_cache)
         logits = self._logits(x[:, -1:] if last_only else x).astype(jnp.float32)
         return CachedOutput(logits, KVCache(tuple(layers), jax.lax.dynamic_update_slice(cache.valid_BC, mask, (0, 0))))
@@ -225,10 +247,10 @@ class CausalLM(nnx.Module):
         allowed_B1C = (valid & (jnp.arange(C) <= column)[None])[:, None, :]
         x = self.model.embed_tokens[...][input_ids_B1]
         cos, sin = self.rope_tables(self.config, positions_B1, x.dtype)
-        layers = []
+        layers, carry = [], None
         for l, layer in enumerate(self.model.layers):
-            x, layer_cache = layer.decode(x, cos, sin, cache.layers[l], column, allowed_B1C,
-                                          self._layer_variant(variant, l))
+            x, layer_cache, carry = layer.decode(x, cos, sin, cache.layers[l], column, allowed_B1C,
+                                                 self._layer_variant(variant, l), carry)
             layers.append(layer_cache)
         return CachedOutput(self._logits(x).astype(jnp.float32), KVCache(tuple(layers), valid))
 

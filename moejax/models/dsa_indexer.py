@@ -62,7 +62,7 @@ reproduced; away from ties the sets equal transformers'. -0.0 and +0.0 are equal
 but ordered by XLA's top_k, so scores are canonicalised (-0.0 -> +0.0) before selection.
 
 Use (full sequence, as `sparse_mla.SparseMLA.attend`; decode with `IndexerCache`, as its
-`prefill_selecting`/`decode_selecting`):
+`prefill_carrying`/`decode_carrying`):
 
     selected_BSS = indexer(x_BSH, q_lora_BSR, cos, sin, allowed_BSS)
     o = causal_attention(q, k, v, sparse_allowed(allowed_BSS, selected_BSS), scale)
