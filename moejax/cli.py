@@ -6,12 +6,12 @@
     moejax score CKPT --scores bias,signed,l1[,random] [--seed S] --out scores.parquet   (data-free)
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
                  [--layers-keep FILE.json] [--allocation uniform|global] [--group-aware | --collapse-groups]
-                 [--drop-mtp] [--overwrite]
+                 [--mtp prune|keep|drop] [--overwrite]
     moejax prune SRC DST --substitute --score mone --keep K (--text PATH... | --tokens FILE.npy)
                  [--seq-len N] [--max-tokens N] [--batch-size B] [--dtype bfloat16] [--overwrite]
                  (MoNE: the other experts return constants; vLLM's constant-v1 expert substitution)
     moejax merge SRC DST --method hc_smoe|m_smoe|ream --keep K (--text PATH... | --tokens FILE.npy)
-                 [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--drop-mtp]
+                 [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--mtp prune|keep|drop]
                  [--score reap] [--group-size C] [--ream-tokens N] [--seed S] [--sequential] [--overwrite]
                  (ream: --score, --group-size, --ream-tokens)
     moejax reroute SRC COMPRESSED DST (--text PATH... | --tokens FILE.npy) [--steps N] [--lr LR]
@@ -136,7 +136,7 @@ def _prune(args) -> None:
     record = prune_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
         scores_file=args.scores_file, layers_keep=_read_layers_keep(args.layers_keep), group_aware=args.group_aware,
-        collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, seed=args.seed, allocation=args.allocation,
+        collapse_groups=args.collapse_groups, mtp=args.mtp, seed=args.seed, allocation=args.allocation,
         overwrite=args.overwrite)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers pruned by {args.score} to {counts} experts "
@@ -152,8 +152,7 @@ def _substitute(args) -> None:
 
     unused = [flag for flag, given in (("--scores-file", args.scores_file), ("--layers-keep", args.layers_keep),
                                        ("--group-aware", args.group_aware), ("--collapse-groups", args.collapse_groups),
-                                       ("--allocation global", args.allocation != "uniform"),
-                                       ("--drop-mtp", args.drop_mtp)) if given]
+                                       ("--allocation global", args.allocation != "uniform")) if given]
     if unused:
         raise ConfigError(f"--substitute takes no {', '.join(unused)}: it keeps every router slot (routing and groups "
                           "unchanged), ranks by its own calibration pass and keeps --keep experts computing per layer")
@@ -163,7 +162,7 @@ def _substitute(args) -> None:
     record = substitute_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None, text=args.text,
         tokens=args.tokens, seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size,
-        dtype=args.dtype, overwrite=args.overwrite)
+        dtype=args.dtype, mtp=args.mtp, overwrite=args.overwrite)
     n_sub = sorted({len(layer["substituted"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers, {n_sub} experts per layer substituted by constants "
           f"({record['format']}, ranked by {args.score}); kept and substituted experts in {args.dst}/pruning.json")
@@ -202,7 +201,7 @@ def _merge(args) -> None:
     record = merge_checkpoint(
         args.src, args.dst, method=merge_method(args), keep=parse_keep(args.keep), text=args.text,
         tokens=args.tokens, seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size,
-        allocation=args.allocation, collapse_groups=args.collapse_groups, drop_mtp=args.drop_mtp, dtype=args.dtype,
+        allocation=args.allocation, collapse_groups=args.collapse_groups, mtp=args.mtp, dtype=args.dtype,
         seed=args.seed, overwrite=args.overwrite, sequential=args.sequential)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers merged by {args.method}"
@@ -314,7 +313,7 @@ def _prune_parser(sub) -> None:
                         help="allow uneven groups by routing over all kept experts (n_group=1)")
     p.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
                    help="global: per-layer counts from one threshold over normalised scores (same total)")
-    p.add_argument("--drop-mtp", action="store_true", help="remove the MTP layer(s) instead of pruning them")
+    _mtp_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random score")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--substitute", action="store_true",
@@ -323,6 +322,13 @@ def _prune_parser(sub) -> None:
                    "written as vLLM's constant-v1 expert substitution")
     _calibration_arguments(p, required=False)
     p.set_defaults(func=_prune)
+
+
+def _mtp_argument(p) -> None:
+    """--mtp, the one MTP policy of prune, merge and --substitute (`moejax.surgery.prune_plan.check_mtp_policy`)."""
+    p.add_argument("--mtp", default="prune", choices=["prune", "keep", "drop"],
+                   help="MTP layers: prune (default: with the trunk's keep, by their own scores; config.json's one "
+                        "expert count then holds for them), keep (full width), drop (removed)")
 
 
 def _default(setting: str) -> str:
@@ -349,8 +355,7 @@ def _merge_parser(sub) -> None:
                         f"scripts' fallback) ({_default('clustering')})")
     p.add_argument("--collapse-groups", action="store_true",
                    help="allow uneven routing groups by routing over all kept experts (n_group=1)")
-    p.add_argument("--drop-mtp", action="store_true",
-                   help="remove the MTP layer(s), which the calibration pass does not run (as prune --drop-mtp)")
+    _mtp_argument(p)
     p.add_argument("--score", default=None,
                    help=f"ream: the score choosing centroids and weighting each group's average ({_default('score')})")
     p.add_argument("--group-size", type=int, default=None,

@@ -115,15 +115,17 @@ def hook_router(hf, ids, mask):
     return out.logits.float().numpy(), seen
 
 
-def reference_scores(hf, seen, mask) -> dict:
+def reference_scores(hf, seen, mask, blocks=None) -> dict:
     """Every score from its definition (SPEC section 2), float64 numpy, on what transformers' model
     routed and computed (`hook_router`): its router input, logits, real gates (sigmoid or softmax,
     as the family routes) and chosen experts; expert outputs from its own weights (transformers 5's
     fused `experts.gate_up_proj` [E, 2 Im, H], gate rows first, and `experts.down_proj` [E, H, Im]),
-    which `aimer` also reads (minus AIMER's ratio over the expert's gate, up and down entries)."""
+    which `aimer` also reads (minus AIMER's ratio over the expert's gate, up and down entries).
+    blocks: {layer: MoE block} when the hooked blocks are not the decoder layers' (an MTP layer's)."""
     out = {}
-    for l, x, logits, gates, idx, f in _routed_layers(hf, seen, mask):
-        block = decoder_layers(hf)[l].mlp
+    blocks = blocks or moe_blocks_of(hf)
+    for l, x, logits, gates, idx, f in _routed_layers(hf, seen, mask, blocks):
+        block = blocks[l]
         matrices = expert_matrices(block.experts)
         E = len(matrices)
 
@@ -155,14 +157,19 @@ def reference_scores(hf, seen, mask) -> dict:
     return out
 
 
-def _routed_layers(hf, seen, mask):
+def moe_blocks_of(hf) -> dict:
+    """{layer: its `mlp`} of transformers' decoder layers."""
+    return {l: layer.mlp for l, layer in enumerate(decoder_layers(hf))}
+
+
+def _routed_layers(hf, seen, mask, blocks):
     """Per MoE layer of `hook_router`'s record: (layer, router input x [T, H], logits, gates, chosen
     experts, f) in float64 numpy over the valid tokens, f(j, xs) expert j's output before its gate
     from transformers' own weights (`expert_function`)."""
     valid = mask.reshape(-1).astype(bool)
     for l, (x, logits, gates, idx) in seen.items():
         yield (l, x.double().numpy()[valid], logits.double().numpy()[valid], gates.double().numpy()[valid],
-               idx.numpy()[valid], expert_function(decoder_layers(hf)[l].mlp.experts))
+               idx.numpy()[valid], expert_function(blocks[l].experts))
 
 
 def expert_matrices(experts) -> list:
@@ -219,7 +226,7 @@ def reference_mean_outputs(hf, seen, mask) -> dict:
     """{MoE layer: each expert's mean output over the valid tokens routed to it [E, H]} (MoNE's
     novice constants) from the definitions on what transformers' model routed (`hook_router`)."""
     return {l: mone_reference(x, gates, idx, f, decoder_layers(hf)[l].mlp.experts.gate_up_proj.shape[0])[1]
-            for l, x, _, gates, idx, f in _routed_layers(hf, seen, mask)}
+            for l, x, _, gates, idx, f in _routed_layers(hf, seen, mask, moe_blocks_of(hf))}
 
 
 def aimer_ratio(*matrices) -> float:
@@ -316,6 +323,67 @@ def with_mtp_layer(src, dst, last: int = 2):
         return items
 
     return rewrite(src, dst, add, {"num_nextn_predict_layers": 1})
+
+
+def with_mtp(src, dst, seed: int = 7):
+    """A copy of `src` with one MTP layer as its family ships it, made to matter: the block a copy
+    of the last full-attention decoder layer's with every value perturbed (routers included, so it
+    routes its own way), and a random predictor. DeepSeek-V3's layout: `model.layers.{L}.*`, its
+    predictor `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` (and `shared_head.head`,
+    `embed_tokens`, copies of the main model's), num_nextn_predict_layers 1. Qwen3.5-MoE's (a
+    `text_config`): `mtp.layers.0.*` with its experts per expert, `mtp.fc`, `mtp.pre_fc_norm_embedding`,
+    `mtp.pre_fc_norm_hidden`, `mtp.norm`, text_config.mtp_num_hidden_layers 1."""
+    reader = CheckpointReader(src)
+    config = reader.config()
+    text = config.get("text_config", config)
+    L, H = text["num_hidden_layers"], text["hidden_size"]
+    types = text.get("layer_types") or ["full_attention"] * L
+    last = max(i for i, t in enumerate(types) if t == "full_attention")
+    wrapper = "text_config" in config
+    stem = "model.language_model.layers." if wrapper else "model.layers."
+    rng = np.random.default_rng(seed)
+    plus_one = wrapper  # Qwen3.5's norms scale by 1 + w
+
+    def perturbed(value):
+        return (value * (1 + 0.3 * rng.standard_normal(value.shape))).astype(value.dtype)
+
+    def norm():
+        return ((0.0 if plus_one else 1.0) + 0.3 * rng.standard_normal(H)).astype(np.float32)
+
+    def block(name, value):
+        rest = name[len(f"{stem}{last}."):]
+        new_stem = "mtp.layers.0." if wrapper else f"model.layers.{L}."
+        fused = re.match(r"mlp\.experts\.(gate_up_proj|down_proj)$", rest)
+        if not (wrapper and fused):
+            return [(new_stem + rest, perturbed(value))]
+        if fused.group(1) == "down_proj":
+            return [(f"{new_stem}mlp.experts.{e}.down_proj.weight", perturbed(v)) for e, v in enumerate(value)]
+        F = value.shape[1] // 2
+        return [(f"{new_stem}mlp.experts.{e}.{part}.weight", perturbed(v[rows]))
+                for e, v in enumerate(value) for part, rows in (("gate_proj", slice(0, F)), ("up_proj", slice(F, None)))]
+
+    def predictor():
+        names = (("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight", "mtp.norm.weight")
+                 if wrapper else tuple(f"model.layers.{L}.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")))
+        enorm, hnorm, eh_proj, final = names
+        out = [(enorm, norm()), (hnorm, norm()),
+               (eh_proj, (rng.standard_normal((H, 2 * H)) / np.sqrt(H)).astype(np.float32)), (final, norm())]
+        if not wrapper:
+            out += [(f"model.layers.{L}.shared_head.head.weight", reader.read("lm_head.weight")),
+                    (f"model.layers.{L}.embed_tokens.weight", reader.read("model.embed_tokens.weight"))]
+        return out
+
+    def add(name, reader):
+        items = [(name, reader.read(name))]
+        if name.startswith(f"{stem}{last}."):
+            items += block(name, reader.read(name))
+        return items + (predictor() if name == "lm_head.weight" else [])
+
+    if wrapper:
+        update = {"text_config": {**config["text_config"], "mtp_num_hidden_layers": 1}}
+    else:
+        update = {"num_nextn_predict_layers": 1}
+    return rewrite(src, dst, add, update)
 
 
 def quantised_linear(name, w, fmt):

@@ -348,7 +348,7 @@ def test_existing_destination_names_the_flag(src, tmp_path, capsys):
 def test_drop_mtp_with_no_moe_layer_left(src, tmp_path, capsys):
     only_mtp = copy_of(src, tmp_path / "mtp", lambda n, r: [] if n.startswith("model.layers.2.") else [(n, r.read(n))],
                        {"num_hidden_layers": 1, "num_nextn_predict_layers": 1})
-    refused(prune_args(only_mtp, tmp_path / "out", "--drop-mtp"), capsys, "--drop-mtp would leave no MoE layer", only_mtp)
+    refused(prune_args(only_mtp, tmp_path / "out", "--mtp", "drop"), capsys, "--mtp drop would leave no MoE layer", only_mtp)
     assert clean(tmp_path / "out")
 
 

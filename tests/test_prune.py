@@ -289,7 +289,7 @@ def test_mtp_layer_pruned_or_dropped(flat, tmp_path):
     with pytest.raises(ConfigError, match="no rows for MoE layer 3"):
         prune_checkpoint(src, tmp_path / "x", score="ean", scores_file=tmp_path / "s.parquet", keep=4)
     record = prune_checkpoint(src, tmp_path / "dropped", score="ean", scores_file=tmp_path / "s.parquet", keep=4,
-                              drop_mtp=True)
+                              mtp="drop")
     assert record["dropped_layers"] == [3]
     names = CheckpointReader(tmp_path / "dropped").keys()
     assert names and not any(n.startswith("model.layers.3.") for n in names)

@@ -13,36 +13,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from family_fixtures import make_family_checkpoint  # noqa: E402
-from hf_fixtures import rewrite  # noqa: E402
+from hf_fixtures import with_mtp  # noqa: E402
 
 from moejax import AutoModelForCausalLM  # noqa: E402
 from moejax.cli import main  # noqa: E402
 from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 
 
-def _mtp_block(reader):
-    """An MTP block shaped as the Hub ships Qwen3.5-MoE's (its MoE layer per expert): random values."""
-    rng = np.random.default_rng(0)
-    H, E, F = 64, 8, 32
-    out = [("mtp.fc.weight", rng.normal(size=(H, 2 * H)).astype(np.float32)),
-           ("mtp.norm.weight", rng.normal(size=(H,)).astype(np.float32)),
-           ("mtp.layers.0.mlp.gate.weight", rng.normal(size=(E, H)).astype(np.float32))]
-    for e in range(E):
-        for name, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F))):
-            out.append((f"mtp.layers.0.mlp.experts.{e}.{name}.weight", rng.normal(size=shape).astype(np.float32)))
-    return out
-
-
 @pytest.fixture(scope="module")
 def hub_layout(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_5_moe")
     make_family_checkpoint("qwen3_5_moe", root / "plain", seed=44)
-
-    def add_mtp(name, reader):
-        items = [(name, reader.read(name))]
-        return items + (_mtp_block(reader) if name == "lm_head.weight" else [])
-
-    rewrite(root / "plain", root / "src", add_mtp)
+    with_mtp(root / "plain", root / "src")  # `mtp.*` as the Hub ships it (tests/test_mtp.py runs it)
     np.save(root / "calib.npy", np.random.default_rng(6).integers(0, 96, size=(4, 24)).astype(np.int32))
     return root
 
@@ -55,9 +37,18 @@ def test_vision_and_mtp_tensors_are_carried_byte_for_byte(hub_layout, command):
     args = [str(root / a) if a.endswith(".npy") else a for a in command[1:]]
     assert main([command[0], str(root / "src"), str(dst), *args, "--keep", "6"]) == 0
     src, out = CheckpointReader(root / "src"), CheckpointReader(dst)
-    carried = [n for n in src.keys() if n.startswith(("model.visual.", "mtp."))]
+    carried = [n for n in src.keys() if n.startswith("model.visual.") or (n.startswith("mtp.") and ".experts." not in n
+                                                                           and not n.endswith("mlp.gate.weight"))]
     assert len(carried) > 30 and set(carried) <= set(out.keys())
     assert all(src.read_bytes(n) == out.read_bytes(n) for n in carried)
+    # the MTP block (--mtp prune, the default) keeps 6 experts under its own names, as config.json says
+    kept = json.loads((dst / "pruning.json").read_text())["layers"]["3"]["kept"]
+    assert len(kept) == 6 and tuple(out.info("mtp.layers.0.mlp.gate.weight").shape) == (6, 64)
+    assert {n for n in out.keys() if n.startswith("mtp.layers.0.mlp.experts.")} == {
+        f"mtp.layers.0.mlp.experts.{e}.{m}.weight" for e in range(6) for m in ("gate_proj", "up_proj", "down_proj")}
+    if command[0] == "prune":  # pruned: each kept expert's bytes under its new index
+        assert all(out.read_bytes(f"mtp.layers.0.mlp.experts.{new}.up_proj.weight")
+                   == src.read_bytes(f"mtp.layers.0.mlp.experts.{old}.up_proj.weight") for new, old in enumerate(kept))
     a, b = (json.loads((p / "config.json").read_text()) for p in (root / "src", dst))
     assert {k for k in a if a[k] != b[k]} == {"text_config"} and b["text_config"]["num_experts"] == 6
     assert {k for k in a["text_config"] if a["text_config"][k] != b["text_config"][k]} == {"num_experts"}

@@ -147,10 +147,13 @@ def test_records_without_provenance_are_warned_about(ckpts, tmp_path, monkeypatc
         lm(monkeypatch, pretrained=str(ckpts / "src"), scores=str(tmp_path / "s.parquet"), score="l1", keep=4)
 
 
-def test_merge_with_mtp_layer_needs_drop_mtp_and_its_record_is_not_a_pruning(ckpts, tmp_path, capsys, monkeypatch):
-    """An MTP layer (layer 2 of a 2-layer model, as DeepSeek-V3 ships one) is refused naming merge's
-    own --drop-mtp before the pass; with it the layer is removed. The merge's pruning.json is refused
-    by the lm-eval backend (it would evaluate the leaders pruned), pointing at the merged checkpoint."""
+def test_merge_of_mtp_layer_without_predictor_is_refused_and_its_record_is_not_a_pruning(ckpts, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """An MTP layer (layer 2 of a 2-layer model, as DeepSeek-V3 ships one) without its predictor
+    (enorm, hnorm, eh_proj, shared_head.norm) cannot be run by the pass that --mtp prune merges it by:
+    refused before the pass naming them; with --mtp drop the layer is removed. The merge's
+    pruning.json is refused by the lm-eval backend (it would evaluate the leaders pruned), pointing
+    at the merged checkpoint."""
     from moejax.hf.check import check_checkpoint
 
     mtp = edited_copy(ckpts / "src", tmp_path / "mtp", num_hidden_layers=2, num_nextn_predict_layers=1)
@@ -158,9 +161,8 @@ def test_merge_with_mtp_layer_needs_drop_mtp_and_its_record_is_not_a_pruning(ckp
     with monkeypatch.context() as m:
         no_pass(m)
         code, err = run(args, capsys)
-    assert code == 2 and "MTP layer(s) [2] (num_nextn_predict_layers=1) cannot be merged" in err
-    assert "Pass --drop-mtp" in err and "--layers-keep" not in err
-    code, err = run(args + ["--drop-mtp"], capsys)
+    assert code == 2 and "MTP layer 2 lacks 4 tensor(s) the MTP pass runs" in err and "layers.2.enorm.weight" in err
+    code, err = run(args + ["--mtp", "drop"], capsys)
     assert code == 0, err
     record = json.loads((tmp_path / "out" / "pruning.json").read_text())
     assert record["dropped_layers"] == [2] and list(record["layers"]) == ["1"]

@@ -38,15 +38,17 @@ from moejax.hf.io.safetensors_format import CONFIG_NAME
 from moejax.hf.io.storage import MissingFile, Storage
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
+from moejax.hf.mtp_names import mtp_renames
 from moejax.hf.quant import decode as quant
 from moejax.hf.substitution import SubstitutedExpertsView, describe, parse_substitution
 from moejax.models.family import Family
+from moejax.models.names import MTP_PREDICTOR
 from moejax.models.registry import config_from_dict, family_of, read_config
 
 DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
 PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8"}  # the element type of a packed 4-bit `weight_packed`
 _STRAY = re.compile(r"\.rotary_emb\.inv_freq$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # a wrapper's language model too
 
 
 @dataclasses.dataclass
@@ -120,8 +122,10 @@ def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> lis
 
 def _check_mtp_blocks(cfg, reader, fmt: str | None, missing: list) -> list[str]:
     """An MTP layer on disk holds a whole decoder block (which prune prunes, and whose router a
-    data-free score ranks): checked like a main-model layer. Its MTP-only tensors (enorm, hnorm,
-    eh_proj, shared_head) are carried unread. A checkpoint may leave MTP layers out entirely."""
+    data-free score ranks): checked like a main-model layer. Its predictor (enorm, hnorm, eh_proj,
+    shared_head.norm; `moejax.names.mtp_rules`), which the MTP calibration pass runs, is checked
+    where present (the pass refuses a layer without it, naming the tensors); shared_head.head and
+    embed_tokens are carried unread. A checkpoint may leave MTP layers out entirely."""
     problems = []
     present = {int(m.group(1)) for name in reader.keys() if (m := _LAYER.match(name))}
     for layer in mtp_layers(cfg):
@@ -130,7 +134,8 @@ def _check_mtp_blocks(cfg, reader, fmt: str | None, missing: list) -> list[str]:
         for s in layer_specs(cfg, layer):
             on_disk = stored_as(reader, s.hf_name, fmt)
             if on_disk is None:
-                missing.append(s.hf_name)
+                if s.rule not in MTP_PREDICTOR:
+                    missing.append(s.hf_name)
             else:
                 problems += _check_tensor(s, on_disk, reader, fmt)
     return problems
@@ -219,7 +224,8 @@ def _checked(path, uniform_experts: bool, substituted: bool = False) -> tuple[li
         cfg = read_config(config_path, uniform_experts=uniform_experts)
     raw = CheckpointReader(storage)
     family = family_of(cfg)
-    reader = FusedExpertsReader(raw, family.fused_layout(cfg), family.rule("router").hf)
+    reader = FusedExpertsReader(raw, family.fused_layout(cfg), family.rule("router").hf,
+                                mtp_renames(cfg, family, raw.keys()))
     fmt = quant.detect_format(cfg.quantization_config)
     substitution = parse_substitution(cfg.to_dict(), config_path)
     if substitution is not None:

@@ -44,7 +44,8 @@ class _Slice:
 class FusedExpertsReader:
     """A CheckpointReader whose fused expert tensors also appear under per-expert names."""
 
-    def __init__(self, reader: CheckpointReader, layout: dict | None = None, router_name: str = CANONICAL_ROUTER):
+    def __init__(self, reader: CheckpointReader, layout: dict | None = None, router_name: str = CANONICAL_ROUTER,
+                 renamed: dict | None = None):
         """layout: {fused tensor name after `model.layers.{l}.mlp.experts.`: (the per-expert name
         templates (`{l}` layer, `{e}` expert) its slab of each expert is cut into, in row order, in
         equal shares; the fused tensor's rank)}; default transformers 5's SwiGLU (`SWIGLU_FUSED`). A
@@ -52,7 +53,8 @@ class FusedExpertsReader:
         them (Mixtral: `...block_sparse_moe.experts.{e}.w1.weight`, w3, w2; gpt-oss, which stores only
         fused tensors: one name per fused tensor, the whole slab). router_name: the family's router
         name (Mixtral: `...block_sparse_moe.gate.weight`; transformers 5 writes `mlp.gate.weight`
-        beside fused experts)."""
+        beside fused experts). renamed: {presented name: stored name} of whole tensors stored under
+        another name (an MTP block stored apart, `moejax.hf.mtp_names`)."""
         self.reader = reader
         self.layout = SWIGLU_FUSED if layout is None else layout
         self._virtual: dict[str, _Slice] = {}
@@ -65,7 +67,14 @@ class FusedExpertsReader:
                 router, canonical = router_name.format(l=match.group(1)), CANONICAL_ROUTER.format(l=match.group(1))
                 if router != canonical and canonical in reader and router not in reader:
                     self._virtual[router] = _Slice(canonical, None, None)
-        self._fused_names = frozenset(s.fused for s in self._virtual.values())
+        renamed = renamed or {}
+        for view, stored in renamed.items():
+            self._virtual[view] = _Slice(stored, None, None)
+        # (presented prefix, stored prefix) of renamed experts' `experts.` stems: a pruned index maps back too
+        self._stems = sorted({(v.split(".experts.")[0] + ".experts.", s.split(".experts.")[0] + ".experts.")
+                              for v, s in renamed.items() if ".experts." in v and ".experts." in s})
+        self._hidden = frozenset(s.fused for s in self._virtual.values())  # stored names presented as others
+        self._fused_names = self._hidden - set(renamed.values())
 
     def _add(self, layer: int, parts: tuple, info: TensorInfo) -> None:
         parts, rank = parts
@@ -94,6 +103,17 @@ class FusedExpertsReader:
         router beside fused experts under the family's router name, anything else its own."""
         return self._index()[1].get(stored, stored)
 
+    def stored_name(self, view: str) -> str:
+        """The name a tensor presented as `view` is written under: the stored spelling of a renamed
+        tensor (an MTP block's, its expert index as in `view`) or of a router alias; else `view`."""
+        part = self._virtual.get(view)
+        if part is not None and part.expert is None:
+            return part.fused
+        for stem_view, stem_stored in self._stems:
+            if view.startswith(stem_view):
+                return stem_stored + view[len(stem_view):]
+        return view
+
     def expert_slabs(self, stored: str) -> list[list[str]] | None:
         """For a stored fused expert tensor [E, ...], per expert the presented names whose rows
         tile that expert's slab, in row order (gate, up; or down alone); None for any other tensor."""
@@ -115,10 +135,10 @@ class FusedExpertsReader:
         return self._by_stored
 
     def keys(self) -> list[str]:
-        return sorted((set(self.reader.keys()) - self.fused_names) | set(self._virtual))
+        return sorted((set(self.reader.keys()) - self._hidden) | set(self._virtual))
 
     def __contains__(self, name: str) -> bool:
-        return name in self._virtual or (name in self.reader and name not in self.fused_names)
+        return name in self._virtual or (name in self.reader and name not in self._hidden)
 
     def info(self, name: str) -> TensorInfo:
         if name not in self._virtual:

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.errors import CheckpointError, ConfigError
-from moejax.hf.check import check_checkpoint
+from moejax.hf.check import check_checkpoint, mtp_layers, stored_as
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.io.checkpoint_writer import write_checkpoint
@@ -120,13 +120,52 @@ class OpenCheckpoint:
 
     def decoder_layer(self, layer: int, dtype, backend: str = "sorted", mesh=None, expert_dtype=None):
         """Decoder layer `layer` of this checkpoint's family, filled from its tensors (the streamed
-        executors hold one at a time). mesh: routed experts split over its expert axis.
-        expert_dtype: hold the routed experts in this dtype instead (`stored_expert_dtype`)."""
+        executors hold one at a time); an MTP layer's decoder block for layer >= num_hidden_layers.
+        mesh: routed experts split over its expert axis. expert_dtype: hold the routed experts in
+        this dtype instead (`stored_expert_dtype`)."""
         cls = self.family.causal_lm()
         prefix = f"model.layers.{layer}."
+        specs = [s for s in self.layer_specs(layer) if s.param.startswith(prefix)]
         abstract = nnx.eval_shape(lambda: cls.decoder_layer(self.config, layer, dtype, nnx.Rngs(0), backend))
-        return self.fill(abstract, self.specs_under(prefix), dtype, prefix=prefix, mesh=mesh,
-                         expert_dtype=expert_dtype)
+        return self.fill(abstract, specs, dtype, prefix=prefix, mesh=mesh, expert_dtype=expert_dtype)
+
+    def layer_specs(self, layer: int) -> list[TensorSpec]:
+        """The tensors of decoder layer `layer`, or of MTP layer `layer` (its block and predictor)."""
+        if layer < self.config.num_hidden_layers:
+            return self.specs_under(f"model.layers.{layer}.")
+        return self.mtp_specs(layer)
+
+    def mtp_layers(self) -> list[int]:
+        """The MTP layers on disk (num_hidden_layers + j, `moejax.hf.mtp_names`), ascending."""
+        return [l for l in mtp_layers(self.config) if any(s.hf_name in self.reader for s in self.mtp_specs(l, check=False))]
+
+    def mtp_specs(self, layer: int, check: bool = True) -> list[TensorSpec]:
+        """MTP layer `layer`'s tensors (its decoder block and predictor, `moejax.models.names.mtp_rules`),
+        their on-disk tensors added to `stored`; check: refuse one that is missing, naming them all
+        (a checkpoint may carry an MTP block without its predictor, which no pass can run)."""
+        specs = self.family.layer_specs(self.config, layer)
+        if not check:
+            return specs
+        missing = []
+        for s in specs:
+            on_disk = self.stored.get(s.hf_name) or stored_as(self.reader, s.hf_name, self.fmt)
+            if on_disk is None:
+                missing.append(s.hf_name)
+            else:
+                self.stored[s.hf_name] = on_disk
+        if missing:
+            raise CheckpointError(f"{self.path}: MTP layer {layer} lacks {len(missing)} tensor(s) the MTP pass runs "
+                                  f"(its block and predictor: enorm, hnorm, eh_proj, shared_head.norm), e.g. "
+                                  f"{[self.reader.stored_name(n) for n in missing[:5]]}")
+        return specs
+
+    def mtp_predictor(self, layer: int, dtype):
+        """MTP layer `layer`'s predictor (`moejax.models.mtp.MtpPredictor`), filled from its tensors."""
+        from moejax.models.mtp import MtpPredictor
+
+        prefix = f"mtp.{layer}."
+        abstract = nnx.eval_shape(lambda: MtpPredictor(self.config, dtype, nnx.Rngs(0)))
+        return self.fill(abstract, [s for s in self.mtp_specs(layer) if s.param.startswith(prefix)], dtype, prefix=prefix)
 
     def fill(self, abstract, specs: list[TensorSpec], dtype, prefix: str = "", mesh=None, expert_dtype=None):
         """Materialise `abstract` (an nnx.eval_shape'd module) with the tensors of `specs`, whose
@@ -242,7 +281,7 @@ def load_opened(ckpt: OpenCheckpoint, dtype=jnp.float32, backend: str | None = N
     backend = backend or ("ep" if mesh is not None else "sorted")
     quantized = {n: on_disk for n, on_disk in ckpt.stored.items() if on_disk != (n,)}
     source = HFSource(path=ckpt.path, dtypes={n: ckpt.reader.info(on_disk[0]).dtype for n, on_disk in ckpt.stored.items()},
-                      carried=tuple(ckpt.carried), quantized=quantized)
+                      carried=tuple(ckpt.reader.stored_name(n) for n in ckpt.carried), quantized=quantized)
     cls = ckpt.family.causal_lm()
     if model_class is not None and not issubclass(cls, model_class):
         raise ConfigError(f"{ckpt.path}: a {ckpt.family.title} checkpoint ({cls.__name__}); "

@@ -175,7 +175,7 @@ def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:
 
 
 def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progress: bool | None = None,
-                  mesh=None, variant_of=None) -> Iterator[tuple[int, object, list]]:
+                  mesh=None, variant_of=None, mtp: bool = False) -> Iterator[tuple[int, object, list]]:
     """Yield (HF layer index, the layer's MoE module, [router inputs [B*S, H] per batch]) for every
     MoE layer, after running all batches through the layers before it.
 
@@ -186,7 +186,11 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     variant_of: a sequential pass. When the consumer asks for the next item, `variant_of(layer)`
     gives what the MoE layer just yielded computes under on its way to the next layer (an
     ExpertMap, a mask [E] or None: unchanged), so each layer's router inputs come from the model
-    as the consumer has changed it up to the layer before."""
+    as the consumer has changed it up to the layer before.
+    mtp: then also the checkpoint's MTP layers (`moejax.models.mtp`: layer num_hidden_layers + j),
+    run as inference runs them on the trunk's final-normed last state (through the trunk as the
+    consumer changed it, for a sequential pass); MTP depth j's router inputs cover the positions
+    1 + j .. S - 1 of each batch ([B * (S - 1 - j), H]: `mtp_rows`)."""
     ckpt = ckpt if isinstance(ckpt, OpenCheckpoint) else open_checkpoint(ckpt)
     cfg = ckpt.config
     show = sys.stderr.isatty() if progress is None else progress
@@ -197,18 +201,69 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({n_tokens} tokens)", unit="layer",
                           disable=not show):
         layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
-        graphdef, state = nnx.split(layer)
-        router_inputs = []
-        if variant_of is None or not layer.is_moe:
-            for b, (cos, sin, allowed) in enumerate(geometry):
-                hidden[b], z = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed)
-                router_inputs.append(z.reshape(-1, z.shape[-1]))
-            if layer.is_moe:
-                yield layer_idx, layer.mlp, router_inputs
-        else:  # the MLP half after the consumer has decided the layer
-            attended = [_layer_attend(graphdef, state, hidden[b], *geo) for b, geo in enumerate(geometry)]
-            yield layer_idx, layer.mlp, [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in attended]
-            variant = variant_of(layer_idx)
-            hidden = [_layer_feed(graphdef, state, a, variant) for a in attended]
-            del attended, variant
-        del layer, state
+        hidden = yield from _through_layer(layer_idx, layer, hidden, geometry, variant_of)
+        del layer  # before the next layer's weights are read
+    if not mtp or not ckpt.mtp_layers():
+        return
+    norm_spec, _ = head_specs(ckpt)
+    norm_H = jnp.asarray(ckpt.read_param_tensor(norm_spec, jnp.dtype(dtype)))
+    state = [_final_norm(h, norm_H, cfg.rms_norm_eps, cfg.NORM_SCALES_IN_FLOAT32, cfg.NORM_PLUS_ONE) for h in hidden]
+    del hidden
+    for depth, layer_idx in enumerate(ckpt.mtp_layers()):
+        shift = depth + 1  # depth j sees the tokens t + 1 + j at positions 1 + j .. S - 1
+        predictor = nnx.split(ckpt.mtp_predictor(layer_idx, dtype))
+        embedded = embed(ckpt, [np.asarray(ids)[:, shift:] for ids, _ in batches], dtype)
+        hidden = [_mtp_input(*predictor, e, h[:, :-1]) for e, h in zip(embedded, state)]
+        del embedded
+        geometry = [mtp_geometry(ckpt, ids, mask, shift, dtype) for ids, mask in batches]
+        layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
+        hidden = yield from _through_layer(layer_idx, layer, hidden, geometry, variant_of)
+        state = [_mtp_state(*predictor, h) for h in hidden]
+
+
+def _through_layer(layer_idx: int, layer, hidden: list, geometry: list, variant_of):
+    """Every batch's hidden states through one decoder layer, yielding its MoE layer's router
+    inputs on the way (`stream_layers`); returns the hidden states after it."""
+    graphdef, state = nnx.split(layer)
+    router_inputs = []
+    if variant_of is None or not layer.is_moe:
+        for b, (cos, sin, allowed) in enumerate(geometry):
+            hidden[b], z = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed)
+            router_inputs.append(z.reshape(-1, z.shape[-1]))
+        if layer.is_moe:
+            yield layer_idx, layer.mlp, router_inputs
+        return hidden
+    # the MLP half after the consumer has decided the layer
+    attended = [_layer_attend(graphdef, state, hidden[b], *geo) for b, geo in enumerate(geometry)]
+    yield layer_idx, layer.mlp, [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in attended]
+    variant = variant_of(layer_idx)
+    return [_layer_feed(graphdef, state, a, variant) for a in attended]
+
+
+def mtp_shift(cfg, layer: int) -> int:
+    """How many leading positions of each sequence layer `layer`'s router inputs leave out: 0 for a
+    decoder layer, 1 + j for MTP depth j (`stream_layers`)."""
+    return max(0, layer - cfg.num_hidden_layers + 1)
+
+
+def mtp_rows(cfg, layer: int, mask_BS):
+    """A batch's attention mask [B, S] (or None) as the rows of layer `layer`'s router inputs."""
+    return None if mask_BS is None else np.asarray(mask_BS)[:, mtp_shift(cfg, layer):]
+
+
+def mtp_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, shift: int, dtype):
+    """`batch_geometry` of an MTP depth: rope at the positions shift .. S - 1 of the tokens it sees
+    (transformers' MTP model takes the shifted position ids), causal over them."""
+    B, S = np.asarray(ids_BS).shape
+    cos, sin = ckpt.family.causal_lm().rope_tables(ckpt.config, jnp.arange(shift, S), jnp.dtype(dtype))
+    return cos, sin, causal_allowed(mtp_rows(ckpt.config, ckpt.config.num_hidden_layers + shift - 1, mask_BS), B, S - shift)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _mtp_input(graphdef, state, embedded_BSH, state_BSH):
+    return nnx.merge(graphdef, state).block_input(embedded_BSH, state_BSH)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _mtp_state(graphdef, state, out_BSH):
+    return nnx.merge(graphdef, state).state(out_BSH)

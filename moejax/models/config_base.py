@@ -457,7 +457,8 @@ def check_family(d, source: str, model_types: tuple, architecture: str, family: 
 def layer_num_experts(d: dict, n_layers, n_mtp, n_experts, experts_key: str, is_dense, problems: list,
                       unimplemented: list, uniform: bool, router: dict | None = None) -> tuple | None:
     """moe_sparsity_config.num_experts, checked: one entry per decoder layer (MTP layers optional),
-    null for a dense layer, a positive integer <= the expert count for a MoE layer, the largest
+    null for a dense layer, a positive integer <= the expert count for a MoE layer (an MTP layer
+    may hold more: kept whole beside a pruned trunk, `--mtp keep`), the decoder layers' largest
     equal to the expert count (`experts_key`, what the model's variant masks are as wide as), and
     each a count the router can route over (router: the `router_settings()` keys top_k, n_group,
     topk_group; at least top_k experts, and with routing groups a multiple of n_group with at least
@@ -493,7 +494,7 @@ def layer_num_experts(d: dict, n_layers, n_mtp, n_experts, experts_key: str, is_
         elif dense:
             problems.append(f"{key}[{layer}]={n}, but layer {layer} is dense; expected null")
             ok = False
-        elif n_experts is not None and n > n_experts:
+        elif n_experts is not None and n > n_experts and (n_layers is None or layer < n_layers):
             problems.append(f"{key}[{layer}]={n} exceeds {experts_key}={n_experts}")
             ok = False
         elif router is not None and (wrong := _unroutable(n, **router)):
@@ -505,11 +506,18 @@ def layer_num_experts(d: dict, n_layers, n_mtp, n_experts, experts_key: str, is_
                              "expert count in every layer; moejax loads, scores, evaluates and prunes such a "
                              "checkpoint, `moejax merge` and the prune_real and eval_tasks experiments do not)")
         ok = False
-    elif ok and n_experts is not None and distinct and distinct[-1] != n_experts:
+    elif ok and n_experts is not None and distinct and _largest(counts, n_layers) != n_experts:
+        distinct = sorted({n for n in counts[:n_layers] if is_int(n)})
         spread = f"every MoE layer {distinct[0]}" if len(distinct) == 1 else f"at most {distinct[-1]}"
         problems.append(f"{key} gives {spread} experts but {experts_key}={n_experts} (expected the largest count)")
         ok = False
     return tuple(counts) if ok else None
+
+
+def _largest(counts: list, n_layers) -> int:
+    """The largest count of the decoder layers (an MTP layer kept whole beside a pruned trunk,
+    `--mtp keep`, may hold more experts than the config's count)."""
+    return max((n for n in counts[:n_layers] if is_int(n)), default=0)
 
 
 def _unroutable(n: int, top_k: int, n_group: int = 1, topk_group: int = 1, **_) -> str | None:

@@ -169,5 +169,27 @@ def moe_rules(block: str = "mlp", expert_names=("gate_proj", "up_proj", "down_pr
     return rules
 
 
+def is_mtp_layer(cfg, layer) -> bool:
+    return layer is not None and layer >= cfg.num_hidden_layers
+
+
+MTP_PREDICTOR = ("mtp_enorm", "mtp_hnorm", "mtp_eh_proj", "mtp_post_norm")  # rule names
+
+
+def mtp_rules() -> tuple:
+    """An MTP layer's predictor beside its decoder block (layer `num_hidden_layers + j`, DeepSeek-V3's
+    names; `moejax.hf.mtp_names` presents Qwen3.5's `mtp.*` under them): the next token's embedding
+    norm, the trunk state's norm, their [H, 2H] projection and the final norm
+    (`moejax.models.mtp.MtpPredictor`, whose parameters live under `mtp.{l}.`)."""
+    h = lambda cfg: (cfg.hidden_size,)  # noqa: E731
+    return (
+        Rule("mtp_enorm", L + "enorm.weight", "mtp.{l}.enorm.weight", False, h, when=is_mtp_layer),
+        Rule("mtp_hnorm", L + "hnorm.weight", "mtp.{l}.hnorm.weight", False, h, when=is_mtp_layer),
+        Rule("mtp_eh_proj", L + "eh_proj.weight", "mtp.{l}.eh_proj", True,
+             lambda cfg: (cfg.hidden_size, 2 * cfg.hidden_size), when=is_mtp_layer),
+        Rule("mtp_post_norm", L + "shared_head.norm.weight", "mtp.{l}.post_norm.weight", False, h, when=is_mtp_layer),
+    )
+
+
 def dense_mlp_rules() -> tuple:
     return swiglu_rules("mlp_", L + "mlp.", L + "mlp.", lambda cfg: cfg.intermediate_size, dense_layer)

@@ -147,17 +147,21 @@ def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_su
 
 
 def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None,
-                       outputs: bool = True) -> dict[int, LayerStats]:
+                       outputs: bool = True, mtp: bool = True) -> dict[int, LayerStats]:
     """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.inference.stream);
     with a mesh (under `jax.set_mesh(mesh)`), each layer's experts split over its expert axis and
     every pair computed on the device holding its expert, the statistics summed across shards.
     outputs: also the routed outputs' sums (`accumulate_layer`; `mone` and substitution need them,
-    no other score does)."""
-    from moejax.inference.stream import stream_layers  # at call time: tests patch it to refuse a pass
+    no other score does). mtp: the checkpoint's MTP layers too, run as inference runs them
+    (`moejax.inference.stream.stream_layers`)."""
+    from moejax.inference.stream import mtp_rows, stream_layers  # at call time: tests patch it to refuse a pass
 
-    masks = [None if m is None else np.asarray(m, bool).reshape(-1) for _, m in batches]
+    from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
+
+    ckpt = checkpoint if isinstance(checkpoint, OpenCheckpoint) else open_checkpoint(checkpoint)
     stats = {}
-    for layer, moe, router_inputs in stream_layers(checkpoint, batches, dtype, progress, mesh=mesh):
+    for layer, moe, router_inputs in stream_layers(ckpt, batches, dtype, progress, mesh=mesh, mtp=mtp):
+        masks = [None if m is None else np.asarray(mtp_rows(ckpt.config, layer, m), bool).reshape(-1) for _, m in batches]
         acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
         accumulate_layer(moe, router_inputs, masks, acc, outputs=outputs)
         stats[layer] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), layer=layer)

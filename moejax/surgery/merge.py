@@ -56,7 +56,7 @@ from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import OUTPUT_SCORES, StatsAccumulator, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.surgery.prune import other_files, write_folder
-from moejax.surgery.prune_plan import per_group_needed, plan_pruning
+from moejax.surgery.prune_plan import MTP_DEFAULT, check_mtp_policy, per_group_needed, plan_pruning
 from moejax.variants.spec import VariantSpec
 
 PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -136,7 +136,9 @@ class MergedTensors:
         self.targets = {}   # hf name -> (layer, cluster, weights key, transpose)
         for l, labels in plan.labels.items():
             merged = {int(plan.leaders[l][c]): c for c in range(len(plan.leaders[l])) if np.sum(labels == c) > 1}
-            for spec in ckpt.specs_under(f"model.layers.{l}.mlp."):
+            for spec in ckpt.layer_specs(l):
+                if not spec.param.startswith(f"model.layers.{l}.mlp."):
+                    continue
                 if spec.expert in merged and spec.param.rsplit(".", 1)[-1].startswith("experts_"):
                     key = spec.param.rsplit(".", 1)[-1][len("experts_"):]
                     self.targets[spec.hf_name] = (l, merged[spec.expert], key, spec.transpose)
@@ -160,19 +162,17 @@ class MergedTensors:
         return np.ascontiguousarray(value.T if transpose else value)
 
 
-def _check_before_pass(checked, count: int, keep, allocation: str, collapse_groups: bool, drop_mtp: bool) -> None:
+def _check_before_pass(checked, count: int, keep, allocation: str, collapse_groups: bool, mtp: str) -> None:
     """What the plan would refuse after the calibration pass, when the settings alone decide it:
-    MTP layers without drop_mtp (the pass has no statistics for them), and a uniform cluster
+    an MTP layer --mtp prune would merge that the pass cannot run (no predictor), and a uniform cluster
     count that no choice of leaders can spread over the routing groups as group-limited routing
     needs (equal counts per group, at least 2, topk_group x per-group >= top_k) without
     collapse_groups. Whether the leaders actually fall evenly into the groups is known only after."""
     cfg = checked.config
-    mtp = sorted(l for l in checked.layout.moe_layers if l >= cfg.num_hidden_layers)
-    if mtp and not drop_mtp:
-        raise ConfigError(f"{checked.path}: MTP layer(s) {mtp} (num_nextn_predict_layers={cfg.num_nextn_predict_layers}) "
-                          "cannot be merged: the calibration pass runs the decoder layers only, so they have no "
-                          "merge statistics, and every MoE layer must keep the same expert count. Pass --drop-mtp "
-                          "(drop_mtp=True) to remove them (num_nextn_predict_layers=0), as `moejax prune --drop-mtp` does")
+    if check_mtp_policy(mtp) == "prune":  # the pass runs each MTP layer: refused now if it cannot
+        ckpt = opened(checked)
+        for layer in (l for l in checked.layout.moe_layers if l >= cfg.num_hidden_layers):
+            ckpt.mtp_specs(layer)
     routing = cfg.router_settings()
     n_group, topk_group, top_k = routing.get("n_group", 1), routing.get("topk_group", 1), cfg.num_experts_per_tok
     if n_group > 1 and not collapse_groups and allocation == "uniform" and (
@@ -203,14 +203,14 @@ def _check_settings(method: MergeMethod, allocation: str, dtype: str, batch_size
         raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({method.seed_use})")
 
 
-def _check_checkpoint(checked, method: MergeMethod, keep, allocation: str, collapse_groups: bool, drop_mtp: bool,
+def _check_checkpoint(checked, method: MergeMethod, keep, allocation: str, collapse_groups: bool, mtp: str,
                       sequential: bool) -> int:
     """The checkpoint against the settings, before the pass; returns the uniform cluster count."""
     cfg = checked.config
     _refuse_quantised(checked)
     check_mergeable(cfg.EXPERT_KIND, f"{checked.path}: {cfg.TITLE}")
     count = resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
-    _check_before_pass(checked, count, keep, allocation, collapse_groups, drop_mtp)
+    _check_before_pass(checked, count, keep, allocation, collapse_groups, mtp)
     if sequential and collapse_groups and cfg.router_settings().get("n_group", 1) > 1:
         raise ConfigError(f"{checked.path}: --sequential with --collapse-groups: the written checkpoint would route "
                           "without the routing groups the sequential pass routes its calibration stream with; keep "
@@ -222,15 +222,15 @@ def _check_checkpoint(checked, method: MergeMethod, keep, allocation: str, colla
 
 
 def _merge_pass(ckpt, method: MergeMethod, batches, dtype: str, seed: int, count: int, sequential: bool,
-                show: bool) -> tuple[dict, dict]:
+                show: bool, mtp: bool = True) -> tuple[dict, dict]:
     """({layer: MergeStats}, {layer: the method's score per expert}) from one streamed calibration
     pass; sequential: each layer merged (shrunk) as soon as its statistics are in, for the stream to
-    pass through it as the checkpoint will hold it."""
+    pass through it as the checkpoint will hold it. mtp: the MTP layers too (run on the trunk as merged)."""
     from moejax.inference.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
     stats, layer_scores, merged_layers = {}, {}, {}
     carry = (lambda layer: merged_layers.pop(layer)) if sequential else None
-    for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show, variant_of=carry):
+    for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show, variant_of=carry, mtp=mtp):
         masks = [None] * len(router_inputs)
         stats[layer] = merge_stats(moe, router_inputs, masks, **method.stats_options(), seed=seed)
         if method.scores:
@@ -247,16 +247,15 @@ def _merge_pass(ckpt, method: MergeMethod, batches, dtype: str, seed: int, count
 
 def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=None, seq_len: int | None = None,
                      max_tokens: int | None = None, batch_size: int = 8, allocation: str = "uniform",
-                     collapse_groups: bool = False, drop_mtp: bool = False, dtype: str = "float32", seed: int = 0,
+                     collapse_groups: bool = False, mtp: str = MTP_DEFAULT, dtype: str = "float32", seed: int = 0,
                      overwrite: bool = False, progress: bool | None = None, sequential: bool = False) -> dict:
     """Write the merged checkpoint of `src` to `dst` (shrunk router form) and return its record
     (also dst/pruning.json). method: a merge method object with its settings
     (`moejax.merging.method.parse("ream", group_size=8)`). The destination, the checkpoint, the
     settings and the calibration data are checked before the pass; the plan (groups, counts)
-    before the first byte is written. MTP layers (DeepSeek-V3's, after the decoder layers) are not
-    run by the calibration pass, so they have no merge statistics: drop_mtp removes them as
-    `moejax prune --drop-mtp` does (num_nextn_predict_layers = 0); without it a checkpoint that has
-    them is refused. seed: k-means' and REAM's sample and PCA (`method.seed_use`). sequential: each
+    before the first byte is written. mtp: MTP layers merged with the trunk's keep on the statistics
+    of the pass, which runs them as inference does ("prune"), kept whole ("keep") or removed
+    ("drop"), as `moejax prune --mtp` (`check_mtp_policy`). seed: k-means' and REAM's sample and PCA (`method.seed_use`). sequential: each
     layer merged on the calibration stream of the model merged up to the layer before (uniform
     allocation only; group-limited routing kept, not collapsed, so the stream routes as the
     written checkpoint does)."""
@@ -264,19 +263,19 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src)
-    count = _check_checkpoint(checked, method, keep, allocation, collapse_groups, drop_mtp, sequential)
+    count = _check_checkpoint(checked, method, keep, allocation, collapse_groups, mtp, sequential)
     ckpt, cfg = opened(checked), checked.config
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
-    stats, layer_scores = _merge_pass(ckpt, method, batches, dtype, seed, count, sequential, show)
+    stats, layer_scores = _merge_pass(ckpt, method, batches, dtype, seed, count, sequential, show, mtp == "prune")
     plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, seed, scores=layer_scores)
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
                      for l, lab in plan.labels.items()}
     prune_plan = plan_pruning(reader, layout, cfg, score=f"{method.name} cluster leaders", layers_keep=plan.counts,
-                              collapse_groups=collapse_groups, drop_mtp=drop_mtp, layer_scores=leader_scores,
+                              collapse_groups=collapse_groups, mtp=mtp, layer_scores=leader_scores,
                               leaders=True)
     prune_plan = dataclasses.replace(prune_plan, notes=prune_plan.notes + tuple(file_notes))
     spec = VariantSpec(method.name, keep, "sequential_shrunk" if sequential else "shrunk")
@@ -285,7 +284,7 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
         **spec.record(method.settings()), "allocation": allocation,
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
-        "seed": seed, "groups": prune_plan.groups, "dropped_layers": list(prune_plan.dropped_layers),
+        "seed": seed, "groups": prune_plan.groups, "mtp": mtp, "dropped_layers": list(prune_plan.dropped_layers),
         "notes": list(prune_plan.notes),
         "layers": plan.record_layers(),
     }

@@ -40,7 +40,7 @@ from moejax.hf.io.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
 from moejax.hf.io.staging import check_destination, staged_directory
 from moejax.hf.layout import CheckpointLayout, layer_of
 from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
-from moejax.surgery.prune_plan import PrunePlan, plan_pruning
+from moejax.surgery.prune_plan import MTP_DEFAULT, PrunePlan, plan_pruning
 from moejax.variants.spec import VariantSpec
 
 PRUNING_RECORD = "pruning.json"
@@ -118,7 +118,7 @@ def write_pruned(reader: FusedExpertsReader, layout: CheckpointLayout, plan: Pru
             new_name = renames.get(view, view)
             if new_name is None:
                 continue
-            new_name = name if view != name else new_name  # stored names stay as stored
+            new_name = reader.stored_name(new_name)  # a renamed tensor (an MTP block's) under its stored spelling
             value = None if replaced is None else replaced(view)
             if value is not None:
                 tensors.append((new_name, value))
@@ -187,12 +187,13 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
 
 
 def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layers_keep: dict | None = None,
-                     group_aware: bool = False, collapse_groups: bool = False, drop_mtp: bool = False,
+                     group_aware: bool = False, collapse_groups: bool = False, mtp: str = MTP_DEFAULT,
                      seed: int = 0, allocation: str = "uniform", overwrite: bool = False,
                      progress: bool | None = None) -> dict:
     """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
-    before the first byte is written."""
+    before the first byte is written. mtp: MTP layers pruned with the trunk's keep by their own
+    scores, kept whole, or removed (`moejax.surgery.prune_plan.check_mtp_policy`)."""
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json")))
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
@@ -204,12 +205,13 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
         check_made_from(sidecar or {}, where, "checkpoint", src, lambda: fingerprint, "scores file")
     plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
                         layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
-                        drop_mtp=drop_mtp, seed=seed, allocation=allocation)
+                        mtp=mtp, seed=seed, allocation=allocation)
     plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: fingerprint,
         **VariantSpec(score, keep, "one_shot").record(),
-        "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep, "allocation": allocation, "seed": seed, "group_aware": group_aware, "groups": plan.groups,
+        "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep,
+        "allocation": allocation, "seed": seed, "group_aware": group_aware, "groups": plan.groups, "mtp": mtp,
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }

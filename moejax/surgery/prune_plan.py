@@ -121,34 +121,39 @@ def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
 
 def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
-                 collapse_groups: bool = False, drop_mtp: bool = False, seed: int = 0,
+                 collapse_groups: bool = False, mtp: str = "prune", seed: int = 0,
                  layer_scores: dict | None = None, allocation: str = "uniform", leaders: bool = False) -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
     writing when the request is not well defined (SPEC section 2). layer_scores: {layer: [E]}
     given in memory instead of a data-free score or a scores file. allocation "global": the
     per-layer counts from one threshold over the layers' normalised scores, `keep` x layers in all
     (`moejax.merging.allocation`). leaders: layer_scores mark a merge's cluster leaders (refusals
-    are worded for `moejax merge`)."""
+    are worded for `moejax merge`). mtp: what becomes of MTP layers (`MTP_POLICIES`)."""
     # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
     # config.json is the source's dictionary with the family's expert-count key updated.
     new_config, notes = cfg.settings_dict(), []  # the settings' level (a wrapper's text_config)
-    layers, dropped = _layers_to_prune(reader, layout, cfg, drop_mtp)
+    layers, dropped, whole = _layers_to_prune(reader, layout, cfg, mtp)
     counts = _keep_counts(layers, keep, layers_keep, cfg.num_experts_per_tok)
     scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
     counts = _allocated_counts(scores, counts, layers_keep, cfg.num_experts_per_tok, allocation)
     kept = _choose_kept(scores, counts, cfg, score, group_aware, allocation)
+    kept.update({l: np.ones(layout.moe_layers[l].n_experts, bool) for l in whole})  # --mtp keep
+    if whole:
+        notes.append(f"MTP layer(s) {list(whole)} kept whole (--mtp keep): {cfg.experts_key} is the decoder layers' "
+                     "count and moe_sparsity_config.num_experts lists the MTP layer's; moejax and transformers' main "
+                     "model load it, servers that build the MTP layer with the config's one count do not")
     groups = _groups_rule(kept, cfg, collapse_groups, group_aware, leaders, new_config, notes)
     _rewrite_expert_counts(cfg, kept, dropped, new_config, notes)
     _rewrite_mtp(cfg, dropped, new_config, notes)
-    return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in kept.items()},
-                     n_experts={l: ml.n_experts for l, ml in layers.items()}, dropped_layers=dropped,
+    return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in sorted(kept.items())},
+                     n_experts={l: layout.moe_layers[l].n_experts for l in sorted(kept)}, dropped_layers=dropped,
                      config=cfg.with_settings(new_config), groups=groups, notes=tuple(notes))
 
 
-def _layers_to_prune(reader, layout: CheckpointLayout, cfg, drop_mtp: bool) -> tuple[dict[int, MoeLayer], tuple]:
-    """({MoE layer: MoeLayer} to prune, the MTP layers dropped (--drop-mtp: the MoE layers from
-    num_hidden_layers on)); refused when the checkpoint has no MoE layer, when a layer's expert
-    count differs from config.json's, or when --drop-mtp would leave no layer to prune."""
+def _layers_to_prune(reader, layout: CheckpointLayout, cfg, mtp: str) -> tuple[dict[int, MoeLayer], tuple, tuple]:
+    """({MoE layer: MoeLayer} to prune, the MTP layers dropped (--mtp drop), the MTP layers kept
+    whole (--mtp keep)); refused when the checkpoint has no MoE layer, when a layer's expert count
+    differs from config.json's, or when --mtp drop or keep would leave no layer to prune."""
     E_cfg, n_layers = cfg.n_experts, cfg.num_hidden_layers
     if not layout.moe_layers:
         raise CheckpointError(f"{reader.directory}: no MoE layers (no routed-expert tensors `layers.N.*.experts.E.*`)")
@@ -157,12 +162,13 @@ def _layers_to_prune(reader, layout: CheckpointLayout, cfg, drop_mtp: bool) -> t
         raise CheckpointError(f"{reader.directory}: layers have {wrong_E} experts, but config.json gives them "
                               f"{ {l: cfg.experts_in_layer(l) for l in wrong_E} } ({cfg.experts_key}={E_cfg}"
                               f"{', moe_sparsity_config.num_experts' if cfg.layer_num_experts else ''})")
-    dropped = tuple(l for l in layout.moe_layers if l >= n_layers) if drop_mtp else ()
-    layers = {l: ml for l, ml in layout.moe_layers.items() if l not in dropped}
+    check_mtp_policy(mtp)
+    aside = tuple(l for l in layout.moe_layers if l >= n_layers) if mtp != "prune" else ()
+    layers = {l: ml for l, ml in layout.moe_layers.items() if l not in aside}
     if not layers:
-        raise ConfigError(f"--drop-mtp would leave no MoE layer to prune: the only MoE layers {list(dropped)} are "
-                          f"MTP layers (num_hidden_layers={n_layers}); prune without --drop-mtp")
-    return layers, dropped
+        raise ConfigError(f"--mtp {mtp} would leave no MoE layer to prune: the only MoE layers {list(aside)} are "
+                          f"MTP layers (num_hidden_layers={n_layers}); prune with --mtp prune")
+    return layers, (aside if mtp == "drop" else ()), (aside if mtp == "keep" else ())
 
 
 def _allocated_counts(scores: dict, counts: dict, layers_keep, top_k: int, allocation: str) -> dict[int, int]:
@@ -223,8 +229,9 @@ def _rewrite_expert_counts(cfg, kept: dict, dropped: tuple, new_config: dict, no
     """new_config's expert count: the largest kept, under every spelling the source has; counts
     that differ between layers listed in moe_sparsity_config.num_experts (with a note)."""
     kept_counts = {l: int(m.sum()) for l, m in kept.items()}
+    largest = max(c for l, c in kept_counts.items() if l < cfg.num_hidden_layers)  # an MTP layer kept whole may hold more
     for key in cfg.keys_of(cfg.EXPERTS_FIELD):  # every spelling the source has (they must agree)
-        new_config[key] = max(kept_counts.values())
+        new_config[key] = largest
     new_config.pop("moe_sparsity_config", None)  # a source pruned per layer: its counts are the source's
     if len(set(kept_counts.values())) > 1:
         new_config["moe_sparsity_config"] = {
@@ -241,6 +248,21 @@ def _rewrite_mtp(cfg, dropped: tuple, new_config: dict, notes: list) -> None:
         for key in cfg.keys_of("num_nextn_predict_layers"):
             new_config[key] = 0
         notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
+
+
+MTP_POLICIES = ("prune", "keep", "drop")
+MTP_DEFAULT = "prune"
+
+
+def check_mtp_policy(mtp) -> str:
+    """--mtp: what every command does with a checkpoint's MTP layers. prune (the default): its
+    experts are pruned or merged with the trunk's keep, ranked by its own scores (the calibration
+    pass runs it as inference does), so config.json's one expert count holds for it and every
+    runtime that reads that count loads it; keep: left full width (per-layer counts); drop: removed
+    (num_nextn_predict_layers 0)."""
+    if mtp not in MTP_POLICIES:
+        raise ConfigError(f"--mtp {mtp!r}; expected one of {', '.join(MTP_POLICIES)}")
+    return mtp
 
 
 def per_group_needed(top_k: int, topk_group: int) -> int:
@@ -280,9 +302,9 @@ def _listed_layers(cfg, kept_counts: dict, dropped: tuple) -> range:
     mtp = range(n_layers, n_layers + (0 if dropped else cfg.num_nextn_predict_layers))
     if mtp and all(l in kept_counts for l in mtp):
         return range(mtp.stop)
-    largest = max(kept_counts.values())
+    largest = max(c for l, c in kept_counts.items() if l < n_layers)
     unlisted = {l: c for l, c in kept_counts.items() if l >= n_layers and c != largest}
     if unlisted:
         raise ConfigError(f"MTP layer(s) {sorted(unlisted)} would keep {unlisted} experts, which config.json cannot "
-                          f"record while other MTP layers are absent from the checkpoint; prune with --drop-mtp")
+                          f"record while other MTP layers are absent from the checkpoint; prune with --mtp drop")
     return range(n_layers)

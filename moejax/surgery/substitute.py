@@ -30,8 +30,8 @@ Three steps, as `moejax merge` does them:
    substituted, the keep asked), the format, calibration and, per layer, the kept and substituted
    experts.
 
-MTP layers (DeepSeek-V3's, after the decoder layers) are not run by the calibration pass, so they
-have no statistics: they are written whole (no substitution), and the record says so.
+MTP layers (`--mtp`): substituted like the trunk's on their own statistics (the calibration pass runs
+them as inference does: `moejax.models.mtp`), written whole, or removed.
 
 `load_substituted(DST)` gives the model with every router slot (a substituted expert's weights are
 zeros and never used) and the `{layer: ExpertMap}` whose novice slots return the stored constants:
@@ -53,12 +53,13 @@ from moejax.hf import substitution as fmt
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.io.storage import require_local
+from moejax.hf.layout import layer_of
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import LayerStats, check_score_names, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import other_files, write_folder, write_index, write_shard
-from moejax.surgery.prune_plan import PrunePlan
+from moejax.surgery.prune_plan import MTP_DEFAULT, PrunePlan, check_mtp_policy
 from moejax.variants.spec import VariantSpec
 
 METHOD = "mone"
@@ -132,22 +133,24 @@ def load_substituted(path, dtype=None, backend: str | None = None, mesh=None):
 
 
 def write_substituted(reader, layout, substituted: dict[int, list[int]], constants: dict[int, np.ndarray],
-                      staging: Path, progress: bool = False) -> dict[str, str]:
+                      staging: Path, progress: bool = False, dropped_layers: tuple = ()) -> dict[str, str]:
     """The shards of the substituted checkpoint into `staging`, each under its source name: every
     tensor copied by byte range except the substituted experts' (left out); each substituted
     expert's constant (`constants[layer]` [n_substituted, H], in the order of `substituted[layer]`)
     added as float32 `{experts prefix}.{e}.approx_value` to the shard of its layer's router.
     Returns the weight map (name -> shard file); the index is written when the source has one or
-    there are several shards."""
+    there are several shards. Names are the stored ones (an MTP block stored apart keeps its own);
+    dropped_layers: MTP layers left out whole (--mtp drop)."""
     stored = reader.reader
     dropped, added = set(), {}
     for layer, experts in substituted.items():
         ml = layout.moe_layers[layer]
-        prefix = ml.stem + "experts"
+        prefix = reader.stored_name(ml.stem + "experts.")[:-1]
         for i, e in enumerate(experts):
-            dropped.update(ml.experts[e])
+            dropped.update(reader.stored_name(n) for n in ml.experts[e])
             value = np.ascontiguousarray(constants[layer][i], np.float32)
-            added.setdefault(stored.shard_of(ml.router), []).append((fmt.value_name(prefix, e), value))
+            added.setdefault(reader.shard_of(ml.router), []).append((fmt.value_name(prefix, e), value))
+    dropped.update(reader.stored_name(n) for n in reader.keys() if layer_of(n) in dropped_layers)
     weight_map, total = {}, 0
     for path in tqdm(stored.files(), desc="shards", unit="shard", disable=not progress):
         tensors = [(name, stored.info(name)) for name in stored.names_in(path) if name not in dropped]
@@ -184,10 +187,13 @@ def check_substitute_request(checked, score: str, keep) -> None:
 
 def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None, tokens=None,
                           seq_len: int | None = None, max_tokens: int | None = None, batch_size: int = 8,
-                          dtype: str = "float32", overwrite: bool = False, progress: bool | None = None) -> dict:
+                          dtype: str = "float32", mtp: str = MTP_DEFAULT, overwrite: bool = False,
+                          progress: bool | None = None) -> dict:
     """Write the MoNE-substituted checkpoint of `src` to `dst` and return its record (also
     dst/pruning.json). Every setting, the checkpoint and the calibration data are checked before
-    the calibration pass; nothing is written before the plan is made."""
+    the calibration pass; nothing is written before the plan is made. mtp: MTP layers substituted
+    like the trunk's on the statistics of the pass, which runs them as inference does ("prune"),
+    written whole ("keep") or removed ("drop", num_nextn_predict_layers 0)."""
     import jax.numpy as jnp
 
     from moejax.hf.model_io import opened
@@ -203,38 +209,47 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # a substituted source is refused here, by name
     check_substitute_request(checked, score, keep)
+    check_mtp_policy(mtp)
     cfg, reader, layout = checked.config, checked.reader, checked.layout
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
-    stats = calibrate_streamed(opened(checked), batches, dtype=jnp.dtype(dtype), progress=show)
+    stats = calibrate_streamed(opened(checked), batches, dtype=jnp.dtype(dtype), progress=show, mtp=mtp == "prune")
     kept = plan_substitution(stats, score, keep, cfg.num_experts_per_tok)
     substituted = {l: [e for e in range(stats[l].n_experts) if e not in set(k)] for l, k in kept.items()}
     constants = {l: stats[l].mean_output_EH[experts] for l, experts in substituted.items()}
     notes = list(file_notes)
-    mtp = sorted(l for l in layout.moe_layers if l >= cfg.num_hidden_layers)
-    if mtp:
-        notes.append(f"MTP layer(s) {mtp} written whole: the calibration pass does not run them, so they have no "
-                     "statistics to substitute by")
+    mtp_layers = sorted(l for l in layout.moe_layers if l >= cfg.num_hidden_layers)
+    dropped = tuple(mtp_layers) if mtp == "drop" else ()
+    config = cfg.to_dict()
+    if mtp_layers and mtp == "keep":
+        notes.append(f"MTP layer(s) {mtp_layers} written whole (--mtp keep)")
+    if dropped:
+        settings = cfg.settings_dict()
+        settings.update({key: 0 for key in cfg.keys_of("num_nextn_predict_layers")})
+        config = cfg.with_settings(settings)
+        notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
     unrouted = {l: [e for e in experts if stats[l].counts_E[e] == 0] for l, experts in substituted.items()}
     if any(unrouted.values()):
         notes.append("substituted experts no calibration token chose return 0: "
                      + ", ".join(f"layer {l}: {e}" for l, e in unrouted.items() if e))
-    entry = fmt.declaration(substituted, {l: layout.moe_layers[l].stem + "experts" for l in substituted},
+    entry = fmt.declaration(substituted, {l: reader.stored_name(layout.moe_layers[l].stem + "experts.")[:-1]
+                                          for l in substituted},
                             {l: stats[l].n_experts for l in substituted})
-    config = fmt.with_declaration(cfg.to_dict(), entry) if entry["targets"] else cfg.to_dict()
-    plan = PrunePlan(kept=kept, n_experts={l: st.n_experts for l, st in stats.items()}, dropped_layers=(),
+    config = fmt.with_declaration(config, entry) if entry["targets"] else config
+    plan = PrunePlan(kept=kept, n_experts={l: st.n_experts for l, st in stats.items()}, dropped_layers=dropped,
                      config=config, groups="unchanged", notes=tuple(notes))
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
         **VariantSpec(score, keep, "substituted").record(), "format": fmt.FORMAT,
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
-        "groups": "unchanged", "dropped_layers": [], "notes": notes,
+        "groups": "unchanged", "mtp": mtp, "dropped_layers": list(dropped), "notes": notes,
         "layers": {str(l): {"n_experts": stats[l].n_experts, "kept": kept[l], "substituted": substituted[l],
                             "counts": stats[l].counts_E.tolist()} for l in kept},
     }
     write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=show,
-                 shards=lambda staging, show: write_substituted(reader, layout, substituted, constants, staging, show))
+                 shards=lambda staging, show: write_substituted(reader, layout, substituted, constants, staging, show,
+                                                                dropped))
     return record

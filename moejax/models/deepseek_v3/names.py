@@ -3,7 +3,8 @@ first layers, sigmoid router with balance bias, routed and shared experts."""
 
 from __future__ import annotations
 
-from moejax.models.names import L, Rule, check_table, dense_mlp_rules, embedding_rules, moe_rules, norm_rules
+from moejax.models.names import (L, Rule, check_table, dense_mlp_rules, embedding_rules, moe_rules, mtp_rules,
+                                 norm_rules)
 
 
 def _q_lora(cfg, layer):
@@ -48,4 +49,4 @@ _ATTENTION = (
 
 RULES = check_table(
     embedding_rules() + norm_rules() + _ATTENTION + dense_mlp_rules()
-    + moe_rules(balance_bias=True, shared=lambda cfg: cfg.moe_intermediate_size * cfg.n_shared_experts))
+    + moe_rules(balance_bias=True, shared=lambda cfg: cfg.moe_intermediate_size * cfg.n_shared_experts) + mtp_rules())

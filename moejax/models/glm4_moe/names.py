@@ -2,7 +2,7 @@
 the MoE block at `mlp.` with the balance bias and shared experts (DeepSeek-V3's names)."""
 
 from moejax.models.gqa_names import gqa_rules
-from moejax.models.names import check_table, dense_mlp_rules, embedding_rules, moe_rules, norm_rules
+from moejax.models.names import check_table, dense_mlp_rules, embedding_rules, moe_rules, mtp_rules, norm_rules
 
 RULES = check_table(embedding_rules() + norm_rules() + gqa_rules() + dense_mlp_rules()
-                    + moe_rules(balance_bias=True, shared=lambda cfg: cfg.shared_intermediate_size))
+                    + moe_rules(balance_bias=True, shared=lambda cfg: cfg.shared_intermediate_size) + mtp_rules())

@@ -60,6 +60,8 @@ class HybridDeltaNetConfig(GqaMoeConfig):
         return "silu"
 
     def layer_type(self, layer: int) -> str:
+        if layer >= self.num_hidden_layers:  # an MTP layer: full attention (vLLM's Qwen3-Next / Qwen3.5 MTP)
+            return "full_attention"
         if self.layer_types is not None:
             return self.layer_types[layer]
         return "linear_attention" if (layer + 1) % self.full_attention_interval else "full_attention"

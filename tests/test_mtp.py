@@ -1,0 +1,209 @@
+"""MTP layers (DeepSeek-V3's `model.layers.{L}`, Qwen3.5-MoE's `mtp.*`): the calibration pass runs
+them as transformers' MTP model (`transformers.modeling_layers.MtpModel`, what `generate(...,
+use_mtp=True)` drafts with) does, their scores equal float64 numpy over that model's hooks, and
+`--mtp prune|keep|drop` gives outputs transformers loads with the MTP weights present."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from family_fixtures import make_family_checkpoint  # noqa: E402
+from hf_fixtures import make_checkpoint, reference_scores, rewrite, with_mtp  # noqa: E402
+
+from moejax.cli import main  # noqa: E402
+from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
+from moejax.hf.model_io import open_checkpoint  # noqa: E402
+from moejax.scoring.observe import calibrate_streamed  # noqa: E402
+from moejax.scoring.scores import compute_scores  # noqa: E402
+
+L = 3  # both fixtures have three decoder layers: the MTP layer is layer 3
+B, S = 3, 14
+
+
+def _fused_mtp_experts(name, reader):
+    """Qwen3.5's per-expert MTP experts as one fused pair, which transformers' MTP weight conversion
+    reads (the same values; moejax reads the per-expert spelling the Hub ships)."""
+    m = re.match(r"mtp\.layers\.0\.mlp\.experts\.(\d+)\.(\w+)\.weight$", name)
+    if not m:
+        return [(name, reader.read(name))]
+    if m.group(1) != "0" or m.group(2) != "gate_proj":
+        return []
+    E = len([n for n in reader.keys() if re.match(r"mtp\.layers\.0\.mlp\.experts\.\d+\.down_proj\.weight$", n)])
+    w = lambda e, p: reader.read(f"mtp.layers.0.mlp.experts.{e}.{p}.weight")  # noqa: E731
+    return [("mtp.layers.0.mlp.experts.gate_up_proj",
+             np.stack([np.concatenate([w(e, "gate_proj"), w(e, "up_proj")]) for e in range(E)])),
+            ("mtp.layers.0.mlp.experts.down_proj", np.stack([w(e, "down_proj") for e in range(E)]))]
+
+
+def load_reference(family, path):
+    """(transformers' main model, its MTP model) of a checkpoint with one MTP layer. DeepSeek-V3's
+    MTP weights are found by the model's `_keys_to_ignore_on_load_unexpected` pattern, written for
+    the full-size layer 61: set to the tiny model's layer. Qwen3.5-MoE's config has no MTP fields
+    (given here), and transformers picks the MTP norms' class as the last layer's first `norm`
+    module (a DeltaNet layer's gated norm): the family's RMSNorm is put back with the loaded weights."""
+    from transformers.modeling_layers import MtpModel
+
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3ForCausalLM as cls
+
+        patterns = [rf"model\.layers\.{L}.*"]
+        config = None
+    else:
+        from transformers import AutoConfig
+        from transformers import Qwen3_5MoeForConditionalGeneration as cls
+
+        patterns = cls._keys_to_ignore_on_load_unexpected
+        config = AutoConfig.from_pretrained(path)
+        config.text_config.num_mtp_layers, config.text_config.mtp_layer_types = 1, ["full_attention"]
+    saved = cls._keys_to_ignore_on_load_unexpected
+    cls._keys_to_ignore_on_load_unexpected = patterns
+    try:
+        hf = cls.from_pretrained(path, **({"config": config} if config else {}), attn_implementation="eager",
+                                 experts_implementation="eager").eval()
+        mtp = MtpModel.from_pretrained(hf).eval()
+    finally:
+        cls._keys_to_ignore_on_load_unexpected = saved
+    if family == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm
+
+        for name in ("enorm", "hnorm", "post_norm"):
+            old = getattr(mtp.layers[0], name)
+            new = Qwen3_5MoeRMSNorm(old.weight.shape[0], eps=config.text_config.rms_norm_eps)
+            new.weight.data.copy_(old.weight.data)
+            setattr(mtp.layers[0], name, new)
+    return hf, mtp
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{family: (moejax's checkpoint, the one transformers loads)}: DeepSeek-V3 and Qwen3.5-MoE, each
+    with one MTP layer made to matter (`with_mtp`)."""
+    root = tmp_path_factory.mktemp("mtp")
+    make_checkpoint(root / "ds_plain", seed=31)
+    make_family_checkpoint("qwen3_5_moe", root / "q_plain", seed=32)
+    ds = with_mtp(root / "ds_plain", root / "deepseek_v3")
+    q = with_mtp(root / "q_plain", root / "qwen3_5_moe")
+    return {"deepseek_v3": (ds, ds), "qwen3_5_moe": (q, rewrite(q, root / "q_fused", _fused_mtp_experts))}
+
+
+def reference_pass(family, path, ids):
+    """transformers' MTP layer run as its drafting runs it, teacher-forced: the trunk's last hidden
+    state (`hidden_states[-1]`, after the final norm) at positions 0..S-2 beside the tokens 1..S-1
+    at their positions; returns (what its router saw and chose, per `hook_router`'s record; its
+    block; the drafted logits [B, S-1, V])."""
+    hf, mtp = load_reference(family, path)
+    layer = mtp.layers[0]
+    seen = {}
+    hook = layer.mtp_block.mlp.gate.register_forward_hook(
+        lambda mod, inp, out: seen.__setitem__(L, (inp[0].reshape(-1, inp[0].shape[-1]), *out)))
+    with torch.no_grad():
+        t = torch.as_tensor(ids, dtype=torch.long)
+        last = hf(t, output_hidden_states=True).hidden_states[-1]
+        positions = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)
+        state = mtp.forward_layer(0, last[:, :-1], positions, None, input_ids=t[:, 1:])
+        logits = mtp._project_to_logits(state)
+    hook.remove()
+    return seen, layer.mtp_block.mlp, logits.numpy()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])
+def test_mtp_pass_and_scores_equal_transformers_mtp_model(checkpoints, family):
+    """The streamed pass runs the MTP layer on what transformers' MTP model computes (router inputs
+    within float32 rounding), and every score of the MTP layer equals float64 numpy over that
+    model's hooks; the trunk's layers are scored as before."""
+    ours, theirs = checkpoints[family]
+    ids = np.random.default_rng(5).integers(0, 96, size=(B, S))
+    seen, block, _ = reference_pass(family, theirs, ids)
+    mask = np.ones((B, S - 1), np.int64)
+    want = reference_scores(None, seen, mask, blocks={L: block})[L]
+    from moejax.inference.stream import stream_layers
+
+    ckpt = open_checkpoint(ours)
+    assert ckpt.mtp_layers() == [L]
+    routed = {l: np.concatenate([np.asarray(r) for r in ri]) for l, _, ri in stream_layers(ckpt, [(ids, None)], mtp=True)}
+    x = seen[L][0].numpy()
+    np.testing.assert_allclose(routed[L], x, rtol=0, atol=1e-5 * np.abs(x).max())
+    stats = calibrate_streamed(ckpt, [(ids[:2], None), (ids[2:], None)], progress=False)
+    assert max(stats) == L and L - 1 in stats
+    got = compute_scores(stats[L], list(want))
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5 * np.abs(want[name]).max(),
+                                   err_msg=f"{family} MTP score {name}")
+
+
+@pytest.fixture(scope="module")
+def calibration(checkpoints, tmp_path_factory):
+    """Calibration tokens and each family's `moejax score` table (its MTP layer included)."""
+    root = tmp_path_factory.mktemp("mtp_scores")
+    np.save(root / "calib.npy", np.random.default_rng(9).integers(0, 96, size=(4, 20)).astype(np.int32))
+    for family, (src, _) in checkpoints.items():
+        assert main(["score", str(src), "--tokens", str(root / "calib.npy"), "--out", str(root / f"{family}.parquet")]) == 0
+    return root
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])
+def test_mtp_prune_keeps_the_mtp_layers_own_best_and_loads_in_transformers_mtp_model(checkpoints, calibration,
+                                                                                    family, tmp_path):
+    """--mtp prune (the default): the MTP layer keeps the trunk's count, its own top experts by its own
+    scores; transformers' MTP model loads the output with no MTP weight missing and computes what
+    moejax's pass computes on it."""
+    import pandas as pd
+
+    src, _ = checkpoints[family]
+    table = pd.read_parquet(calibration / f"{family}.parquet")
+    assert L in set(table.layer)
+    dst = tmp_path / "pruned"
+    groups = ["--collapse-groups"] if family == "deepseek_v3" else []  # the fixture routes by 4 groups
+    assert main(["prune", str(src), str(dst), "--score", "reap", "--scores-file", str(calibration / f"{family}.parquet"),
+                 "--keep", "4", *groups]) == 0
+    record = json.loads((dst / "pruning.json").read_text())
+    reap = table[(table.layer == L) & (table.score == "reap")].sort_values("expert").value.to_numpy()
+    assert record["mtp"] == "prune" and record["layers"][str(L)]["kept"] == sorted(np.argsort(-reap, kind="stable")[:4])
+    theirs = dst if family == "deepseek_v3" else rewrite(dst, tmp_path / "fused", _fused_mtp_experts)
+    ids = np.random.default_rng(2).integers(0, 96, size=(2, 12))
+    seen, _, _ = reference_pass(family, theirs, ids)  # raises on any MTP weight missing
+    from moejax.inference.stream import stream_layers
+
+    routed = {l: np.concatenate([np.asarray(r) for r in ri]) for l, _, ri in stream_layers(str(dst), [(ids, None)], mtp=True)}
+    x = seen[L][0].numpy()
+    np.testing.assert_allclose(routed[L], x, rtol=0, atol=1e-5 * np.abs(x).max())
+
+
+def test_mtp_keep_and_drop(checkpoints, tmp_path):
+    """--mtp keep: the MTP layer's tensors are the source's bytes, its count listed per layer
+    (moejax reads it; transformers' main model loads the trunk); --mtp drop: no MTP tensor left,
+    num_nextn_predict_layers 0, and transformers loads it with no key unexpected."""
+    src, _ = checkpoints["deepseek_v3"]
+    assert main(["prune", str(src), str(tmp_path / "keep"), "--score", "l1", "--keep", "4", "--mtp", "keep",
+                 "--collapse-groups"]) == 0
+    a, b = CheckpointReader(src), CheckpointReader(tmp_path / "keep")
+    mtp_names = [n for n in a.keys() if n.startswith(f"model.layers.{L}.")]
+    assert all(a.read_bytes(n) == b.read_bytes(n) for n in mtp_names)
+    config = json.loads((tmp_path / "keep" / "config.json").read_text())
+    assert config["n_routed_experts"] == 4 and config["moe_sparsity_config"]["num_experts"] == [None, 4, 4, 8]
+    assert open_checkpoint(tmp_path / "keep").mtp_layers() == [L]
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "keep")  # the trunk loads
+    assert main(["prune", str(src), str(tmp_path / "drop"), "--score", "l1", "--keep", "4", "--mtp", "drop",
+                 "--collapse-groups"]) == 0
+    assert not any(n.startswith(f"model.layers.{L}.") for n in CheckpointReader(tmp_path / "drop").keys())
+    assert json.loads((tmp_path / "drop" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "drop", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+
+
+def test_merge_merges_the_mtp_layer_and_loads_in_transformers_mtp_model(checkpoints, calibration, tmp_path):
+    """merge --mtp prune: the MTP layer merged to the trunk's count on its own statistics; transformers'
+    MTP model loads it."""
+    src, _ = checkpoints["deepseek_v3"]
+    dst = tmp_path / "merged"
+    assert main(["merge", str(src), str(dst), "--method", "hc_smoe", "--keep", "4", "--collapse-groups",
+                 "--tokens", str(calibration / "calib.npy")]) == 0
+    record = json.loads((dst / "pruning.json").read_text())
+    assert len(record["layers"][str(L)]["clusters"]) == 4
+    _, mtp = load_reference("deepseek_v3", dst)
+    assert mtp.layers[0].mtp_block.mlp.gate.weight.shape[0] == 4
