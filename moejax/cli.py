@@ -66,7 +66,7 @@ def _score(args) -> None:
     scores = args.scores.split(",") if args.scores else None
     df = score_checkpoint(args.checkpoint, text=args.text, tokens=args.tokens, seq_len=args.seq_len,
                           max_tokens=args.max_tokens, scores=scores, batch_size=args.batch_size, out=args.out,
-                          dtype=args.dtype, mesh=mesh)
+                          dtype=args.dtype, mesh=mesh, mtp=args.mtp)
     print(f"{df.layer.nunique()} MoE layers x {_experts(df)} x {df.score.nunique()} scores "
           f"-> {args.out} (+ {args.out.rsplit('.', 1)[0]}.json)")
 
@@ -287,6 +287,7 @@ def _score_parser(sub) -> None:
     p.add_argument("checkpoint", help="a local folder; for data-free scores also an https:// base URL or "
                    "hf://org/name[@revision]")
     _calibration_arguments(p, required=False)
+    _mtp_argument(p)
     p.add_argument("--scores", default=None, help="comma-separated; default: every score the model supports (all "
                    "fourteen; without `bias` for routers with no balance bias); without calibration data: data-free "
                    "scores only (bias, signed, l1, random from the routers; aimer from the experts' weights)")

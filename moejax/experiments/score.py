@@ -22,6 +22,7 @@ class ScoreConfig:
     scores: tuple | None = None  # None: every score the model supports
     mesh_data: int = 1
     mesh_expert: int = 1
+    mtp: str = "prune"           # MTP layers scored (prune) or not (keep, drop): `moejax score --mtp`
 
     @classmethod
     def from_mapping(cls, d: dict) -> "ScoreConfig":
@@ -42,7 +43,7 @@ def settings_from(cfg: dict) -> dict:
     model, data = cfg.get("model") or {}, cfg.get("data") or {}
     mesh = MeshConfig.from_dict(cfg.get("mesh"))
     return {"path": model.get("path") or "", **data, "scores": cfg.get("scores"),
-            "mesh_data": mesh.data, "mesh_expert": mesh.expert}
+            "mesh_data": mesh.data, "mesh_expert": mesh.expert, **({"mtp": cfg["mtp"]} if cfg.get("mtp") else {})}
 
 
 def run(cfg: ScoreConfig, progress=None, job_dir=None):
@@ -51,7 +52,7 @@ def run(cfg: ScoreConfig, progress=None, job_dir=None):
 
     df = score_checkpoint(cfg.path, text=list(cfg.text) or None, tokens=cfg.tokens, seq_len=cfg.seq_len,
                           max_tokens=cfg.max_tokens, scores=None if cfg.scores is None else list(cfg.scores),
-                          batch_size=cfg.batch_size,
+                          batch_size=cfg.batch_size, mtp=cfg.mtp,
                           mesh=MeshConfig(cfg.mesh_data, cfg.mesh_expert))
     return df, {"scoring_s": time.perf_counter() - t0}
 

@@ -21,7 +21,22 @@ from __future__ import annotations
 
 import re
 
-from moejax.errors import CheckpointError
+from moejax.errors import CheckpointError, ConfigError
+
+
+MTP_POLICIES = ("prune", "keep", "drop")
+MTP_DEFAULT = "prune"
+
+
+def check_mtp_policy(mtp) -> str:
+    """--mtp: what every command does with a checkpoint's MTP layers. prune (the default): its
+    experts are pruned or merged with the trunk's keep, ranked by its own scores (the calibration
+    pass runs it as inference does), so config.json's one expert count holds for it and every
+    runtime that reads that count loads it; keep: left full width (per-layer counts); drop: removed
+    (num_nextn_predict_layers 0)."""
+    if mtp not in MTP_POLICIES:
+        raise ConfigError(f"--mtp {mtp!r}; expected one of {', '.join(MTP_POLICIES)}")
+    return mtp
 
 
 def mtp_renames(cfg, family, names) -> dict[str, str]:

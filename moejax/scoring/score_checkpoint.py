@@ -28,13 +28,14 @@ from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.results import check_output_file, write_json_atomic, write_parquet_atomic
 from moejax.scoring.scores import DATA_FREE_SCORES, OUTPUT_SCORES, check_score_names, compute_scores, scores_for
 from moejax.scoring.data_free import data_free_stats
+from moejax.hf.mtp_names import check_mtp_policy
 
 DEFAULT_SEQ_LEN = 512  # or the model's max_position_embeddings when that is shorter
 
 
 def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None = None, max_tokens: int | None = None,
                      scores=None, batch_size: int = 8, out=None, progress=None, dtype="float32",
-                     mesh: MeshConfig | None = None):
+                     mesh: MeshConfig | None = None, mtp: str = "prune"):
     """Scores as a pandas DataFrame (layer, expert, score, value); written to `out` (parquet, plus
     `out` with suffix .json) when given. Everything is checked before the pass starts (the output
     paths are created and written to, so a read-only or full disk fails now, not after the pass).
@@ -42,7 +43,9 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     dtype: compute dtype of the pass ("float32", or "bfloat16" to halve the memory of a layer;
     routers and statistics stay float32/float64 either way). scores: names, or None for every score
     the model supports (`bias` only where routers have a balance bias). mesh: run the pass expert-parallel
-    (routed experts split over mesh.expert devices); the scores are the same."""
+    (routed experts split over mesh.expert devices); the scores are the same. mtp: "prune" (the
+    default) also scores the checkpoint's MTP layers, run as inference runs them (what `moejax prune
+    --mtp prune` ranks them by); "keep" and "drop" leave them out (`check_mtp_policy`)."""
     require_local(checkpoint, "moejax score with calibration data")  # before JAX starts
     import jax
 
@@ -56,6 +59,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1 (--batch-size)")
     check_calibration_args(text, tokens, seq_len, max_tokens)
+    check_mtp_policy(mtp)
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
     scores = scores_for(scores, ckpt.config.HAS_BALANCE_BIAS, f"{checkpoint}")
     if out is not None:  # before the pass, not after hours of it
@@ -69,7 +73,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     t0 = time.perf_counter()
     with contextlib.nullcontext() if device_mesh is None else jax.set_mesh(device_mesh):
         stats = calibrate_streamed(ckpt, batches, dtype=jax.numpy.dtype(dtype), progress=progress, mesh=device_mesh,
-                                   outputs=bool(set(OUTPUT_SCORES) & set(scores)))  # the routed outputs reach the host only for them
+                                   outputs=bool(set(OUTPUT_SCORES) & set(scores)), mtp=mtp == "prune")  # the routed outputs reach the host only for them
     seconds = time.perf_counter() - t0
     df = score_table(stats.items(), scores)
     if out is not None:
@@ -78,7 +82,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
             "checkpoint": str(Path(checkpoint).resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(ckpt),
             "tokens": int(ids.size), "sequences": int(len(ids)),
             "seq_len": int(ids.shape[1]), "tokenizer": tokenizer, "scores": scores, "batch_size": batch_size, "dtype": dtype,
-            "mesh": {"data": mesh.data, "expert": mesh.expert},
+            "mesh": {"data": mesh.data, "expert": mesh.expert}, "mtp": mtp,
             "seconds": round(seconds, 3),
             "versions": {"moejax": __version__, "jax": jax.__version__, "python": platform.python_version()},
             "layers": {str(l): {"counts": st.counts_E.tolist(), "gate_norm_sum": st.gate_norm_sum_E.tolist(),

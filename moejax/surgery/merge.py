@@ -56,7 +56,8 @@ from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import OUTPUT_SCORES, StatsAccumulator, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.surgery.prune import other_files, write_folder
-from moejax.surgery.prune_plan import MTP_DEFAULT, check_mtp_policy, per_group_needed, plan_pruning
+from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.surgery.prune_plan import per_group_needed, plan_pruning
 from moejax.variants.spec import VariantSpec
 
 PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

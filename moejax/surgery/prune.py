@@ -40,7 +40,8 @@ from moejax.hf.io.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
 from moejax.hf.io.staging import check_destination, staged_directory
 from moejax.hf.layout import CheckpointLayout, layer_of
 from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
-from moejax.surgery.prune_plan import MTP_DEFAULT, PrunePlan, plan_pruning
+from moejax.hf.mtp_names import MTP_DEFAULT
+from moejax.surgery.prune_plan import PrunePlan, plan_pruning
 from moejax.variants.spec import VariantSpec
 
 PRUNING_RECORD = "pruning.json"

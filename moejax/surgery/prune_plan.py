@@ -21,6 +21,7 @@ from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
+from moejax.hf.mtp_names import check_mtp_policy
 from moejax.merging.allocation import layer_counts
 from moejax.scoring.data_free import data_free_stats
 from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, compute_scores
@@ -33,7 +34,7 @@ class PrunePlan:
 
     kept: dict[int, list[int]]       # MoE layer -> kept source expert indices, ascending
     n_experts: dict[int, int]        # MoE layer -> source expert count
-    dropped_layers: tuple[int, ...]  # MTP layers removed entirely (--drop-mtp)
+    dropped_layers: tuple[int, ...]  # MTP layers removed entirely (--mtp drop)
     config: dict                     # the pruned checkpoint's config.json
     groups: str                      # "none" | "preserved" | "collapsed"
     notes: tuple[str, ...]
@@ -248,21 +249,6 @@ def _rewrite_mtp(cfg, dropped: tuple, new_config: dict, notes: list) -> None:
         for key in cfg.keys_of("num_nextn_predict_layers"):
             new_config[key] = 0
         notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
-
-
-MTP_POLICIES = ("prune", "keep", "drop")
-MTP_DEFAULT = "prune"
-
-
-def check_mtp_policy(mtp) -> str:
-    """--mtp: what every command does with a checkpoint's MTP layers. prune (the default): its
-    experts are pruned or merged with the trunk's keep, ranked by its own scores (the calibration
-    pass runs it as inference does), so config.json's one expert count holds for it and every
-    runtime that reads that count loads it; keep: left full width (per-layer counts); drop: removed
-    (num_nextn_predict_layers 0)."""
-    if mtp not in MTP_POLICIES:
-        raise ConfigError(f"--mtp {mtp!r}; expected one of {', '.join(MTP_POLICIES)}")
-    return mtp
 
 
 def per_group_needed(top_k: int, topk_group: int) -> int:

@@ -59,7 +59,8 @@ from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import LayerStats, check_score_names, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import other_files, write_folder, write_index, write_shard
-from moejax.surgery.prune_plan import MTP_DEFAULT, PrunePlan, check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.surgery.prune_plan import PrunePlan
 from moejax.variants.spec import VariantSpec
 
 METHOD = "mone"
