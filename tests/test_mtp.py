@@ -207,3 +207,18 @@ def test_merge_merges_the_mtp_layer_and_loads_in_transformers_mtp_model(checkpoi
     assert len(record["layers"][str(L)]["clusters"]) == 4
     _, mtp = load_reference("deepseek_v3", dst)
     assert mtp.layers[0].mtp_block.mlp.gate.weight.shape[0] == 4
+
+
+def test_substitute_follows_the_mtp_policy(checkpoints, calibration, tmp_path):
+    """prune --substitute: --mtp prune substitutes the MTP layer's experts by their own constants
+    (named under its layer); --mtp drop removes it (num_nextn_predict_layers 0, no tensor left)."""
+    src, _ = checkpoints["deepseek_v3"]
+    common = ["--substitute", "--score", "mone", "--keep", "4", "--tokens", str(calibration / "calib.npy")]
+    assert main(["prune", str(src), str(tmp_path / "sub"), *common]) == 0
+    record = json.loads((tmp_path / "sub" / "pruning.json").read_text())
+    assert len(record["layers"][str(L)]["substituted"]) == 4
+    names = CheckpointReader(tmp_path / "sub").keys()
+    assert sum(n.startswith(f"model.layers.{L}.mlp.experts.") and n.endswith(".approx_value") for n in names) == 4
+    assert main(["prune", str(src), str(tmp_path / "drop"), *common, "--mtp", "drop"]) == 0
+    assert not any(n.startswith(f"model.layers.{L}.") for n in CheckpointReader(tmp_path / "drop").keys())
+    assert json.loads((tmp_path / "drop" / "config.json").read_text())["num_nextn_predict_layers"] == 0

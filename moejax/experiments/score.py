@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 from moejax.errors import ConfigError
+from moejax.hf.mtp_names import MTP_DEFAULT
 from moejax.parallel.mesh import MeshConfig
 from moejax.settings_check import refuse_repeats, refuse_unknown_settings
 
@@ -22,7 +23,7 @@ class ScoreConfig:
     scores: tuple | None = None  # None: every score the model supports
     mesh_data: int = 1
     mesh_expert: int = 1
-    mtp: str = "prune"           # MTP layers scored (prune) or not (keep, drop): `moejax score --mtp`
+    mtp: str = MTP_DEFAULT       # MTP layers scored (prune) or not (keep, drop): `moejax score --mtp`
 
     @classmethod
     def from_mapping(cls, d: dict) -> "ScoreConfig":

@@ -41,14 +41,16 @@ def _layer_feed(graphdef, state, attended, variant):
     return nnx.merge(graphdef, state).feed(attended, variant, forward_only=True).out_BSH
 
 
-def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype):
-    """(cos, sin, allowed [B, S, S]) of one batch: the family's rope tables and the causal (and
-    padding) mask. Refuses a model that cannot run one layer at a time, before any layer is read."""
+def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype, shift: int = 0):
+    """(cos, sin, allowed [B, S', S']) of one batch: the family's rope tables and the causal (and
+    padding) mask. Refuses a model that cannot run one layer at a time, before any layer is read.
+    shift: of the tokens shift .. S - 1 only, at their positions (S' = S - shift: an MTP depth,
+    whose position ids transformers' MTP model shifts so)."""
     if (why := ckpt.config.streaming_refusal()) is not None:
         raise ConfigError(why)
     B, S = np.asarray(ids_BS).shape
-    cos, sin = ckpt.family.causal_lm().rope_tables(ckpt.config, jnp.arange(S), jnp.dtype(dtype))
-    return cos, sin, causal_allowed(mask_BS, B, S)
+    cos, sin = ckpt.family.causal_lm().rope_tables(ckpt.config, jnp.arange(shift, S), jnp.dtype(dtype))
+    return cos, sin, causal_allowed(None if mask_BS is None else np.asarray(mask_BS)[:, shift:], B, S - shift)
 
 
 VOCAB_CHUNK = 8192  # rows of the embedding table or output head read at a time (64 MB of float32 at H=2048)
@@ -74,6 +76,13 @@ def _nll_chunk(x_ABSH, head_VH, ids_BS, start, state):
 def _final_norm(x_ABSH, norm_H, eps, scale_in_float32: bool, plus_one: bool):
     """The model's final RMSNorm in the family's order of operations (`RMSNorm.of`)."""
     return rms_norm(x_ABSH, norm_H, eps, scale_in_float32, plus_one)
+
+
+def final_norm(ckpt: OpenCheckpoint, dtype):
+    """The model's final norm as a function of hidden states [..., H] (its weight read once)."""
+    cfg = ckpt.config
+    norm_H = jnp.asarray(ckpt.read_param_tensor(head_specs(ckpt)[0], jnp.dtype(dtype)))
+    return lambda x: _final_norm(x, norm_H, cfg.rms_norm_eps, cfg.NORM_SCALES_IN_FLOAT32, cfg.NORM_PLUS_ONE)
 
 
 def head_specs(ckpt: OpenCheckpoint):
@@ -115,12 +124,12 @@ def head_pass(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype, agreement: bool 
     agreement: a second pass over the chunks gives each stream's agreement with stream 0
     (`HeadOutputs`)."""
     cfg = ckpt.config
-    norm_spec, head_spec = head_specs(ckpt)
-    norm_H = jnp.asarray(ckpt.read_param_tensor(norm_spec, jnp.dtype(dtype)))
+    _, head_spec = head_specs(ckpt)
+    normed = final_norm(ckpt, dtype)
     state = {}
     for text, batches in xs.items():
         for b, x in enumerate(batches):
-            batches[b] = _final_norm(x, norm_H, cfg.rms_norm_eps, cfg.NORM_SCALES_IN_FLOAT32, cfg.NORM_PLUS_ONE)
+            batches[b] = normed(x)
         state[text] = [chunked_nll_init((x.shape[0], i.shape[0], i.shape[1] - 1)) for x, i in zip(batches, ids[text])]
     for v0, v1 in vocab_chunks(cfg.vocab_size):
         head_VH = jnp.asarray(ckpt.read_rows(head_spec, v0, v1, jnp.dtype(dtype)))
@@ -203,19 +212,18 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
         layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
         hidden = yield from _through_layer(layer_idx, layer, hidden, geometry, variant_of)
         del layer  # before the next layer's weights are read
-    if not mtp or not ckpt.mtp_layers():
+    mtp_layers = ckpt.mtp_layers() if mtp else []
+    if not mtp_layers:
         return
-    norm_spec, _ = head_specs(ckpt)
-    norm_H = jnp.asarray(ckpt.read_param_tensor(norm_spec, jnp.dtype(dtype)))
-    state = [_final_norm(h, norm_H, cfg.rms_norm_eps, cfg.NORM_SCALES_IN_FLOAT32, cfg.NORM_PLUS_ONE) for h in hidden]
+    state = [final_norm(ckpt, dtype)(h) for h in hidden]
     del hidden
-    for depth, layer_idx in enumerate(ckpt.mtp_layers()):
+    for depth, layer_idx in enumerate(mtp_layers):
         shift = depth + 1  # depth j sees the tokens t + 1 + j at positions 1 + j .. S - 1
         predictor = nnx.split(ckpt.mtp_predictor(layer_idx, dtype))
         embedded = embed(ckpt, [np.asarray(ids)[:, shift:] for ids, _ in batches], dtype)
         hidden = [_mtp_input(*predictor, e, h[:, :-1]) for e, h in zip(embedded, state)]
         del embedded
-        geometry = [mtp_geometry(ckpt, ids, mask, shift, dtype) for ids, mask in batches]
+        geometry = [batch_geometry(ckpt, ids, mask, dtype, shift) for ids, mask in batches]
         layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
         hidden = yield from _through_layer(layer_idx, layer, hidden, geometry, variant_of)
         state = [_mtp_state(*predictor, h) for h in hidden]
@@ -250,13 +258,6 @@ def mtp_rows(cfg, layer: int, mask_BS):
     """A batch's attention mask [B, S] (or None) as the rows of layer `layer`'s router inputs."""
     return None if mask_BS is None else np.asarray(mask_BS)[:, mtp_shift(cfg, layer):]
 
-
-def mtp_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, shift: int, dtype):
-    """`batch_geometry` of an MTP depth: rope at the positions shift .. S - 1 of the tokens it sees
-    (transformers' MTP model takes the shifted position ids), causal over them."""
-    B, S = np.asarray(ids_BS).shape
-    cos, sin = ckpt.family.causal_lm().rope_tables(ckpt.config, jnp.arange(shift, S), jnp.dtype(dtype))
-    return cos, sin, causal_allowed(mtp_rows(ckpt.config, ckpt.config.num_hidden_layers + shift - 1, mask_BS), B, S - shift)
 
 
 @functools.partial(jax.jit, static_argnums=0)

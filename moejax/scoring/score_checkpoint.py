@@ -28,14 +28,14 @@ from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.results import check_output_file, write_json_atomic, write_parquet_atomic
 from moejax.scoring.scores import DATA_FREE_SCORES, OUTPUT_SCORES, check_score_names, compute_scores, scores_for
 from moejax.scoring.data_free import data_free_stats
-from moejax.hf.mtp_names import check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 
 DEFAULT_SEQ_LEN = 512  # or the model's max_position_embeddings when that is shorter
 
 
 def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None = None, max_tokens: int | None = None,
                      scores=None, batch_size: int = 8, out=None, progress=None, dtype="float32",
-                     mesh: MeshConfig | None = None, mtp: str = "prune"):
+                     mesh: MeshConfig | None = None, mtp: str = MTP_DEFAULT):
     """Scores as a pandas DataFrame (layer, expert, score, value); written to `out` (parquet, plus
     `out` with suffix .json) when given. Everything is checked before the pass starts (the output
     paths are created and written to, so a read-only or full disk fails now, not after the pass).

@@ -145,7 +145,7 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
                      "model load it, servers that build the MTP layer with the config's one count do not")
     groups = _groups_rule(kept, cfg, collapse_groups, group_aware, leaders, new_config, notes)
     _rewrite_expert_counts(cfg, kept, dropped, new_config, notes)
-    _rewrite_mtp(cfg, dropped, new_config, notes)
+    rewrite_mtp(cfg, dropped, new_config, notes)
     return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in sorted(kept.items())},
                      n_experts={l: layout.moe_layers[l].n_experts for l in sorted(kept)}, dropped_layers=dropped,
                      config=cfg.with_settings(new_config), groups=groups, notes=tuple(notes))
@@ -243,7 +243,7 @@ def _rewrite_expert_counts(cfg, kept: dict, dropped: tuple, new_config: dict, no
                      "and will not load it)")
 
 
-def _rewrite_mtp(cfg, dropped: tuple, new_config: dict, notes: list) -> None:
+def rewrite_mtp(cfg, dropped: tuple, new_config: dict, notes: list) -> None:
     """With MTP layers dropped: num_nextn_predict_layers=0 (every spelling), and a note."""
     if dropped:
         for key in cfg.keys_of("num_nextn_predict_layers"):

@@ -60,7 +60,7 @@ from moejax.scoring.scores import LayerStats, check_score_names, compute_scores,
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import other_files, write_folder, write_index, write_shard
 from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
-from moejax.surgery.prune_plan import PrunePlan
+from moejax.surgery.prune_plan import PrunePlan, rewrite_mtp
 from moejax.variants.spec import VariantSpec
 
 METHOD = "mone"
@@ -228,9 +228,8 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
         notes.append(f"MTP layer(s) {mtp_layers} written whole (--mtp keep)")
     if dropped:
         settings = cfg.settings_dict()
-        settings.update({key: 0 for key in cfg.keys_of("num_nextn_predict_layers")})
+        rewrite_mtp(cfg, dropped, settings, notes)
         config = cfg.with_settings(settings)
-        notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
     unrouted = {l: [e for e in experts if stats[l].counts_E[e] == 0] for l, experts in substituted.items()}
     if any(unrouted.values()):
         notes.append("substituted experts no calibration token chose return 0: "
