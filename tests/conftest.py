@@ -17,22 +17,17 @@ os.environ.setdefault("MOEJAX_JAX_CACHE", "")
 
 
 def pytest_configure(config):
-    """A persistent XLA compilation cache for the test session, in a fresh temporary folder: a test
-    that rebuilds a jitted function of a program another test (or itself) already compiled loads it
-    instead of compiling it again. Numerics are unchanged (the same executable); nothing is written
-    outside the session's folder. Each xdist worker has its own subfolder: JAX writes an entry in
-    place, without a lock unless eviction is on, so a worker reading an entry another was still
-    writing deserialised a truncated executable (the default suite's XLA:CPU segfault in
-    generation, seen twice)."""
+    """One persistent XLA compilation cache for the whole test session, in a fresh temporary folder
+    (every xdist worker inherits the controller's): a test that rebuilds a jitted function of a
+    program another test (or itself) already compiled loads it instead of compiling it again.
+    Numerics are unchanged (the same executable); nothing is written outside the session's folder."""
     import tempfile
 
     if "MOEJAX_TEST_XLA_CACHE" not in os.environ:
         os.environ["MOEJAX_TEST_XLA_CACHE"] = config._moejax_xla_cache = tempfile.mkdtemp(prefix="moejax-test-xla-")
     import jax
 
-    cache = os.path.join(os.environ["MOEJAX_TEST_XLA_CACHE"], os.environ.get("PYTEST_XDIST_WORKER", "main"))
-    os.makedirs(cache, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_compilation_cache_dir", os.environ["MOEJAX_TEST_XLA_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
