@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Before JAX is imported anywhere: eight simulated CPU devices for mesh tests, and no persistent
 # compilation cache writes from the test suite into the user's home.
 #
@@ -38,3 +40,35 @@ def pytest_unconfigure(config):
     made = getattr(config, "_moejax_xla_cache", None)
     if made:
         shutil.rmtree(made, ignore_errors=True)
+
+
+
+def _memory_maps() -> int:
+    """How many memory mappings this process holds (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+MAPS_CLEARED_ABOVE = 40_000   # mappings: JAX's caches cleared within a file past this (the limit is 65,530)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test file's last test (its module fixtures torn down), or any test that leaves the
+    process holding more than MAPS_CLEARED_ABOVE memory mappings: JAX's caches cleared and garbage
+    collected, so compiled executables no test still uses are freed. Each XLA:CPU executable holds
+    memory mappings; a worker that ran half the suite without freeing them reached the kernel's
+    limit (vm.max_map_count, 65,530), and the next compile or cache load failed to map and
+    segfaulted (CI and local runs; tests/test_families.py alone leaves 26,700, and clearing after it
+    leaves under 4,000). A fixture's model stays; its jitted functions compile again when called."""
+    yield
+    if nextitem is None or nextitem.module is not item.module or _memory_maps() > MAPS_CLEARED_ABOVE:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
