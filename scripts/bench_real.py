@@ -412,13 +412,13 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
     # numpy's float32 rate or XLA's bfloat16 one (AMX where the CPU has it), whichever is higher
     import jax
 
-    from moejax.merging.average import _axes
+    from moejax.moe.neurons import layout_of
     from moejax.merging.bf16_align import bf16_neuron_block, bf16_similarity
     a = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
     b = rng.standard_normal((ffn, 3 * hidden), dtype=np.float32)
     pair_flops = 2 * ffn * ffn * 3 * hidden
     rate32 = pair_flops / min(timed(lambda: a @ b.T)[1] for _ in range(5))
-    blocks = [bf16_neuron_block({k: w[j] for k, w in weights.items()}, _axes(weights)) for j in (0, 1)]
+    blocks = [bf16_neuron_block({k: w[j] for k, w in weights.items()}, layout_of(weights)) for j in (0, 1)]
     rate16 = pair_flops / min(timed(lambda: jax.block_until_ready(bf16_similarity(*blocks)))[1] for _ in range(5))
     rate, flops = max(rate32, rate16), unique * pair_flops
     floor = (unique * lsa + 2 * flops / rate) / 2   # both cores busy: assignments on one each, products on both
@@ -431,10 +431,11 @@ def bench_alignment(keeps=(32, 16), n_experts: int = 64, hidden: int = 2048, ffn
 
 def _align_similarity(weights: dict, lead: int, member: int) -> np.ndarray:
     """One alignment's similarity [F, F], float32 (numpy), for timing the assignment alone."""
-    from moejax.merging.average import _neuron_blocks, _similarity
+    from moejax.merging.average import _similarity
+    from moejax.moe.neurons import neuron_blocks
 
     def blocks(j):
-        return _neuron_blocks({k: w[j] for k, w in weights.items()}, np.float32)
+        return neuron_blocks({k: w[j] for k, w in weights.items()}, np.float32)
     return _similarity(blocks(lead), blocks(member))
 
 

@@ -1,6 +1,7 @@
 """gpt-oss beyond the shared family tests (tests/test_families.py runs every registered family,
 gpt-oss included): generation past the sliding window, the sinks and the window being what makes
-moejax equal transformers (each removed, it differs), and its config refusals."""
+moejax equal transformers (each removed, it differs), its config refusals, and merging its experts
+(neurons as interleaved gate/up pairs) against transformers."""
 
 import json
 
@@ -97,19 +98,90 @@ def test_mxfp4_checkpoint_is_refused_by_name_before_reading(gpt_oss, tmp_path):
     assert main(["inspect", str(src)]) != 0
 
 
-def test_merge_is_refused_by_name_before_the_pass(gpt_oss, tmp_path):
-    """gpt-oss's experts (biased, gate and up columns interleaved) have no neuron layout for the
-    merge methods yet: `moejax merge` and the carried pass refuse it naming the expert kind,
-    before any calibration pass; pruning (test_families) works."""
+def _experts_of(hf, layer: int) -> dict:
+    """transformers' experts of a layer as moejax's clamped-SwiGLU layer {name: [E, ...]} ([in, out])."""
+    ex = hf.model.layers[layer].mlp.experts
+    return {k: getattr(ex, name).detach().float().numpy().astype(np.float64) for k, name in
+            (("gate_up", "gate_up_proj"), ("gate_up_bias", "gate_up_proj_bias"), ("down", "down_proj"),
+             ("down_bias", "down_proj_bias"))}
+
+
+@pytest.mark.parametrize("method", ["hc_smoe", "m_smoe", "ream"])
+def test_merged_checkpoint_loads_in_transformers_and_equals_the_definitions(gpt_oss, method, tmp_path):
+    """`moejax merge` on gpt-oss (neurons as interleaved gate/up pairs, biased, clamped; fused
+    tensors): transformers loads the output with no missing, unexpected or mismatched key, and its
+    logits on a padded batch equal moejax's of the same checkpoint; every merged expert equals the
+    definition over transformers' own source tensors (HC-SMoE the frequency-weighted average,
+    M-SMoE the same after aligning each member's neuron pairs onto its leader; REAM, whose
+    alignment reads the clamped experts' hidden activations, merged and loaded alike); a singleton
+    cluster is its source expert exactly, and the merge changed the model."""
+    import transformers
+
+    from moejax.cli import main
+    from moejax.merging.average import merge_cluster
+
+    path, hf, source = gpt_oss
+    tokens = tmp_path / "ids.npy"
+    np.save(tokens, np.random.default_rng(8).integers(2, 96, size=(4, 24)).astype(np.int32))
+    dst = tmp_path / method
+    assert main(["merge", str(path), str(dst), "--method", method, "--keep", "4", "--tokens", str(tokens)]) == 0
+    record = json.loads((dst / "pruning.json").read_text())
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True,
+                                                                     attn_implementation="eager")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert merged.config.num_local_experts == 4
+    n_merged = 0
+    for l, layer in record["layers"].items():
+        src, out = _experts_of(hf, int(l)), _experts_of(merged, int(l))
+        for new, cluster in enumerate(sorted(layer["clusters"], key=lambda c: c[0])):   # leader first
+            experts = [{k: v[j] for k, v in src.items()} for j in cluster]
+            if len(cluster) == 1:
+                for k in src:
+                    np.testing.assert_array_equal(out[k][new], src[k][cluster[0]])
+                continue
+            n_merged += 1
+            if method != "ream":
+                want = merge_cluster(experts, [layer["counts"][j] for j in cluster], align=method == "m_smoe")
+                for k in src:
+                    np.testing.assert_allclose(out[k][new], want[k], rtol=1e-5, atol=1e-6, err_msg=f"{l} {k}")
+    assert n_merged > 0
+    ids, mask = batch(96, seed=7, S=20)
+    valid = mask.astype(bool)
+    with torch.no_grad():
+        got = merged(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    ours = np.asarray(AutoModelForCausalLM.from_pretrained(dst, dtype=jnp.float32)(jnp.asarray(ids), jnp.asarray(mask))
+                      .logits_BSV)
+    np.testing.assert_allclose(got[valid], ours[valid], atol=1e-4, rtol=1e-4)
+    unmerged = np.asarray(source(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
+    assert np.abs(ours[valid] - unmerged[valid]).max() > 1e-3
+
+
+def test_carried_merges_equal_the_merged_checkpoint_in_transformers(gpt_oss, tmp_path):
+    """The carried pass's M-SMoE variant of gpt-oss (its rows made when read, gpt-oss's neuron
+    pairs permuted in JAX) has the held-out perplexity transformers computes on `moejax merge`'s
+    checkpoint of the same calibration tokens."""
+    import pandas as pd
+    import transformers
+
     from moejax.cli import main
     from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
     from moejax.merging.method import parse
 
-    np.save(tmp_path / "ids.npy", np.zeros((2, 8), np.int32))
-    code = main(["merge", str(gpt_oss[0]), str(tmp_path / "m"), "--method", "hc_smoe", "--keep", "6",
-                 "--tokens", str(tmp_path / "ids.npy")])
-    assert code == 2 and not (tmp_path / "m").exists()
-    with pytest.raises(ConfigError, match="merging 'clamped_swiglu' experts is not implemented"):
-        evaluate_pruning(open_checkpoint(gpt_oss[0]), np.zeros((2, 8), np.int32), {"t": np.zeros((2, 8), np.int32)},
-                         ["l1"], [6], merges=(parse("hc_smoe"),))
+    path = gpt_oss[0]
+    calib = np.random.default_rng(8).integers(2, 96, size=(4, 24)).astype(np.int32)
+    heldout = np.random.default_rng(9).integers(2, 96, size=(3, 20)).astype(np.int32)
+    np.save(tmp_path / "ids.npy", calib)
+    assert main(["merge", str(path), str(tmp_path / "m"), "--method", "m_smoe", "--keep", "4",
+                 "--tokens", str(tmp_path / "ids.npy")]) == 0
+    rows, _ = evaluate_pruning(open_checkpoint(path), calib, {"a": heldout}, ["frequency"], [4],
+                               merges=(parse("m_smoe"),))
+    df = pd.DataFrame(rows)
+    got = df[(df.metric == "perplexity") & (df.method == "m_smoe") & (df["form"] == "shrunk")
+             & (df.text == "a")].value.item()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager")
+    with torch.no_grad():
+        lg = hf(torch.as_tensor(heldout, dtype=torch.long)).logits
+        nll = torch.nn.functional.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]),
+                                                torch.as_tensor(heldout[:, 1:], dtype=torch.long).reshape(-1))
+    assert got == pytest.approx(float(torch.exp(nll)), rel=1e-4)

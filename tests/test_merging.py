@@ -10,7 +10,8 @@ import pytest
 
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, global_counts, layer_counts
-from moejax.merging.average import align_layer, align_neurons, merge_cluster, merge_weights, permute_neurons
+from moejax.merging.average import align_layer, align_neurons, merge_cluster, merge_weights
+from moejax.moe.neurons import permute_neurons
 from moejax.merging.clusters import canonical_labels, hc_smoe_clusters, m_smoe_groups
 
 
@@ -148,10 +149,12 @@ def layer_of(experts):
     return {k: np.stack([e[k] for e in experts]) for k in experts[0]}
 
 
-def near_copies(rng, H, F, labels, leaders, dtype=np.float64):
-    """Experts whose cluster members are noisy, neuron-shuffled copies of the cluster's leader."""
-    base = {int(l): {"gate": rng.normal(size=(H, F)), "up": rng.normal(size=(H, F)), "down": rng.normal(size=(F, H))}
-            for l in leaders}
+def near_copies(rng, H, F, labels, leaders, dtype=np.float64, kind="swiglu"):
+    """Experts whose cluster members are noisy, neuron-shuffled copies of the cluster's leader
+    (SwiGLU's, or gpt-oss's clamped SwiGLU with its biases: kind="clamped_swiglu")."""
+    from moejax.moe.dispatch import EXPERT_SHAPES
+
+    base = {int(l): {k: rng.normal(size=s) for k, s in EXPERT_SHAPES[kind](H, F).items()} for l in leaders}
     experts = []
     for j, c in enumerate(labels):
         e = base[int(leaders[c])]
@@ -292,7 +295,8 @@ def test_averaged_rows_are_merge_weights_rows_bitwise():
     """The carried pass's merged rows made when read (`averaged_rows`, JAX) equal the host merge
     (`merge_weights`, numpy) bit for bit, the same shares, permutations, order of terms and rounding:
     float32 and bfloat16 layers, aligned (M-SMoE's permutations) and not, a cluster whose counts are
-    all zero (uniform shares); clusters in any order, rows past them zero. (Under XLA's optimisations,
+    all zero (uniform shares); clusters in any order, rows past them zero; gpt-oss's layout too
+    (neurons as interleaved pairs, a bias with no neuron axis). (Under XLA's optimisations,
     as CI runs, a product fused into its sum as one multiply-add breaks it: seen.)"""
     import jax
 
@@ -300,10 +304,11 @@ def test_averaged_rows_are_merge_weights_rows_bitwise():
     from moejax.merging.method import Averaging
 
     rng = np.random.default_rng(12)
-    experts = near_copies(rng, 256, 192, LABELS, LEADERS, dtype=np.float32)   # wide: XLA fuses (CI optimises)
     freq = rng.integers(0, 50, 8).astype(np.float64)
     freq[[1, 4, 5]] = 0                                     # cluster 1: no routing decisions
-    for dtype in (np.float32, ml_dtypes.bfloat16):
+    experts = near_copies(rng, 256, 192, LABELS, LEADERS, dtype=np.float32)   # wide: XLA fuses (CI optimises)
+    gpt_oss = near_copies(rng, 64, 48, LABELS, LEADERS, np.float32, "clamped_swiglu")   # neurons in pairs, biases
+    for dtype, experts in ((np.float32, experts), (ml_dtypes.bfloat16, experts), (np.float32, gpt_oss)):
         layer = {k: v.astype(dtype) for k, v in layer_of(experts).items()}
         for align in (False, True):
             perms = align_layer(layer, LABELS, LEADERS) if align else {}
@@ -461,3 +466,51 @@ def test_a_layer_merge_and_a_merge_plan_lead_each_cluster_by_its_most_frequent_m
             assert sorted(want) == dominant, keep
         plan = plan_merge({3: stats}, merge, keep, top_k=1)
         assert plan.leaders[3].tolist() == want and plan.labels[3].tolist() == lm.labels_E.tolist()
+
+
+def test_gpt_oss_neurons_are_interleaved_pairs_and_merge_as_functions():
+    """gpt-oss's clamped SwiGLU (`NEURON_LAYOUTS["clamped_swiglu"]`): neuron i owns gate_up columns
+    2i and 2i+1, gate_up_bias entries 2i and 2i+1 and down row i; down_bias has no neuron axis.
+    Permuting neurons leaves the model's expert function (`ClampedSwiglu`, JAX) unchanged; the
+    numpy hidden activations REAM compares feed it exactly; M-SMoE's alignment recovers a shuffled
+    copy (so the aligned merge of an expert and its shuffled copy is the expert); the frequency
+    average covers the biases, down_bias included. (Entries moved one at a time instead of in
+    pairs, any of these fails.)"""
+    import jax.numpy as jnp
+
+    from moejax.moe.neurons import hidden_activations
+    from moejax.moe.dispatch import ClampedSwiglu
+
+    rng = np.random.default_rng(21)
+    H, F, N = 6, 7, 11
+    fn = ClampedSwiglu(alpha=1.702, limit=1.5)   # a limit inside the activations' range: clamps bite
+
+    def expert():
+        return {"gate_up": rng.normal(size=(H, 2 * F)), "gate_up_bias": rng.normal(size=2 * F),
+                "down": rng.normal(size=(F, H)), "down_bias": rng.normal(size=H)}
+
+    def run(w, x):   # the model's expert on tokens x [N, H] (JAX, float32)
+        return np.asarray(fn(lambda x, w, b=None: x @ w + (0 if b is None else b),
+                             {k: jnp.asarray(v, jnp.float32) for k, v in w.items()}, jnp.asarray(x, jnp.float32)))
+
+    e, x = expert(), rng.normal(size=(N, H)) * 2
+    h = hidden_activations(e, x, fn)
+    assert (np.abs(e["gate_up"].T @ x.T + e["gate_up_bias"][:, None]).max() > fn.limit)   # the clamp is reached
+    np.testing.assert_allclose(h @ e["down"] + e["down_bias"], run(e, x), rtol=2e-5, atol=2e-5)
+    perm = rng.permutation(F)
+    shuffled = permute_neurons(e, perm)
+    assert not np.array_equal(shuffled["gate_up"], e["gate_up"])
+    np.testing.assert_array_equal(shuffled["down_bias"], e["down_bias"])
+    np.testing.assert_allclose(run(shuffled, x), run(e, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hidden_activations(shuffled, x, fn), h[:, perm], rtol=1e-12)
+    back = align_neurons(e, shuffled)
+    for k in e:
+        np.testing.assert_array_equal(permute_neurons(shuffled, back)[k], e[k])
+    for k, v in merge_cluster([e, shuffled], [3, 1], align=True).items():
+        np.testing.assert_allclose(v, e[k], rtol=1e-12, atol=1e-12)
+    other = expert()
+    merged = merge_cluster([e, other], [3, 1])
+    for k in e:
+        np.testing.assert_allclose(merged[k], (3 * e[k] + other[k]) / 4, rtol=1e-12)
+    with pytest.raises(ConfigError, match="ClampedSwiglu"):
+        hidden_activations(e, x)    # no alpha or limit: refused, not guessed

@@ -52,7 +52,8 @@ from moejax.host_memory import release_free_memory
 from moejax.errors import ConfigError
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
-from moejax.merging.average import averaged_rows, check_mergeable
+from moejax.merging.average import averaged_rows
+from moejax.moe.neurons import check_mergeable
 from moejax.merging.layer import LayerMerge, merge_averaging, merge_stats_options, merged_rows
 from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
@@ -421,7 +422,7 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
                 group_stats[group] = merge_stats(layer.mlp, zs, [None] * len(zs), **options)
             _, layer_sc = scores_of(group)
             scores_E = layer_sc[method.scores[0]] if method.scores else None   # REAM's centroid score
-            ctx = MergeContext.of(group_stats[group], scores_E, seed, alignments)
+            ctx = MergeContext.of(group_stats[group], scores_E, seed, alignments, layer.mlp.expert_fn)
             labels = method.clusters(counts[method.name, keep][layer_idx], ctx)
             lm = LayerMerge(method, labels, method.leaders(labels, ctx), None)
             source[id(lm)] = ctx

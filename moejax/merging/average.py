@@ -1,15 +1,11 @@
 """How a cluster's experts become one: M-SMoE's neuron alignment and the frequency-weighted average
 of an expert's matrices, for one cluster or for a whole layer.
 
-An expert is a dict of matrices that share one axis of intermediate neurons (F). `NEURON_AXES`
-says where that axis is, per layout, in moejax's [in, out] convention:
-
-    swiglu    gate [H, F], up [H, F], down [F, H]     (every model family)
-    relu_mlp  w1 [d, F], w2 [F, d]                    (the toy layer)
-
-A permutation of the neurons moves a column of each input matrix and a row of each output matrix
-together, and leaves the expert's function unchanged. A layer is the same dict with a leading
-expert axis: gate [E, H, F], ...
+An expert is a dict of matrices that share one axis of intermediate neurons (F); where each matrix
+keeps it, per expert kind, is `moejax.moe.neurons.NEURON_LAYOUTS` (SwiGLU's gate and up columns
+and down row; gpt-oss's interleaved gate_up columns, its biases and down row; the toy's w1, w2). A
+permutation of the neurons moves them together and leaves the expert's function unchanged. A layer
+is the same dict with a leading expert axis: gate [E, H, F], ...
 
 Precision: everything is computed, and returned, in float64 when any input matrix is float64, and
 in float32 otherwise (bfloat16 checkpoints: a product of two bfloat16 numbers is exact in float32,
@@ -31,23 +27,7 @@ import numpy as np
 
 from moejax.errors import ConfigError
 from moejax.host_memory import aligned_empty
-
-NEURON_AXES = {"swiglu": {"gate": 1, "up": 1, "down": 0}, "relu_mlp": {"w1": 1, "w2": 0}}
-
-
-def check_mergeable(expert_kind: str, where: str) -> None:
-    """Refuse, before any pass, experts with no neuron layout here (gpt-oss's biased clamped SwiGLU,
-    whose gate and up columns interleave): HC-SMoE, M-SMoE and REAM average neuron by neuron."""
-    if expert_kind not in NEURON_AXES:
-        raise ConfigError(f"{where}: merging {expert_kind!r} experts is not implemented (the merge methods average "
-                          f"experts neuron by neuron; layouts known: {sorted(NEURON_AXES)}); prune them instead")
-
-
-def _axes(w: dict) -> dict:
-    for axes in NEURON_AXES.values():
-        if set(axes) == set(w):
-            return axes
-    raise ConfigError(f"an expert's matrices {sorted(w)} match no layout in NEURON_AXES {NEURON_AXES}")
+from moejax.moe.neurons import layout_of, n_neurons, neuron_blocks, permute
 
 
 def _compute_dtype(matrices) -> type:
@@ -55,20 +35,10 @@ def _compute_dtype(matrices) -> type:
     return np.float64 if any(np.dtype(m.dtype) == np.float64 for m in matrices) else np.float32
 
 
-def _neuron_blocks(w: dict, dtype) -> list[np.ndarray]:
-    """Each matrix as [F, rest] in `dtype`, the neuron axis first (a transposed view, not a copy)."""
-    axes = _axes(w)
-    blocks = []
-    for k in sorted(axes):
-        m = np.moveaxis(np.asarray(w[k], dtype), axes[k], 0)
-        blocks.append(m.reshape(m.shape[0], -1))
-    return blocks
-
-
 def _similarity(dominant_blocks: list, member_blocks: list) -> np.ndarray:
     """S [F, F], S[i, j] = <features_dominant[i], features_member[j]>, a neuron's features being its
     weights in every matrix side by side (SwiGLU: its gate column, up column and down row), computed
-    as sum_k A_k @ B_k.T over the matrices (no concatenated copy); blocks from `_neuron_blocks`."""
+    as sum_k A_k @ B_k.T over the matrices (no concatenated copy); blocks from `moejax.moe.neurons.neuron_blocks`."""
     return sum(a @ b.T for a, b in zip(dominant_blocks, member_blocks))
 
 
@@ -89,13 +59,7 @@ def align_neurons(dominant: dict, member: dict) -> np.ndarray:
     sum_i <features_dominant[i], features_member[perm[i]]> (equivalently minimising the summed
     squared distance), in the precision of the module docstring."""
     dtype = _compute_dtype([*dominant.values(), *member.values()])
-    return _assign(_similarity(_neuron_blocks(dominant, dtype), _neuron_blocks(member, dtype)))
-
-
-def permute_neurons(w: dict, perm) -> dict:
-    """The same expert with its intermediate neurons reordered (its function is unchanged)."""
-    axes = _axes(w)
-    return {k: np.take(np.asarray(w[k]), perm, axis=axes[k]) for k in w}
+    return _assign(_similarity(neuron_blocks(dominant, dtype), neuron_blocks(member, dtype)))
 
 
 def _shares(freq) -> np.ndarray:
@@ -109,13 +73,13 @@ def _average_into(out: dict, experts: list[dict], freq, perms: list) -> dict:
     """out[k] = sum_j share_j * P_j(W_j[k]) for every matrix k, P_j the permutation perms[j] of
     expert j's neurons (None: as it is), written into the arrays of `out` (their dtype); one member's
     matrix cast at a time, into a scratch array (no allocation per member)."""
-    axes = _axes(experts[0])
+    layout = layout_of(experts[0])
     shares = _shares(freq).tolist()  # Python floats: no promotion of float32
     for k, acc in out.items():
         cast, moved = np.empty_like(acc), np.empty_like(acc)
         for i, (share, e, perm) in enumerate(zip(shares, experts, perms)):
             np.copyto(cast, np.asarray(e[k]))
-            m = cast if perm is None else np.take(cast, perm, axis=axes[k], out=moved, mode="clip")
+            m = cast if perm is None or layout[k] is None else permute(cast, perm, layout[k], out=moved)
             if i == 0:
                 np.multiply(m, share, out=acc)
             else:
@@ -141,7 +105,7 @@ def layer_dtype(weights: dict):
 
 
 def _check_labels(weights: dict, labels_E) -> np.ndarray:
-    _axes(weights)
+    layout_of(weights)
     sizes = {k: np.shape(w)[0] for k, w in weights.items()}
     if len(set(sizes.values())) != 1:
         raise ConfigError(f"merge: the matrices' expert axes (axis 0) differ: {sizes}")
@@ -186,19 +150,17 @@ def align_layer(weights: dict, labels_E, leaders, alignments: dict | None = None
 
     def blocks(j):
         if bf16:  # the expert neuron-first, [F, K] bfloat16: `_bf16_similarity` accumulates in float32
-            return _bf16_neuron_block({k: w[j] for k, w in weights.items()}, _axes(weights))
-        return _neuron_blocks({k: w[j] for k, w in weights.items()}, dtype)
+            return _bf16_neuron_block({k: w[j] for k, w in weights.items()}, layout_of(weights))
+        return neuron_blocks({k: w[j] for k, w in weights.items()}, dtype)
 
     def similarity(a, b):  # bfloat16: dispatched to XLA and not waited for (the assignment thread waits)
         return _bf16_similarity(a, b) if bf16 else _similarity(a, b)
 
     memo = {} if alignments is None else alignments
     perms, waiting = {}, deque()
-    name, axis = next(iter(_axes(weights).items()))
-    n_neurons = np.shape(weights[name])[1 + axis]
     # small experts (the toy's 64 neurons: an assignment in ~0.1 ms) inline: two threads' start,
     # hand-offs and waits cost more than the assignments
-    with ThreadPoolExecutor(2) if n_neurons >= INLINE_BELOW else _Inline() as pool:
+    with ThreadPoolExecutor(2) if n_neurons(weights, expert_axis=True) >= INLINE_BELOW else _Inline() as pool:
         for c, lead in enumerate(leaders.tolist()):
             others = [j for j in np.flatnonzero(labels == c).tolist() if j != lead]
             perms.update((j, memo[lead, j]) for j in others if (lead, j) in memo)
@@ -295,13 +257,12 @@ def averaged_rows(weights: dict, labels_E, averaging, clusters, n_rows: int):
     from moejax.moe.averaged_rows import AveragedRows
 
     labels = _check_labels(weights, labels_E)
-    E, axes = len(labels), _axes(weights)
+    E, layout = len(labels), layout_of(weights)
     if len(clusters) > n_rows:
         raise ConfigError(f"averaged_rows: {len(clusters)} clusters do not fit in {n_rows} rows")
     dtype = _compute_dtype(weights.values())
-    n_neurons = np.shape(weights[next(iter(axes))])[1 + axes[next(iter(axes))]]
     members, counts = np.zeros((n_rows, E), np.int32), np.zeros(n_rows, np.int32)
-    shares, perms = np.zeros(E, dtype), np.tile(np.arange(n_neurons, dtype=np.int32), (E, 1))
+    shares, perms = np.zeros(E, dtype), np.tile(np.arange(n_neurons(weights, expert_axis=True), dtype=np.int32), (E, 1))
     weights_E = np.asarray(averaging.weights_E, np.float64)
     for i, c in enumerate(clusters):
         m = np.flatnonzero(labels == c)
@@ -310,4 +271,4 @@ def averaged_rows(weights: dict, labels_E, averaging, clusters, n_rows: int):
     for j, perm in averaging.perms.items():
         perms[j] = perm
     return AveragedRows(jnp.asarray(members), jnp.asarray(counts), jnp.asarray(shares), jnp.asarray(perms),
-                        tuple(sorted(axes.items())), layer_dtype(weights))
+                        tuple(sorted(layout.items())), layer_dtype(weights))

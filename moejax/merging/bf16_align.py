@@ -10,14 +10,14 @@ import ml_dtypes
 import numpy as np
 
 from moejax.host_memory import aligned_empty
+from moejax.moe.neurons import neuron_first
 
 
-def bf16_neuron_block(w: dict, axes: dict) -> jax.Array:
+def bf16_neuron_block(w: dict, layout: dict) -> jax.Array:
     """One bfloat16 expert as a [F, K] device array, each matrix neuron-first side by side in
-    `moejax.merging.average._neuron_blocks`' order (K = 3H for SwiGLU), copied once by numpy into an aligned buffer that
-    the array uses in place (no second copy). axes: each matrix's neuron axis (`average._axes`)."""
-    moved = [np.moveaxis(np.asarray(w[k]), axes[k], 0) for k in sorted(axes)]
-    moved = [m.reshape(m.shape[0], -1) for m in moved]
+    `moejax.moe.neurons.neuron_blocks`' order (K = 3H for SwiGLU), copied once by numpy into an aligned buffer that
+    the array uses in place (no second copy). layout: each matrix's neuron axis (`moejax.moe.neurons.layout_of`)."""
+    moved = [neuron_first(w[k], layout[k]) for k in sorted(layout) if layout[k] is not None]
     out = aligned_empty((moved[0].shape[0], sum(m.shape[1] for m in moved)), np.uint16)
     at = 0
     for m in moved:  # as uint16: numpy's plain copy loop (bfloat16 goes through ml_dtypes' casts)

@@ -46,11 +46,14 @@ class MergeContext:
     act_inputs_NH: np.ndarray | None = None   # REAM: sampled router inputs for its alignment
     alignments: dict | None = None       # M-SMoE: {(leader, member): perm} of this layer's weights, shared
                                          # by its merges at several keeps (`average.align_layer`)
+    expert_fn: object = None             # the model's expert (`cfg.expert_fn()`): REAM's hidden activations of
+                                         # gpt-oss's clamped experts read its alpha and limit (None: SwiGLU's)
 
     @classmethod
-    def of(cls, stats, scores_E=None, seed: int = 0, alignments: dict | None = None) -> "MergeContext":
+    def of(cls, stats, scores_E=None, seed: int = 0, alignments: dict | None = None,
+           expert_fn=None) -> "MergeContext":
         """The context of a layer's `MergeStats` (its counts and sampled router inputs)."""
-        return cls(stats, stats.counts_E, scores_E, seed, stats.act_inputs_NH, alignments)
+        return cls(stats, stats.counts_E, scores_E, seed, stats.act_inputs_NH, alignments, expert_fn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from moejax.errors import ConfigError
-from moejax.merging.average import _assign, _axes, _check_labels, _check_leaders, _neuron_blocks, merge_weights
+from moejax.merging.average import _assign, _check_labels, _check_leaders, merge_weights
+from moejax.moe.neurons import hidden_activations, neuron_blocks
 from moejax.merging.clusters import _check_keep, canonical_labels
 from moejax.merging.method import Averaging, MergeContext, MergeMethod, register
 from moejax.scoring.scores import ALL_SCORES
@@ -190,23 +191,10 @@ def centroid_leaders(labels_E, scores_E) -> np.ndarray:
     return leaders
 
 
-def hidden_activations(expert: dict, x_NH) -> np.ndarray:
-    """h [N, F] in float64: the expert's intermediate activations (the input of its output matrix)
-    on tokens x [N, H]: SwiGLU silu(x gate) * (x up); the toy's relu(x w1)."""
-    from scipy.special import expit
-
-    x = np.asarray(x_NH, np.float64)
-    axes = _axes(expert)
-    if "gate" in axes:
-        g = x @ np.asarray(expert["gate"], np.float64)
-        return g * expit(g) * (x @ np.asarray(expert["up"], np.float64))
-    return np.maximum(x @ np.asarray(expert["w1"], np.float64), 0.0)
-
-
-def neuron_activations(expert: dict, x_NH) -> np.ndarray:
+def neuron_activations(expert: dict, x_NH, expert_fn=None) -> np.ndarray:
     """A [F, N]: each neuron's activations over the N tokens, unit-normalised (REAM's
     `normalize_rows` over the token axis, `merger.py: Merger._merge`; not when N = 1, as REAM)."""
-    a = hidden_activations(expert, x_NH).T
+    a = hidden_activations(expert, x_NH, expert_fn).T
     return a if a.shape[1] <= 1 else _unit_rows(a)
 
 
@@ -214,7 +202,7 @@ def _neuron_rows(weights: dict, e: int) -> np.ndarray:
     """Expert e's neurons as unit rows [F, P] in float64, a neuron's weights in every matrix side by
     side (SwiGLU: its gate column, up column and down row; REAM's `ffn_weight_matrix`, then
     `normalize_rows`)."""
-    return _unit_rows(np.concatenate(_neuron_blocks({k: w[e] for k, w in weights.items()}, np.float64), axis=1))
+    return _unit_rows(np.concatenate(neuron_blocks({k: w[e] for k, w in weights.items()}, np.float64), axis=1))
 
 
 def _qr(a):
@@ -271,7 +259,8 @@ def alignment_cost(act_lead_FN, act_member_FN, feat_lead_Fk, feat_member_Fk) -> 
     return cdist(act_lead_FN, act_member_FN) + cdist(feat_lead_Fk, feat_member_Fk)
 
 
-def ream_align(weights: dict, labels_E, leaders, x_NH, pca_dim: int = PCA_DIM, seed: int = 0) -> dict[int, np.ndarray]:
+def ream_align(weights: dict, labels_E, leaders, x_NH, pca_dim: int = PCA_DIM, seed: int = 0, expert_fn=None
+               ) -> dict[int, np.ndarray]:
     """{expert: perm [F]} for every expert that is not its group's centroid: the member's neuron
     perm[a] goes to the centroid's position a, perm minimising sum_a cost[a, perm[a]]
     (`alignment_cost`; the Hungarian assignment, REAM's `linear_sum_assignment(cost)` and
@@ -292,7 +281,7 @@ def ream_align(weights: dict, labels_E, leaders, x_NH, pca_dim: int = PCA_DIM, s
     feats = weight_features(weights, pca_dim, seed)
 
     def acts(e):
-        return neuron_activations({k: w[e] for k, w in weights.items()}, x)
+        return neuron_activations({k: w[e] for k, w in weights.items()}, x, expert_fn)
 
     perms = {}
     for lead, others in groups:
@@ -303,8 +292,8 @@ def ream_align(weights: dict, labels_E, leaders, x_NH, pca_dim: int = PCA_DIM, s
     return perms
 
 
-def ream_averaging(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = PCA_DIM, seed: int = 0
-                   ) -> Averaging:
+def ream_averaging(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = PCA_DIM, seed: int = 0,
+                   expert_fn=None) -> Averaging:
     """How REAM's groups become one expert each (`Averaging`):
 
         W_c = sum_{j in c} w_j P_j(W_j) / sum_{j in c} w_j,   w = `saliency_weights`(scores)
@@ -314,15 +303,15 @@ def ream_averaging(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: in
     leaders: the centroid of each group (`centroid_leaders`)."""
     labels = _check_labels(weights, labels_E)
     return Averaging(saliency_weights(_scores(scores_E, len(labels))),
-                     ream_align(weights, labels, leaders, x_NH, pca_dim, seed))
+                     ream_align(weights, labels, leaders, x_NH, pca_dim, seed, expert_fn))
 
 
 def ream_merge(weights: dict, labels_E, leaders, scores_E, x_NH, pca_dim: int = PCA_DIM, seed: int = 0,
-               out_dtype=None) -> dict:
+               out_dtype=None, expert_fn=None) -> dict:
     """A layer's REAM groups merged, {"gate": [K, H, F], ...}, row c group c's `ream_averaging`.
     Precision as `moejax.merging.average.merge_weights` (float32 unless an input is float64; REAM
     accumulates in the checkpoint's dtype member by member)."""
-    a = ream_averaging(weights, labels_E, leaders, scores_E, x_NH, pca_dim, seed)
+    a = ream_averaging(weights, labels_E, leaders, scores_E, x_NH, pca_dim, seed, expert_fn)
     return merge_weights(weights, labels_E, a.weights_E, leaders=leaders, perms=a.perms, out_dtype=out_dtype)
 
 
@@ -379,4 +368,5 @@ class Ream(MergeMethod):
         return centroid_leaders(labels_E, _needs_scores(ctx))
 
     def averaging(self, weights, labels_E, leaders, ctx: MergeContext) -> Averaging:
-        return ream_averaging(weights, labels_E, leaders, _needs_scores(ctx), ctx.act_inputs_NH, seed=ctx.seed)
+        return ream_averaging(weights, labels_E, leaders, _needs_scores(ctx), ctx.act_inputs_NH, seed=ctx.seed,
+                              expert_fn=ctx.expert_fn)

@@ -27,6 +27,7 @@ def check_variant(variant, config):
     before any compute."""
     import jax.numpy as jnp
 
+    from moejax.moe.dispatch import EXPERT_SHAPES
     from moejax.moe.expert_map import ExpertMap
 
     n_layers, E = config.num_hidden_layers, config.n_experts
@@ -60,10 +61,11 @@ def check_variant(variant, config):
         check_routable(mask, layer, config, "variant")
         table = em.weights
         if table is not None:
-            R = np.shape(table.get("gate"))[0] if "gate" in table else -1
-            want = {"gate": (R, H, F), "up": (R, H, F), "down": (R, F, H)}
+            R = np.shape(next(iter(table.values())))[0] if table else -1
+            want = {k: (R, *s) for k, s in EXPERT_SHAPES[config.EXPERT_KIND](H, F).items()}
             if set(table) != set(want) or any(tuple(np.shape(table[k])) != s for k, s in want.items()):
-                raise ConfigError(f"{where}: expert table must hold gate/up [R, {H}, {F}] and down [R, {F}, {H}], "
+                raise ConfigError(f"{where}: expert table must hold {config.EXPERT_KIND} experts "
+                                  f"{ {k: ['R', *s[1:]] for k, s in want.items()} }, "
                                   f"got {({k: list(np.shape(v)) for k, v in table.items()})}")
         rows = None if em.rows_E is None else np.asarray(em.rows_E)
         limit = E if table is None else R

@@ -5,7 +5,8 @@ member's intermediate neurons permuted first (SPEC section 8's merged expert):
 
 in the compute dtype (float32; float64 for a float64 source), members in ascending order, then
 rounded into `dtype`; a row with counts[r] = 0 is zero. P_j permutes the neuron axis of each matrix
-by perms[j] (the identity row for an expert not aligned). The sum runs term by term, each product
+by perms[j] (the identity row for an expert not aligned; a matrix with no neuron axis, gpt-oss's
+down bias, is averaged as it is). The sum runs term by term, each product
 rounded before it is added (no fused multiply-add), so a row equals the host merge of
 `moejax.merging.average.merge_weights` bit for bit (tested).
 
@@ -19,7 +20,8 @@ forward-only loop makes each row it needs as it reaches it; every other path mak
     counts    int32 [n_rows]      how many members each row has
     shares    [E] compute dtype   each source row's weight within its row (they sum to 1 per row)
     perms     int32 [E, F]        each source row's neuron permutation
-    axes      ((name, neuron axis), ...)   static: where each matrix's F axis is
+    axes      ((name, NeuronAxis or None), ...)   static: where each matrix's F axis is and how many
+              entries a neuron owns on it (`moejax.moe.neurons.NEURON_LAYOUTS`)
     dtype     static: the rows' dtype (the source's)
 """
 
@@ -28,6 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from moejax.moe.neurons import entry_index
 
 
 @jax.tree_util.register_pytree_node_class
@@ -51,11 +55,14 @@ class AveragedRows:
         """Row r (a traced index) of the table, from the source table {name: [E, ...]}."""
         compute = jnp.float64 if any(np.dtype(w.dtype) == np.float64 for w in source.values()) else jnp.float32
 
+        def permuted(m, perm, ax):
+            return m if ax is None else jnp.take(m, entry_index(perm, ax.width, jnp), axis=ax.axis, mode="clip")
+
         def term(i, source):   # member i's share times its permuted matrices (index clipped: past the last, unused)
             j = self.members[r, jnp.minimum(i, self.members.shape[1] - 1)]
-            return {k: jnp.take(jax.lax.dynamic_index_in_dim(source[k], j, keepdims=False).astype(compute),
-                                self.perms[j], axis=axis, mode="clip") * self.shares[j].astype(compute)
-                    for k, axis in self.axes}
+            return {k: permuted(jax.lax.dynamic_index_in_dim(source[k], j, keepdims=False).astype(compute),
+                                self.perms[j], ax) * self.shares[j].astype(compute)
+                    for k, ax in self.axes}
 
         # Each product is rounded before it is added, as numpy does: XLA:CPU fuses a multiply into
         # the add that reads it as one fused multiply-add (one rounding), and an optimisation barrier

@@ -46,7 +46,7 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.model_io import opened
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
-from moejax.merging.average import check_mergeable
+from moejax.moe.neurons import check_mergeable
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import LayerMerge, leader_first_clusters, merge_clusters, merge_layer
@@ -73,11 +73,12 @@ class MergePlan:
     scores: dict | None = None       # a method reading a score (REAM): MoE layer -> its score per expert
     act_inputs: dict | None = None   # REAM: MoE layer -> router inputs of the sampled tokens [N, H]
     seed: int = 0                    # REAM: seeds the randomised PCA of large layers
+    expert_fn: object = None         # REAM: the model's expert, whose hidden activations it compares (`cfg.expert_fn()`)
 
     def context(self, layer: int) -> MergeContext:
         """What the method's leaders and averaging read at `layer` (no statistics: the plan's)."""
         return MergeContext(None, self.freq[layer], None if self.scores is None else self.scores[layer], self.seed,
-                            None if self.act_inputs is None else self.act_inputs[layer])
+                            None if self.act_inputs is None else self.act_inputs[layer], expert_fn=self.expert_fn)
 
     def record_layers(self) -> dict:
         """Per layer: the kept (leader) experts ascending and each cluster with its leader first,
@@ -114,17 +115,18 @@ def cluster_counts(stats: dict, keep, top_k: int, allocation: str) -> dict[int, 
 
 
 def plan_merge(stats: dict, method: MergeMethod, keep, top_k: int, allocation: str = "uniform", seed: int = 0,
-               scores: dict | None = None) -> MergePlan:
+               scores: dict | None = None, expert_fn=None) -> MergePlan:
     """Clusters and leaders of every MoE layer from its MergeStats (and, for a method that reads a
-    score, its scores {layer: [E]})."""
+    score, its scores {layer: [E]}); expert_fn: the model's expert (`cfg.expert_fn()`; None: SwiGLU)."""
     counts = cluster_counts(stats, keep, top_k, allocation)
     scores = scores or None
-    ctx = {l: MergeContext.of(st, None if scores is None else scores[l], seed) for l, st in stats.items()}
+    ctx = {l: MergeContext.of(st, None if scores is None else scores[l], seed, expert_fn=expert_fn)
+           for l, st in stats.items()}
     labels = {l: method.clusters(counts[l], ctx[l]) for l in stats}
     leaders = {l: method.leaders(labels[l], ctx[l]) for l in stats}
     return MergePlan(method, counts, labels, leaders, {l: st.counts_E.copy() for l, st in stats.items()},
                      scores=None if scores is None else {l: np.asarray(scores[l], np.float64).copy() for l in stats},
-                     act_inputs={l: st.act_inputs_NH for l, st in stats.items()}, seed=seed)
+                     act_inputs={l: st.act_inputs_NH for l, st in stats.items()}, seed=seed, expert_fn=expert_fn)
 
 
 class MergedTensors:
@@ -241,7 +243,7 @@ def _merge_pass(ckpt, method: MergeMethod, batches, dtype: str, seed: int, count
                                     layer=layer)
             layer_scores[layer] = compute_scores(layer_stats, list(method.scores))[method.scores[0]]
         if sequential:
-            ctx = MergeContext.of(stats[layer], layer_scores.get(layer), seed)
+            ctx = MergeContext.of(stats[layer], layer_scores.get(layer), seed, expert_fn=ckpt.config.expert_fn())
             merged_layers[layer] = merge_layer(method, count, ctx, moe.expert_weights()).expert_map("shrunk")
     return stats, layer_scores
 
@@ -272,7 +274,8 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
     stats, layer_scores = _merge_pass(ckpt, method, batches, dtype, seed, count, sequential, show, mtp == "prune")
-    plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, seed, scores=layer_scores)
+    plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, seed, scores=layer_scores,
+                      expert_fn=cfg.expert_fn())
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
                      for l, lab in plan.labels.items()}
     prune_plan = plan_pruning(reader, layout, cfg, score=f"{method.name} cluster leaders", layers_keep=plan.counts,
