@@ -81,21 +81,115 @@ def test_layer_types_default_alternate_and_are_checked():
         config_from_dict({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
 
 
-def test_mxfp4_checkpoint_is_refused_by_name_before_reading(gpt_oss, tmp_path):
-    """The released gpt-oss checkpoints' own MXFP4 layout (`quant_method: mxfp4`, fused
-    `*_blocks` / `*_scales`) is not read yet: refused naming the quant method, from the headers."""
-    from moejax.cli import main
+def write_mxfp4(src, dst) -> None:
+    """The float checkpoint `src` as gpt-oss ships its experts (`quant_method: mxfp4`): each MoE
+    layer's gate_up_proj and down_proj as *_blocks uint8 [E, out, in/32, 16] and *_scales uint8
+    [E, out, in/32] (moejax's encoder; what transformers decodes is the reference), every other
+    tensor as it is."""
+    from safetensors.numpy import load_file, save_file
 
-    path = gpt_oss[0]
-    src = tmp_path / "mxfp4"
-    src.mkdir()
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (src / "config.json").write_text(json.dumps(config))
-    (src / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
-    with pytest.raises(Exception, match="unsupported quant_method 'mxfp4'"):
-        AutoModelForCausalLM.from_pretrained(src)
-    assert main(["inspect", str(src)]) != 0
+    from moejax.hf.quant.encode import quantize_mxfp4
+
+    dst.mkdir()
+    out = {}
+    for name, value in load_file(src / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed = [quantize_mxfp4(np.ascontiguousarray(w.T)) for w in value]   # per expert [out, in]
+            out[name + "_blocks"] = np.stack([p.reshape(p.shape[0], -1, 16) for p, _ in packed])
+            out[name + "_scales"] = np.stack([sc for _, sc in packed])
+        else:
+            out[name] = value
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def transformers_mxfp4(path):
+    """transformers' own reading of a gpt-oss MXFP4 checkpoint on CPU: dequantised, float32."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32,
+        attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "ckpt"
+    write_mxfp4(gpt_oss[0], path)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=jnp.float32)
+
+
+def test_mxfp4_checkpoint_equals_transformers_and_saves_back_its_bytes(gpt_oss_mxfp4, tmp_path):
+    """gpt-oss's own MXFP4 layout is read through the per-expert view (each expert's slab of the
+    fused *_blocks / *_scales) and the MXFP4 decoder: every decoded expert matrix equals
+    transformers' dequantisation exactly, the logits on a padded batch equal transformers' model,
+    inspect counts the packed values, and load-then-save gives back every tensor's bytes."""
+    from moejax.cli import main
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
+    from moejax.hf.model_io import save_pretrained
+
+    path, model = gpt_oss_mxfp4
+    hf = transformers_mxfp4(path)
+    for l, layer in enumerate(model.model.layers):
+        ex = hf.model.layers[l].mlp.experts
+        np.testing.assert_array_equal(np.asarray(layer.mlp.experts_gate_up[...]), ex.gate_up_proj.detach().numpy())
+        np.testing.assert_array_equal(np.asarray(layer.mlp.experts_down[...]), ex.down_proj.detach().numpy())
+    ids, mask = batch(96, seed=5, S=20)
+    with torch.no_grad():
+        want = hf(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    assert main(["inspect", str(path)]) == 0
+    save_pretrained(model, tmp_path / "saved")
+    a, b = CheckpointReader(path), CheckpointReader(tmp_path / "saved")
+    assert a.keys() == b.keys() and any(n.endswith("_blocks") for n in a.keys())
+    assert all(a.read_bytes(n) == b.read_bytes(n) for n in a.keys())
+
+
+def test_mxfp4_prune_writes_the_kept_experts_bytes_and_loads_in_transformers(gpt_oss_mxfp4, tmp_path, capsys):
+    """`moejax prune` on gpt-oss MXFP4: the kept experts' blocks and scales are the source's bytes
+    (not re-quantised), transformers loads the output and equals moejax's masked source; `merge`,
+    which averages float weights, refuses it by name before any pass, and a *_blocks tensor of the
+    wrong shape is refused by the one check, naming it."""
+    from moejax.cli import main
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
+
+    path, model = gpt_oss_mxfp4
+    dst = tmp_path / "pruned"
+    assert main(["prune", str(path), str(dst), "--score", "l1", "--keep", "4"]) == 0
+    layers = json.loads((dst / "pruning.json").read_text())["layers"]
+    a, b = CheckpointReader(path), CheckpointReader(dst)
+    for l, layer in layers.items():
+        for part in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"):
+            name = f"model.layers.{l}.mlp.experts.{part}"
+            assert b.read(name).tobytes() == a.read(name)[layer["kept"]].tobytes()
+    masks = np.zeros((len(model.model.layers), 8), bool)
+    for l, layer in layers.items():
+        masks[int(l), layer["kept"]] = True
+    ids, mask = batch(96, seed=6, S=20)
+    with torch.no_grad():
+        got = transformers_mxfp4(dst)(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    want = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), variant=masks).logits_BSV)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    np.save(tmp_path / "ids.npy", ids.astype(np.int32))
+    assert main(["merge", str(path), str(tmp_path / "m"), "--method", "hc_smoe", "--keep", "4",
+                 "--tokens", str(tmp_path / "ids.npy")]) == 2
+    assert "quantised (gpt_oss_mxfp4)" in capsys.readouterr().err and not (tmp_path / "m").exists()
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.down_proj_blocks"] = tensors["model.layers.1.mlp.experts.down_proj_blocks"][:, :32]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    (bad / "config.json").write_bytes((path / "config.json").read_bytes())
+    with pytest.raises(Exception, match=r"model\.layers\.1\.mlp\.experts\.down_proj_blocks.*shape \[32, 1, 16\]"):
+        AutoModelForCausalLM.from_pretrained(bad)
 
 
 def _experts_of(hf, layer: int) -> dict:

@@ -46,7 +46,7 @@ from moejax.models.names import MTP_PREDICTOR
 from moejax.models.registry import config_from_dict, family_of, read_config
 
 DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
-PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8"}  # the element type of a packed 4-bit `weight_packed`
+PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8", "gpt_oss_mxfp4": "U8"}  # a packed 4-bit tensor's element type
 _STRAY = re.compile(r"\.rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # a wrapper's language model too
 
@@ -69,9 +69,10 @@ class CheckedCheckpoint:
 
 def stored_as(reader, name: str, fmt: str | None) -> tuple[str, ...] | None:
     """The on-disk tensors holding `name`: (name,) when dense, its quantised set, or None if absent."""
-    if fmt is not None and name.endswith("weight"):
+    stem = None if fmt is None else quant.quant_stem(name, fmt)
+    if stem is not None:
         quantized = quant.companion_tensor_names(name, fmt)
-        optional = [name[: -len("weight")] + sfx for sfx in quant.QUANT_FORMATS[fmt].optional_suffixes]
+        optional = [stem + sfx for sfx in quant.QUANT_FORMATS[fmt].optional_suffixes]
         if all(n in reader for n in quantized):
             return quantized + tuple(n for n in optional if n in reader)
     return (name,) if name in reader else None
@@ -114,6 +115,8 @@ def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> lis
         if info.dtype not in allowed:
             problems.append(f"{where}: dtype {info.dtype}, expected one of {sorted(allowed)}")
         return problems
+    if fmt == "gpt_oss_mxfp4":
+        return _check_gpt_oss_mxfp4(s, on_disk, reader)
     packed = f"{s.hf_name[:-len('weight')]}weight_packed in {reader.shard_of(on_disk[0]).name}"
     if len(info.shape) != 2 or info.shape[0] != s.hf_shape[0]:  # packed: rows are output features
         return [f"{packed}: shape {list(info.shape)}, expected {s.hf_shape[0]} rows from config.json"]
@@ -141,6 +144,24 @@ def _check_mtp_blocks(cfg, reader, fmt: str | None, missing: list) -> list[str]:
     return problems
 
 
+def _check_gpt_oss_mxfp4(s: TensorSpec, on_disk: tuple, reader) -> list[str]:
+    """gpt-oss's MXFP4 expert matrix [in, out] (dense) as *_blocks [out, in/32, 16] and *_scales
+    [out, in/32], uint8, in a multiple of 32 (each problem named once per fused tensor: `check_tensors`)."""
+    n_in, n_out = s.hf_shape
+    groups = n_in // quant.MXFP4_GROUP_SIZE
+    if n_in % quant.MXFP4_GROUP_SIZE:
+        return [f"{s.hf_name}: {n_in} input features are not a multiple of {quant.MXFP4_GROUP_SIZE} (gpt-oss MXFP4 blocks)"]
+    problems = []
+    for name, want in zip(on_disk, ((n_out, groups, quant.GPT_OSS_BLOCK_BYTES), (n_out, groups))):
+        info = reader.info(name)
+        where = f"{reader.holder(name)} in {reader.shard_of(name).name}"   # the fused tensor: one message for all experts
+        if tuple(info.shape) != want:
+            problems.append(f"{where}: shape {list(info.shape)} per expert, expected {list(want)} from config.json")
+        if info.dtype != "U8":
+            problems.append(f"{where}: dtype {info.dtype}, expected U8 (gpt-oss MXFP4)")
+    return problems
+
+
 def _check_packed_dtypes(reader, fmt: str | None) -> list[str]:
     """Every packed 4-bit tensor (MTP-only ones included) must have its format's element type, or
     its 4-bit values would be unpacked from the wrong element size."""
@@ -164,6 +185,7 @@ def check_tensors(cfg, reader, specs: list[TensorSpec],
         stored[s.hf_name] = on_disk
         problems += _check_tensor(s, on_disk, reader, fmt)
     problems += _check_mtp_blocks(cfg, reader, fmt, missing)
+    problems = list(dict.fromkeys(problems))   # a fused tensor's problem is every expert's slab's
     if missing:
         hint = f" (quantised as {fmt})" if fmt else ""
         problems.append(f"{len(missing)} tensor(s) missing{hint}, e.g. {missing[:5]}")
@@ -224,9 +246,9 @@ def _checked(path, uniform_experts: bool, substituted: bool = False) -> tuple[li
         cfg = read_config(config_path, uniform_experts=uniform_experts)
     raw = CheckpointReader(storage)
     family = family_of(cfg)
-    reader = FusedExpertsReader(raw, family.fused_layout(cfg), family.rule("router").hf,
-                                mtp_renames(cfg, family, raw.keys()))
     fmt = quant.detect_format(cfg.quantization_config)
+    reader = FusedExpertsReader(raw, quant.fused_companions(family.fused_layout(cfg), fmt), family.rule("router").hf,
+                                mtp_renames(cfg, family, raw.keys()))
     substitution = parse_substitution(cfg.to_dict(), config_path)
     if substitution is not None:
         if not substituted:

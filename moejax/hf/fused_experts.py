@@ -114,6 +114,12 @@ class FusedExpertsReader:
                 return stem_stored + view[len(stem_view):]
         return view
 
+    def holder(self, view: str) -> str:
+        """The stored tensor that holds a presented name: its fused tensor for an expert's slab (all
+        experts', gpt-oss's MXFP4 blocks too), else `stored_name`."""
+        part = self._virtual.get(view)
+        return part.fused if part is not None and part.expert is not None else self.stored_name(view)
+
     def expert_slabs(self, stored: str) -> list[list[str]] | None:
         """For a stored fused expert tensor [E, ...], per expert the presented names whose rows
         tile that expert's slab, in row order (gate, up; or down alone); None for any other tensor."""

@@ -56,7 +56,8 @@ class HFSource:
     path: Path
     dtypes: dict      # hf name -> safetensors dtype string
     carried: tuple    # hf names with no parameter (written back from the source as bytes)
-    quantized: dict   # hf name of a quantised weight -> the on-disk tensors holding it
+    quantized: dict   # hf name of a quantised weight -> the stored tensors holding it (gpt-oss's MXFP4: its
+                      # layer's fused *_blocks and *_scales, which hold every expert's)
 
 
 def check_finite(value: np.ndarray, where: str) -> None:
@@ -279,7 +280,8 @@ def load_opened(ckpt: OpenCheckpoint, dtype=jnp.float32, backend: str | None = N
     """`load_pretrained` of a checkpoint already opened (`opened`: a substituted checkpoint's
     complete view, `moejax.surgery.substitute.load_substituted`)."""
     backend = backend or ("ep" if mesh is not None else "sorted")
-    quantized = {n: on_disk for n, on_disk in ckpt.stored.items() if on_disk != (n,)}
+    quantized = {n: tuple(ckpt.reader.holder(d) for d in on_disk) for n, on_disk in ckpt.stored.items()
+                 if on_disk != (n,)}
     source = HFSource(path=ckpt.path, dtypes={n: ckpt.reader.info(on_disk[0]).dtype for n, on_disk in ckpt.stored.items()},
                       carried=tuple(ckpt.reader.stored_name(n) for n in ckpt.carried), quantized=quantized)
     cls = ckpt.family.causal_lm()
@@ -354,11 +356,14 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int = 5 * 2**30,
         return "F32" if s.param.endswith(_ALWAYS_F32) else default
 
     fused = _fused_specs(family_of(cfg), specs)
+    written = set()   # stored tensors holding several experts' quantised weights are written once
 
     def tensors():
         for s in specs:
             if source and s.hf_name in source.quantized:
-                yield from (from_source(name) for name in source.quantized[s.hf_name])
+                names = [n for n in source.quantized[s.hf_name] if n not in written]
+                written.update(names)
+                yield from (from_source(name) for name in names)
                 continue
             if s.hf_name in fused:  # a family stored only fused: expert 0's spec writes the layer's whole tensor
                 name, parts = fused[s.hf_name]

@@ -32,7 +32,6 @@ from moejax.hf.io.safetensors_format import DTYPE_BITS, TensorInfo
 from moejax.hf.layout import CheckpointLayout
 from moejax.hf.quant.decode import QUANT_FORMATS
 
-PACKED_SUFFIX = "weight_packed"
 
 _LAYER = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.")
 _EMBEDDING = re.compile(r"^(?:.*\.)?embed_tokens\.weight$")
@@ -65,18 +64,18 @@ class TensorFacts:
 
 
 def companion_suffixes(fmt: str | None) -> frozenset[str]:
-    """Tensor-name suffixes (after the last dot) that are a quantised weight's scales or shape in
-    format `fmt`; none for an unquantised checkpoint."""
+    """Tensor-name endings that are a quantised weight's scales or shape in format `fmt` (not its
+    packed values); none for an unquantised checkpoint."""
     if fmt is None:
         return frozenset()
     spec = QUANT_FORMATS[fmt]
-    return frozenset(spec.tensor_suffixes + spec.optional_suffixes) - {"weight", PACKED_SUFFIX}
+    return frozenset(spec.tensor_suffixes + spec.optional_suffixes) - {"weight", spec.packed_suffix}
 
 
 def values_per_element(info: TensorInfo, fmt: str | None) -> int:
     """How many logical values one stored element holds: 8 for an INT4 ``weight_packed`` (I32), 2
-    for an MXFP4 one (U8), else 1 (element types checked by `moejax.hf.check`)."""
-    if fmt not in PACKED_DTYPES or _suffix(info.name) != PACKED_SUFFIX:
+    for an MXFP4 one or gpt-oss's ``*_blocks`` (U8), else 1 (element types checked by `moejax.hf.check`)."""
+    if fmt not in PACKED_DTYPES or not info.name.endswith(QUANT_FORMATS[fmt].packed_suffix):
         return 1
     return DTYPE_BITS[info.dtype] // 4
 
@@ -88,17 +87,13 @@ def tensor_facts(info: TensorInfo, fmt: str | None, routed: bool) -> TensorFacts
         if not shape:
             raise CheckpointError(f"{info.file}: tensor {info.name!r} is packed but has no dimensions")
         kind, logical_shape = "packed", shape[:-1] + (shape[-1] * per_element,)
-    elif _suffix(info.name) in companion_suffixes(fmt):
+    elif info.name.endswith(tuple(companion_suffixes(fmt))):
         kind, logical_shape = "companion", shape
     else:
         kind, logical_shape = ("matrix" if len(shape) >= 2 else "vector"), shape
     layer = _LAYER.match(info.name)
     return TensorFacts(info.name, info.dtype, info.nbytes, math.prod(logical_shape), kind, logical_shape,
                        int(layer["layer"]) if layer else None, routed)
-
-
-def _suffix(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
 
 
 @dataclass

@@ -7,6 +7,10 @@ run the model, always float32 out), and their detection from config.json.
   per int32 (Kimi-K2-Thinking, Kimi-K2.5).
 * ``mxfp4``: compressed-tensors ``mxfp4-pack-quantized``, two FP4 e2m1 values per byte and one E8M0
   exponent per 32 values.
+* ``gpt_oss_mxfp4``: gpt-oss's own MXFP4 (``quant_method: "mxfp4"``): the same values and scales,
+  stored fused per MoE layer beside the dense name they replace, ``experts.gate_up_proj_blocks``
+  uint8 [E, out, in/32, 16] and ``experts.gate_up_proj_scales`` uint8 [E, out, in/32], decoded as
+  transformers' ``convert_moe_packed_tensors`` does and transposed to the dense tensor's [in, out].
 
 The layouts follow the compressed-tensors and DeepSeek sources (see
 shared/reference/deepseek-v3-hf.md §4.1, §4.4, §4.5). Only numpy and ml_dtypes; every function is
@@ -273,13 +277,16 @@ def dequant_mxfp4(weight_packed: np.ndarray, weight_scale: np.ndarray, *, name: 
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """How a quantised Linear sits on disk: the tensors that replace its dense ``...weight``, named
-    by the suffix that takes the place of ``weight`` (``…proj.weight`` -> ``…proj.weight_scale_inv``)."""
+    """How a quantised Linear sits on disk: the tensors that replace its dense tensor, named by the
+    suffix that takes the place of `replaces` at the end of the dense name (``…proj.weight`` ->
+    ``…proj.weight_scale_inv``; gpt-oss: ``experts.gate_up_proj`` -> ``experts.gate_up_proj_blocks``)."""
 
     name: str
     tensor_suffixes: tuple[str, ...]
     optional_suffixes: tuple[str, ...]
     description: str
+    replaces: str = "weight"          # the end of the dense name the suffixes replace ("": appended)
+    packed_suffix: str | None = None  # the suffix of the tensor holding packed 4-bit values
 
 
 QUANT_FORMATS: dict[str, QuantFormat] = {
@@ -295,24 +302,74 @@ QUANT_FORMATS: dict[str, QuantFormat] = {
         # only for symmetric: false; never in Kimi checkpoints
         optional_suffixes=("weight_zero_point",),
         description='compressed-tensors "pack-quantized": 8 int4 per int32, one scale per group',
+        packed_suffix="weight_packed",
     ),
     "mxfp4": QuantFormat(
         name="mxfp4",
         tensor_suffixes=("weight_packed", "weight_scale"),
         optional_suffixes=(),
         description='compressed-tensors "mxfp4-pack-quantized": 2 e2m1 per byte, E8M0 scale per 32',
+        packed_suffix="weight_packed",
+    ),
+    "gpt_oss_mxfp4": QuantFormat(
+        name="gpt_oss_mxfp4",
+        tensor_suffixes=("_blocks", "_scales"),
+        optional_suffixes=(),
+        description='gpt-oss quant_method "mxfp4": fused experts as *_blocks (2 e2m1 per byte, 16 bytes per '
+                    'block of 32) and *_scales (E8M0 per block)',
+        replaces="",
+        packed_suffix="_blocks",
     ),
 }
+
+GPT_OSS_BLOCK_BYTES = MXFP4_GROUP_SIZE // 2   # the last axis of a gpt-oss *_blocks tensor
+
+
+def quant_stem(weight_name: str, format_name: str) -> str | None:
+    """The part of a dense tensor name its quantised tensors share in ``format_name`` (``x.`` for
+    ``x.weight``; gpt-oss: the whole name), or None for a name the format does not quantise."""
+    replaces = _format(format_name).replaces
+    if not weight_name.endswith(replaces):
+        return None
+    return weight_name[: len(weight_name) - len(replaces)]
 
 
 def companion_tensor_names(weight_name: str, format_name: str) -> tuple[str, ...]:
     """The on-disk tensors holding the Linear whose dense weight is ``weight_name`` (ending in
-    ``weight``) in ``format_name``, required ones only; e.g. ``("x.weight", "x.weight_scale_inv")``."""
-    fmt = _format(format_name)
-    if not weight_name.endswith("weight"):
-        raise CheckpointError(f"{weight_name}: expected a tensor name ending in 'weight'")
-    stem = weight_name[: -len("weight")]
-    return tuple(stem + suffix for suffix in fmt.tensor_suffixes)
+    ``weight``; gpt-oss: any name) in ``format_name``, required ones only; e.g.
+    ``("x.weight", "x.weight_scale_inv")``."""
+    stem = quant_stem(weight_name, format_name)
+    if stem is None:
+        raise CheckpointError(f"{weight_name}: expected a tensor name ending in {_format(format_name).replaces!r}")
+    return tuple(stem + suffix for suffix in _format(format_name).tensor_suffixes)
+
+
+def fused_companions(layout: dict, format_name: str | None) -> dict:
+    """A fused-expert layout (`moejax.hf.fused_experts.FusedExpertsReader`'s: stored name -> (per-expert
+    templates, rank)) with, for a format stored fused beside the dense names (gpt-oss's), each matrix's
+    quantised tensors too: ``gate_up_proj_blocks`` [E, out, in/32, 16] and ``gate_up_proj_scales``
+    [E, out, in/32], each expert's slab presented under its per-expert name."""
+    if format_name is None or _format(format_name).replaces:
+        return layout
+    out = dict(layout)
+    for stored, (templates, rank) in layout.items():
+        if rank == 3:   # a matrix per expert (biases are not quantised)
+            out[stored + "_blocks"] = (tuple(t + "_blocks" for t in templates), rank + 1)
+            out[stored + "_scales"] = (tuple(t + "_scales" for t in templates), rank)
+    return out
+
+
+def dequant_gpt_oss_mxfp4(blocks: np.ndarray, scales: np.ndarray, *, name: str) -> np.ndarray:
+    """One expert's gpt-oss MXFP4 matrix as float32 [in, out] (the dense tensor's layout): blocks
+    uint8 [out, in/32, 16] are compressed-tensors' packing with each row's bytes split in blocks of 16
+    (low nibble first), scales uint8 [out, in/32] its E8M0 exponents (transformers'
+    ``convert_moe_packed_tensors``, then its transpose; `moejax.hf.check` requires in to be a
+    multiple of 32)."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.ndim != 3 or blocks.shape[2] != GPT_OSS_BLOCK_BYTES:
+        raise CheckpointError(f"{name}_blocks: shape {list(blocks.shape)}, expected [out, in/32, {GPT_OSS_BLOCK_BYTES}]")
+    w = dequant_mxfp4(blocks.reshape(blocks.shape[0], -1), scales, name=name)
+    return w.T
 
 
 def _format(format_name: str) -> QuantFormat:
@@ -326,7 +383,8 @@ def _format(format_name: str) -> QuantFormat:
 
 _SUPPORTED_CONFIGS = (
     'quant_method "fp8" with weight_block_size (fp8_block); quant_method "compressed-tensors" with '
-    'format "pack-quantized", 4-bit int (int4_pack) or "mxfp4-pack-quantized" (mxfp4)'
+    'format "pack-quantized", 4-bit int (int4_pack) or "mxfp4-pack-quantized" (mxfp4); gpt-oss\'s '
+    'quant_method "mxfp4" (gpt_oss_mxfp4)'
 )
 
 _COMPRESSED_TENSORS_FORMATS = {"pack-quantized": "int4_pack", "mxfp4-pack-quantized": "mxfp4"}
@@ -343,6 +401,8 @@ def detect_format(quantization_config: dict | None) -> str | None:
         return _detect_fp8(quantization_config)
     if method == "compressed-tensors":
         return _detect_compressed_tensors(quantization_config)
+    if method == "mxfp4":
+        return "gpt_oss_mxfp4"
     raise CheckpointError(
         f"quantization_config: unsupported quant_method {method!r}; supported: {_SUPPORTED_CONFIGS}"
     )
@@ -407,7 +467,9 @@ def read_decoded(reader, name: str, stored: tuple, fmt: str | None, qcfg: dict |
     scores that read expert weights) decode exactly as the model does."""
     if stored == (name,):
         return reader.read(name)
-    stem = name[: -len("weight")]
+    stem = quant_stem(name, fmt)
+    if fmt == "gpt_oss_mxfp4":
+        return dequant_gpt_oss_mxfp4(reader.read(stem + "_blocks"), reader.read(stem + "_scales"), name=name)
     if fmt == "fp8_block":
         return dequant_fp8_block(reader.read(name), reader.read(stem + "weight_scale_inv"),
                                  tuple(qcfg["weight_block_size"]), name=name)
