@@ -279,3 +279,42 @@ def test_carried_merges_equal_the_merged_checkpoint_in_transformers(gpt_oss, tmp
         nll = torch.nn.functional.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]),
                                                 torch.as_tensor(heldout[:, 1:], dtype=torch.long).reshape(-1))
     assert got == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+
+
+def test_substitution_keeps_the_fused_layout_compact_and_reads_back_exactly(gpt_oss, tmp_path):
+    """`moejax prune --substitute` on gpt-oss (experts stored only fused): each fused tensor holds
+    the retained experts' slabs, the source's bytes, in ascending order (constant-v1's
+    compact_retained_experts), each substituted expert its float32 constant; `load_substituted`
+    presents the rows under their logical indices, and its logits equal the source model's under
+    the same substitution computed in memory."""
+    from moejax.cli import main
+    from moejax.hf.io.checkpoint_reader import CheckpointReader
+    from moejax.scoring.observe import calibrate_streamed
+    from moejax.surgery.substitute import load_substituted, plan_substitution, substitution_maps
+
+    path, _, source = gpt_oss
+    ids = np.random.default_rng(8).integers(2, 96, size=(6, 20)).astype(np.int32)
+    np.save(tmp_path / "calib.npy", ids)
+    dst = tmp_path / "sub"
+    assert main(["prune", str(path), str(dst), "--substitute", "--score", "mone", "--keep", "4",
+                 "--tokens", str(tmp_path / "calib.npy"), "--batch-size", "4"]) == 0
+    stats = calibrate_streamed(path, [(ids[:4], None), (ids[4:], None)], progress=False)
+    kept = plan_substitution(stats, "mone", 4, TEST["num_experts_per_tok"])
+    a, b = CheckpointReader(path), CheckpointReader(dst)
+    for l, k in kept.items():
+        retained = sorted(k)
+        for part in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            name = f"model.layers.{l}.mlp.experts.{part}"
+            assert b.read(name).tobytes() == a.read(name)[retained].tobytes()
+        for e in set(range(8)) - set(retained):
+            assert b.info(f"model.layers.{l}.mlp.experts.{e}.approx_value").dtype == "F32"
+    model, maps = load_substituted(dst)
+    expected = substitution_maps(stats, kept)
+    for layer, em in maps.items():
+        assert np.array_equal(em.novice_E, expected[layer].novice_E)
+        np.testing.assert_array_equal(em.constants_EH, expected[layer].constants_EH)
+    test_ids, mask = batch(96, seed=9)
+    got = np.asarray(model(jnp.asarray(test_ids), jnp.asarray(mask), variant=maps).logits_BSV)
+    want = np.asarray(source(jnp.asarray(test_ids), jnp.asarray(mask), variant=expected).logits_BSV)
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(want - np.asarray(source(jnp.asarray(test_ids), jnp.asarray(mask)).logits_BSV)).max() > 1e-3

@@ -157,21 +157,36 @@ class SubstitutedExpertsView:
     of the shape and dtype of the same tensors of the layer's first retained expert (never computed:
     `load_substituted`'s ExpertMap marks those slots novice, so their pairs are absent or weighted
     0), and the constant tensors are hidden from `keys` (read them with `constant`). Everything
-    else is the wrapped reader's. Refused: a substituted expert that still has weight tensors, a
-    missing or non-[H] constant, quantised or fused expert tensors (vLLM's constant-v1 loads
-    unquantised per-expert tensors only)."""
+    else is the wrapped reader's. A family stored only fused (gpt-oss) holds its retained experts
+    compacted, row i of each fused tensor the i-th retained expert in ascending order (the format's
+    compact_retained_experts), presented here under their logical indices. Refused: a substituted
+    expert that still has weight tensors, a missing or non-[H] constant, quantised expert tensors
+    (vLLM's loader refuses quantised MoE weights with the format)."""
 
     def __init__(self, reader, substitution: Substitution, hidden_size: int, fmt: str | None):
         where = reader.directory
-        if fmt is not None or reader.fused_names:
-            raise CheckpointError(f"{where}: {describe(substitution)} ({FORMAT}), with "
-                                  f"{'quantised (' + fmt + ')' if fmt else 'fused'} expert tensors; the format holds "
-                                  "unquantised per-expert tensors only")
+        if fmt is not None:
+            raise CheckpointError(f"{where}: {describe(substitution)} ({FORMAT}), with quantised ({fmt}) expert "
+                                  "tensors; the format holds unquantised expert tensors only")
         self._inner, self.substitution = reader, substitution
         self._zeros: dict[str, str] = {}   # presented name -> the retained tensor it copies shape and dtype from
         self._hidden: set[str] = set()
-        keys = reader.keys()
+        self._alias: dict[str, str] = {}   # a compact fused row's logical name -> the inner reader's (row) name
         problems = []
+        for layer, values in substitution.values.items():
+            prefix = substitution.prefixes[layer]
+            retained = [e for e in range(substitution.n_experts[layer]) if e not in values]
+            for name in reader.keys():   # compact fused rows: row i is retained expert retained[i]
+                m = re.match(r"(\d+)\.(.+)$", name[len(prefix) + 1:]) if name.startswith(prefix + ".") else None
+                if m and reader.holder(name) != name:
+                    row = int(m.group(1))
+                    if row >= len(retained):
+                        problems.append(f"layer {layer}: {reader.holder(name)} holds more rows than the "
+                                        f"{len(retained)} retained experts")
+                        continue
+                    self._alias[f"{prefix}.{retained[row]}.{m.group(2)}"] = name
+        self._aliased = set(self._alias.values())
+        keys = self.keys()
         for layer, values in substitution.values.items():
             prefix = substitution.prefixes[layer]
             own = {}
@@ -206,34 +221,45 @@ class SubstitutedExpertsView:
             raise AttributeError(name)
         return getattr(self._inner, name)
 
+    def _in(self, name: str) -> str:
+        """The inner reader's name of a presented one (a compact fused row's: its row's)."""
+        return self._alias.get(name, name)
+
     def keys(self) -> list[str]:
-        return sorted((set(self._inner.keys()) - self._hidden) | set(self._zeros))
+        return sorted((set(self._inner.keys()) - self._hidden - self._aliased) | set(self._alias) | set(self._zeros))
 
     def __contains__(self, name: str) -> bool:
-        return name in self._zeros or (name in self._inner and name not in self._hidden)
+        return name in self._zeros or name in self._alias or (
+            name in self._inner and name not in self._hidden and name not in self._aliased)
 
     def info(self, name: str):
         if name in self._zeros:  # shape and dtype of its template; no bytes of its own (read_bytes refuses)
-            return dataclasses.replace(self._inner.info(self._zeros[name]), name=name)
-        return self._inner.info(name)
+            return dataclasses.replace(self._inner.info(self._in(self._zeros[name])), name=name)
+        return dataclasses.replace(self._inner.info(self._in(name)), name=name)
 
     def read(self, name: str) -> np.ndarray:
         if name in self._zeros:
-            info = self._inner.info(self._zeros[name])
+            info = self._inner.info(self._in(self._zeros[name]))
             return np.zeros(info.shape, numpy_dtype(info.dtype, name))
-        return self._inner.read(name)
+        return self._inner.read(self._in(name))
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self.read(name)[start:stop] if name in self._zeros else self._inner.read_rows(name, start, stop)
+        return self.read(name)[start:stop] if name in self._zeros else self._inner.read_rows(self._in(name), start, stop)
 
     def shard_of(self, name: str):
-        return self._inner.shard_of(self._zeros.get(name, name))
+        return self._inner.shard_of(self._in(self._zeros.get(name, name)))
+
+    def holder(self, name: str) -> str:
+        return self._inner.holder(self._in(self._zeros.get(name, name)))
+
+    def stored_name(self, name: str) -> str:
+        return self._inner.stored_name(self._in(name))
 
     def read_bytes(self, name: str) -> bytes:
         if name in self._zeros:
             raise CheckpointError(f"{self._inner.directory}: {name} belongs to a substituted expert ({FORMAT}) "
                                   "and has no stored bytes")
-        return self._inner.read_bytes(name)
+        return self._inner.read_bytes(self._in(name))
 
     def constant(self, name: str) -> np.ndarray:
         """A substituted expert's constant [H] in float32."""

@@ -73,7 +73,7 @@ def _row_slice(reader: CheckpointReader, name: str, kept: list[int]) -> RawTenso
                      b"".join(data[i * row:(i + 1) * row] for i in kept))
 
 
-def _fused_rows(reader: FusedExpertsReader, name: str, slabs: list[list[str]], kept: list[int],
+def fused_rows(reader: FusedExpertsReader, name: str, slabs: list[list[str]], kept: list[int],
                 replaced) -> JoinedTensor:
     """The stored fused expert tensor `name` [E, ...] cut to the experts `kept`, in that order:
     each kept expert's slab is the byte ranges of its per-expert tensors (`slabs`, in row order),
@@ -113,7 +113,7 @@ def write_pruned(reader: FusedExpertsReader, layout: CheckpointLayout, plan: Pru
             if slabs is not None:  # fused experts: written back fused, under the stored name
                 layer = layer_of(name)
                 if layer not in plan.dropped_layers:
-                    tensors.append((name, _fused_rows(reader, name, slabs, plan.kept[layer], replaced)))
+                    tensors.append((name, fused_rows(reader, name, slabs, plan.kept[layer], replaced)))
                 continue
             view = reader.view_name(name)  # a router beside fused experts goes by the family's name
             new_name = renames.get(view, view)

@@ -10,8 +10,10 @@ bias and is chosen exactly as before; when chosen with gate g it returns g * con
 
 Three steps, as `moejax merge` does them:
 
-1. Checks before the pass: destination, checkpoint (a quantised or fused-expert source is refused:
-   the format holds unquantised per-expert tensors; an already substituted one is refused by the
+1. Checks before the pass: destination, checkpoint (a quantised source is refused, and a fused one
+   of a family that has a per-expert spelling: the format names retained experts' tensors by their
+   logical index; gpt-oss, stored only fused, keeps its fused tensors compacted to the retained
+   experts; an already substituted one is refused by the
    check), the score (any registered score ranks: a calibration score, or a data-free one such as
    l1, read from the same pass that gives the constants; the one rule of toy3 and the experiments'
    `substitutes`), the keep (per layer, never below top_k), the calibration data (tokenised now).
@@ -58,7 +60,7 @@ from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import LayerStats, check_score_names, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
-from moejax.surgery.prune import other_files, write_folder, write_index, write_shard
+from moejax.surgery.prune import fused_rows, other_files, write_folder, write_index, write_shard
 from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.surgery.prune_plan import PrunePlan, rewrite_mtp
 from moejax.variants.spec import VariantSpec
@@ -141,11 +143,14 @@ def write_substituted(reader, layout, substituted: dict[int, list[int]], constan
     added as float32 `{experts prefix}.{e}.approx_value` to the shard of its layer's router.
     Returns the weight map (name -> shard file); the index is written when the source has one or
     there are several shards. Names are the stored ones (an MTP block stored apart keeps its own);
-    dropped_layers: MTP layers left out whole (--mtp drop)."""
+    a family stored only fused (gpt-oss) keeps its fused tensors, cut to the retained experts'
+    slabs in ascending order (the format's compact_retained_experts; `SubstitutedExpertsView` reads
+    row i as the i-th retained expert). dropped_layers: MTP layers left out whole (--mtp drop)."""
     stored = reader.reader
-    dropped, added = set(), {}
+    dropped, added, retained = set(), {}, {}
     for layer, experts in substituted.items():
         ml = layout.moe_layers[layer]
+        retained[layer] = [e for e in range(ml.n_experts) if e not in set(experts)]
         prefix = reader.stored_name(ml.stem + "experts.")[:-1]
         for i, e in enumerate(experts):
             dropped.update(reader.stored_name(n) for n in ml.experts[e])
@@ -154,7 +159,15 @@ def write_substituted(reader, layout, substituted: dict[int, list[int]], constan
     dropped.update(reader.stored_name(n) for n in reader.keys() if layer_of(n) in dropped_layers)
     weight_map, total = {}, 0
     for path in tqdm(stored.files(), desc="shards", unit="shard", disable=not progress):
-        tensors = [(name, stored.info(name)) for name in stored.names_in(path) if name not in dropped]
+        tensors = []
+        for name in stored.names_in(path):
+            slabs, layer = reader.expert_slabs(name), layer_of(name)
+            if name in dropped or (slabs is not None and layer in dropped_layers):
+                continue
+            if slabs is not None and layer in retained:   # fused experts: the retained experts' slabs
+                tensors.append((name, fused_rows(reader, name, slabs, retained[layer], None)))
+            else:
+                tensors.append((name, stored.info(name)))
         tensors += added.get(path, [])
         if tensors:
             total += write_shard(staging, stored, path, tensors, weight_map)
@@ -163,13 +176,13 @@ def write_substituted(reader, layout, substituted: dict[int, list[int]], constan
 
 
 def check_substitute_request(checked, score: str, keep) -> None:
-    """Everything decided by the settings and the checkpoint's headers, before the pass: a float,
-    per-expert (unfused) source; a calibration score the model supports; the keep per MoE layer
+    """Everything decided by the settings and the checkpoint's headers, before the pass: a float
+    source, per expert unless the family is stored only fused (gpt-oss); a calibration score the model supports; the keep per MoE layer
     (never below top_k)."""
     if checked.fmt is not None:
         raise CheckpointError(f"{checked.path}: quantised ({checked.fmt}); expert substitution ({fmt.FORMAT}) holds "
                               "unquantised expert tensors (vLLM's loader refuses quantised MoE weights with it)")
-    if checked.reader.fused_names:
+    if checked.reader.fused_names and not checked.family.stores_fused:
         raise CheckpointError(f"{checked.path}: expert tensors in transformers 5's fused form (mlp.experts."
                               f"gate_up_proj); {fmt.FORMAT} names each retained expert's tensors by its logical "
                               "index, so save the source per expert (save_original_format=True) first")
