@@ -7,7 +7,10 @@ import pytest
 
 from moejax.moe import dispatch as D
 from moejax.moe import grouped as G
+from moejax.moe.neurons import NEURON_LAYOUTS
 from moejax.moe.routing import RouterConfig, route
+
+SWIGLU_NEURONS = tuple(sorted(NEURON_LAYOUTS["swiglu"].items()))   # AveragedRows' static layout
 
 T, E, DM, H, K = 96, 16, 8, 12, 3
 
@@ -202,7 +205,7 @@ def test_averaged_rows_in_a_table_compute_what_their_made_rows_do():
     shares = rng.uniform(0.1, 1.0, E).astype(np.float32)
     perms = np.stack([rng.permutation(F) for _ in range(E)]).astype(np.int32)
     rows = AveragedRows(jnp.asarray(members), jnp.asarray(counts), jnp.asarray(shares), jnp.asarray(perms),
-                        (("down", 0), ("gate", 1), ("up", 1)), np.float32)
+                        SWIGLU_NEURONS, np.float32)
     parts = (w, rows)
     assert G.table_rows(parts) == E + 4
     made = G.joined(parts)
@@ -233,8 +236,7 @@ def test_averaged_rows_convert_one_member_at_a_time():
     members, counts = np.zeros((n, n), np.int32), np.zeros(n, np.int32)
     members[0, :4], counts[0] = [1, 2, 3, 4], 4
     rows = AveragedRows(jnp.asarray(members), jnp.asarray(counts), jnp.full((n,), 0.25, jnp.float32),
-                        jnp.tile(jnp.arange(ffn, dtype=jnp.int32), (n, 1)), (("down", 0), ("gate", 1), ("up", 1)),
-                        ml_dtypes.bfloat16)
+                        jnp.tile(jnp.arange(ffn, dtype=jnp.int32), (n, 1)), SWIGLU_NEURONS, ml_dtypes.bfloat16)
     x = jnp.asarray(rng.standard_normal((64, hidden)).astype(ml_dtypes.bfloat16))
     idx = jnp.asarray(rng.integers(0, 2 * n, (64, 2)))
     compiled = jax.jit(G.exact_expert_loop_combined, static_argnums=(4,)).lower(
