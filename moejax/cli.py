@@ -326,8 +326,10 @@ def _prune_parser(sub) -> None:
 
 
 def _mtp_argument(p) -> None:
-    """--mtp, the one MTP policy of prune, merge and --substitute (`moejax.surgery.prune_plan.check_mtp_policy`)."""
-    p.add_argument("--mtp", default="prune", choices=["prune", "keep", "drop"],
+    """--mtp, the one MTP policy of score, prune, merge and --substitute (`moejax.hf.mtp_names`)."""
+    from moejax.hf.mtp_names import MTP_DEFAULT, MTP_POLICIES
+
+    p.add_argument("--mtp", default=MTP_DEFAULT, choices=MTP_POLICIES,
                    help="MTP layers: prune (default: with the trunk's keep, by their own scores; config.json's one "
                         "expert count then holds for them), keep (full width), drop (removed)")
 

@@ -173,18 +173,16 @@ class SubstitutedExpertsView:
         self._hidden: set[str] = set()
         self._alias: dict[str, str] = {}   # a compact fused row's logical name -> the inner reader's (row) name
         problems = []
-        for layer, values in substitution.values.items():
-            prefix = substitution.prefixes[layer]
-            retained = [e for e in range(substitution.n_experts[layer]) if e not in values]
-            for name in reader.keys():   # compact fused rows: row i is retained expert retained[i]
-                m = re.match(r"(\d+)\.(.+)$", name[len(prefix) + 1:]) if name.startswith(prefix + ".") else None
-                if m and reader.holder(name) != name:
-                    row = int(m.group(1))
-                    if row >= len(retained):
-                        problems.append(f"layer {layer}: {reader.holder(name)} holds more rows than the "
-                                        f"{len(retained)} retained experts")
-                        continue
-                    self._alias[f"{prefix}.{retained[row]}.{m.group(2)}"] = name
+        retained_of = {substitution.prefixes[l]: [e for e in range(substitution.n_experts[l]) if e not in values]
+                       for l, values in substitution.values.items()}
+        for name in reader.keys():   # compact fused rows (a slab of a fused tensor): row i is retained expert i
+            m = re.match(r"(.+\.experts)\.(\d+)\.(.+)$", name)
+            if m and m.group(1) in retained_of and reader.holder(name) != reader.stored_name(name):
+                retained, row = retained_of[m.group(1)], int(m.group(2))
+                if row >= len(retained):
+                    problems.append(f"{reader.holder(name)} holds more rows than the {len(retained)} retained experts")
+                    continue
+                self._alias[f"{m.group(1)}.{retained[row]}.{m.group(3)}"] = name
         self._aliased = set(self._alias.values())
         keys = self.keys()
         for layer, values in substitution.values.items():

@@ -259,7 +259,6 @@ def mtp_rows(cfg, layer: int, mask_BS):
     return None if mask_BS is None else np.asarray(mask_BS)[:, mtp_shift(cfg, layer):]
 
 
-
 @functools.partial(jax.jit, static_argnums=0)
 def _mtp_input(graphdef, state, embedded_BSH, state_BSH):
     return nnx.merge(graphdef, state).block_input(embedded_BSH, state_BSH)

@@ -79,7 +79,7 @@ def _average_into(out: dict, experts: list[dict], freq, perms: list) -> dict:
         cast, moved = np.empty_like(acc), np.empty_like(acc)
         for i, (share, e, perm) in enumerate(zip(shares, experts, perms)):
             np.copyto(cast, np.asarray(e[k]))
-            m = cast if perm is None or layout[k] is None else permute(cast, perm, layout[k], out=moved)
+            m = cast if perm is None else permute(cast, perm, layout[k], out=moved)
             if i == 0:
                 np.multiply(m, share, out=acc)
             else:

@@ -23,12 +23,12 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.io.location import open_location
 from moejax.hf.io.staging import check_apart, text_inputs
 from moejax.hf.io.storage import require_local
+from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint, router_fingerprint
 from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.results import check_output_file, write_json_atomic, write_parquet_atomic
 from moejax.scoring.scores import DATA_FREE_SCORES, OUTPUT_SCORES, check_score_names, compute_scores, scores_for
 from moejax.scoring.data_free import data_free_stats
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 
 DEFAULT_SEQ_LEN = 512  # or the model's max_position_embeddings when that is shorter
 

@@ -45,6 +45,7 @@ from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.model_io import opened
+from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.moe.neurons import check_mergeable
 from moejax.merging.allocation import ALLOCATIONS, layer_counts
@@ -56,7 +57,6 @@ from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import OUTPUT_SCORES, StatsAccumulator, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.surgery.prune import other_files, write_folder
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.surgery.prune_plan import per_group_needed, plan_pruning
 from moejax.variants.spec import VariantSpec
 
@@ -165,7 +165,7 @@ class MergedTensors:
         return np.ascontiguousarray(value.T if transpose else value)
 
 
-def _check_before_pass(checked, count: int, keep, allocation: str, collapse_groups: bool, mtp: str) -> None:
+def _check_before_pass(checked, ckpt, count: int, keep, allocation: str, collapse_groups: bool, mtp: str) -> None:
     """What the plan would refuse after the calibration pass, when the settings alone decide it:
     an MTP layer --mtp prune would merge that the pass cannot run (no predictor), and a uniform cluster
     count that no choice of leaders can spread over the routing groups as group-limited routing
@@ -173,7 +173,6 @@ def _check_before_pass(checked, count: int, keep, allocation: str, collapse_grou
     collapse_groups. Whether the leaders actually fall evenly into the groups is known only after."""
     cfg = checked.config
     if check_mtp_policy(mtp) == "prune":  # the pass runs each MTP layer: refused now if it cannot
-        ckpt = opened(checked)
         for layer in (l for l in checked.layout.moe_layers if l >= cfg.num_hidden_layers):
             ckpt.mtp_specs(layer)
     routing = cfg.router_settings()
@@ -206,14 +205,15 @@ def _check_settings(method: MergeMethod, allocation: str, dtype: str, batch_size
         raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({method.seed_use})")
 
 
-def _check_checkpoint(checked, method: MergeMethod, keep, allocation: str, collapse_groups: bool, mtp: str,
+def _check_checkpoint(checked, ckpt, method: MergeMethod, keep, allocation: str, collapse_groups: bool, mtp: str,
                       sequential: bool) -> int:
-    """The checkpoint against the settings, before the pass; returns the uniform cluster count."""
+    """The checkpoint (checked, and opened: `ckpt`) against the settings, before the pass; returns the
+    uniform cluster count."""
     cfg = checked.config
     _refuse_quantised(checked)
     check_mergeable(cfg.EXPERT_KIND, f"{checked.path}: {cfg.TITLE}")
     count = resolve_keep(keep, cfg.n_experts, cfg.num_experts_per_tok)  # a bad --keep fails before the pass
-    _check_before_pass(checked, count, keep, allocation, collapse_groups, mtp)
+    _check_before_pass(checked, ckpt, count, keep, allocation, collapse_groups, mtp)
     if sequential and collapse_groups and cfg.router_settings().get("n_group", 1) > 1:
         raise ConfigError(f"{checked.path}: --sequential with --collapse-groups: the written checkpoint would route "
                           "without the routing groups the sequential pass routes its calibration stream with; keep "
@@ -266,8 +266,8 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src)
-    count = _check_checkpoint(checked, method, keep, allocation, collapse_groups, mtp, sequential)
     ckpt, cfg = opened(checked), checked.config
+    count = _check_checkpoint(checked, ckpt, method, keep, allocation, collapse_groups, mtp, sequential)
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)

@@ -194,7 +194,7 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
     before the first byte is written. mtp: MTP layers pruned with the trunk's keep by their own
-    scores, kept whole, or removed (`moejax.surgery.prune_plan.check_mtp_policy`)."""
+    scores, kept whole, or removed (`moejax.hf.mtp_names.check_mtp_policy`)."""
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json")))
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json

@@ -21,7 +21,7 @@ from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
-from moejax.hf.mtp_names import check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.merging.allocation import layer_counts
 from moejax.scoring.data_free import data_free_stats
 from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, compute_scores
@@ -122,7 +122,7 @@ def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
 
 def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
-                 collapse_groups: bool = False, mtp: str = "prune", seed: int = 0,
+                 collapse_groups: bool = False, mtp: str = MTP_DEFAULT, seed: int = 0,
                  layer_scores: dict | None = None, allocation: str = "uniform", leaders: bool = False) -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
     writing when the request is not well defined (SPEC section 2). layer_scores: {layer: [E]}
@@ -230,7 +230,7 @@ def _rewrite_expert_counts(cfg, kept: dict, dropped: tuple, new_config: dict, no
     """new_config's expert count: the largest kept, under every spelling the source has; counts
     that differ between layers listed in moe_sparsity_config.num_experts (with a note)."""
     kept_counts = {l: int(m.sum()) for l, m in kept.items()}
-    largest = max(c for l, c in kept_counts.items() if l < cfg.num_hidden_layers)  # an MTP layer kept whole may hold more
+    largest = _trunk_largest(kept_counts, cfg.num_hidden_layers)
     for key in cfg.keys_of(cfg.EXPERTS_FIELD):  # every spelling the source has (they must agree)
         new_config[key] = largest
     new_config.pop("moe_sparsity_config", None)  # a source pruned per layer: its counts are the source's
@@ -241,6 +241,12 @@ def _rewrite_expert_counts(cfg, kept: dict, dropped: tuple, new_config: dict, no
                      "moe_sparsity_config.num_experts lists each layer's count; moejax loads, scores, evaluates "
                      f"and prunes it (stock transformers and vLLM build every layer with {cfg.experts_key} experts "
                      "and will not load it)")
+
+
+def _trunk_largest(kept_counts: dict, n_layers: int) -> int:
+    """The largest kept count of the decoder layers: config.json's one count (an MTP layer kept
+    whole, --mtp keep, may hold more and is listed in moe_sparsity_config)."""
+    return max(c for l, c in kept_counts.items() if l < n_layers)
 
 
 def rewrite_mtp(cfg, dropped: tuple, new_config: dict, notes: list) -> None:
@@ -288,7 +294,7 @@ def _listed_layers(cfg, kept_counts: dict, dropped: tuple) -> range:
     mtp = range(n_layers, n_layers + (0 if dropped else cfg.num_nextn_predict_layers))
     if mtp and all(l in kept_counts for l in mtp):
         return range(mtp.stop)
-    largest = max(c for l, c in kept_counts.items() if l < n_layers)
+    largest = _trunk_largest(kept_counts, n_layers)
     unlisted = {l: c for l, c in kept_counts.items() if l >= n_layers and c != largest}
     if unlisted:
         raise ConfigError(f"MTP layer(s) {sorted(unlisted)} would keep {unlisted} experts, which config.json cannot "

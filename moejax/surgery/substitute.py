@@ -56,12 +56,12 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.io.storage import require_local
 from moejax.hf.layout import layer_of
+from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import LayerStats, check_score_names, compute_scores, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import fused_rows, other_files, write_folder, write_index, write_shard
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.surgery.prune_plan import PrunePlan, rewrite_mtp
 from moejax.variants.spec import VariantSpec
 
