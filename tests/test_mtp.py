@@ -222,3 +222,24 @@ def test_substitute_follows_the_mtp_policy(checkpoints, calibration, tmp_path):
     assert main(["prune", str(src), str(tmp_path / "drop"), *common, "--mtp", "drop"]) == 0
     assert not any(n.startswith(f"model.layers.{L}.") for n in CheckpointReader(tmp_path / "drop").keys())
     assert json.loads((tmp_path / "drop" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_substitute_refuses_an_mtp_block_its_format_cannot_name(checkpoints, calibration, tmp_path, monkeypatch, capsys):
+    """Qwen3.5-MoE's MTP block is stored apart (`mtp.layers.0.mlp.experts`), and constant-v1 reads a
+    target's decoder layer from the one integer in its path (layer 0 here): --mtp prune is refused
+    naming it, before the calibration pass and with nothing written (it wrote a folder no reader
+    could parse); --mtp keep substitutes the trunk, writes the MTP block whole and reads back."""
+    import moejax.inference.stream as stream
+    from moejax.surgery.substitute import load_substituted
+
+    src, _ = checkpoints["qwen3_5_moe"]
+    common = ["--substitute", "--score", "mone", "--keep", "4", "--tokens", str(calibration / "calib.npy")]
+    with monkeypatch.context() as m:
+        m.setattr(stream, "stream_layers", lambda *a, **k: pytest.fail("the calibration pass ran"))
+        assert main(["prune", str(src), str(tmp_path / "sub"), *common]) == 2
+    assert "mtp.layers.0.mlp.experts" in capsys.readouterr().err and not (tmp_path / "sub").exists()
+    assert main(["prune", str(src), str(tmp_path / "keep"), *common, "--mtp", "keep"]) == 0
+    reader = CheckpointReader(tmp_path / "keep")
+    assert all(reader.read_bytes(n) == CheckpointReader(src).read_bytes(n) for n in reader.keys() if n.startswith("mtp."))
+    _, maps = load_substituted(tmp_path / "keep")
+    assert sorted(maps) == [0, 1, 2]

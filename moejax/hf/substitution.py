@@ -97,6 +97,18 @@ def _decoder_layer(path: str) -> int | None:
     return numbers[0] if len(numbers) == 1 else None
 
 
+def check_targets(prefixes: dict[int, str], where) -> None:
+    """Refuse, before any pass, experts prefixes ({MoE layer: prefix}) a declaration cannot name as
+    vLLM's parser reads it: each target is the decoder layer of the one integer in its path, so that
+    integer must be the layer's own index. Qwen3.5-MoE's MTP block, stored apart as
+    `mtp.layers.0.mlp.experts`, would read as decoder layer 0."""
+    wrong = {l: p for l, p in prefixes.items() if _decoder_layer(p) != l}
+    if wrong:
+        raise CheckpointError(f"{where}: {FORMAT} names a layer's experts by the one integer in their path, which "
+                              f"for {wrong} is not the layer's own index (an MTP block stored apart); substitute "
+                              "with --mtp keep (written whole) or --mtp drop")
+
+
 def parse_substitution(config: dict, where="config.json") -> Substitution | None:
     """The substitution config.json declares (None when it declares none), checked as vLLM checks
     it; anything else raises a CheckpointError naming the key and what was expected."""

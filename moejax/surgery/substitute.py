@@ -223,8 +223,11 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # a substituted source is refused here, by name
     check_substitute_request(checked, score, keep)
-    check_mtp_policy(mtp)
     cfg, reader, layout = checked.config, checked.reader, checked.layout
+    mtp_layers = sorted(l for l in layout.moe_layers if l >= cfg.num_hidden_layers)
+    prefixes = {l: reader.stored_name(ml.stem + "experts.")[:-1] for l, ml in layout.moe_layers.items()
+                if check_mtp_policy(mtp) == "prune" or l not in mtp_layers}   # the layers the pass substitutes
+    fmt.check_targets(prefixes, checked.path)
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
@@ -234,7 +237,6 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     substituted = {l: [e for e in range(stats[l].n_experts) if e not in set(k)] for l, k in kept.items()}
     constants = {l: stats[l].mean_output_EH[experts] for l, experts in substituted.items()}
     notes = list(file_notes)
-    mtp_layers = sorted(l for l in layout.moe_layers if l >= cfg.num_hidden_layers)
     dropped = tuple(mtp_layers) if mtp == "drop" else ()
     config = cfg.to_dict()
     if mtp_layers and mtp == "keep":
@@ -247,9 +249,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     if any(unrouted.values()):
         notes.append("substituted experts no calibration token chose return 0: "
                      + ", ".join(f"layer {l}: {e}" for l, e in unrouted.items() if e))
-    entry = fmt.declaration(substituted, {l: reader.stored_name(layout.moe_layers[l].stem + "experts.")[:-1]
-                                          for l in substituted},
-                            {l: stats[l].n_experts for l in substituted})
+    entry = fmt.declaration(substituted, prefixes, {l: stats[l].n_experts for l in substituted})
     config = fmt.with_declaration(config, entry) if entry["targets"] else config
     plan = PrunePlan(kept=kept, n_experts={l: st.n_experts for l, st in stats.items()}, dropped_layers=dropped,
                      config=config, groups="unchanged", notes=tuple(notes))
