@@ -338,7 +338,7 @@ def with_mtp(src, dst, seed: int = 7):
     text = config.get("text_config", config)
     L, H = text["num_hidden_layers"], text["hidden_size"]
     types = text.get("layer_types") or ["full_attention"] * L
-    last = max(i for i, t in enumerate(types) if t == "full_attention")
+    last = max(i for i, t in enumerate(types) if t != "linear_attention")  # (not a DeltaNet layer)
     wrapper = "text_config" in config
     stem = "model.language_model.layers." if wrapper else "model.layers."
     rng = np.random.default_rng(seed)

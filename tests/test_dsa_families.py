@@ -5,7 +5,8 @@ sequence alone; greedy generation from prompts longer than index_topk equal to t
 `generate`, and every decode step's logits equal to the full forward's (the decode path selects as
 the full path does); planted bugs (no selection; a shared layer without its borrowed selection) that
 transformers catches; GLM-5 with two shared layers in a row; the settings refused by name before
-any tensor is read; and the per-layer (streamed) path on shared layers refused by name."""
+any tensor is read; and GLM-5.2's shared layers in the per-layer (streamed and carried) passes, whose
+scores and perplexities equal transformers'."""
 
 import json
 import shutil
@@ -18,6 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from family_fixtures import make_family_checkpoint  # noqa: E402
+from hf_fixtures import hook_router, reference_scores  # noqa: E402
 
 from moejax import AutoModelForCausalLM  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
@@ -33,7 +35,12 @@ CASES = {
     "glm_moe_dsa": ("glm_moe_dsa", 51, dict(indexer_types=["full", "shared", "full"])),
     "glm_moe_dsa_fssf": ("glm_moe_dsa", 52, dict(num_hidden_layers=4, indexer_types=["full", "shared", "shared",
                                                                                          "full"])),
+    # (32 indexer heads: a key's score is exactly 0 only when ReLU zeroes every head, so the top-k cut
+    # never falls on a tie that torch and XLA break differently, over the many tokens of the passes)
+    "glm_moe_dsa_fsfs": ("glm_moe_dsa", 54, dict(num_hidden_layers=4, n_group=1, topk_group=1, index_n_heads=32,
+                                                 indexer_types=["full", "shared", "full", "shared"])),
 }
+FORWARD_CASES = ["deepseek_v32", "glm_moe_dsa", "glm_moe_dsa_fssf"]   # (fsfs: the streamed passes' case)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +79,7 @@ def ours(model, ids, mask, positions=None):
     return np.asarray(out.logits_BSV)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", FORWARD_CASES)
 def test_each_row_of_a_padded_batch_equals_transformers_alone(checkpoints, case):
     """With per-row positions (as generation uses), each sequence of a left/right padded batch of
     20 tokens (index_topk 4 or 5: every query past the first few selects) gives transformers'
@@ -87,7 +94,7 @@ def test_each_row_of_a_padded_batch_equals_transformers_alone(checkpoints, case)
         assert np.abs(want).max() > 0.5
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", FORWARD_CASES)
 def test_selection_matters(checkpoints, case, monkeypatch):
     """Planted bugs transformers catches: attending with the causal mask alone (no selection), and
     (GLM-5) a shared layer attending without the selection it borrows."""
@@ -108,7 +115,7 @@ def test_selection_matters(checkpoints, case, monkeypatch):
             assert np.abs(ours(model, ids, mask)[m] - want[m]).max() > 1e-2
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", FORWARD_CASES)
 def test_generation_from_prompts_longer_than_index_topk(checkpoints, case):
     """Greedy generation from 12-token prompts (one left-padded by 3) equals transformers'
     `generate`; each decode step's logits (the indexer selecting among the cached keys) equal the
@@ -156,24 +163,91 @@ def test_shared_layers_hold_no_indexer(checkpoints):
             {"deepseek_v32": [0, 1, 2], "glm_moe_dsa": [0, 0, 2], "glm_moe_dsa_fssf": [0, 0, 0, 3]}[case]
 
 
-def test_streamed_pass_on_a_shared_layer_is_refused_by_name(checkpoints, tmp_path):
-    """The streamed calibration pass runs decoder layers one at a time and carries no selection
-    between them: a GLM-5 with shared layers is refused naming them, before any layer runs. GLM-5
-    without sharing (every layer full, as the released GLM-5) streams, equal to the in-memory pass."""
-    from moejax.scoring.observe import calibrate, calibrate_streamed
-    from moejax.scoring.scores import compute_scores
+def _ppl(hf, held):
+    with torch.no_grad():
+        logits = hf(torch.as_tensor(held, dtype=torch.long)).logits.float()
+    V = logits.shape[-1]
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), torch.as_tensor(held[:, 1:]).reshape(-1).long())
+    return float(torch.exp(nll))
 
-    ids = np.random.default_rng(4).integers(0, 96, size=(2, 12)).astype(np.int32)
-    with pytest.raises(ConfigError, match=r"GLM-5: layers \[1\] are 'shared' indexer layers .* not implemented"):
-        calibrate_streamed(checkpoints["glm_moe_dsa"][0], [(ids, None)], progress=False)
-    full = make_family_checkpoint("glm_moe_dsa", tmp_path / "full", seed=53, indexer_types=["full"] * 3)
-    assert full.model.layers[1].self_attn.indexer is not None
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
-    streamed = calibrate_streamed(tmp_path / "full", [(ids, None)], progress=False)
-    in_memory = calibrate(model, [(ids, None)])
-    for layer in in_memory:
-        np.testing.assert_allclose(compute_scores(streamed[layer], ["reap"])["reap"],
-                                   compute_scores(in_memory[layer], ["reap"])["reap"], rtol=1e-6)
+
+def test_streamed_passes_thread_the_shared_selection(checkpoints, tmp_path):
+    """GLM-5.2's shared layers in the passes that run one decoder layer at a time: the selection a
+    full layer makes is the carry `DecoderLayer.attend` hands on. Every score of the streamed
+    calibration pass equals float64 numpy over transformers' hooks; the carried pass's (prune_real)
+    perplexities of the unpruned model and of `l1` at keep 4, one-shot and sequential, equal
+    transformers' on the checkpoints `moejax prune` writes. In "fsfs" layer 3 borrows layer 2's
+    selection, which differs per variant (MoE layer 1 runs before it): a pass that handed every
+    stream the unpruned stream's selection fails the pruned perplexities. (One routing group: the
+    carried pass's variants are masks on the source's router, which a pruned checkpoint with
+    uneven groups cannot reproduce.)"""
+    import pandas as pd
+
+    from transformers import AutoModelForCausalLM as AutoModelForCausalLM_hf
+
+    from moejax.evaluation.carried import evaluate_pruning
+    from moejax.hf.model_io import open_checkpoint
+    from moejax.scoring.observe import calibrate_streamed
+    from moejax.scoring.scores import compute_scores
+    from moejax.surgery.prune import prune_checkpoint
+
+    path, hf, _ = checkpoints["glm_moe_dsa_fsfs"]
+    ids = np.random.default_rng(4).integers(0, 96, size=(4, 16)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[3, -5:] = 0   # right padding: transformers is exact on it
+    _, seen = hook_router(hf, ids, mask)
+    want = reference_scores(hf, seen, mask)
+    got = calibrate_streamed(path, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False)
+    assert sorted(got) == sorted(want)
+    for layer, ref in want.items():
+        scores = compute_scores(got[layer], list(ref))
+        for name in ref:
+            np.testing.assert_allclose(scores[name], ref[name], rtol=1e-5, atol=1e-6 * np.abs(ref[name]).max(),
+                                       err_msg=f"{name} layer {layer}")
+
+    rng = np.random.default_rng(8)
+    calib, held = rng.integers(0, 96, size=(4, 16)).astype(np.int32), rng.integers(0, 96, size=(3, 16)).astype(np.int32)
+    rows, info = evaluate_pruning(open_checkpoint(path), calib, {"t": held}, ["l1", "reap"], [8, 4], batch_size=2,
+                                  sequential=True)
+    df = pd.DataFrame(rows)
+    ppl = df[(df.metric == "perplexity") & (df.text == "t")]
+    unpruned = ppl[ppl["form"] == "none"].value.item()
+    assert unpruned == pytest.approx(_ppl(hf, held), rel=1e-4)
+    assert (ppl[ppl.keep == 8].value == unpruned).all()
+    n_experts = hf.config.n_routed_experts
+
+    def pruned_to(kept: dict, name: str):
+        """transformers on `moejax prune`'s checkpoint keeping `kept` {layer: experts}."""
+        scores = tmp_path / f"{name}.parquet"   # the kept experts as a score `moejax prune` keeps by
+        pd.DataFrame([dict(layer=l, expert=e, score="kept", value=float(e in k)) for l, k in kept.items()
+                      for e in range(n_experts)]).to_parquet(scores)
+        with pytest.warns(UserWarning, match="records neither its source"):
+            record = prune_checkpoint(path, tmp_path / name, score="kept", keep=4, scores_file=scores)
+        assert {int(l): e["kept"] for l, e in record["layers"].items()} == kept
+        return AutoModelForCausalLM_hf.from_pretrained(tmp_path / name, attn_implementation="eager").eval()
+
+    for form, method, key in (("one_shot", "l1", "l1@4"), ("sequential", "reap", "sequential:reap@4")):
+        kept = {l: sorted(map(int, k[key])) for l, k in info["kept"].items()}
+        got_ppl = ppl[(ppl.method == method) & (ppl.keep == 4) & (ppl["form"] == form)].value.item()
+        assert got_ppl == pytest.approx(_ppl(pruned_to(kept, form), held), rel=1e-4)
+        assert got_ppl != pytest.approx(unpruned, rel=1e-3)
+    # the sequential variant's choice at each layer: REAP's top 4 on transformers running the model
+    # pruned up to the layer before (its calibration stream, with that stream's own selections; the
+    # pruned experts unreachable by a balance bias of -1e4, as a pruned checkpoint routes)
+    layers, ones = sorted(kept), np.ones_like(calib)
+    for before, layer in zip(layers, layers[1:]):
+        saved = {l: hf.model.layers[l].mlp.gate.e_score_correction_bias.clone() for l in layers}
+        with torch.no_grad():
+            for l in layers[:layers.index(before) + 1]:
+                hf.model.layers[l].mlp.gate.e_score_correction_bias[[e for e in range(n_experts) if e not in kept[l]]] = -1e4
+        try:
+            _, seen = hook_router(hf, calib, ones)
+            reap = reference_scores(hf, seen, ones)[layer]["reap"]
+        finally:
+            with torch.no_grad():
+                for l, bias in saved.items():
+                    hf.model.layers[l].mlp.gate.e_score_correction_bias.copy_(bias)
+        assert sorted(np.argsort(-reap, kind="stable")[:4].tolist()) == kept[layer], layer
 
 
 REFUSED = [  # (family, config.json update (a value ... removes the key), what the refusal says)

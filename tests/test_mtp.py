@@ -21,7 +21,8 @@ from moejax.hf.model_io import open_checkpoint  # noqa: E402
 from moejax.scoring.observe import calibrate_streamed  # noqa: E402
 from moejax.scoring.scores import compute_scores  # noqa: E402
 
-L = 3  # both fixtures have three decoder layers: the MTP layer is layer 3
+L = 3  # every fixture has three decoder layers: the MTP layer is layer 3
+DSA = ("deepseek_v32", "glm_moe_dsa")
 B, S = 3, 14
 
 
@@ -53,6 +54,15 @@ def load_reference(family, path):
 
         patterns = [rf"model\.layers\.{L}.*"]
         config = None
+    elif family in DSA:   # no MTP fields in their configs: one MTP layer, an indexer of its own (a "full" layer)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        patterns = [rf"model\.layers\.{L}.*"]
+        config = AutoConfig.from_pretrained(path)
+        config.num_mtp_layers, config.mtp_layer_types, config.mtp_mlp_layer_types = 1, ["full_attention"], ["sparse"]
+        if family == "glm_moe_dsa":
+            config.indexer_types = [*config.indexer_types, "full"]
+        cls = type(AutoModelForCausalLM.from_config(config))
     else:
         from transformers import AutoConfig
         from transformers import Qwen3_5MoeForConditionalGeneration as cls
@@ -88,7 +98,12 @@ def checkpoints(tmp_path_factory):
     make_family_checkpoint("qwen3_5_moe", root / "q_plain", seed=32)
     ds = with_mtp(root / "ds_plain", root / "deepseek_v3")
     q = with_mtp(root / "q_plain", root / "qwen3_5_moe")
-    return {"deepseek_v3": (ds, ds), "qwen3_5_moe": (q, rewrite(q, root / "q_fused", _fused_mtp_experts))}
+    out = {"deepseek_v3": (ds, ds), "qwen3_5_moe": (q, rewrite(q, root / "q_fused", _fused_mtp_experts))}
+    for i, family in enumerate(DSA):   # GLM-5 with GLM-5.2's shared layer 1
+        make_family_checkpoint(family, root / f"{family}_plain", seed=33 + i,
+                               **(dict(indexer_types=["full", "shared", "full"]) if family == "glm_moe_dsa" else {}))
+        out[family] = (with_mtp(root / f"{family}_plain", root / family),) * 2
+    return out
 
 
 def reference_pass(family, path, ids):
@@ -105,17 +120,23 @@ def reference_pass(family, path, ids):
         t = torch.as_tensor(ids, dtype=torch.long)
         last = hf(t, output_hidden_states=True).hidden_states[-1]
         positions = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)
-        state = mtp.forward_layer(0, last[:, :-1], positions, None, input_ids=t[:, 1:])
-        logits = mtp._project_to_logits(state)
+        try:
+            state = mtp.forward_layer(0, last[:, :-1], positions, None, input_ids=t[:, 1:])
+            logits = mtp._project_to_logits(state).numpy()
+        except AttributeError:   # GLM-5's decoder layer returns (hidden states, selection), which
+            if family != "glm_moe_dsa":   # MtpModel's post_norm does not expect: the block (and its
+                raise                      # router's hook) ran; no drafted logits
+            logits = None
     hook.remove()
-    return seen, layer.mtp_block.mlp, logits.numpy()
+    return seen, layer.mtp_block.mlp, logits
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe", *DSA])
 def test_mtp_pass_and_scores_equal_transformers_mtp_model(checkpoints, family):
     """The streamed pass runs the MTP layer on what transformers' MTP model computes (router inputs
     within float32 rounding), and every score of the MTP layer equals float64 numpy over that
-    model's hooks; the trunk's layers are scored as before."""
+    model's hooks; the trunk's layers are scored as before. The DSA families' MTP layer runs an
+    indexer of its own (14 tokens, index_topk 4: its selection decides the block's output)."""
     ours, theirs = checkpoints[family]
     ids = np.random.default_rng(5).integers(0, 96, size=(B, S))
     seen, block, _ = reference_pass(family, theirs, ids)

@@ -187,7 +187,10 @@ class _Streams:
     held_ids: dict     # text -> per batch: ids [B, S]
     group: dict        # calibration stream key -> the key of its group
     cal: dict          # group key -> per calibration batch: x [B, S, H]
+    cal_carry: dict    # group key -> per calibration batch: what the attentions so far hand on, or None
     held: dict         # text -> per batch: x [A, B, S, H] (or [1, B, S, H]: every stream still the same)
+    held_carry: dict   # text -> per batch: what the attentions so far hand on, [A or 1, B, ...], or None
+                       # (`DecoderLayer.attend`: GLM-5.2's indexer selection; None for most families)
     chunk: int         # held-out streams per call
 
     @classmethod
@@ -211,7 +214,9 @@ class _Streams:
         return cls(order=order, n_unpruned_inputs=len(one_shot), cal_geo=_geometry(ckpt, cal_batches, dtype),
                    held_geo={text: _geometry(ckpt, b, dtype) for text, b in held_ids.items()}, held_ids=held_ids,
                    group={key: None for key in [None, *seq_variants]}, cal={None: xs[:len(cal_batches)]},
-                   held=held, chunk=max(1, STREAM_TOKENS // tokens))
+                   cal_carry={None: [None] * len(cal_batches)}, held=held,
+                   held_carry={text: [None] * len(bs) for text, bs in held_ids.items()},
+                   chunk=max(1, STREAM_TOKENS // tokens))
 
 
 def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_size, dtype, seed, show) -> dict:
@@ -269,8 +274,10 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     of info["kept"] are the plans'); merged plans keep their merged experts only with `merged_weights`."""
     layer = ckpt.decoder_layer(layer_idx, dtype, expert_dtype=ckpt.stored_expert_dtype(dtype))
     graphdef, state = nnx.split(layer)
-    # per calibration group and batch: (h, z), the residual after attention and the MLP's (router's) input
-    cal_hz = {group: [attention(graphdef, state, x, *geometry) for x, geometry in zip(xs, streams.cal_geo)]
+    # per calibration group and batch: `Attended` (h, the residual after attention; z, the MLP's (router's)
+    # input; the attention's carry)
+    cal_hz = {group: [attention(graphdef, state, x, *geometry, carry)
+                      for x, geometry, carry in zip(xs, streams.cal_geo, streams.cal_carry[group])]
               for group, xs in streams.cal.items()}
     decision = _decide_layer(ckpt.config, layer, layer_idx, cal_hz, streams, methods, keeps, counts, seed) \
         if layer.is_moe else None
@@ -282,7 +289,8 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
                                kept_experts)
         decision.carry_maps = decision.merged_experts = plans = None   # (sequential merges' experts: carried above)
     first_seq = 1 + streams.n_unpruned_inputs
-    energy_pos0 = carry_heldout(graphdef, state, streams.held, streams.held_geo, groups, streams.chunk, first_seq,
+    energy_pos0 = carry_heldout(graphdef, state, streams.held, streams.held_carry, streams.held_geo, groups,
+                                streams.chunk, first_seq,
                                 lambda a, norm, err: errors.add((streams.order[a], layer_idx), norm, err,
                                                                 np.ones(norm.shape, bool)))
     groups = None
@@ -320,7 +328,7 @@ def _decide_layer(cfg, layer, layer_idx: int, cal_hz: dict, streams: _Streams, m
     def scores_of(group):
         if group not in group_scores:
             acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
-            zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
+            zs = [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in cal_hz[group]]
             accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums, outputs=methods.needs_outputs)
             stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
             group_scores[group] = stats, compute_scores(stats, methods.computed)
@@ -361,14 +369,15 @@ def _carry_calibration(graphdef, state, streams: _Streams, cal_hz: dict, carry_m
     MoE layer, by its own mask) leaves its group for one of its own, keyed by itself; the streams
     it does not prune move on together. (A group keyed by a variant holds that variant alone, so
     the two kinds of key never meet.)"""
-    carried = {}
+    carried, carries = {}, {}
     for key, group in streams.group.items():
         variant = carry_maps.get(key)
         new_group = group if variant is None else key
         if new_group not in carried:
-            carried[new_group] = [mlp(graphdef, state, h, z, variant) for h, z in cal_hz[group]]
+            carried[new_group] = [mlp(graphdef, state, a.h_BSH, a.z_BSH, variant) for a in cal_hz[group]]
+            carries[new_group] = [a.carry for a in cal_hz[group]]
         streams.group[key] = new_group
-    streams.cal = carried
+    streams.cal, streams.cal_carry = carried, carries
 
 
 def _recorded_plans(plans: dict, kept_experts: dict | None) -> dict:
@@ -418,7 +427,7 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
     def merged(method, keep, group, with_experts):
         if (method, keep, group) not in done:
             if group not in group_stats:
-                zs = [z.reshape(-1, z.shape[-1]) for _, z in cal_hz[group]]
+                zs = [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in cal_hz[group]]
                 group_stats[group] = merge_stats(layer.mlp, zs, [None] * len(zs), **options)
             _, layer_sc = scores_of(group)
             scores_E = layer_sc[method.scores[0]] if method.scores else None   # REAM's centroid score

@@ -62,19 +62,22 @@ def chunks(n: int, chunk: int) -> list[tuple[int, int, int]]:
     return [(min(p0, n - size), min(p0, n - size) + size, p0 - min(p0, n - size)) for p0 in range(0, n, size)]
 
 
-def carry_heldout(graphdef, state, held: dict, held_geo: dict, groups: list[TableGroup] | None, chunk: int,
-                  first_seq: int, add_error: Callable) -> float:
+def carry_heldout(graphdef, state, held: dict, held_carry: dict, held_geo: dict, groups: list[TableGroup] | None,
+                  chunk: int, first_seq: int, add_error: Callable) -> float:
     """The layer on every held-out stream (held: text -> per batch [A, B, S, H], or [1, B, S, H]
-    while every stream is still the unpruned one; replaced by the layer's output), `chunk` streams
-    per call, group by group (None: a dense layer), and at a MoE layer each variant's layer-local
-    errors, `add_error(stream index, norm [B, S], err [B, S])`. first_seq: the first stream
-    measured on its own inputs (sequential variants). Returns the unpruned routed output's share of
-    energy at position 0 (NaN at a dense layer)."""
+    while every stream is still the unpruned one; replaced by the layer's output; held_carry: what
+    the attentions before handed each of them, `DecoderLayer.attend`'s carry, [A or 1, B, ...] or
+    None, replaced likewise), `chunk` streams per call, group by group (None: a dense layer), and at
+    a MoE layer each variant's layer-local errors, `add_error(stream index, norm [B, S], err [B, S])`.
+    first_seq: the first stream measured on its own inputs (sequential variants). Returns the
+    unpruned routed output's share of energy at position 0 (NaN at a dense layer)."""
     if groups is None:   # every stream through the same dense layer, in place (held once while unpruned)
         for text, xs in held.items():
+            carries = held_carry[text]
             for b, (cos, sin, allowed) in enumerate(held_geo[text]):
-                xs[b] = _run_group(graphdef, state, xs[b], list(range(xs[b].shape[0])), None, chunk, cos, sin,
-                                   allowed, {}).block_until_ready()
+                xs[b], carries[b] = _run_group(graphdef, state, xs[b], carries[b], list(range(xs[b].shape[0])), None,
+                                               chunk, cos, sin, allowed, {})
+                xs[b].block_until_ready()
         return float("nan")
     n_streams = 1 + max(a for g in groups for a in g.streams)
     energy0, energy = 0.0, 0.0
@@ -82,14 +85,18 @@ def carry_heldout(graphdef, state, held: dict, held_geo: dict, groups: list[Tabl
     for g in groups:
         em = g.expert_map()
         for text, xs in held.items():
+            carries = held_carry[text]
             for b, (cos, sin, allowed) in enumerate(held_geo[text]):
                 hz = shared_hz.get((text, b))
                 if hz is None and xs[b].shape[0] == 1 and n_streams > 1:   # every stream still the unpruned one:
-                    hz = shared_hz[text, b] = stacked_attention(graphdef, state, xs[b], cos, sin, allowed[0])
+                    hz = shared_hz[text, b] = stacked_attention(graphdef, state, xs[b], cos, sin, allowed[0],
+                                                                carries[b])
                     xs[b] = jnp.zeros((n_streams,) + xs[b].shape[1:], xs[b].dtype)   # its attention once
+                    carries[b] = _each_stream(hz.carry, n_streams)
                 z_at = {a: None for a in g.streams if a == 0 or a >= first_seq}   # the router inputs errors need
-                out = _run_group(graphdef, state, xs[b], g.streams, em, chunk, cos, sin, allowed, z_at, hz)
-                B, S, H = xs[b].shape[1:] if hz is None else hz[1].shape[1:]
+                out, carries[b] = _run_group(graphdef, state, xs[b], carries[b], g.streams, em, chunk, cos, sin,
+                                             allowed, z_at, hz)
+                B, S, H = xs[b].shape[1:]
                 on_unpruned = np.asarray([p for p, a in enumerate(g.streams) if 0 < a < first_seq], np.int32)
                 if g.own:  # stream 0: the unpruned router inputs and routed output every variant is measured on
                     z0 = z_at[0].reshape(B * S, H)
@@ -118,17 +125,34 @@ def carry_heldout(graphdef, state, held: dict, held_geo: dict, groups: list[Tabl
     return float(energy0 / energy) if energy else float("nan")
 
 
-def _run_group(graphdef, state, x, streams: list, em, chunk: int, cos, sin, allowed, z_at: dict, hz=None):
-    """x with streams `streams` replaced by the layer's output on them, in place (x donated), `chunk`
-    per call, the chunks last to first so that a chunk reads only streams not yet written; hz: the
-    (h, z) of every stream while they are still the unpruned one (x then only receives outputs).
-    Fills each stream of z_at with its router input [B, S, H]."""
+def _each_stream(carry, n_streams: int):
+    """A carry held once for every stream ([1, B, ...]) as one per stream ([n_streams, B, ...])."""
+    return jax.tree.map(lambda c: c if c.shape[0] == n_streams else jnp.broadcast_to(c, (n_streams,) + c.shape[1:]),
+                        carry)
+
+
+def _run_group(graphdef, state, x, carry, streams: list, em, chunk: int, cos, sin, allowed, z_at: dict, hz=None):
+    """(x, carry) with streams `streams` replaced by the layer's output on them and what its
+    attention hands on, in place (x donated), `chunk` per call, the chunks last to first so that a
+    chunk reads only streams not yet written; hz: the `Attended` of every stream while they are
+    still the unpruned one (x and carry then only receive outputs). Fills each stream of z_at with
+    its router input [B, S, H]."""
+    n_streams = x.shape[0]
     for p0, p1, skip in reversed(chunks(len(streams), chunk)):
         at = np.asarray(streams[p0:p1])
-        h, z = hz if hz is not None else stacked_attention(graphdef, state, x[at], cos, sin, allowed[0])
-        y = stacked_mlp(graphdef, state, h, z, p1 - p0, None if em is None else streams_slice(em, slice(p0, p1)))
+        a = hz if hz is not None else stacked_attention(
+            graphdef, state, x[at], cos, sin, allowed[0],
+            jax.tree.map(lambda c: c if c.shape[0] == 1 else c[at], carry))
+        y = stacked_mlp(graphdef, state, a.h_BSH, a.z_BSH, p1 - p0,
+                        None if em is None else streams_slice(em, slice(p0, p1)))
         for i in range(skip, p1 - p0):
             if int(at[i]) in z_at:
-                z_at[int(at[i])] = z[0 if hz is not None else i]
-        x = _put(x, jnp.asarray(at[skip:]), y[skip:])
-    return x
+                z_at[int(at[i])] = a.z_BSH[0 if hz is not None else i]
+        written = jnp.asarray(at[skip:])
+        x = _put(x, written, y[skip:])
+        if a.carry is not None:
+            if carry is None:   # the first layer (every stream at the embeddings: one chunk)
+                carry = jax.tree.map(lambda c: jnp.zeros((n_streams,) + c.shape[1:], c.dtype), a.carry)
+            carry = jax.tree.map(lambda c, new: _put(c, written, jnp.broadcast_to(new, (p1 - p0,) + new.shape[1:])[skip:]),
+                                 carry, a.carry)
+    return x, carry

@@ -22,9 +22,10 @@ from moejax.moe.expert_map import ExpertMap
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def attention(graphdef, state, x_BSH, cos, sin, allowed):
-    """h = x + attn(norm(x)), and z = the MLP's (router's) input."""
-    return nnx.merge(graphdef, state).attend(x_BSH, cos, sin, allowed)
+def attention(graphdef, state, x_BSH, cos, sin, allowed, carry=None):
+    """h = x + attn(norm(x)), z = the MLP's (router's) input, and what the attention hands on
+    (`Attended`; carry: what the layers before handed on, None for most families)."""
+    return nnx.merge(graphdef, state).attend(x_BSH, cos, sin, allowed, carry)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -95,15 +96,17 @@ def routed_errors_each(graphdef, state, z_ABSH, em_A: ExpertMap, own: bool = Tru
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed_BSS):
+def stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed_BSS, carry_A=None):
     """The attention half of one decoder layer on A streams at once (stacked into the batch, so
-    each weight is read once per call for all of them): (h = x + attn(norm(x)), the MLP's input z),
-    both [A, B, S, H]."""
+    each weight is read once per call for all of them): `Attended` with h = x + attn(norm(x)) and
+    the MLP's input z, both [A, B, S, H], and the carry per stream [A, B, ...] (carry_A: what the
+    layers before handed each stream, [A or 1, B, ...], or None)."""
     A, B, S, H = x_ABSH.shape
     layer = nnx.merge(graphdef, state)
     x = x_ABSH.reshape(A * B, S, H)
     allowed = jnp.broadcast_to(allowed_BSS[None], (A, B, S, S)).reshape(A * B, S, S)
-    return jax.tree.map(lambda a: a.reshape(A, B, S, H), layer.attend(x, cos, sin, allowed))
+    carry = jax.tree.map(lambda c: jnp.broadcast_to(c, (A,) + c.shape[1:]).reshape((A * B,) + c.shape[2:]), carry_A)
+    return jax.tree.map(lambda a: a.reshape((A, B) + a.shape[1:]), layer.attend(x, cos, sin, allowed, carry))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

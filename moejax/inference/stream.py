@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 from flax import nnx
 
-from moejax.errors import CheckpointError, ConfigError
+from moejax.errors import CheckpointError
 from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
 from moejax.inference.agreement import agreement_init, agreement_update
 from moejax.inference.nll import chunked_logsumexp, chunked_nll, chunked_nll_init, chunked_nll_update
@@ -26,14 +26,14 @@ from moejax.models.layers import causal_allowed, linear, rms_norm
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer_forward(graphdef, state, x_BSH, cos, sin, allowed_BSS):
-    out = nnx.merge(graphdef, state)(x_BSH, cos, sin, allowed_BSS)
-    return out.out_BSH, out.z_BSH
+def _layer_forward(graphdef, state, x_BSH, cos, sin, allowed_BSS, carry):
+    out = nnx.merge(graphdef, state)(x_BSH, cos, sin, allowed_BSS, carry=carry)
+    return out.out_BSH, out.z_BSH, out.carry
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer_attend(graphdef, state, x_BSH, cos, sin, allowed_BSS):
-    return nnx.merge(graphdef, state).attend(x_BSH, cos, sin, allowed_BSS)
+def _layer_attend(graphdef, state, x_BSH, cos, sin, allowed_BSS, carry):
+    return nnx.merge(graphdef, state).attend(x_BSH, cos, sin, allowed_BSS, carry)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -43,11 +43,8 @@ def _layer_feed(graphdef, state, attended, variant):
 
 def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype, shift: int = 0):
     """(cos, sin, allowed [B, S', S']) of one batch: the family's rope tables and the causal (and
-    padding) mask. Refuses a model that cannot run one layer at a time, before any layer is read.
-    shift: of the tokens shift .. S - 1 only, at their positions (S' = S - shift: an MTP depth,
-    whose position ids transformers' MTP model shifts so)."""
-    if (why := ckpt.config.streaming_refusal()) is not None:
-        raise ConfigError(why)
+    padding) mask. shift: of the tokens shift .. S - 1 only, at their positions (S' = S - shift: an
+    MTP depth, whose position ids transformers' MTP model shifts so)."""
     B, S = np.asarray(ids_BS).shape
     cos, sin = ckpt.family.causal_lm().rope_tables(ckpt.config, jnp.arange(shift, S), jnp.dtype(dtype))
     return cos, sin, causal_allowed(None if mask_BS is None else np.asarray(mask_BS)[:, shift:], B, S - shift)
@@ -207,10 +204,11 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     hidden = embed(ckpt, [ids for ids, _ in batches], dtype)
     geometry = [batch_geometry(ckpt, ids, mask, dtype) for ids, mask in batches]
     backend = "ep" if mesh is not None else "sorted"
+    carries = [None] * len(batches)   # what each batch's attention hands on (`DecoderLayer.attend`)
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({n_tokens} tokens)", unit="layer",
                           disable=not show):
         layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
-        hidden = yield from _through_layer(layer_idx, layer, hidden, geometry, variant_of)
+        hidden, carries = yield from _through_layer(layer_idx, layer, hidden, carries, geometry, variant_of)
         del layer  # before the next layer's weights are read
     mtp_layers = ckpt.mtp_layers() if mtp else []
     if not mtp_layers:
@@ -225,27 +223,28 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
         del embedded
         geometry = [batch_geometry(ckpt, ids, mask, dtype, shift) for ids, mask in batches]
         layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
-        hidden = yield from _through_layer(layer_idx, layer, hidden, geometry, variant_of)
+        hidden, _ = yield from _through_layer(layer_idx, layer, hidden, [None] * len(batches), geometry, variant_of)
         state = [_mtp_state(*predictor, h) for h in hidden]
 
 
-def _through_layer(layer_idx: int, layer, hidden: list, geometry: list, variant_of):
-    """Every batch's hidden states through one decoder layer, yielding its MoE layer's router
-    inputs on the way (`stream_layers`); returns the hidden states after it."""
+def _through_layer(layer_idx: int, layer, hidden: list, carries: list, geometry: list, variant_of):
+    """Every batch's hidden states (and what the attentions before handed on, `carries`) through
+    one decoder layer, yielding its MoE layer's router inputs on the way (`stream_layers`); returns
+    both after it."""
     graphdef, state = nnx.split(layer)
-    router_inputs = []
+    router_inputs, carries = [], list(carries)
     if variant_of is None or not layer.is_moe:
         for b, (cos, sin, allowed) in enumerate(geometry):
-            hidden[b], z = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed)
+            hidden[b], z, carries[b] = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed, carries[b])
             router_inputs.append(z.reshape(-1, z.shape[-1]))
         if layer.is_moe:
             yield layer_idx, layer.mlp, router_inputs
-        return hidden
+        return hidden, carries
     # the MLP half after the consumer has decided the layer
-    attended = [_layer_attend(graphdef, state, hidden[b], *geo) for b, geo in enumerate(geometry)]
+    attended = [_layer_attend(graphdef, state, x, *geo, c) for x, geo, c in zip(hidden, geometry, carries)]
     yield layer_idx, layer.mlp, [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in attended]
     variant = variant_of(layer_idx)
-    return [_layer_feed(graphdef, state, a, variant) for a in attended]
+    return [_layer_feed(graphdef, state, a, variant) for a in attended], [a.carry for a in attended]
 
 
 def mtp_shift(cfg, layer: int) -> int:

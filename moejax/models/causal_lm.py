@@ -61,10 +61,13 @@ class CachedOutput(NamedTuple):
 
 
 class Attended(NamedTuple):
-    """A decoder layer's first half: the residual after attention and the MLP's (router's) input."""
+    """A decoder layer's first half: the residual after attention, the MLP's (router's) input, and
+    what the attention hands to later layers."""
 
     h_BSH: jax.Array  # x + attn(input_layernorm(x))
     z_BSH: jax.Array  # post_attention_layernorm(h): what the MLP (and the router) read
+    carry: object = None  # an attention that `passes_carry`: what later layers need from it (GLM-5.2's
+    #                        indexer selection [B, S, S]); else the carry handed in, unchanged (None)
 
 
 class LayerOutput(NamedTuple):
@@ -99,30 +102,31 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False, carry=None) -> LayerOutput:
         """The whole layer. carry: what an earlier layer's attention handed on (an attention that
         `passes_carry`, GLM-5.2's shared indexer selection; None for every other), returned updated."""
-        if not self.passes_carry:
-            return self.feed(self.attend(x, cos, sin, allowed), variant, forward_only)
-        a, carry = self.self_attn.carrying(self.input_layernorm(x), cos, sin, allowed, carry)
-        return self.feed(self._residual(x, a), variant, forward_only)._replace(carry=carry)
+        return self.feed(self.attend(x, cos, sin, allowed, carry), variant, forward_only)
 
     @property
     def passes_carry(self) -> bool:
         """True when this layer's attention takes something from earlier layers or hands something
-        to later ones (its `carrying`, `prefill_carrying`, `decode_carrying`): the model's own
-        forward, prefill and decode thread it; the per-layer passes (`attend`) cannot."""
+        to later ones (its `carrying`, `prefill_carrying`, `decode_carrying`). Every caller threads
+        the carry from layer to layer: the model's forward, prefill and decode, and the per-layer
+        passes (the streamed executor, the carried pass), through `attend` and `feed`."""
         return getattr(self.self_attn, "passes_carry", False)
 
-    def attend(self, x, cos, sin, allowed) -> Attended:
-        """The first half on the whole sequence (no cache)."""
-        return self._residual(x, self.self_attn(self.input_layernorm(x), cos, sin, allowed))
+    def attend(self, x, cos, sin, allowed, carry=None) -> Attended:
+        """The first half on the whole sequence (no cache); carry: what the layers before handed on."""
+        if not self.passes_carry:
+            return self._residual(x, self.self_attn(self.input_layernorm(x), cos, sin, allowed), carry)
+        a, carry = self.self_attn.carrying(self.input_layernorm(x), cos, sin, allowed, carry)
+        return self._residual(x, a, carry)
 
     def feed(self, attended: Attended, variant=None, forward_only: bool = False) -> LayerOutput:
         """The second half: h + mlp(z); a MoE layer under `variant` (None, a mask [E] or an
-        ExpertMap), which a dense layer ignores."""
-        h, z = attended
+        ExpertMap), which a dense layer ignores. The attention's carry passes on."""
+        h, z, carry = attended
         if not self.is_moe:
-            return LayerOutput(h + self.mlp(z), None, z)
+            return LayerOutput(h + self.mlp(z), None, z, carry)
         y, routing = self.mlp(z, variant, forward_only)
-        return LayerOutput(h + y, routing, z)
+        return LayerOutput(h + y, routing, z, carry)
 
     def prefill(self, x, cos, sin, allowed_BSS, cache, variant=None, carry=None):
         """The layer on a prompt, its keys (or latents) written into the cache: (output, cache, carry)."""
@@ -142,9 +146,9 @@ class DecoderLayer(nnx.Module):
             a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, column, allowed_B1C)
         return self.feed(self._residual(x, a), variant, True).out_BSH, cache, carry
 
-    def _residual(self, x, attention_out) -> Attended:
+    def _residual(self, x, attention_out, carry=None) -> Attended:
         h = x + attention_out
-        return Attended(h, self.post_attention_layernorm(h))
+        return Attended(h, self.post_attention_layernorm(h), carry)
 
 
 class Decoder(nnx.Module):

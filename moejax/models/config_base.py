@@ -264,12 +264,6 @@ class MoeConfig:
 
         return dispatch.swiglu
 
-    def streaming_refusal(self) -> str | None:
-        """Why this model cannot run one decoder layer at a time (the streamed passes of `score`,
-        `merge`, `prune --substitute` and the carried pass), or None when it can: a layer that needs
-        another layer's result besides the hidden states (GLM-5.2's shared indexer layers)."""
-        return None
-
     @property
     def quantization_config(self) -> dict | None:
         return (getattr(self, "raw", None) or {}).get("quantization_config")

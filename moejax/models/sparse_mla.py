@@ -70,10 +70,8 @@ class SparseMLA(MLA):
             source = self.cfg.selection_source(self.layer)
             raise ConfigError(
                 f"{self.cfg.TITLE} layer {self.layer} is a 'shared' indexer layer (indexer_types): it attends with the "
-                f"keys layer {source}'s indexer selects, which the model's own forward, prefill and decode hand to "
-                "it. Running decoder layers one at a time (the streamed calibration pass of `moejax score`, merge "
-                "and substitute; the carried pass of prune_real) carries no selection between layers: not "
-                "implemented for index sharing")
+                f"keys layer {source}'s indexer selects, which whatever runs the layers hands to it as the carry "
+                "(`DecoderLayer.attend`); none was handed")
         return selected
 
     def carrying(self, x_BSH, cos, sin, allowed_BSS, selected_BSS=None):

@@ -133,9 +133,11 @@ class DsaConfig(SigmoidGroupRouter, MlaFields, MoeConfig):
         return ("full",) * self.num_hidden_layers
 
     def has_indexer(self, layer: int) -> bool:
-        """True for a decoder layer that runs (and stores) its own indexer. MTP layers (beyond
-        num_hidden_layers) are carried unread, their indexer tensors too."""
-        return layer < self.num_hidden_layers and self.layer_indexers[layer] == "full"
+        """True for a layer that runs (and stores) its own indexer: a "full" decoder layer, and an
+        MTP layer (beyond num_hidden_layers), which the released checkpoints ship with an indexer of
+        its own (GLM-5.2's `model.layers.78.self_attn.indexer.*`: 22 indexers beside 21 "full"
+        entries; DeepSeek-V3.2's layer 61 likewise)."""
+        return layer >= self.num_hidden_layers or self.layer_indexers[layer] == "full"
 
     def selection_source(self, layer: int) -> int:
         """The layer whose indexer selects the keys layer `layer` attends to."""
@@ -145,16 +147,6 @@ class DsaConfig(SigmoidGroupRouter, MlaFields, MoeConfig):
     def shares_selections(self) -> bool:
         """True when some layer uses another layer's selection (GLM-5's "shared" layers)."""
         return "shared" in self.layer_indexers
-
-    def streaming_refusal(self) -> str | None:
-        if not self.shares_selections:
-            return None
-        shared = [l for l, t in enumerate(self.layer_indexers) if t == "shared"]
-        return (f"{self.TITLE}: layers {shared[:8]} are 'shared' indexer layers (indexer_types), attending with the keys "
-                "an earlier layer's indexer selects; the streamed passes (`moejax score`, `merge`, `prune "
-                "--substitute`, the carried pass of prune_real and eval_tasks) run one decoder layer at a time and "
-                "carry no selection between layers: not implemented for index sharing (the model's own forward, "
-                "generation and the lm-eval backend are)")
 
     # --- reading ----------------------------------------------------------------------------
     @classmethod

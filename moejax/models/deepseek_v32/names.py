@@ -1,7 +1,7 @@
 """The HF name table of the DSA families (DeepSeek-V3.2, GLM-5): DeepSeek-V3's (MLA, dense first
 layers, sigmoid router with balance bias, routed and shared experts) plus, on each layer that runs
 an indexer (`cfg.has_indexer`: every DeepSeek-V3.2 layer; GLM-5's "full" layers, not its "shared"
-ones), the lightning indexer's five tensors (`moejax.models.dsa_indexer`):
+ones; the MTP layers), the lightning indexer's five tensors (`moejax.models.dsa_indexer`):
 
     self_attn.indexer.wq_b.weight          [index_n_heads * index_head_dim, q_lora_rank]  (transposed)
     self_attn.indexer.wk.weight            [index_head_dim, hidden_size]                  (transposed)

@@ -43,7 +43,7 @@ TINY = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", 
 # The random checkpoint the family's tests have transformers write (tests/family_fixtures.py): MLA
 # with v_head_dim != qk_nope_head_dim, 8 experts top 2 in 2 groups, one shared expert, dense layer 0,
 # default rope, an indexer of 8 heads of 16 (interleaved rope) keeping 4 keys on every layer (GLM-5's
-# schedule; tests/test_dsa_families.py adds GLM-5.2's "shared" layers, which the streamed passes refuse).
+# schedule; tests/test_dsa_families.py adds GLM-5.2's "shared" layers).
 TEST = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
