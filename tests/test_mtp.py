@@ -140,8 +140,9 @@ def test_mtp_pass_and_scores_equal_transformers_mtp_model(checkpoints, family):
     ours, theirs = checkpoints[family]
     ids = np.random.default_rng(5).integers(0, 96, size=(B, S))
     seen, block, _ = reference_pass(family, theirs, ids)
-    mask = np.ones((B, S - 1), np.int64)
-    want = reference_scores(None, seen, mask, blocks={L: block})[L]
+    mask = np.ones((B, S), np.int64)
+    mask[2, -4:] = 0   # right padding, which changes no real token: the MTP rows of tokens 1..S-1 it masks are left out
+    want = reference_scores(None, seen, mask[:, 1:], blocks={L: block})[L]
     from moejax.inference.stream import stream_layers
 
     ckpt = open_checkpoint(ours)
@@ -149,7 +150,7 @@ def test_mtp_pass_and_scores_equal_transformers_mtp_model(checkpoints, family):
     routed = {l: np.concatenate([np.asarray(r) for r in ri]) for l, _, ri in stream_layers(ckpt, [(ids, None)], mtp=True)}
     x = seen[L][0].numpy()
     np.testing.assert_allclose(routed[L], x, rtol=0, atol=1e-5 * np.abs(x).max())
-    stats = calibrate_streamed(ckpt, [(ids[:2], None), (ids[2:], None)], progress=False)
+    stats = calibrate_streamed(ckpt, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False)
     assert max(stats) == L and L - 1 in stats
     got = compute_scores(stats[L], list(want))
     for name in want:
