@@ -18,14 +18,49 @@ FAMILIES = {name: (family.architecture, family.test_config)
             for name, family in REGISTRY.items() if family.test_config is not None}
 
 
+# transformers' class where the Hub's architecture names it otherwise
+TRANSFORMERS_ARCHITECTURE = {"kimi_k25": "Kimi_K25ForConditionalGeneration"}
+# transformers' save -> the Hub's names, where they differ (Kimi-K2.5: its save_pretrained writes the
+# language model's layers as `language_model.model.blocks.*` and leaves `model.mm_projector.pre_norm`;
+# the Hub's are `language_model.model.layers.*` and `mm_projector.*`, which transformers loads)
+HUB_RENAMES = {"kimi_k25": ((r"^language_model\.model\.blocks\.", "language_model.model.layers."),
+                            (r"^model\.mm_projector\.", "mm_projector."))}
+
+
 def hf_classes(family: str):
     """(transformers' config class, its model class) of a family: `<Prefix>ForCausalLM` or a
     multimodal wrapper's `<Prefix>ForConditionalGeneration`, configured by `<Prefix>Config`."""
     import transformers
 
-    architecture = FAMILIES[family][0]
+    architecture = TRANSFORMERS_ARCHITECTURE.get(family, FAMILIES[family][0])
     prefix = architecture.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
     return getattr(transformers, prefix + "Config"), getattr(transformers, architecture)
+
+
+def as_hub_checkpoint(family: str, path) -> None:
+    """transformers' save of `family` at `path` rewritten as the Hub ships it (`HUB_RENAMES`; config.json's
+    architectures the Hub's), where the two differ."""
+    import json
+    import re
+    from pathlib import Path
+
+    from safetensors.numpy import load_file, save_file
+
+    if family not in HUB_RENAMES:
+        return
+    for shard in Path(path).glob("*.safetensors"):
+        tensors = load_file(shard)
+        renamed = {}
+        for name, value in tensors.items():
+            for pattern, new in HUB_RENAMES[family]:
+                name = re.sub(pattern, new, name)
+            renamed[name] = value
+        save_file(renamed, shard, metadata={"format": "pt"})
+    index = Path(path) / "model.safetensors.index.json"
+    assert not index.exists(), "one shard expected"
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["architectures"] = [FAMILIES[family][0]]
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def make_family_checkpoint(family: str, path, seed=0, dtype="float32", save_original_format=True, **overrides):
@@ -44,6 +79,8 @@ def make_family_checkpoint(family: str, path, seed=0, dtype="float32", save_orig
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(path, save_original_format=save_original_format)
+    if save_original_format:
+        as_hub_checkpoint(family, path)
     return model
 
 

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from hf_fixtures import make_checkpoint  # noqa: E402
+from family_fixtures import hf_classes  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
 from moejax.errors import ConfigError, MoejaxError  # noqa: E402
@@ -249,9 +250,11 @@ def test_every_transformers_spelling_is_read_and_must_agree(family):
 
     fam = FAMILIES[family]
     cls = fam.config_class
-    prefix = fam.architecture.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
-    text = cls.TEXT_CONFIG  # a wrapper (Qwen3.5-MoE): its language model's config class, its keys in text_config
-    hf_config = getattr(transformers, prefix + ("TextConfig" if text else "Config"))
+    text = cls.TEXT_CONFIG  # a wrapper (Qwen3.5-MoE, Kimi-K2.5): its language model's config class, its keys in text_config
+    if text:
+        hf_config = type(getattr(hf_classes(family)[0](**fam.test_config), text))
+    else:
+        hf_config = getattr(transformers, fam.architecture.removesuffix("ForCausalLM") + "Config")
     tiny = fam.tiny[text] if text else fam.tiny
 
     def config(settings: dict) -> dict:

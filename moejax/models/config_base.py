@@ -169,6 +169,9 @@ class MoeConfig:
     # A multimodal wrapper's config (Qwen3.5-MoE): the key of the language model's settings inside it
     # (read and rewritten there; the wrapper's other keys, vision_config included, are kept as they are)
     TEXT_CONFIG: ClassVar[str | None] = None
+    # Other spellings of ARCHITECTURE config.json may give (transformers' class where the Hub's remote
+    # code names it otherwise: Kimi-K2.5's Kimi_K25ForConditionalGeneration)
+    ARCHITECTURE_SPELLINGS: ClassVar[tuple] = ()
     # Tensors with no parameter that the checkpoint carries byte for byte (a vision tower, an MTP
     # block transformers does not read): name prefixes
     CARRIED_PREFIXES: ClassVar[tuple] = ()
@@ -281,7 +284,8 @@ class MoeConfig:
         uniform_experts: refuse (the default) a moe_sparsity_config.num_experts that gives layers
         different expert counts, for a caller that needs one count in every layer. The loader, scoring
         and prune pass False and ask `experts_in_layer` (the model builds each layer with its count)."""
-        check_family(d, source, cls.MODEL_TYPES, cls.ARCHITECTURE, cls.TITLE, wrapper=cls.TEXT_CONFIG is not None)
+        check_family(d, source, cls.MODEL_TYPES, (cls.ARCHITECTURE, *cls.ARCHITECTURE_SPELLINGS), cls.TITLE,
+                     wrapper=cls.TEXT_CONFIG is not None)
         outer = d
         d = dict(cls._settings_of(d, source))
         problems: list[str] = []        # wrong types, ranges and inconsistencies
@@ -429,22 +433,23 @@ def _object_noting_repeats(pairs: list, repeated: list) -> dict:
     return out
 
 
-def check_family(d, source: str, model_types: tuple, architecture: str, family: str, wrapper: bool = False) -> list:
+def check_family(d, source: str, model_types: tuple, architectures: tuple, family: str, wrapper: bool = False) -> list:
     """Refuse a non-object, a multimodal wrapper (unless the family is one: `wrapper`), and another
-    family's model_type/architectures; returns the architectures list."""
+    family's model_type/architectures (the family's spellings: `architectures`, the first the one
+    written); returns the architectures list."""
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: expected a JSON object (a {family} config), got {show(d)}")
     if "text_config" in d and "hidden_size" not in d and not wrapper:
         raise ConfigError(f"{source}: multimodal config (text_config) is not supported; pass the text model's config")
-    archs = d.get("architectures") or [architecture]
+    archs = d.get("architectures") or [architectures[0]]
     if not isinstance(archs, list):
         raise ConfigError(f"{source}: architectures={show(archs)}, expected a list of class names")
     # the family comes from model_type, else from architectures (moejax.models.registry.family_for):
     # a config that names only its architecture is read as that architecture's
     named_by_architecture = d.get("model_type") is None and "architectures" in d
-    if (d.get("model_type") not in model_types and not named_by_architecture) or architecture not in archs:
+    if (d.get("model_type") not in model_types and not named_by_architecture) or not set(architectures) & set(archs):
         raise ConfigError(f"{source}: model_type={d.get('model_type')!r}, architectures={archs}; expected model_type "
-                          f"in {list(model_types)} with architecture {architecture}")
+                          f"in {list(model_types)} with architecture {' or '.join(architectures)}")
     return archs
 
 

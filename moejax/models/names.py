@@ -42,11 +42,16 @@ class TensorSpec:
     rule: str = ""                # the rule's name
 
 
-def prefixed(rules: tuple, prefix: str) -> tuple:
+def prefixed(rules: tuple, prefix: str, head: str = "lm_head.weight") -> tuple:
     """A table whose `model.` names live under `prefix` instead (a multimodal wrapper's language model:
-    `model.language_model.`); `lm_head.weight` and the parameters stay as they are."""
-    return tuple(dataclasses.replace(r, hf=prefix + r.hf[len("model."):]) if r.hf.startswith("model.") else r
-                 for r in rules)
+    Qwen3.5's `model.language_model.`, Kimi-K2.5's `language_model.model.`), its output head named
+    `head` (Qwen3.5's `lm_head.weight` at the top, Kimi-K2.5's `language_model.lm_head.weight`); the
+    parameters stay as they are."""
+    def renamed(r: Rule) -> Rule:
+        if r.hf.startswith("model."):
+            return dataclasses.replace(r, hf=prefix + r.hf[len("model."):])
+        return dataclasses.replace(r, hf=head) if r.hf == "lm_head.weight" else r
+    return tuple(renamed(r) for r in rules)
 
 
 def check_table(rules: tuple) -> tuple:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from moejax.errors import ConfigError
 from moejax.models import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
-from moejax.models import deepseek_v32, glm_moe_dsa
+from moejax.models import deepseek_v32, glm_moe_dsa, kimi_k25
 from moejax.models.config_base import read_json_object
 from moejax.models.family import Family
 
@@ -26,6 +26,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen3_5_moe.FAMILY,
     deepseek_v32.FAMILY,
     glm_moe_dsa.FAMILY,
+    kimi_k25.FAMILY,
 )}
 
 
@@ -38,7 +39,7 @@ def family_for(d, source: str = "config") -> Family:
                 return family
         if isinstance(archs, list):
             for family in FAMILIES.values():
-                if family.architecture in archs:
+                if {family.architecture, *family.config_class.ARCHITECTURE_SPELLINGS} & set(archs):
                     return family
         supported = ", ".join(f"{f.title} ({'/'.join(f.model_types)}, {f.architecture})" for f in FAMILIES.values())
         raise ConfigError(f"{source}: model_type={model_type!r}, architectures={archs!r} is not a supported family; "
@@ -48,8 +49,8 @@ def family_for(d, source: str = "config") -> Family:
 
 def family_of(cfg) -> Family:
     """The family of a typed config."""
-    for family in FAMILIES.values():
-        if isinstance(cfg, family.config_class):
+    for family in FAMILIES.values():   # a family's config class may derive from another's (Kimi-K2.5's)
+        if type(cfg) is family.config_class:
             return family
     raise ConfigError(f"{type(cfg).__name__} is not the config of a registered family")
 
