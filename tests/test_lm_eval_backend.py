@@ -196,11 +196,11 @@ def test_registered_and_built_from_model_args_strings(setup):
 # DSA families: 32 indexer heads (TEST: 8), so that a key's index score is never exactly 0. With 8,
 # a key every head scores <= 0 (ReLU) scores exactly 0 (probability 1/256 per query-key pair), and
 # such exact ties at the top-k boundary are broken by torch.topk in an order of its own that moejax
-# does not reproduce (moejax.models.dsa_indexer: ties go to the earliest key): on the stdlib_mc
-# requests, 3 of 16 (DeepSeek-V3.2) and 1 of 16 (GLM-5) log-likelihoods then differed from
-# transformers' by 1e-3 to 0.29, only in requests with such a tie, and transformers itself differed
-# between its batch of 4 and each request alone by up to 1.6e-2 (its tie order depends on the row
-# length); away from ties every request agreed within 2e-5.
+# does not reproduce (moejax.models.dsa_indexer: ties go to the earliest key). Measured on
+# stdlib_mc's 16 requests (contexts of up to 300 bytes, seed 22, 8 heads): 3 (DeepSeek-V3.2) and 1
+# (GLM-5) log-likelihoods differed from the hf backend's by 2e-3 to 0.29, each in a request with such
+# a tie, and transformers itself differed between its batch of 4 and each request alone by up to
+# 1.6e-2 (its tie order depends on the row length); away from ties every request agreed within 3e-5.
 LM_EVAL_FAMILIES = {
     "qwen3_moe": {},
     "gpt_oss": {},
@@ -210,7 +210,7 @@ LM_EVAL_FAMILIES = {
     "glm_moe_dsa": dict(index_n_heads=32, indexer_types=["full", "shared", "full"]),
 }
 # generate_until is compared where it is cheap; the gated-delta-rule families' 48 greedy tokens cost
-# about 8 s more each (transformers' reference PyTorch delta rule, moejax's decode compile), and
+# about 8 s more each on 2 cores (transformers' reference PyTorch delta rule, moejax's decode), and
 # their generation is compared with transformers' in tests/test_families.py and test_qwen3_next.py
 # (the lm-eval backend's generate_until is family-agnostic: moejax.inference.generate.Generator)
 NOT_GENERATED = {"qwen3_next", "qwen3_5_moe"}
@@ -238,10 +238,11 @@ def test_each_family_equals_the_hf_backend(family, tmp_path):
     log-likelihoods and greedy flags on the multiple-choice task (lm-eval's hf backend right-pads
     these, so each row is its sequence alone for transformers too), greedy flags True on
     transformers' own greedy continuation and False with one token changed, and the same generated
-    string on the next-line task (one request: transformers left-pads a batch of generations, where
-    the gated-delta-rule and DSA families are not exact; not for NOT_GENERATED). Qwen3.5-MoE's checkpoint is a multimodal
-    wrapper (Qwen3_5MoeForConditionalGeneration); lm-eval's hf backend loads it, as transformers'
-    AutoModelForCausalLM does, as Qwen3_5MoeForCausalLM, its language model."""
+    string on the next-line task (but NOT_GENERATED; one request: transformers left-pads a batch
+    of generations, where the gated-delta-rule and DSA families are not exact). Qwen3.5-MoE's
+    checkpoint is a multimodal wrapper (Qwen3_5MoeForConditionalGeneration); lm-eval's hf backend
+    loads it, as transformers' AutoModelForCausalLM does, as Qwen3_5MoeForCausalLM, its language
+    model."""
     import torch
     from lm_eval.models.huggingface import HFLM
 
