@@ -190,26 +190,97 @@ def test_registered_and_built_from_model_args_strings(setup):
     assert lm.batch_size == 2 and lm.max_length == 512 and lm.eot_token_id == 0
 
 
-def test_a_softmax_family_equals_the_hf_backend(tmp_path):
-    """The backend is family-agnostic: a byte-level Qwen3-MoE (softmax router, GQA) gives lm-eval's
-    `hf` backend's log-likelihoods and greedy flags on the multiple-choice task."""
-    from family_fixtures import make_family_checkpoint
+# Each family's byte-level checkpoint (vocab 256, eos = pad = byte 0, no BOS, 512 positions) from
+# its TEST config, with these settings besides. GLM-5: layer 1 a "shared" indexer layer (it attends
+# with layer 0's selection, threaded by the model's forward; as GLM-5.2's schedule has them). The
+# DSA families: 32 indexer heads (TEST: 8), so that a key's index score is never exactly 0. With 8,
+# a key every head scores <= 0 (ReLU) scores exactly 0 (probability 1/256 per query-key pair), and
+# such exact ties at the top-k boundary are broken by torch.topk in an order of its own that moejax
+# does not reproduce (moejax.models.dsa_indexer: ties go to the earliest key). Measured on
+# stdlib_mc's 16 requests (contexts of up to 300 bytes, seed 22, 8 heads): 3 (DeepSeek-V3.2) and 1
+# (GLM-5) log-likelihoods differed from the hf backend's by 2e-3 to 0.29, each in a request with such
+# a tie, and transformers itself differed between its batch of 4 and each request alone by up to
+# 1.6e-2 (its tie order depends on the row length); away from ties every request agreed within 3e-5.
+LM_EVAL_FAMILIES = {
+    "qwen3_moe": {},
+    "gpt_oss": {},
+    "qwen3_next": {},
+    "qwen3_5_moe": {},
+    "deepseek_v32": dict(index_n_heads=32),
+    "glm_moe_dsa": dict(index_n_heads=32, indexer_types=["full", "shared", "full"]),
+}
+# generate_until is compared where it is cheap; the gated-delta-rule families' 48 greedy tokens cost
+# about 8 s more each on 2 cores (transformers' reference PyTorch delta rule, moejax's decode), and
+# their generation is compared with transformers' in tests/test_families.py and test_qwen3_next.py
+# (the lm-eval backend's generate_until is family-agnostic: moejax.inference.generate.Generator)
+NOT_GENERATED = {"qwen3_next", "qwen3_5_moe"}
+
+
+def byte_level_checkpoint(family, path, seed):
+    """A byte-level checkpoint of `family` with its byte tokenizer (a multimodal wrapper, Qwen3.5-MoE:
+    the language model's settings in its text_config); returns transformers' model."""
+    from family_fixtures import FAMILIES, make_family_checkpoint
+
+    ids = dict(eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    text = dict(vocab_size=256, max_position_embeddings=512, **ids, **LM_EVAL_FAMILIES[family])
+    base = FAMILIES[family][1]
+    overrides = dict(text_config={**base["text_config"], **text}, **ids) if "text_config" in base else text
+    hf = make_family_checkpoint(family, path, seed=seed, **overrides)
+    write_byte_tokenizer(path, 512)
+    return hf
+
+
+@pytest.mark.parametrize("family", list(LM_EVAL_FAMILIES))
+def test_each_family_equals_the_hf_backend(family, tmp_path):
+    """The backend is family-agnostic: on a byte-level checkpoint of each family (softmax and
+    sigmoid routers; GQA, sliding-window and sink attention, linear attention (gated delta rule), MLA
+    with the DSA indexer, GLM-5's shared indexer layers) moejax gives lm-eval's `hf` backend's
+    log-likelihoods and greedy flags on the multiple-choice task (lm-eval's hf backend right-pads
+    these, so each row is its sequence alone for transformers too), greedy flags True on
+    transformers' own greedy continuation and False with one token changed, and the same generated
+    string on the next-line task (but NOT_GENERATED; one request: transformers left-pads a batch
+    of generations, where the gated-delta-rule and DSA families are not exact). Qwen3.5-MoE's
+    checkpoint is a multimodal wrapper (Qwen3_5MoeForConditionalGeneration); lm-eval's hf backend
+    loads it, as transformers' AutoModelForCausalLM does, as Qwen3_5MoeForCausalLM, its language
+    model."""
+    import torch
     from lm_eval.models.huggingface import HFLM
 
     from moejax.evaluation.lm_eval import MoejaxLM
 
-    ckpt = tmp_path / "qwen"
-    make_family_checkpoint("qwen3_moe", ckpt, seed=22, vocab_size=256, max_position_embeddings=512,
-                           eos_token_id=0, pad_token_id=0, bos_token_id=None)
-    write_byte_tokenizer(ckpt, 512)
-    tasks = write_stdlib_tasks(tmp_path / "tasks", files=[STDLIB / "textwrap.py"], n_nextline=1, n_mc=4, n_ppl=1)
-    hf = evaluate(HFLM(pretrained=str(ckpt), dtype="float32", batch_size=4, device="cpu"), tasks, ["stdlib_mc"])
-    mj = evaluate(MoejaxLM(pretrained=str(ckpt), dtype="float32", batch_size=4), tasks, ["stdlib_mc"])
+    ckpt = tmp_path / family
+    byte_level_checkpoint(family, ckpt, seed=22)
+    # contexts of at most 80 bytes: every request (context + a line of at most 40) within one
+    # compiled length (128), longer than the DSA index_topk and the gated delta rule's chunk (64)
+    tasks = write_stdlib_tasks(tmp_path / "tasks", files=[STDLIB / "textwrap.py"], n_nextline=1, n_mc=4, n_ppl=1,
+                               max_context_bytes=80)
+    hf_lm = HFLM(pretrained=str(ckpt), dtype="float32", batch_size=4, device="cpu")
+    mj_lm = MoejaxLM(pretrained=str(ckpt), dtype="float32", batch_size=4)
+    names = ["stdlib_mc"] + ([] if family in NOT_GENERATED else ["stdlib_nextline"])
+    hf, mj = (evaluate(lm, tasks, names) for lm in (hf_lm, mj_lm))
     want, got = responses(hf, "stdlib_mc"), responses(mj, "stdlib_mc")
     assert len(want) == len(got) > 0
     for w_doc, g_doc in zip(want, got):
         for w, g in zip(w_doc, g_doc):
             assert abs(w[0][0] - g[0][0]) <= 1e-4 + 1e-6 * abs(w[0][0]) and w[0][1] == g[0][1], (w, g)
+    # greedy flags True too: transformers' 3 greedy tokens after the task's longest request, whole
+    # and with one token changed (within the task's compiled length: no new shape to compile)
+    docs = [json.loads(line) for line in (tasks / "stdlib_mc.jsonl").read_text().splitlines()]
+    ctx = max((mj_lm.tok_encode(d["context"] + c) for d in docs for c in d["choices"]), key=len)
+    greedy = []
+    with torch.no_grad():
+        for _ in range(3):
+            greedy.append(int(hf_lm.model(torch.tensor([ctx + greedy])).logits[0, -1].argmax()))
+    changed = greedy[:2] + [(greedy[2] + 1) % 256]
+    requests = [(("", ""), ctx, cont) for cont in (greedy, changed)]
+    want = hf_lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    got = mj_lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert [w[1] for w in want] == [g[1] for g in got] == [True, False]
+    for (w_ll, _), (g_ll, _) in zip(want, got):
+        assert abs(w_ll - g_ll) <= 1e-4 + 1e-6 * abs(w_ll), (w_ll, g_ll)
+    if family not in NOT_GENERATED:
+        want, got = responses(hf, "stdlib_nextline"), responses(mj, "stdlib_nextline")
+        assert want == got and got[0][0][0], (want, got)  # (something was generated)
 
 
 def test_a_merged_variant_equals_the_hf_backend_on_experts_replaced_in_place(setup, tmp_path):
