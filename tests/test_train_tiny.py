@@ -425,6 +425,9 @@ REDUCED = {
                      "num_experts": 8, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
                      "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
                      "linear_value_head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}, 2, False),
+    "kimi_k25": ({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16,
+                  "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+                  "n_routed_experts": 8, "moe_intermediate_size": 16}, 1, True),
 }
 
 
@@ -451,7 +454,10 @@ def test_each_family_trains_and_loads_in_transformers(tmp_path, family):
     assert ("bias_min" in set(df.metric)) == has_bias and len(metric(df, "max_load_share")) == n_moe
     record = json.loads((Path(cfg.path) / tt.RECORD).read_text())
     assert record["family"] == family and record["config"]["train"]["aux_loss_alpha"] == cfg.balance_loss_alpha
-    hf_class = getattr(transformers, json.loads((Path(cfg.path) / "config.json").read_text())["architectures"][0])
+    from family_fixtures import TRANSFORMERS_ARCHITECTURE
+
+    architecture = json.loads((Path(cfg.path) / "config.json").read_text())["architectures"][0]
+    hf_class = getattr(transformers, TRANSFORMERS_ARCHITECTURE.get(family, architecture))
     hf = hf_class.from_pretrained(cfg.path, dtype=torch.float32, attn_implementation="eager",
                                   experts_implementation="eager").eval()
     ids = build_corpus(cfg).heldout_ids
