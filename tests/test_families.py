@@ -359,12 +359,13 @@ def test_a_family_class_refuses_another_familys_checkpoint(family_checkpoints):
 NEWER = ["gpt_oss", "qwen3_next", "qwen3_5_moe"]  # families whose attention or experts differ from the first six
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe"])
 def test_expert_parallel_softmax_family_identical_across_meshes(family_checkpoints, family):
-    """Softmax-routed families on the 8 simulated devices (Qwen3-MoE; gpt-oss's biased experts):
-    experts split over the mesh's expert axis, logits equal to one device's. (The hybrid DeltaNet
-    stacks are not here: their forward under the simulated mesh stalls in XLA:CPU, not understood
-    yet; docs/families.md says so.)"""
+    """Softmax-routed families on the 8 simulated devices (Qwen3-MoE; gpt-oss's biased experts; the
+    hybrid DeltaNet stacks Qwen3-Next and Qwen3.5-MoE): experts split over the mesh's expert axis,
+    logits equal to one device's. The DeltaNet's chunked rule solves its triangular system in plain
+    XLA ops on CPU: LAPACK's trsm custom call blocked XLA:CPU's thread pool, which the devices'
+    collectives also block, and the (2, 4) forward stalled."""
     from moejax.parallel import MeshConfig, make_mesh
 
     path, _, model = family_checkpoints[family]

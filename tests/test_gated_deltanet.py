@@ -223,6 +223,25 @@ def test_chunked_rule_follows_transformers_under_strong_decay():
     np.testing.assert_array_equal(gdn.cumsum_f32(gc), torch.from_numpy(np.array(gc)).cumsum(-1).numpy())
 
 
+def test_unit_lower_solve_and_no_lapack_call_on_cpu():
+    """The chunked rule's triangular solve on CPU is plain XLA (no LAPACK trsm custom call, which
+    blocks XLA:CPU's shared thread pool and stalled the expert-parallel forward on a (2, 4) simulated
+    mesh; tests/test_families.py runs it): it solves (I + strictly lower part of a) x = b as float64
+    does, and elsewhere the program still calls triangular_solve."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((3, 2, 64, 64)).astype(np.float32) * 0.2
+    b = rng.standard_normal((3, 2, 64, 24)).astype(np.float32)
+    x = jax.jit(gdn.unit_lower_solve)(a, b)
+    m = np.tril(a.astype(np.float64), -1) + np.eye(64)
+    assert rel_err(x, np.linalg.solve(m, b.astype(np.float64))) < 1e-5
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((1, 70, G, D), (1, 70, G, D), (1, 70, N, V), (1, 70, N), (1, 70, N))]
+    cpu = jax.jit(gdn.chunk_gated_delta_rule).lower(*args).as_text()
+    assert "custom_call" not in cpu and "triangular_solve" not in cpu
+    from jax import export
+    cuda = export.export(jax.jit(gdn.chunk_gated_delta_rule), platforms=("cuda",))(*args).mlir_module()
+    assert "stablehlo.triangular_solve" in cuda
+
+
 def test_causal_conv1d_with_state_equals_whole_sequence():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((2, 20, 8)).astype(np.float32))

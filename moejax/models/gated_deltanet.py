@@ -149,6 +149,36 @@ def _prepare(q_BSGD, k_BSGD, v_BSNV, g_BSN, beta_BSN, use_qk_l2norm_in_kernel):
     return q, k, v, g, beta
 
 
+def _triangular_solve(a_LL, b_LC):
+    with jax.default_matmul_precision("highest"):
+        return jax.lax.linalg.triangular_solve(a_LL, b_LC, left_side=True, lower=True, unit_diagonal=True)
+
+
+def unit_lower_solve(a_LL, b_LC):
+    """x with (I + strictly lower part of a) x = b over the last two axes (a [..., L, L], b [..., L,
+    C]; a's diagonal and upper part are ignored), by forward substitution in plain XLA ops, in
+    reference BLAS trsm's order: x_k final, then subtracted along column k from the rows below it,
+    k = 0, 1, ... The chunked rule's solve where the program is lowered for CPU; elsewhere it is
+    `jax.lax.linalg.triangular_solve` (cuBLAS / XLA's own).
+
+    Not `triangular_solve` on CPU: there it is LAPACK's trsm custom call (`lapack_strsm_ffi`),
+    which splits its batch over XLA:CPU's intra-op thread pool and blocks its thread until those
+    tasks finish. The simulated devices of a mesh share that pool, and a collective that XLA runs
+    on a pool thread blocks it until every device of its group arrives: with expert parallelism on
+    a (2, 4) simulated mesh, pool threads all ended up waiting, either in the all-gather's
+    rendezvous or in a trsm whose tasks could get no thread, and the forward stalled with the CPU
+    idle."""
+    L = a_LL.shape[-1]
+    strict = jnp.where(jnp.tril(jnp.ones((L, L), bool), -1), a_LL, jnp.zeros((), a_LL.dtype))
+
+    def step(k, x):
+        x_k = jax.lax.dynamic_index_in_dim(x, k, axis=-2)             # [..., 1, C], final
+        a_k = jax.lax.dynamic_index_in_dim(strict, k, axis=-1)        # [..., L, 1], zero at rows <= k
+        return x - a_k * x_k
+
+    return jax.lax.fori_loop(0, L - 1, step, b_LC)
+
+
 def chunk_gated_delta_rule(q_BSGD, k_BSGD, v_BSNV, g_BSN, beta_BSN, chunk_size: int = 64, initial_state=None,
                            use_qk_l2norm_in_kernel: bool = False):
     """The gated delta rule over chunks of `chunk_size` tokens (transformers'
@@ -179,9 +209,8 @@ def chunk_gated_delta_rule(q_BSGD, k_BSGD, v_BSNV, g_BSN, beta_BSN, chunk_size: 
     intra = jnp.einsum("...id,...jd->...ij", q, k, precision=HIGHEST) * pairwise
     decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
     # (I + strictly lower part of ut_system)^-1 [v_beta | decayed_k_beta]: one solve for both
-    with jax.default_matmul_precision("highest"):
-        solved = jax.lax.linalg.triangular_solve(ut_system, jnp.concatenate([v_beta, decayed_k_beta], axis=-1),
-                                                 left_side=True, lower=True, unit_diagonal=True)
+    solved = jax.lax.platform_dependent(ut_system, jnp.concatenate([v_beta, decayed_k_beta], axis=-1),
+                                        cpu=unit_lower_solve, default=_triangular_solve)
     new_values, k_cumdecay = solved[..., :V], solved[..., V:]
     q = q * jnp.exp(cum)[..., None]
     k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
