@@ -106,12 +106,15 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def reference_pass(family, path, ids):
+def reference_pass(family, path, ids, dtype=None):
     """transformers' MTP layer run as its drafting runs it, teacher-forced: the trunk's last hidden
     state (`hidden_states[-1]`, after the final norm) at positions 0..S-2 beside the tokens 1..S-1
     at their positions; returns (what its router saw and chose, per `hook_router`'s record; its
-    block; the drafted logits [B, S-1, V])."""
+    block; the drafted logits [B, S-1, V]). dtype: both models cast to it (torch.float64: the
+    float32 run's own rounding measured)."""
     hf, mtp = load_reference(family, path)
+    if dtype is not None:
+        hf, mtp = hf.to(dtype), mtp.to(dtype)
     layer = mtp.layers[0]
     seen = {}
     hook = layer.mtp_block.mlp.gate.register_forward_hook(
@@ -149,7 +152,12 @@ def test_mtp_pass_and_scores_equal_transformers_mtp_model(checkpoints, family):
     assert ckpt.mtp_layers() == [L]
     routed = {l: np.concatenate([np.asarray(r) for r in ri]) for l, _, ri in stream_layers(ckpt, [(ids, None)], mtp=True)}
     x = seen[L][0].numpy()
-    np.testing.assert_allclose(routed[L], x, rtol=0, atol=1e-5 * np.abs(x).max())
+    if family != "qwen3_5_moe":
+        np.testing.assert_allclose(routed[L], x, rtol=0, atol=1e-5 * np.abs(x).max())
+    else:   # DeltaNet layers: float32's own rounding reaches 1e-5 of the largest entry here (transformers'
+        # 5.0e-5 at 4.4 against its float64 run): within 3x transformers' own error against float64
+        exact = reference_pass(family, theirs, ids, torch.float64)[0][L][0].numpy()
+        assert np.abs(routed[L] - exact).max() <= 3 * np.abs(x - exact).max()
     stats = calibrate_streamed(ckpt, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False)
     assert max(stats) == L and L - 1 in stats
     got = compute_scores(stats[L], list(want))
@@ -193,7 +201,12 @@ def test_mtp_prune_keeps_the_mtp_layers_own_best_and_loads_in_transformers_mtp_m
 
     routed = {l: np.concatenate([np.asarray(r) for r in ri]) for l, _, ri in stream_layers(str(dst), [(ids, None)], mtp=True)}
     x = seen[L][0].numpy()
-    np.testing.assert_allclose(routed[L], x, rtol=0, atol=1e-5 * np.abs(x).max())
+    if family != "qwen3_5_moe":
+        np.testing.assert_allclose(routed[L], x, rtol=0, atol=1e-5 * np.abs(x).max())
+    else:   # DeltaNet layers: float32's own rounding reaches 1e-5 of the largest entry here (transformers'
+        # 5.0e-5 at 4.4 against its float64 run): within 3x transformers' own error against float64
+        exact = reference_pass(family, theirs, ids, torch.float64)[0][L][0].numpy()
+        assert np.abs(routed[L] - exact).max() <= 3 * np.abs(x - exact).max()
 
 
 def test_mtp_keep_and_drop(checkpoints, tmp_path):
