@@ -290,8 +290,12 @@ def test_full_size_presets_match_the_name_table(family, preset, few_layers):
 
     fam = REGISTRY[family]
     for name, d in [(preset, fam.presets[preset])]:
-        if few_layers:  # a per-layer list (gpt-oss's layer_types) is cut with the layers
-            d = {**d, "num_hidden_layers": 4, **({"layer_types": d["layer_types"][:4]} if "layer_types" in d else {})}
+        if few_layers:  # a per-layer list (gpt-oss's layer_types) is cut with the layers; a wrapper's in text_config
+            text = fam.config_class.TEXT_CONFIG
+            inner = d[text] if text else d
+            inner = {**inner, "num_hidden_layers": 4,
+                     **({"layer_types": inner["layer_types"][:4]} if "layer_types" in inner else {})}
+            d = {**d, text: inner} if text else inner
         cfg = fam.config_class.from_dict(d, source=name)
         model = nnx.eval_shape(lambda: fam.causal_lm()(cfg, jnp.bfloat16))
         shapes = param_shapes(model)
