@@ -151,9 +151,72 @@ def reference_scores(hf, seen, mask, blocks=None) -> dict:
         out[l] = {"frequency": freq, "reap": reap_real, "reap_code": reap_code, "ean": ean, "w_mean": W @ x.mean(0),
                   "signed": W.sum(1), "l1": np.abs(W).sum(1), "man": man, "msan": msan, "max_act": max_act,
                   "aimer": -np.array([aimer_ratio(*matrices[j]) for j in range(E)]),
-                  "mone": mone_reference(x, gates, idx, f, E)[0]}
+                  "mone": mone_reference(x, gates, idx, f, E)[0],
+                  **leave_one_out_reference(router, x, gates, idx, f, E),
+                  "ranked_vote": ranked_vote_reference(logits, idx.shape[1])}
         if hasattr(router, "e_score_correction_bias"):
             out[l]["bias"] = -router.e_score_correction_bias.detach().double().numpy()
+    return out
+
+
+def leave_one_out_reference(router, x, gates, idx, f, E) -> dict:
+    """`loo_reroute` and `loo_reroute_cos` from their definitions, transformers' router rerouting:
+    for each expert j, its tokens routed again by the router module itself with j removed (its
+    logit -inf, by a patched `F.linear`; with a balance bias also that bias -1e4, so a sigmoid
+    router cannot choose it), their routed outputs sum_k g_k f_k(x) in float64 from transformers'
+    weights, against the unpruned ones: sum ||y' - y||^2 / (T H) and sum (1 - cos) / T."""
+    import torch
+
+    T, H = x.shape
+    y = np.stack([sum(gates[t, k] * f(idx[t, k], x[t:t + 1])[0] for k in range(idx.shape[1])) for t in range(T)])
+    sq, cos = np.zeros(E), np.zeros(E)
+    linear = torch.nn.functional.linear
+    for j in range(E):
+        tokens = np.flatnonzero((idx == j).any(axis=1))
+        if not len(tokens):
+            continue
+
+        def without_j(inp, weight, bias=None):
+            out = linear(inp, weight, bias)
+            return out.index_fill(-1, torch.tensor([j]), float("-inf")) if out.shape[-1] == E else out
+
+        bias = getattr(router, "e_score_correction_bias", None)
+        saved = None if bias is None else bias.detach().clone()
+        torch.nn.functional.linear = without_j
+        try:
+            with torch.no_grad():
+                if bias is not None:
+                    bias[j] = -1e4
+                _, new_gates, new_idx = router(torch.as_tensor(x[tokens], dtype=router.weight.dtype))
+        finally:
+            torch.nn.functional.linear = linear
+            if bias is not None:
+                with torch.no_grad():
+                    bias.copy_(saved)
+        new_gates, new_idx = new_gates.double().numpy(), new_idx.numpy()
+        assert not (new_idx == j).any()
+        for row, t in enumerate(tokens):
+            y_new = sum(new_gates[row, k] * f(new_idx[row, k], x[t:t + 1])[0] for k in range(new_idx.shape[1]))
+            sq[j] += np.square(y_new - y[t]).sum()
+            cos[j] += 1 - y_new @ y[t] / (np.linalg.norm(y_new) * np.linalg.norm(y[t]))
+    return {"loo_reroute": sq / (T * H), "loo_reroute_cos": cos / T}
+
+
+def ranked_vote_reference(logits, top_k: int) -> np.ndarray:
+    """`ranked_vote` literally (NVIDIA ModelOpt's `RankedChoiceVotingHook.to_dict`, every expert
+    still in counted, zero votes included): each round every token's top_k of its experts still in
+    (by descending logit, ties to the lower index) are counted, the least-voted expert leaves (ties:
+    the lowest index); its round is its score."""
+    T, E = logits.shape
+    order = np.argsort(-logits, axis=1, kind="stable")
+    out, removed = np.zeros(E), []
+    for r in range(E):
+        ballots = np.stack([row[~np.isin(row, removed)][:top_k] for row in order]) if len(removed) < E else None
+        counts = np.bincount(ballots.ravel(), minlength=E).astype(np.float64)
+        counts[removed] = np.inf
+        loser = int(np.argmin(counts))
+        out[loser] = r
+        removed.append(loser)
     return out
 
 

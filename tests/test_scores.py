@@ -143,3 +143,36 @@ def test_resolve_keep_counts_ratios_and_floor():
         resolve_keep(65, 64, 4)
     with pytest.raises(ConfigError, match="ratio"):
         resolve_keep(1.5, 64, 4)
+
+
+def test_ranked_vote_with_ties_and_unvoted_experts_equals_the_vote_run_literally():
+    """`ranked_vote`'s O(T E) elimination equals the vote run literally round by round (numpy, every
+    expert still in counted), on integer logits full of ties (preference ties to the lower index,
+    vote-count ties to the lowest index) and experts no token ranks in its top k, which leave first."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from hf_fixtures import ranked_vote_reference
+
+    from moejax.scoring.scores import vote_out_rounds
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        T, E = int(rng.integers(1, 25)), int(rng.integers(2, 9))
+        k = int(rng.integers(1, E + 1))
+        logits = rng.integers(0, 3, size=(T, E)).astype(np.float64)
+        order = np.argsort(-logits, axis=1, kind="stable")
+        np.testing.assert_array_equal(vote_out_rounds(order, E, k), ranked_vote_reference(logits, k), err_msg=trial)
+    # written out: one voter, top 1, preferring 2 > 0 > 1 > 3: experts 0, 1 and 3 have no votes and
+    # leave first, in index order; 2 last (ModelOpt's count of voted experts only would keep 0, 1 and
+    # 3 to the end)
+    np.testing.assert_array_equal(vote_out_rounds(np.array([[2, 0, 1, 3]]), 4, 1), [0, 1, 3, 2])
+    # two voters, top 1: 0 > 1 > 2 and 1 > 0 > 2: expert 2 (no votes) leaves first, then 0 and 1 tie
+    # at one vote each and 0 (the lower index) leaves; its voter moves to 1
+    np.testing.assert_array_equal(vote_out_rounds(np.array([[0, 1, 2], [1, 0, 2]]), 3, 1), [1, 2, 0])
+
+
+def test_interventional_scores_a_pass_did_not_compute_are_refused_by_name(routed):
+    st = routed[2]
+    for name in ("loo_reroute", "loo_reroute_cos", "ranked_vote"):
+        with pytest.raises(ConfigError, match=f"layer 2: score '{name}' needs"):
+            compute_scores(st, [name])

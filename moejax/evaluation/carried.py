@@ -57,7 +57,7 @@ from moejax.moe.neurons import check_mergeable
 from moejax.merging.layer import LayerMerge, merge_averaging, merge_stats_options, merged_rows
 from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
-from moejax.scoring.scores import OUTPUT_SCORES, StatsAccumulator, compute_scores
+from moejax.scoring.scores import INTERVENTION_SCORES, OUTPUT_SCORES, StatsAccumulator, compute_scores
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.inference.stream import batch_geometry, embed, head_pass
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
@@ -230,7 +230,8 @@ def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_siz
     by_layer = {}
     for layer, moe, router_inputs in stream_layers(ckpt, batches, dtype, show):
         acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
-        accumulate_layer(moe, router_inputs, [None] * len(router_inputs), acc)
+        accumulate_layer(moe, router_inputs, [None] * len(router_inputs), acc,
+                         interventions=bool(set(INTERVENTION_SCORES) & set(scores)))
         stats = acc.stats(np.asarray(moe.router[...]), moe.balance_bias(), seed=seed, layer=layer)
         by_layer[layer] = {**compute_scores(stats, scores), **{m: stats.counts_E for m in merges}}
     top_k = cfg.num_experts_per_tok
@@ -329,7 +330,8 @@ def _decide_layer(cfg, layer, layer_idx: int, cal_hz: dict, streams: _Streams, m
         if group not in group_scores:
             acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
             zs = [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in cal_hz[group]]
-            accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums, outputs=methods.needs_outputs)
+            accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums, outputs=methods.needs_outputs,
+                             interventions=bool(set(INTERVENTION_SCORES) & set(methods.computed)))
             stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
             group_scores[group] = stats, compute_scores(stats, methods.computed)
         return group_scores[group]

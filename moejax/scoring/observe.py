@@ -9,6 +9,9 @@ For each MoE layer and batch, on the router input x (the post-attention RMSNorm 
   - the real routing's gate sums and its pairs' outputs f_j(x) [T, K, H] themselves (already
     computed for the norms), whose per-expert sums and sums of squares the host adds in float64,
     for `mone` (and its novice constants, `LayerStats.mean_output_EH`);
+  - with `interventions`, each chosen expert's removal, rerouted (its output error and cosine per
+    (token, slot)), and each token's preference order over the experts, for `loo_reroute`,
+    `loo_reroute_cos` and `ranked_vote` (`moejax.scoring.interventions`);
 and, once per layer, the sums of |w| and w^2 of each routed expert's weight matrices, for `aimer`.
 Padding tokens are excluded. `calibrate` runs the whole model in memory; `calibrate_streamed` (what
 `moejax score` runs) holds one layer's weights at a time (`moejax.inference.stream`).
@@ -26,6 +29,7 @@ from flax import nnx
 from moejax.moe import dispatch as dispatch_lib
 from moejax.moe.routing import route
 from moejax.parallel.distributed import to_host
+from moejax.scoring.interventions import leave_one_out, preference_order
 from moejax.scoring.scores import LayerStats, StatsAccumulator
 
 
@@ -37,9 +41,11 @@ def reap_code_routing(logits_TE: jax.Array, top_k: int):
     return idx_TK, gate_TK / jnp.sum(gate_TK, axis=-1, keepdims=True)
 
 
-def moe_layer_pairs(moe, x_TH: jax.Array, outputs: bool = True) -> dict:
+def moe_layer_pairs(moe, x_TH: jax.Array, outputs: bool = True, interventions: bool = True) -> dict:
     """Per-pair quantities of one MoE layer on router inputs x (both routings); outputs: also the
-    real routing's pair outputs f [T, K, H] (`out`), for the output sums."""
+    real routing's pair outputs f [T, K, H] (`out`), for the output sums; interventions: also each
+    chosen expert's removal rerouted (`loo_sq`, `loo_cos` [T, K]) and each token's preference order
+    (`order` [T, E])."""
     logits = moe.router_logits(x_TH)
     r = route(logits, moe.router_cfg, moe.balance_bias())
     experts = moe.expert_weights()
@@ -61,8 +67,13 @@ def moe_layer_pairs(moe, x_TH: jax.Array, outputs: bool = True) -> dict:
     extra_idx = jnp.where(reused, n_experts, code_idx)
     extra = pairs(extra_idx)
     code_norm = jnp.where(reused, jnp.sum(jnp.where(same_TKK, real_norm[:, None, :], 0), axis=-1), norms(extra))
-    return dict(idx=r.expert_idx_TK, gate=r.gate_TK, norm=real_norm,
-                code_idx=code_idx, code_gate=code_gate, code_norm=code_norm, **({"out": real} if outputs else {}))
+    out = dict(idx=r.expert_idx_TK, gate=r.gate_TK, norm=real_norm,
+               code_idx=code_idx, code_gate=code_gate, code_norm=code_norm, **({"out": real} if outputs else {}))
+    if interventions:
+        out["loo_sq"], out["loo_cos"] = leave_one_out(x_TH, logits, moe.router_cfg, moe.balance_bias(), r.expert_idx_TK,
+                                                      experts, moe.expert_fn)
+        out["order"] = preference_order(logits)
+    return out
 
 
 def calibrate(model, batches) -> dict[int, LayerStats]:
@@ -88,9 +99,9 @@ def calibrate(model, batches) -> dict[int, LayerStats]:
     return stats
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _pairs(graphdef, state, x_TH, outputs: bool = True):
-    return moe_layer_pairs(nnx.merge(graphdef, state), x_TH, outputs)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _pairs(graphdef, state, x_TH, outputs: bool = True, interventions: bool = True):
+    return moe_layer_pairs(nnx.merge(graphdef, state), x_TH, outputs, interventions)
 
 
 def _run_length(n: int, most: int = 256) -> int:
@@ -132,28 +143,33 @@ def expert_weight_sums(moe) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_sums=None,
-                     outputs: bool = True) -> None:
+                     outputs: bool = True, interventions: bool = True) -> None:
     """Add one MoE layer's statistics over batches (router inputs [B*S, H], masks [B*S] or None),
     and its experts' weight sums (`weight_sums`, when the caller already has this layer's
     `expert_weight_sums`: they do not depend on the tokens). outputs: also the sums of the routed
     pairs' outputs and their squares (`mone`; the pairs' outputs [T, K, H] come to the host,
-    which sums them in float64); False leaves `output_sum_EH` None."""
+    which sums them in float64); False leaves `output_sum_EH` None. interventions: also the
+    leave-one-out sums and the preference orders (`INTERVENTION_SCORES`); False leaves them None."""
     acc.add_weight_sums(*(weight_sums or expert_weight_sums(moe)))
     graphdef, state = nnx.split(moe)
     for x_TH, mask in zip(router_inputs, masks):
-        out, x_TH = to_host((_pairs(graphdef, state, x_TH, outputs), x_TH))  # gathered from every process's devices
+        # gathered from every process's devices
+        out, x_TH = to_host((_pairs(graphdef, state, x_TH, outputs, interventions), x_TH))
         acc.add(out["idx"], out["gate"], out["norm"], x_TH, mask,
                 out["code_idx"], out["code_gate"], out["code_norm"], out.get("out"))
+        if interventions:
+            acc.add_interventions(out["idx"], out["loo_sq"], out["loo_cos"], out["order"], mask)
 
 
 def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None,
-                       outputs: bool = True, mtp: bool = True) -> dict[int, LayerStats]:
+                       outputs: bool = True, mtp: bool = True, interventions: bool = True) -> dict[int, LayerStats]:
     """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.inference.stream);
     with a mesh (under `jax.set_mesh(mesh)`), each layer's experts split over its expert axis and
     every pair computed on the device holding its expert, the statistics summed across shards.
     outputs: also the routed outputs' sums (`accumulate_layer`; `mone` and substitution need them,
     no other score does). mtp: the checkpoint's MTP layers too, run as inference runs them
-    (`moejax.inference.stream.stream_layers`)."""
+    (`moejax.inference.stream.stream_layers`). interventions: the leave-one-out sums and preference
+    orders (`INTERVENTION_SCORES` need them, no other score does)."""
     from moejax.inference.stream import mtp_rows, stream_layers  # at call time: tests patch it to refuse a pass
 
     from moejax.hf.model_io import OpenCheckpoint, open_checkpoint
@@ -163,7 +179,7 @@ def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, me
     for layer, moe, router_inputs in stream_layers(ckpt, batches, dtype, progress, mesh=mesh, mtp=mtp):
         masks = [None if m is None else np.asarray(mtp_rows(ckpt.config, layer, m), bool).reshape(-1) for _, m in batches]
         acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
-        accumulate_layer(moe, router_inputs, masks, acc, outputs=outputs)
+        accumulate_layer(moe, router_inputs, masks, acc, outputs=outputs, interventions=interventions)
         stats[layer] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), layer=layer)
         del moe, router_inputs  # before the next layer's weights are read: one layer in memory at a time
     return stats

@@ -46,6 +46,12 @@ class LayerStats:
     n_tokens:         T, the calibration tokens of the pass (padding excluded), every one routed
     output_sum_EH:    sum_{x in X_j} f_j(x), float64 [E, H]   (None: not computed)
     output_sq_sum_EH: sum_{x in X_j} f_j(x)^2 (elementwise), float64 [E, H]   (None: not computed)
+    loo_sq_sum_E:     sum_{x in X_j} ||y^(-j)(x) - y(x)||_2^2: the routed output with j removed and its
+                      tokens rerouted, against the unpruned one (`moejax.scoring.interventions`)
+    loo_cos_sum_E:    sum_{x in X_j} (1 - cos(y^(-j)(x), y(x)))
+    router_order_TE:  each calibration token's experts by descending router logit, int [T, E]
+    top_k:            K, the experts each token chose
+    (the last four None / 0: not computed)
     """
 
     counts_E: np.ndarray
@@ -67,6 +73,10 @@ class LayerStats:
     n_tokens: int = 0
     output_sum_EH: np.ndarray | None = None
     output_sq_sum_EH: np.ndarray | None = None
+    loo_sq_sum_E: np.ndarray | None = None
+    loo_cos_sum_E: np.ndarray | None = None
+    router_order_TE: np.ndarray | None = None
+    top_k: int = 0
 
     @property
     def n_experts(self) -> int:
@@ -104,6 +114,9 @@ class StatsAccumulator:
         self.gate_sum = np.zeros(n_experts)
         self.output_sum = self.output_sq_sum = None  # [E, H] once outputs are given (`add(out_TKH=...)`)
         self.has_code = False
+        self.loo_sq = self.loo_cos = None   # [E] once interventions are given (`add_interventions`)
+        self.orders = []                    # each batch's preference orders [T, E] of its real tokens
+        self.top_k = 0
 
     def _sums(self, idx_TK, gate_TK, norm_TK, keep_T):
         flat = np.asarray(idx_TK)[keep_T].ravel()
@@ -140,6 +153,21 @@ class StatsAccumulator:
         if x_TD is not None:  # the router inputs, for w_mean
             self.input_sum += np.asarray(x_TD, np.float64)[keep].sum(axis=0)
             self.n_tokens += int(keep.sum())
+
+    def add_interventions(self, expert_idx_TK, loo_sq_TK, loo_cos_TK, order_TE, token_mask_T=None) -> None:
+        """One batch's leave-one-out errors and cosines per (token, chosen slot) and its tokens'
+        preference orders (`moejax.scoring.interventions`); padding tokens left out."""
+        idx = np.asarray(expert_idx_TK)
+        keep = np.ones(idx.shape[0], bool) if token_mask_T is None else np.asarray(token_mask_T, bool)
+        flat = idx[keep].ravel()
+        if self.loo_sq is None:
+            self.loo_sq, self.loo_cos = np.zeros(self.n_experts), np.zeros(self.n_experts)
+        self.loo_sq += np.bincount(flat, weights=np.asarray(loo_sq_TK, np.float64)[keep].ravel(),
+                                   minlength=self.n_experts)
+        self.loo_cos += np.bincount(flat, weights=1.0 - np.asarray(loo_cos_TK, np.float64)[keep].ravel(),
+                                    minlength=self.n_experts)
+        self.orders.append(np.asarray(order_TE)[keep].astype(np.int32))
+        self.top_k = idx.shape[1]
 
     def _add_outputs(self, flat_P, out_TKH) -> None:
         """sum f and sum f^2 per expert over the pairs (flattened experts `flat_P`, outputs [T, K, H]
@@ -178,7 +206,10 @@ class StatsAccumulator:
             weight_sq_sum_E=None if w_sq is None else w_sq.copy(), weight_count=w_count,
             gate_sum_E=self.gate_sum.copy(), n_tokens=self.tokens,
             output_sum_EH=None if self.output_sum is None else self.output_sum.copy(),
-            output_sq_sum_EH=None if self.output_sq_sum is None else self.output_sq_sum.copy())
+            output_sq_sum_EH=None if self.output_sq_sum is None else self.output_sq_sum.copy(),
+            loo_sq_sum_E=None if self.loo_sq is None else self.loo_sq.copy(),
+            loo_cos_sum_E=None if self.loo_cos is None else self.loo_cos.copy(),
+            router_order_TE=np.concatenate(self.orders) if self.orders else None, top_k=self.top_k)
 
 
 def weight_sums(expert_weights) -> tuple[np.ndarray, np.ndarray, int]:
@@ -212,21 +243,23 @@ SCORES: dict[str, Callable[[LayerStats], np.ndarray]] = {}
 _DATA_FREE: set[str] = set()
 _READS_EXPERTS: set[str] = set()
 _READS_OUTPUTS: set[str] = set()
+_INTERVENES: set[str] = set()
 
 
-def register(name: str, *, data_free: bool = False, reads_experts: bool = False, reads_outputs: bool = False):
+def register(name: str, *, data_free: bool = False, reads_experts: bool = False, reads_outputs: bool = False,
+             intervenes: bool = False):
     """reads_experts: a data-free score that reads the routed experts' weight matrices (not only the
     router), so the data-free path must read them (`LayerStats.weight_*`). reads_outputs: a score
     that reads the sums of the routed outputs (`LayerStats.output_sum_EH`, ...), which bring every
-    routed pair's output to the host: a pass gathers them only for such a score."""
+    routed pair's output to the host: a pass gathers them only for such a score. intervenes: a
+    score that reads the leave-one-out sums or the preference orders (`LayerStats.loo_*`,
+    `router_order_TE`), which a pass computes only for such a score."""
     def deco(fn):
         SCORES[name] = fn
-        if data_free:
-            _DATA_FREE.add(name)
-        if reads_experts:
-            _READS_EXPERTS.add(name)
-        if reads_outputs:
-            _READS_OUTPUTS.add(name)
+        for flag, names in ((data_free, _DATA_FREE), (reads_experts, _READS_EXPERTS),
+                            (reads_outputs, _READS_OUTPUTS), (intervenes, _INTERVENES)):
+            if flag:
+                names.add(name)
         return fn
     return deco
 
@@ -369,10 +402,76 @@ def aimer(st: LayerStats) -> np.ndarray:
     return -ratio
 
 
+@register("loo_reroute", intervenes=True)
+def loo_reroute(st: LayerStats) -> np.ndarray:
+    """(1/(T H)) sum_{x in X_j} ||y^(-j)(x) - y(x)||_2^2   (leave one out with rerouting: NVIDIA
+    ModelOpt's `RemoveExpertsIndependentHook`, its `mse`), where y is the layer's routed output
+    (shared experts excluded) and y^(-j) the same with expert j removed: its router slot masked, the
+    top-k taken again over the others and the gates recomputed, as the family routes a pruned
+    checkpoint. Tokens that did not choose j are unchanged (0). T: calibration tokens, H: width.
+    ModelOpt sums per batch the mean over the displaced tokens times their share of the batch and
+    divides by the number of batches, the same for batches of equal size; this sums over tokens."""
+    sq = _need(st, "loo_sq_sum_E", "loo_reroute", "the leave-one-out errors")
+    return sq / (max(st.n_tokens, 1) * st.mean_input_D.shape[0])
+
+
+@register("loo_reroute_cos", intervenes=True)
+def loo_reroute_cos(st: LayerStats) -> np.ndarray:
+    """(1/T) sum_{x in X_j} (1 - cos(y^(-j)(x), y(x)))   (leave one out with rerouting, by direction).
+    ModelOpt accumulates -cos over the displaced tokens, which ranks an expert no token chose (0)
+    above one whose removal changes its tokens' outputs little (about -|X_j| / T); 1 - cos is 0 for
+    an unchanged output and for an unchosen expert alike, so a larger value is always more damage."""
+    return _need(st, "loo_cos_sum_E", "loo_reroute_cos", "the leave-one-out cosines") / max(st.n_tokens, 1)
+
+
+@register("ranked_vote", intervenes=True)
+def ranked_vote(st: LayerStats) -> np.ndarray:
+    """The round in which expert j is voted out (0 = first; higher = keep) by ranked-choice voting
+    over the calibration tokens (router only, no expert compute; NVIDIA ModelOpt's
+    `RankedChoiceVotingHook`): each token votes for its top K among the experts still in, by its
+    router logits (`router_order_TE`); the expert with the fewest votes leaves (ties: the lowest
+    index) and its voters move to their next choice; repeated until none is left. Later counts thus
+    include the rerouting earlier removals cause. ModelOpt counts only the experts that have votes
+    (`unique`), so an expert no token ranks in its top K is never voted out while others are, and
+    ends as the most important; here it has 0 votes and leaves first, as in ranked-choice voting."""
+    order = _need(st, "router_order_TE", "ranked_vote", "the tokens' preference orders")
+    return vote_out_rounds(order, st.n_experts, st.top_k)
+
+
+def vote_out_rounds(order_TE: np.ndarray, n_experts: int, top_k: int) -> np.ndarray:
+    """`ranked_vote`'s rounds, float64 [E], in O(T E) work: each token's ballot is the first top_k
+    experts still in of its order (a pointer past them); only the voters of the expert voted out
+    move on, to the next experts of their order still in."""
+    T = order_TE.shape[0]
+    votes = np.zeros((T, n_experts), bool)
+    rows = np.arange(T)
+    k = min(top_k, n_experts)
+    votes[rows[:, None], order_TE[:, :k]] = True
+    pointer = np.full(T, k)
+    counts = votes.sum(axis=0).astype(np.float64)
+    out = np.empty(n_experts)
+    for r in range(n_experts):
+        loser = int(np.argmin(counts))   # voted out experts hold +inf; ties to the lowest index
+        out[loser] = r
+        counts[loser] = np.inf
+        voters = np.flatnonzero(votes[:, loser])
+        votes[voters, loser] = False
+        while len(voters):   # each voter's next expert still in, if any is left
+            voters = voters[pointer[voters] < n_experts]
+            nxt = order_TE[voters, np.minimum(pointer[voters], n_experts - 1)]
+            pointer[voters] += 1
+            took = np.isfinite(counts[nxt])
+            votes[voters[took], nxt[took]] = True
+            np.add.at(counts, nxt[took], 1)
+            voters = voters[~took]
+    return out
+
+
 ALL_SCORES = tuple(SCORES)                                          # every score, in this file's order
 DATA_FREE_SCORES = tuple(n for n in SCORES if n in _DATA_FREE)     # bias, signed, l1, random, aimer
 EXPERT_WEIGHT_SCORES = tuple(n for n in SCORES if n in _READS_EXPERTS)  # aimer: data-free, reads the experts
 OUTPUT_SCORES = tuple(n for n in SCORES if n in _READS_OUTPUTS)    # mone: reads the routed outputs' sums
+INTERVENTION_SCORES = tuple(n for n in SCORES if n in _INTERVENES)  # loo_reroute(_cos), ranked_vote
 
 
 def rank_correlation(a, b) -> float:

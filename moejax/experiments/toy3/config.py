@@ -9,7 +9,7 @@ from moejax.errors import ConfigError
 from moejax.experiments.settings import typed_settings
 from moejax.merging.method import MERGE_METHODS
 from moejax.parallel.mesh import MeshConfig
-from moejax.scoring.scores import OUTPUT_SCORES, scores_for
+from moejax.scoring.scores import INTERVENTION_SCORES, OUTPUT_SCORES, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.settings_check import refuse_repeats
 
@@ -76,8 +76,8 @@ class Toy3Config:
         keeps = self.keep_counts() if self.merges else []   # (a bad keep is refused as itself, unprefixed)
         try:  # each merge method's settings against the toy's layer (REAM: its score, its group size)
             for method in self.merges:
-                if "reap_code" in method.scores:
-                    raise ConfigError(f"{method.name}'s score 'reap_code': the toy does not compute it (see scores)")
+                for name in set(method.scores) & {"reap_code", *INTERVENTION_SCORES}:
+                    raise ConfigError(f"{method.name}'s score {name!r}: the toy does not compute it (see scores)")
                 if method.scores:
                     scores_for(list(method.scores), self.has_balance_bias, f"{method.name}'s score (router={self.router})")
                 for keep in keeps:
@@ -96,6 +96,11 @@ class Toy3Config:
         if "reap_code" in (*self.scores, *self.substitutes):
             raise ConfigError("toy3: the reap_code score needs expert outputs for pairs the layer did not "
                               "route, which the toy does not compute; use reap")
+        interventional = [n for n in (*self.scores, *self.substitutes) if n in INTERVENTION_SCORES]
+        if interventional:
+            raise ConfigError(f"toy3: score(s) {interventional} remove each expert and reroute its tokens (or vote over "
+                              "the router's preference orders), which the toy's statistics do not compute; use them "
+                              "with `moejax score` or prune_real")
         refuse_repeats("toy3", "substitutes", self.substitutes)
         if self.substitutes:
             scores_for(self.substitutes, self.has_balance_bias, where=f"toy3 substitutes (router={self.router})")
