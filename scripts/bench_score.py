@@ -3,9 +3,10 @@
     python scripts/bench_score.py compute     # one Moonlight-shaped MoE layer, 4,096 tokens
     python scripts/bench_score.py memory      # `moejax score` on a synthetic 8-layer Moonlight checkpoint
 
-compute: routed-expert FLOP rate of the scoring pass against a dense matmul rate, and the whole
+compute: routed-expert FLOP rate of the scoring pass against a dense matmul rate, the whole
   pass for the layer against a dense observer that runs every expert on every token (what the
-  public REAP code does), all timed in this run.
+  public REAP code does), and the pass with the interventional scores' work against without it,
+  all timed in this run.
 memory: writes a bfloat16 Moonlight-shaped checkpoint cut to 8 decoder layers (about 9 GB) into
   a temporary folder, runs `moejax score` on 2,048 calibration tokens in a child process and
   reports its peak resident memory and the time per layer.
@@ -54,8 +55,12 @@ def compute(tokens: int) -> None:
     moe.bias[...] = jax.random.normal(jax.random.key(4), moe.bias.shape) * 0.02  # partly negative, as trained
     x = jax.random.normal(jax.random.key(1), (tokens, cfg.hidden_size))
     graphdef, state = nnx.split(moe)
-    jax.block_until_ready(_pairs(graphdef, state, x))
-    t_pass = best_of(lambda: jax.block_until_ready(_pairs(graphdef, state, x)))
+    jax.block_until_ready(_pairs(graphdef, state, x, True, False))
+    t_pass = best_of(lambda: jax.block_until_ready(_pairs(graphdef, state, x, True, False)))
+    # the interventional scores' extra work: leave-one-out columns (K + 1 routings, their union of
+    # expert calls) and the preference orders, timed in the same run
+    jax.block_until_ready(_pairs(graphdef, state, x, True, True))
+    t_loo = best_of(lambda: jax.block_until_ready(_pairs(graphdef, state, x, True, True)))
 
     experts = {"gate": moe.experts_gate[...], "up": moe.experts_up[...], "down": moe.experts_down[...]}
     idx = moe.route(x).expert_idx_TK
@@ -88,6 +93,7 @@ def compute(tokens: int) -> None:
     extra = 1 - float(jnp.mean(jnp.any(out["code_idx"][:, :, None] == out["idx"][:, None, :], axis=-1)))
     print(f"scoring pass {t_pass:6.2f} s (both routings; {extra:.0%} of REAP-code pairs not routed by the model) "
           f"vs dense observer {t_dense:6.2f} s -> {t_dense / t_pass:.1f}x (target 5x)")
+    print(f"with the interventional scores (loo_reroute, ranked_vote): {t_loo:6.2f} s -> {t_loo / t_pass:.2f}x the pass")
 
 
 def memory(tokens: int, layers: int) -> None:

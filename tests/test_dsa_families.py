@@ -197,7 +197,7 @@ def test_streamed_passes_thread_the_shared_selection(checkpoints, tmp_path):
     mask[3, -5:] = 0   # right padding: transformers is exact on it
     _, seen = hook_router(hf, ids, mask)
     want = reference_scores(hf, seen, mask)
-    got = calibrate_streamed(path, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False)
+    got = calibrate_streamed(path, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False, interventions=True)
     assert sorted(got) == sorted(want)
     for layer, ref in want.items():
         scores = compute_scores(got[layer], list(ref))

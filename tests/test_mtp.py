@@ -158,7 +158,7 @@ def test_mtp_pass_and_scores_equal_transformers_mtp_model(checkpoints, family):
         # 5.0e-5 at 4.4 against its float64 run): within 3x transformers' own error against float64
         exact = reference_pass(family, theirs, ids, torch.float64)[0][L][0].numpy()
         assert np.abs(routed[L] - exact).max() <= 3 * np.abs(x - exact).max()
-    stats = calibrate_streamed(ckpt, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False)
+    stats = calibrate_streamed(ckpt, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False, interventions=True)
     assert max(stats) == L and L - 1 in stats
     got = compute_scores(stats[L], list(want))
     for name in want:

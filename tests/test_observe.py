@@ -60,7 +60,7 @@ def test_streamed_pass_equals_in_memory_pass(tmp_path):
     hf = make_checkpoint(path, seed=8, dtype="bfloat16")  # a checkpoint stored in bfloat16
     ids, mask = batch(hf.config.vocab_size, seed=4, B=3, S=16)
     batches = [(ids[:2], mask[:2]), (ids[2:], mask[2:])]
-    streamed = calibrate_streamed(path, batches, progress=False)
+    streamed = calibrate_streamed(path, batches, progress=False, interventions=True)
     in_memory = calibrate(from_pretrained(path), batches)
     assert sorted(streamed) == sorted(in_memory) == [1, 2]
     for layer in streamed:

@@ -78,7 +78,7 @@ def moe_layer_pairs(moe, x_TH: jax.Array, outputs: bool = True, interventions: b
 
 def calibrate(model, batches) -> dict[int, LayerStats]:
     """{HF layer index: LayerStats} from batches of (input_ids [B, S], attention_mask [B, S] or None),
-    with the whole model in memory."""
+    with the whole model in memory: every score's statistics."""
     cfg = model.config
     forward = model.jitted()
     per_layer = {l: [] for l in cfg.moe_layers}
@@ -94,7 +94,7 @@ def calibrate(model, batches) -> dict[int, LayerStats]:
     for l, router_inputs in per_layer.items():
         moe = model.model.layers[l].mlp
         acc = StatsAccumulator(moe.router.shape[0], cfg.hidden_size)  # the layer's own count (pruned per layer)
-        accumulate_layer(moe, router_inputs, masks, acc)
+        accumulate_layer(moe, router_inputs, masks, acc, interventions=True)
         stats[l] = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), layer=l)
     return stats
 
@@ -143,7 +143,7 @@ def expert_weight_sums(moe) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_sums=None,
-                     outputs: bool = True, interventions: bool = True) -> None:
+                     outputs: bool = True, interventions: bool = False) -> None:
     """Add one MoE layer's statistics over batches (router inputs [B*S, H], masks [B*S] or None),
     and its experts' weight sums (`weight_sums`, when the caller already has this layer's
     `expert_weight_sums`: they do not depend on the tokens). outputs: also the sums of the routed
@@ -162,7 +162,7 @@ def accumulate_layer(moe, router_inputs, masks, acc: StatsAccumulator, weight_su
 
 
 def calibrate_streamed(checkpoint, batches, dtype=jnp.float32, progress=None, mesh=None,
-                       outputs: bool = True, mtp: bool = True, interventions: bool = True) -> dict[int, LayerStats]:
+                       outputs: bool = True, mtp: bool = True, interventions: bool = False) -> dict[int, LayerStats]:
     """Like `calibrate`, from a checkpoint folder one decoder layer at a time (moejax.inference.stream);
     with a mesh (under `jax.set_mesh(mesh)`), each layer's experts split over its expert axis and
     every pair computed on the device holding its expert, the statistics summed across shards.
