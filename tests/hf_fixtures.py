@@ -220,6 +220,22 @@ def ranked_vote_reference(logits, top_k: int) -> np.ndarray:
     return out
 
 
+def assert_scores_match(stats, ref: dict, where: str, rtol: float = 1e-5, atol_scale: float = 1e-6,
+                        ranking: bool = False) -> None:
+    """moejax's scores of one layer's statistics against the reference values `ref` ({name: [E]});
+    float32 passes against float64: a signed sum (w_mean) cancels, so the absolute tolerance scales
+    with the score's largest magnitude. ranking: the rankings must also be equal."""
+    from moejax.scoring.scores import compute_scores
+
+    got = compute_scores(stats, list(ref))
+    for name, want in ref.items():
+        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=atol_scale * np.abs(want).max(),
+                                   err_msg=f"{where}: {name}")
+        if ranking:
+            assert np.array_equal(np.argsort(-got[name], kind="stable"), np.argsort(-want, kind="stable")), \
+                f"{where}: {name} ranking"
+
+
 def moe_blocks_of(hf) -> dict:
     """{layer: its `mlp`} of transformers' decoder layers."""
     return {l: layer.mlp for l, layer in enumerate(decoder_layers(hf))}

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from family_fixtures import make_family_checkpoint  # noqa: E402
-from hf_fixtures import hook_router, reference_scores  # noqa: E402
+from hf_fixtures import assert_scores_match, hook_router, reference_scores  # noqa: E402
 
 from moejax import AutoModelForCausalLM  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
@@ -188,7 +188,6 @@ def test_streamed_passes_thread_the_shared_selection(checkpoints, tmp_path):
     from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
     from moejax.scoring.observe import calibrate_streamed
-    from moejax.scoring.scores import compute_scores
     from moejax.surgery.prune import prune_checkpoint
 
     path, hf, _ = checkpoints["glm_moe_dsa_fsfs"]
@@ -200,10 +199,7 @@ def test_streamed_passes_thread_the_shared_selection(checkpoints, tmp_path):
     got = calibrate_streamed(path, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False, interventions=True)
     assert sorted(got) == sorted(want)
     for layer, ref in want.items():
-        scores = compute_scores(got[layer], list(ref))
-        for name in ref:
-            np.testing.assert_allclose(scores[name], ref[name], rtol=1e-5, atol=1e-6 * np.abs(ref[name]).max(),
-                                       err_msg=f"{name} layer {layer}")
+        assert_scores_match(got[layer], ref, f"layer {layer}")
 
     rng = np.random.default_rng(8)
     calib, held = rng.integers(0, 96, size=(4, 16)).astype(np.int32), rng.integers(0, 96, size=(3, 16)).astype(np.int32)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from family_fixtures import FAMILIES, hf_classes, make_family_checkpoint, moe_blocks  # noqa: E402
-from hf_fixtures import batch, hook_router, reference_scores  # noqa: E402
+from hf_fixtures import assert_scores_match, batch, hook_router, reference_scores  # noqa: E402
 
 from moejax import AutoModelForCausalLM, from_pretrained, save_pretrained  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
@@ -157,14 +157,7 @@ def test_scores_match_definitions_on_transformers_model(family_checkpoints, fami
     stats = calibrate(model, [(ids[:2], mask[:2]), (ids[2:], mask[2:])])  # accumulated over two batches
     assert sorted(stats) == sorted(want)
     for layer, ref in want.items():
-        got = compute_scores(stats[layer], list(ref))
-        for name in ref:
-            # float32 pass against float64: w_mean is a signed sum (cancellation), so the absolute
-            # tolerance scales with the score's largest magnitude
-            np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6 * np.abs(ref[name]).max(),
-                                       err_msg=f"{name} layer {layer}")
-            assert np.array_equal(np.argsort(-got[name], kind="stable"), np.argsort(-ref[name], kind="stable")), \
-                f"{name} ranking, layer {layer}"
+        assert_scores_match(stats[layer], ref, f"layer {layer}", ranking=True)
     if not REGISTRY[family].config_class.HAS_BALANCE_BIAS:  # softmax routers: no bias to rank by
         with pytest.raises(ConfigError, match="score 'bias' needs a balance bias"):
             compute_scores(stats[max(stats)], ["bias"])

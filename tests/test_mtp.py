@@ -13,13 +13,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from family_fixtures import make_family_checkpoint  # noqa: E402
-from hf_fixtures import make_checkpoint, reference_scores, rewrite, with_mtp  # noqa: E402
+from hf_fixtures import assert_scores_match, make_checkpoint, reference_scores, rewrite, with_mtp  # noqa: E402
 
 from moejax.cli import main  # noqa: E402
 from moejax.hf.io.checkpoint_reader import CheckpointReader  # noqa: E402
 from moejax.hf.model_io import open_checkpoint  # noqa: E402
 from moejax.scoring.observe import calibrate_streamed  # noqa: E402
-from moejax.scoring.scores import compute_scores  # noqa: E402
 
 L = 3  # every fixture has three decoder layers: the MTP layer is layer 3
 DSA = ("deepseek_v32", "glm_moe_dsa")
@@ -160,10 +159,7 @@ def test_mtp_pass_and_scores_equal_transformers_mtp_model(checkpoints, family):
         assert np.abs(routed[L] - exact).max() <= 3 * np.abs(x - exact).max()
     stats = calibrate_streamed(ckpt, [(ids[:2], mask[:2]), (ids[2:], mask[2:])], progress=False, interventions=True)
     assert max(stats) == L and L - 1 in stats
-    got = compute_scores(stats[L], list(want))
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5 * np.abs(want[name]).max(),
-                                   err_msg=f"{family} MTP score {name}")
+    assert_scores_match(stats[L], want, f"{family} MTP layer", rtol=1e-4, atol_scale=1e-5)
 
 
 @pytest.fixture(scope="module")

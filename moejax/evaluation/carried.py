@@ -57,7 +57,7 @@ from moejax.moe.neurons import check_mergeable
 from moejax.merging.layer import LayerMerge, merge_averaging, merge_stats_options, merged_rows
 from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.observe import accumulate_layer, expert_weight_sums
-from moejax.scoring.scores import INTERVENTION_SCORES, OUTPUT_SCORES, StatsAccumulator, compute_scores
+from moejax.scoring.scores import StatsAccumulator, compute_scores, pass_needs
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.inference.stream import batch_geometry, embed, head_pass
 from moejax.variants import ROUTER_FORMS, Kept, Merged, Substituted, VariantPlan, VariantSpec
@@ -230,8 +230,7 @@ def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_siz
     by_layer = {}
     for layer, moe, router_inputs in stream_layers(ckpt, batches, dtype, show):
         acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
-        accumulate_layer(moe, router_inputs, [None] * len(router_inputs), acc,
-                         interventions=bool(set(INTERVENTION_SCORES) & set(scores)))
+        accumulate_layer(moe, router_inputs, [None] * len(router_inputs), acc, **pass_needs(scores))
         stats = acc.stats(np.asarray(moe.router[...]), moe.balance_bias(), seed=seed, layer=layer)
         by_layer[layer] = {**compute_scores(stats, scores), **{m: stats.counts_E for m in merges}}
     top_k = cfg.num_experts_per_tok
@@ -255,7 +254,7 @@ class _Methods:
     def needs_outputs(self) -> bool:
         """Whether the layer's statistics need the routed outputs' sums (mone, substitutes' constants):
         they bring every routed pair's output to the host, which no other score needs."""
-        return bool(self.substitutes) or bool(set(OUTPUT_SCORES) & set(self.computed))
+        return bool(self.substitutes) or pass_needs(self.computed)["outputs"]
 
     @property
     def computed(self) -> list:
@@ -331,7 +330,7 @@ def _decide_layer(cfg, layer, layer_idx: int, cal_hz: dict, streams: _Streams, m
             acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
             zs = [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in cal_hz[group]]
             accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums, outputs=methods.needs_outputs,
-                             interventions=bool(set(INTERVENTION_SCORES) & set(methods.computed)))
+                             interventions=pass_needs(methods.computed)["interventions"])
             stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
             group_scores[group] = stats, compute_scores(stats, methods.computed)
         return group_scores[group]

@@ -27,8 +27,7 @@ from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint, router_fingerprint
 from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.results import check_output_file, write_json_atomic, write_parquet_atomic
-from moejax.scoring.scores import (DATA_FREE_SCORES, INTERVENTION_SCORES, OUTPUT_SCORES, check_score_names,
-                                   compute_scores, scores_for)
+from moejax.scoring.scores import DATA_FREE_SCORES, check_score_names, compute_scores, pass_needs, scores_for
 from moejax.scoring.data_free import data_free_stats
 
 DEFAULT_SEQ_LEN = 512  # or the model's max_position_embeddings when that is shorter
@@ -74,9 +73,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     t0 = time.perf_counter()
     with contextlib.nullcontext() if device_mesh is None else jax.set_mesh(device_mesh):
         stats = calibrate_streamed(ckpt, batches, dtype=jax.numpy.dtype(dtype), progress=progress, mesh=device_mesh,
-                                   # the routed outputs and the interventions only for the scores that read them
-                                   outputs=bool(set(OUTPUT_SCORES) & set(scores)), mtp=mtp == "prune",
-                                   interventions=bool(set(INTERVENTION_SCORES) & set(scores)))
+                                   mtp=mtp == "prune", **pass_needs(scores))
     seconds = time.perf_counter() - t0
     df = score_table(stats.items(), scores)
     if out is not None:

@@ -474,6 +474,14 @@ OUTPUT_SCORES = tuple(n for n in SCORES if n in _READS_OUTPUTS)    # mone: reads
 INTERVENTION_SCORES = tuple(n for n in SCORES if n in _INTERVENES)  # loo_reroute(_cos), ranked_vote
 
 
+def pass_needs(names) -> dict:
+    """What a calibration pass must gather for the scores `names`, as the keywords of
+    `moejax.scoring.observe.accumulate_layer` and `calibrate_streamed`: the routed outputs' sums
+    (`OUTPUT_SCORES`) and the interventions (`INTERVENTION_SCORES`), each only when a score reads it."""
+    names = set(names)
+    return {"outputs": bool(names & set(OUTPUT_SCORES)), "interventions": bool(names & set(INTERVENTION_SCORES))}
+
+
 def rank_correlation(a, b) -> float:
     """Spearman's rank correlation of two scores over the same experts (average ranks for ties);
     NaN when either is constant (no ranking to correlate)."""

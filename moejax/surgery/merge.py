@@ -54,7 +54,7 @@ from moejax.merging.layer import LayerMerge, leader_first_clusters, merge_cluste
 from moejax.merging.method import MergeContext, MergeMethod
 from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.score_checkpoint import calibration_ids
-from moejax.scoring.scores import INTERVENTION_SCORES, OUTPUT_SCORES, StatsAccumulator, compute_scores, scores_for
+from moejax.scoring.scores import StatsAccumulator, compute_scores, pass_needs, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.surgery.prune import other_files, write_folder
 from moejax.surgery.prune_plan import per_group_needed, plan_pruning
@@ -238,8 +238,7 @@ def _merge_pass(ckpt, method: MergeMethod, batches, dtype: str, seed: int, count
         stats[layer] = merge_stats(moe, router_inputs, masks, **method.stats_options(), seed=seed)
         if method.scores:
             acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
-            accumulate_layer(moe, router_inputs, masks, acc, outputs=bool(set(OUTPUT_SCORES) & set(method.scores)),
-                             interventions=bool(set(INTERVENTION_SCORES) & set(method.scores)))
+            accumulate_layer(moe, router_inputs, masks, acc, **pass_needs(method.scores))
             layer_stats = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), seed=seed,
                                     layer=layer)
             layer_scores[layer] = compute_scores(layer_stats, list(method.scores))[method.scores[0]]

@@ -59,7 +59,7 @@ from moejax.hf.layout import layer_of
 from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.scoring.score_checkpoint import calibration_ids
-from moejax.scoring.scores import INTERVENTION_SCORES, LayerStats, check_score_names, compute_scores, scores_for
+from moejax.scoring.scores import LayerStats, check_score_names, compute_scores, pass_needs, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import fused_rows, other_files, write_folder, write_index, write_shard
 from moejax.surgery.prune_plan import PrunePlan, rewrite_mtp
@@ -233,7 +233,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
     stats = calibrate_streamed(opened(checked), batches, dtype=jnp.dtype(dtype), progress=show, mtp=mtp == "prune",
-                               interventions=score in INTERVENTION_SCORES)
+                               interventions=pass_needs([score])["interventions"])   # (outputs: always, the constants)
     kept = plan_substitution(stats, score, keep, cfg.num_experts_per_tok)
     substituted = {l: [e for e in range(stats[l].n_experts) if e not in set(k)] for l, k in kept.items()}
     constants = {l: stats[l].mean_output_EH[experts] for l, experts in substituted.items()}
