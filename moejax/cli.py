@@ -5,13 +5,13 @@
                  [--mesh-expert 8] [--mesh-data 1] --out scores.parquet
     moejax score CKPT --scores bias,signed,l1[,random] [--seed S] --out scores.parquet   (data-free)
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
-                 [--layers-keep FILE.json] [--allocation uniform|global] [--group-aware | --collapse-groups]
+                 [--layers-keep FILE.json] [--allocation NAME [--allocation-setting K=V ...]] [--group-aware | --collapse-groups]
                  [--mtp prune|keep|drop] [--overwrite]
     moejax prune SRC DST --substitute --score mone --keep K (--text PATH... | --tokens FILE.npy)
                  [--seq-len N] [--max-tokens N] [--batch-size B] [--dtype bfloat16] [--overwrite]
                  (MoNE: the other experts return constants; vLLM's constant-v1 expert substitution)
     moejax merge SRC DST --method hc_smoe|m_smoe|ream --keep K (--text PATH... | --tokens FILE.npy)
-                 [--allocation uniform|global] [--hc-method average|kmeans] [--collapse-groups] [--mtp prune|keep|drop]
+                 [--allocation NAME [--allocation-setting K=V ...]] [--hc-method average|kmeans] [--collapse-groups] [--mtp prune|keep|drop]
                  [--score reap] [--group-size C] [--ream-tokens N] [--seed S] [--sequential] [--overwrite]
                  (ream: --score, --group-size, --ream-tokens)
     moejax reroute SRC COMPRESSED DST (--text PATH... | --tokens FILE.npy) [--steps N] [--lr LR]
@@ -136,7 +136,7 @@ def _prune(args) -> None:
     record = prune_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
         scores_file=args.scores_file, layers_keep=_read_layers_keep(args.layers_keep), group_aware=args.group_aware,
-        collapse_groups=args.collapse_groups, mtp=args.mtp, seed=args.seed, allocation=args.allocation,
+        collapse_groups=args.collapse_groups, mtp=args.mtp, seed=args.seed, allocation=_allocation(args),
         overwrite=args.overwrite)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers pruned by {args.score} to {counts} experts "
@@ -152,7 +152,7 @@ def _substitute(args) -> None:
 
     unused = [flag for flag, given in (("--scores-file", args.scores_file), ("--layers-keep", args.layers_keep),
                                        ("--group-aware", args.group_aware), ("--collapse-groups", args.collapse_groups),
-                                       ("--allocation global", args.allocation != "uniform")) if given]
+                                       (f"--allocation {args.allocation}", args.allocation != "uniform")) if given]
     if unused:
         raise ConfigError(f"--substitute takes no {', '.join(unused)}: it keeps every router slot (routing and groups "
                           "unchanged), ranks by its own calibration pass and keeps --keep experts computing per layer")
@@ -201,7 +201,7 @@ def _merge(args) -> None:
     record = merge_checkpoint(
         args.src, args.dst, method=merge_method(args), keep=parse_keep(args.keep), text=args.text,
         tokens=args.tokens, seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size,
-        allocation=args.allocation, collapse_groups=args.collapse_groups, mtp=args.mtp, dtype=args.dtype,
+        allocation=_allocation(args), collapse_groups=args.collapse_groups, mtp=args.mtp, dtype=args.dtype,
         seed=args.seed, overwrite=args.overwrite, sequential=args.sequential)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers merged by {args.method}"
@@ -312,8 +312,7 @@ def _prune_parser(sub) -> None:
     groups.add_argument("--group-aware", action="store_true", help="keep an equal number per routing group")
     groups.add_argument("--collapse-groups", action="store_true",
                         help="allow uneven groups by routing over all kept experts (n_group=1)")
-    p.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
-                   help="global: per-layer counts from one threshold over normalised scores (same total)")
+    _allocation_arguments(p)
     _mtp_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random score")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
@@ -323,6 +322,37 @@ def _prune_parser(sub) -> None:
                    "written as vLLM's constant-v1 expert substitution")
     _calibration_arguments(p, required=False)
     p.set_defaults(func=_prune)
+
+
+def _allocation_arguments(p) -> None:
+    """--allocation (the registry's names) and its settings, --allocation-setting KEY=VALUE."""
+    from moejax.allocation import ALLOCATIONS
+
+    p.add_argument("--allocation", default="uniform", choices=ALLOCATIONS.names(),
+                   help="per-layer counts under one total: uniform (keep in every layer), global (one threshold over "
+                        "the layers' normalised scores; a merge's: frequency), shape (SHAPE's coverage of the Shapley "
+                        "values), evo_esap (EvoESAP's search with ESAP fitness)")
+    p.add_argument("--allocation-setting", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of the allocation (repeatable), e.g. population=16; its settings and defaults: "
+                        + "; ".join(f"{n}: {d or 'none'}" for n, d in ALLOCATIONS.defaults().items()))
+
+
+def _allocation(args):
+    """The allocation object --allocation names, with its --allocation-setting values (JSON values,
+    else text); a setting it does not have is refused, naming it."""
+    from moejax.allocation import ALLOCATIONS
+    from moejax.errors import ConfigError
+
+    settings = {}
+    for item in args.allocation_setting:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--allocation-setting {item!r}: expected KEY=VALUE, e.g. population=16")
+        try:
+            settings[key] = json.loads(text)
+        except ValueError:
+            settings[key] = text
+    return ALLOCATIONS.parse(args.allocation, **settings)
 
 
 def _mtp_argument(p) -> None:
@@ -351,8 +381,7 @@ def _merge_parser(sub) -> None:
     p.add_argument("--method", required=True, choices=MERGE_METHODS.names())
     p.add_argument("--keep", required=True, help="clusters per MoE layer: a count (32) or a ratio of E (0.5)")
     _calibration_arguments(p)
-    p.add_argument("--allocation", default="uniform", choices=["uniform", "global"],
-                   help="global: per-layer counts from one threshold on normalised frequency (same total)")
+    _allocation_arguments(p)
     p.add_argument("--hc-method", default=None,
                    help=f"hc_smoe: its clustering, average (average linkage: the paper's) or kmeans (its public "
                         f"scripts' fallback) ({_default('clustering')})")

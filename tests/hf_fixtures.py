@@ -153,7 +153,8 @@ def reference_scores(hf, seen, mask, blocks=None) -> dict:
                   "aimer": -np.array([aimer_ratio(*matrices[j]) for j in range(E)]),
                   "mone": mone_reference(x, gates, idx, f, E)[0],
                   **leave_one_out_reference(router, x, gates, idx, f, E),
-                  "ranked_vote": ranked_vote_reference(logits, idx.shape[1])}
+                  "ranked_vote": ranked_vote_reference(logits, idx.shape[1]),
+                  "shapley": shapley_reference(idx, E)}
         if hasattr(router, "e_score_correction_bias"):
             out[l]["bias"] = -router.e_score_correction_bias.detach().double().numpy()
     return out
@@ -200,6 +201,29 @@ def leave_one_out_reference(router, x, gates, idx, f, E) -> dict:
             sq[j] += np.square(y_new - y[t]).sum()
             cos[j] += 1 - y_new @ y[t] / (np.linalg.norm(y_new) * np.linalg.norm(y[t]))
     return {"loo_reroute": sq / (T * H), "loo_reroute_cos": cos / T}
+
+
+def shapley_reference(idx, E: int) -> np.ndarray:
+    """SHAPE's phi (arXiv 2606.09886) by brute force over the coalition lattice: for each expert i
+    and every (K-1)-set S of the other experts, c = the tokens whose chosen set is exactly S + {i}
+    and, where c > 0, m = the tokens whose chosen set contains S; alpha_i = the least c / m over
+    those S, phi_i = the sum over them of c - alpha_i m (0 where there are none)."""
+    from collections import Counter
+    from itertools import combinations
+
+    chosen = Counter(frozenset(row) for row in np.asarray(idx).tolist())
+    K = idx.shape[1]
+    phi = np.zeros(E)
+    for i in range(E):
+        terms = []
+        for S in combinations([e for e in range(E) if e != i], K - 1):
+            c = chosen.get(frozenset(S) | {i}, 0)
+            if c:
+                terms.append((c, sum(n for A, n in chosen.items() if frozenset(S) <= A)))
+        if terms:
+            alpha = min(c / m for c, m in terms)
+            phi[i] = sum(c - alpha * m for c, m in terms)
+    return phi
 
 
 def ranked_vote_reference(logits, top_k: int) -> np.ndarray:

@@ -150,8 +150,9 @@ FLOORS = (
     ("moejax.data", "moejax.inference", FACE),
     # 6: train_tiny (its loss is inference's nll, its skill match inference's generate)
     ("moejax.training",),
-    # 7: scores and the calibration pass (on inference.stream), data-free statistics
-    ("moejax.scoring",),
+    # 7: scores and the calibration pass (on inference.stream), data-free statistics; the allocations
+    #    (pure rules over per-layer statistics and a caller's fitness)
+    ("moejax.scoring", "moejax.allocation"),
     # 8: VariantSpec, VariantPlan (kept sets from scoring.select)
     ("moejax.variants",),
     # 9: the merge methods (a merge's router forms from variants.spec)
@@ -250,7 +251,8 @@ JAX_FREE = (
     "moejax.hf.layout", "moejax.hf.mapping", "moejax.hf.provenance", "moejax.hf.quant",
     "moejax.hf.quant.decode", "moejax.hf.quant.encode", "moejax.hf.substitution",
     "moejax.inference",
-    "moejax.merging", "moejax.merging.allocation", "moejax.merging.average", "moejax.merging.clusters",
+    "moejax.allocation", "moejax.allocation.method", "moejax.allocation.threshold",
+    "moejax.merging", "moejax.merging.average", "moejax.merging.clusters",
     "moejax.merging.method", "moejax.merging.ream",
     "moejax.models", "moejax.models.config_base", "moejax.models.deepseek_v3",
     "moejax.models.deepseek_v3.config", "moejax.models.deepseek_v3.names", "moejax.models.deepseek_v3.presets",

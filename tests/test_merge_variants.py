@@ -473,14 +473,14 @@ def test_carried_pass_with_merges_and_a_global_budget_equals_the_forward(dsv3, t
     import pandas as pd
 
     from moejax.evaluation.carried import evaluate_pruning
-    from moejax.merging.allocation import global_counts
+    from moejax.allocation import layer_counts
     from moejax.scoring.observe import calibrate
     from moejax.scoring.select import select_kept
     from moejax.surgery.prune import prune_checkpoint
 
     path, model, calib = dsv3
     stats = calibrate(model, [(calib, None)])
-    want = global_counts({l: st.counts_E for l, st in stats.items()}, 3, model.config.num_experts_per_tok)
+    want = layer_counts({l: st.counts_E for l, st in stats.items()}, 3, model.config.num_experts_per_tok, "global")
     assert sum(want.values()) == 3 * len(stats) and len(set(want.values())) > 1  # not uniform here
     heldout = {"a": np.random.default_rng(4).integers(0, 96, size=(3, 20)).astype(np.int32)}
     rows, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["frequency"], [E, 3],

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from moejax.errors import ConfigError
-from moejax.merging.allocation import ALLOCATIONS, global_counts, layer_counts
 from moejax.merging.average import align_layer, align_neurons, merge_cluster, merge_weights
 from moejax.moe.neurons import permute_neurons
 from moejax.merging.clusters import canonical_labels, hc_smoe_clusters, m_smoe_groups
@@ -338,75 +337,6 @@ def test_merge_weights_refuses_bad_requests():
         merge_weights(layer, LABELS, -freq)
     with pytest.raises(ConfigError, match="match no layout"):
         merge_weights({"gate": layer["gate"], "up": layer["up"]}, LABELS, freq)
-
-
-# --- per-layer budgets: moejax.merging.allocation --------------------------------------------------------
-
-def global_reference(scores, keep, top_k):
-    """From the definition, one place at a time: shares s_norm = (s - m) / sum(s - m) with
-    m = min(min(s), 0) (uniform if that sum is 0); each layer's top_k floor; then, keep x L - top_k x L
-    times, the largest share not yet taken (ties: lower layer, then lower expert)."""
-    shares = {}
-    for layer, s in scores.items():
-        m = min(min(s), 0)
-        total = sum(float(x) - m for x in s)
-        shares[layer] = [(float(x) - m) / total if total > 0 else 1 / len(s) for x in s]
-    taken = set()
-    for layer, sh in shares.items():
-        taken |= {(layer, e) for e in sorted(range(len(sh)), key=lambda e: (-sh[e], e))[:top_k]}
-    for _ in range((keep - top_k) * len(scores)):
-        taken.add(min(((layer, e) for layer, sh in shares.items() for e in range(len(sh)) if (layer, e) not in taken),
-                      key=lambda le: (-shares[le[0]][le[1]], le[0], le[1])))
-    return {layer: sum(1 for l_, _ in taken if l_ == layer) for layer in scores}
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_global_counts_from_the_definition(seed):
-    rng = np.random.default_rng(seed)
-    E, top_k = 8, 2
-    scores = {l: rng.integers(0, 4, size=E).astype(float) for l in (1, 2, 3, 5)}   # many ties
-    scores[2] = scores[1].copy()                     # equal shares across layers: lower layer first
-    scores[3] = scores[3] - 2                        # signed: shifted by its minimum
-    scores[5] = scores[5] + 1                        # positive: s / sum(s), not shifted
-    if seed % 2:
-        scores[5] = np.full(E, -1.5)                 # shifted sum 0: uniform shares
-    for keep in range(top_k, E + 1):
-        counts = global_counts(scores, keep, top_k)
-        assert counts == global_reference(scores, keep, top_k), keep
-        assert sum(counts.values()) == keep * len(scores)
-        assert all(top_k <= n <= E for n in counts.values())
-        assert layer_counts(scores, keep, top_k, "global") == counts
-        assert layer_counts(scores, keep, top_k, "uniform") == dict.fromkeys(scores, keep)
-
-
-def test_global_counts_follow_the_routing_mass():
-    flat = np.full(8, 10.0)                          # every expert 1/8 of the layer's routing
-    skewed = np.array([80.0] * 6 + [10.0, 10.0])     # six experts 0.16 each, two 0.02
-    counts = global_counts({0: flat, 1: skewed}, 4, 1)
-    assert counts == {0: 2, 1: 6}                    # the skewed layer keeps more than keep=4
-    # frequencies are used as shares: scaling a layer changes nothing
-    assert global_counts({0: 7 * flat, 1: skewed / 3}, 4, 1) == counts
-    # identical layers of distinct scores: uniform; of tied scores: the ties go to the lower layer
-    distinct = np.arange(1.0, 9.0)
-    assert global_counts({0: distinct, 1: distinct.copy()}, 4, 1) == {0: 4, 1: 4}
-    assert global_counts({0: skewed, 1: skewed.copy()}, 4, 1) == {0: 6, 1: 2}
-    assert global_counts({0: flat, 1: skewed}, 8, 1) == {0: 8, 1: 8}   # keep = E: everything
-    assert global_counts({0: flat, 1: skewed}, 2, 2) == {0: 2, 1: 2}   # keep = top_k: the floor
-
-
-def test_allocation_refuses_bad_requests():
-    scores = {0: np.arange(8.0), 1: np.ones(8)}
-    with pytest.raises(ConfigError, match=r"keep=1 per layer must lie in \[top_k, E\] = \[2, 8\]"):
-        global_counts(scores, 1, 2)
-    with pytest.raises(ConfigError, match=r"keep=9 per layer must lie in \[top_k, E\] = \[2, 8\]"):
-        layer_counts(scores, 9, 2, "uniform")
-    with pytest.raises(ConfigError, match="must be a per-layer count"):
-        global_counts(scores, 0.5, 2)
-    with pytest.raises(ConfigError, match="NaN or infinity"):
-        global_counts({0: np.array([1.0, np.nan, 2.0])}, 2, 1)
-    with pytest.raises(ConfigError, match=r"allocation='local': expected one of \['uniform', 'global'\]"):
-        layer_counts(scores, 4, 2, "local")
-    assert ALLOCATIONS == ("uniform", "global")
 
 
 # --- each cluster's leader: moejax.merging.clusters.cluster_leaders -----------------------------------------

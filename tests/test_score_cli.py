@@ -38,7 +38,8 @@ def test_text_scoring_writes_table_and_sidecar_equal_to_in_memory_pass(ckpt, tmp
     df = pd.read_parquet(out)
     assert list(df.columns) == ["layer", "expert", "score", "value"]
     assert sorted(df.layer.unique()) == [1, 2] and df.expert.nunique() == 8 and set(df.score) == set(ALL_SCORES)
-    assert len(ALL_SCORES) == 17  # SPEC section 2's nine, man, msan, max_act, aimer, mone, loo_reroute(_cos), ranked_vote
+    assert len(ALL_SCORES) == 18  # SPEC section 2's nine, man, msan, max_act, aimer, mone, loo_reroute(_cos), ranked_vote,
+    # shapley
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["tokens"] == 96 and side["tokenizer"].startswith("byte-level")
     ids = np.frombuffer(STDLIB_TEXT.read_text().encode("utf-8")[:96], np.uint8).astype(np.int32).reshape(6, 16)

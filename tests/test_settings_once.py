@@ -10,6 +10,7 @@ import inspect
 import numpy as np
 import pytest
 
+from moejax.allocation import ALLOCATIONS
 from moejax.cli import MERGE_SETTING_FLAGS, build_parser
 from moejax.experiments import hydra_defaults
 from moejax.experiments.eval_tasks import EvalTasksConfig
@@ -99,4 +100,5 @@ def test_experiments_agree_with_the_pass_and_the_registry():
         defaults = hydra_defaults(name)
         assert defaults["merge"] == MERGE_METHODS.defaults()
         if name != "toy3":
+            assert defaults["allocations"] == ALLOCATIONS.defaults()
             assert defaults["router_distillation"] == dataclasses.asdict(RerouteSettings())

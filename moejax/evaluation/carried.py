@@ -50,7 +50,7 @@ from flax import nnx
 from moejax.hf.model_io import OpenCheckpoint
 from moejax.host_memory import release_free_memory
 from moejax.errors import ConfigError
-from moejax.merging.allocation import ALLOCATIONS, layer_counts
+from moejax.allocation import ALLOCATIONS, RANKING, UNIFORM, layer_counts, statistic_of
 from moejax.merging.calibration import merge_stats
 from moejax.merging.average import averaged_rows
 from moejax.moe.neurons import check_mergeable
@@ -84,7 +84,7 @@ def _geometry(ckpt: OpenCheckpoint, batches, dtype):
 def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str, np.ndarray], scores: list[str],
                      keeps: list, *, merges: tuple[MergeMethod, ...] = (), substitutes: tuple = (),
                      sequential: bool = False, sequential_merges: bool = False,
-                     allocation: str = "uniform",
+                     allocation=UNIFORM,
                      batch_size: int = 8, dtype=jnp.float32, seed: int = 0, merged_weights: bool = False,
                      progress: bool | None = None) -> tuple[list[dict], dict]:
     """(tidy rows, info) for every (score, keep) variant and every (merge method, keep, router
@@ -104,11 +104,12 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     merged on the model merged up to layer l under that form), each with a calibration stream of
     its own.
 
-    allocation: "uniform" (every MoE layer keeps `keep`) or "global" (per-layer counts from one
-    threshold over the layers' normalised scores, the same total; `moejax.merging.allocation`).
-    A global budget needs every layer's scores before the first layer is pruned, so it costs a
-    statistics pass over the calibration tokens first (each layer's weights are then read twice);
-    info["layer_counts"][variant name][layer] and the `experts` rows record the counts."""
+    allocation (`moejax.allocation`, a name or object): "uniform" (every MoE layer keeps `keep`) or
+    per-layer counts under the same total (global: one threshold over the layers' normalised
+    scores; shape: SHAPE's coverage of the Shapley values). One that reads a statistic needs every
+    layer's before the first layer is pruned, so it costs a statistics pass over the calibration
+    tokens first (each layer's weights are then read twice); info["layer_counts"][variant
+    name][layer] and the `experts` rows record the counts."""
     cfg = ckpt.config
     if cfg.per_layer_experts:  # the carried pass sizes every layer's statistics and masks by n_experts
         raise ConfigError(f"{ckpt.path}: MoE layers hold different expert counts (moe_sparsity_config.num_experts "
@@ -128,11 +129,10 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
         seq_variants += [VariantSpec(m.name, k, f"sequential_{form}") for m in merges for k in keeps
                          for form in ROUTER_FORMS]
     show = sys.stderr.isatty() if progress is None else progress
-    if allocation == "global":
-        counts = _global_counts(ckpt, calib, selecting, [m.name for m in merges], keeps, batch_size, dtype, seed,
-                                show)
-    elif allocation not in ALLOCATIONS:
-        raise ConfigError(f"allocation={allocation!r}: expected one of {list(ALLOCATIONS)}")
+    allocation = ALLOCATIONS.parse(allocation)
+    if allocation.reads is not None:
+        counts = _allocated_counts(ckpt, calib, allocation, selecting, [m.name for m in merges], keeps, batch_size,
+                                   dtype, seed, show)
     else:
         counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*selecting, *(m.name for m in merges)]
                   for k in keeps}
@@ -157,7 +157,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     rows += errors.rows()
     info = {"seconds": time.perf_counter() - t0, "variants": len(streams.order) - 1, "keeps": keeps,
             "plans": list(plans.values()),
-            "kept": kept_by_layer, "clusters": clusters_by_layer, "allocation": allocation,
+            "kept": kept_by_layer, "clusters": clusters_by_layer, "allocation": allocation.name,
             "layer_counts": {f"{name}@{k}": c for (name, k), c in counts.items()}, "calib_tokens": int(calib.size),
             "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
     return rows, info
@@ -219,22 +219,26 @@ class _Streams:
                    chunk=max(1, STREAM_TOKENS // tokens))
 
 
-def _global_counts(ckpt: OpenCheckpoint, calib, scores, merges, keeps, batch_size, dtype, seed, show) -> dict:
-    """{(score or merge method, keep): {MoE layer: count}} under one global threshold, from a
-    statistics pass over the calibration tokens (the unpruned model's scores; merges allocate by
-    M-SMoE's rule on normalised frequency)."""
+def _allocated_counts(ckpt: OpenCheckpoint, calib, allocation, scores, merges, keeps, batch_size, dtype, seed,
+                      show) -> dict:
+    """{(score or merge method, keep): {MoE layer: count}} under the allocation, from a statistics
+    pass over the calibration tokens (the unpruned model's scores; an allocation that reads the
+    ranking allocates a merge by its routing frequency: M-SMoE's rule)."""
     from moejax.inference.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
     cfg = ckpt.config
+    statistic = {name: statistic_of(allocation, name) for name in scores}
+    statistic.update({m: m if allocation.reads == RANKING else allocation.reads for m in merges})
+    needed = list(dict.fromkeys(v for k, v in statistic.items() if k not in merges or v not in merges))
     batches = [(calib[i:i + batch_size], None) for i in range(0, len(calib), batch_size)]
     by_layer = {}
     for layer, moe, router_inputs in stream_layers(ckpt, batches, dtype, show):
         acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
-        accumulate_layer(moe, router_inputs, [None] * len(router_inputs), acc, **pass_needs(scores))
+        accumulate_layer(moe, router_inputs, [None] * len(router_inputs), acc, **pass_needs(needed))
         stats = acc.stats(np.asarray(moe.router[...]), moe.balance_bias(), seed=seed, layer=layer)
-        by_layer[layer] = {**compute_scores(stats, scores), **{m: stats.counts_E for m in merges}}
+        by_layer[layer] = {**compute_scores(stats, needed), **{m: stats.counts_E for m in merges}}
     top_k = cfg.num_experts_per_tok
-    return {(name, k): layer_counts({l: sc[name] for l, sc in by_layer.items()}, k, top_k, "global")
+    return {(name, k): layer_counts({l: sc[statistic[name]] for l, sc in by_layer.items()}, k, top_k, allocation)
             for name in [*scores, *merges] for k in keeps}
 
 

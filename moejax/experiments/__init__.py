@@ -20,7 +20,7 @@ import importlib
 from hydra.core.config_store import ConfigStore
 
 from moejax.errors import ConfigError
-from moejax.experiments.settings import MERGE_BLOCK, merge_block
+from moejax.experiments.settings import ALLOCATION_BLOCK, MERGE_BLOCK, allocation_block, merge_block
 from moejax.registry import Registered
 
 EXPERIMENTS = ("toy3", "score", "train_tiny", "prune_real", "eval_tasks")
@@ -90,6 +90,8 @@ def hydra_defaults(name: str) -> dict:
             out.update(node)
     if "merges" in values:   # every merge method's settings, so `merge.ream.group_size=8` overrides a key that exists
         out[MERGE_BLOCK] = merge_block()
+    if "allocation" in values:   # every allocation's settings: `allocations.evo_esap.population=16`
+        out[ALLOCATION_BLOCK] = allocation_block()
     return out
 
 

@@ -39,7 +39,7 @@ from moejax.evaluation.skills_tasks import (DEGEN_BYTES, DEGEN_TASK, default_sou
 from moejax.evaluation.tasks import heldout_files, position_budget, write_stdlib_tasks
 from moejax.experiments import prune_real
 from moejax.experiments.prune_real import PruneRealConfig, rerouted_as_form
-from moejax.experiments.settings import MERGE_BLOCK, typed_settings
+from moejax.experiments.settings import BLOCKS, typed_settings
 from moejax.settings_check import refuse_repeats
 from moejax.training.skills import documents, longest_document, text
 from moejax.variants import VariantPlan, VariantSpec, is_rerouted
@@ -79,11 +79,11 @@ class EvalTasksConfig:
     def from_mapping(cls, d: dict) -> "EvalTasksConfig":
         """prune_real's settings (its fields and the `merge` block) into the composed PruneRealConfig,
         the rest into the tasks'; a key neither has is refused, naming both's."""
-        inner = {f.name for f in dataclasses.fields(PruneRealConfig)} | {MERGE_BLOCK}
+        inner = {f.name for f in dataclasses.fields(PruneRealConfig)} | set(BLOCKS)
         own = {f.name for f in dataclasses.fields(cls)} - {"prune_real"}
         unknown = sorted(set(d) - inner - own)
         if unknown:
-            raise ConfigError(f"eval_tasks: unknown setting(s) {unknown}; valid: {sorted((inner | own) - {MERGE_BLOCK})}")
+            raise ConfigError(f"eval_tasks: unknown setting(s) {unknown}; valid: {sorted((inner | own) - set(BLOCKS))}")
         nested = {k: v for k, v in d.items() if k in inner}
         if "scores" not in nested:
             nested["scores"] = DEFAULT_SCORES

@@ -35,7 +35,7 @@ from moejax.data import Tokenizer, pack, read_text, text_files
 from moejax.errors import ConfigError
 from moejax.experiments.settings import typed_settings
 from moejax.settings_check import refuse_repeats
-from moejax.merging.allocation import ALLOCATIONS
+from moejax.allocation import ALLOCATIONS, UNIFORM, Allocation
 from moejax.models.registry import read_config
 from moejax.results import write_json_atomic
 from moejax.scoring.scores import check_score_names, scores_for
@@ -57,7 +57,8 @@ class PruneRealConfig:
                                    # from merges=[hc_smoe,ream] and their settings merge.ream.group_size=8)
     substitutes: tuple = ()        # scores whose selections are also evaluated substituted (MoNE: a removed
                                    # expert's slot returns its mean routed output), e.g. [mone]
-    allocation: str = "uniform"    # or "global": per-layer counts from one threshold (moejax.merging.allocation)
+    allocation: Allocation = UNIFORM   # per-layer counts (moejax.allocation): allocation=global,
+                                   # shape or evo_esap, with its settings allocations.evo_esap.population=16
     calib: tuple = ()              # files/folders/globs; empty = standard-library sources
     calibration: str = "code"      # which text calibrates: code | skills | uniform | train | 'code=0.5,kv=0.5'
     heldout: tuple = ()            # empty = the model's held-out files, else DEFAULT_HELDOUT (+ LICENSE.txt)
@@ -105,13 +106,14 @@ class PruneRealConfig:
                     scores_for(list(method.scores), has_bias, f"{method.name}'s score ({self.path})")
                 for k in self.keep:
                     method.check(resolve_keep(k, config.n_experts, config.num_experts_per_tok)
-                                 if self.allocation == "uniform" else None, config.n_experts)
+                                 if self.allocation.reads is None else None, config.n_experts)
         except ConfigError as e:
             raise ConfigError(f"prune_real: {e}") from None
         if self.scores is not None:
             refuse_repeats("prune_real", "scores", self.scores)
-        if self.allocation not in ALLOCATIONS:
-            raise ConfigError(f"prune_real: allocation={self.allocation!r}; expected one of {list(ALLOCATIONS)}")
+        if not isinstance(self.allocation, Allocation):
+            raise ConfigError(f"prune_real: allocation={self.allocation!r}; expected an allocation object "
+                              f"(moejax.allocation.parse(name, **settings)), one of {list(ALLOCATIONS.names())}")
         if not self.keep:
             raise ConfigError("prune_real: keep is empty; give counts or ratios of E, e.g. keep=[0.5,0.25]")
         refuse_repeats("prune_real", "keep", [resolve_keep(k, config.n_experts, config.num_experts_per_tok)
@@ -150,7 +152,7 @@ Config = PruneRealConfig
 def settings_from(cfg: dict) -> dict:
     model, data, prune = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("prune") or {}
     settings = {"path": model.get("path") or "", **data, **prune}
-    for key in ("keep", "scores", "merges", "merge", "substitutes", "allocation", "calibration", "dtype", "seed",
+    for key in ("keep", "scores", "merges", "merge", "substitutes", "allocation", "allocations", "calibration", "dtype", "seed",
                 "router_distillation"):
         if cfg.get(key) is not None:
             settings[key] = cfg[key]

@@ -52,6 +52,9 @@ class LayerStats:
     router_order_TE:  each calibration token's experts by descending router logit, int [T, E]
     top_k:            K, the experts each token chose
     (the last four None / 0: not computed)
+    coalition_sets_MK, coalition_counts_M: the distinct sets of experts the calibration tokens chose
+                      (each sorted ascending, int [M, K], in lexicographic order) and how many tokens
+                      chose each, c(A) (None: not recorded)
     """
 
     counts_E: np.ndarray
@@ -77,6 +80,8 @@ class LayerStats:
     loo_cos_sum_E: np.ndarray | None = None
     router_order_TE: np.ndarray | None = None
     top_k: int = 0
+    coalition_sets_MK: np.ndarray | None = None
+    coalition_counts_M: np.ndarray | None = None
 
     @property
     def n_experts(self) -> int:
@@ -117,6 +122,7 @@ class StatsAccumulator:
         self.loo_sq = self.loo_cos = None   # [E] once interventions are given (`add_interventions`)
         self.orders = []                    # each batch's preference orders [T, E] of its real tokens
         self.top_k = 0
+        self.coalitions = []                # each batch's distinct chosen sets and their token counts
 
     def _sums(self, idx_TK, gate_TK, norm_TK, keep_T):
         flat = np.asarray(idx_TK)[keep_T].ravel()
@@ -136,6 +142,7 @@ class StatsAccumulator:
         keep = np.ones(idx.shape[0], bool) if token_mask_T is None else np.asarray(token_mask_T, bool)
         c, gn, n, n2, flat, norm = self._sums(idx, gate_TK, out_norm_TK, keep)
         self.tokens += int(keep.sum())
+        self.coalitions.append(coalition_counts(idx[keep]))
         self.gate_sum += np.bincount(flat, weights=np.asarray(gate_TK, np.float64)[keep].ravel(),
                                      minlength=self.n_experts)
         if out_TKH is not None:
@@ -209,7 +216,30 @@ class StatsAccumulator:
             output_sq_sum_EH=None if self.output_sq_sum is None else self.output_sq_sum.copy(),
             loo_sq_sum_E=None if self.loo_sq is None else self.loo_sq.copy(),
             loo_cos_sum_E=None if self.loo_cos is None else self.loo_cos.copy(),
-            router_order_TE=np.concatenate(self.orders) if self.orders else None, top_k=self.top_k)
+            router_order_TE=np.concatenate(self.orders) if self.orders else None, top_k=self.top_k,
+            **dict(zip(("coalition_sets_MK", "coalition_counts_M"), _merged_coalitions(self.coalitions))))
+
+
+def coalition_counts(expert_idx_TK) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct sets [M, K], each sorted ascending, in lexicographic order; tokens per set [M]) of
+    one batch's chosen experts (real tokens only)."""
+    idx = np.sort(np.asarray(expert_idx_TK, np.int64), axis=1)
+    if not len(idx):
+        return idx, np.zeros(0, np.int64)
+    sets, counts = np.unique(idx, axis=0, return_counts=True)
+    return sets, counts.astype(np.int64)
+
+
+def _merged_coalitions(batches: list) -> tuple:
+    """The batches' coalition counts summed per set (None, None: none recorded)."""
+    if not batches:
+        return None, None
+    sets = np.concatenate([b[0] for b in batches])
+    if not len(sets):
+        return sets, np.zeros(0, np.int64)
+    merged, inverse = np.unique(sets, axis=0, return_inverse=True)
+    return merged, np.bincount(inverse.ravel(), weights=np.concatenate([b[1] for b in batches]),
+                               minlength=len(merged)).astype(np.int64)
 
 
 def weight_sums(expert_weights) -> tuple[np.ndarray, np.ndarray, int]:
@@ -465,6 +495,51 @@ def vote_out_rounds(order_TE: np.ndarray, n_experts: int, top_k: int) -> np.ndar
             np.add.at(counts, nxt[took], 1)
             voters = voters[~took]
     return out
+
+
+@register("shapley")
+def shapley(st: LayerStats) -> np.ndarray:
+    """SHAPE's Shapley value of expert i (arXiv 2606.09886, code Alizen-1009/Shapley-Moe,
+    `analysis/calc_shapley.py`), from the coalitions the calibration tokens chose: with c(A) the
+    tokens whose chosen set is exactly A (|A| = K) and m(S) = sum_{A superset of S} c(A) the tokens
+    whose chosen set contains the (K-1)-set S,
+
+        alpha_i = min_{A containing i, c(A) > 0} c(A) / m(A minus i)
+        phi_i   = sum_{A containing i, c(A) > 0} [c(A) - alpha_i m(A minus i)]
+
+    the marginal contribution of i to each observed coalition, its sub-coalition's value estimated
+    as alpha_i m(A minus i) (the lowest rate at which i completes one of its contexts); phi_i >= 0.
+    SHAPE scales every phi by (K-1)!(E-K)!/E! x 1e4 (the Shapley weight of a (K-1)-coalition),
+    which changes no ranking or share and is left out. It is not the exact Shapley value of a
+    game: only the size-K coalitions and their (K-1)-subsets enter. Each calibration token counts
+    once (SHAPE's collection re-counts the prompt at every generated step). An expert in a single
+    observed coalition, or chosen by no token, gets 0; with K = 1 every phi is 0."""
+    sets = _need(st, "coalition_sets_MK", "shapley", "the chosen sets of the calibration tokens")
+    return coalition_shapley(sets, st.coalition_counts_M, st.n_experts)
+
+
+def coalition_shapley(sets_MK: np.ndarray, counts_M: np.ndarray, n_experts: int) -> np.ndarray:
+    """`shapley`'s phi, float64 [E], over the (set, count) pairs: every (A, i in A) pair once."""
+    sets = np.asarray(sets_MK, np.int64)
+    c = np.asarray(counts_M, np.float64)
+    phi = np.zeros(n_experts)
+    if not len(sets):
+        return phi
+    M, K = sets.shape
+    pairs_A = np.repeat(np.arange(M), K)                 # pair (A, j): set A, its j-th member i
+    expert = sets.ravel()
+    if K == 1:   # m(empty set) = T and alpha_i = c({i}) / T: every marginal contribution is 0
+        return phi
+    subs = np.stack([np.delete(sets, j, axis=1) for j in range(K)], axis=1).reshape(M * K, K - 1)  # A minus member j
+    _, sub_id = np.unique(subs, axis=0, return_inverse=True)
+    sub_id = sub_id.ravel()
+    m = np.bincount(sub_id, weights=c[pairs_A])           # m(S): tokens whose set contains S
+    m_pair = m[sub_id]
+    ratio = c[pairs_A] / m_pair
+    alpha = np.full(n_experts, np.inf)
+    np.minimum.at(alpha, expert, ratio)
+    np.add.at(phi, expert, c[pairs_A] - alpha[expert] * m_pair)
+    return phi
 
 
 ALL_SCORES = tuple(SCORES)                                          # every score, in this file's order

@@ -48,7 +48,7 @@ from moejax.hf.model_io import opened
 from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.moe.neurons import check_mergeable
-from moejax.merging.allocation import ALLOCATIONS, layer_counts
+from moejax.allocation import ALLOCATIONS, RANKING, Allocation, allocation_record, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import LayerMerge, leader_first_clusters, merge_clusters, merge_layer
 from moejax.merging.method import MergeContext, MergeMethod
@@ -105,20 +105,24 @@ def _refuse_quantised(checked) -> None:
                                       f"tensors only ({', '.join(PLAIN_DTYPES)})")
 
 
-def cluster_counts(stats: dict, keep, top_k: int, allocation: str) -> dict[int, int]:
-    """Clusters per MoE layer: `keep` (a count or ratio of E) in every layer, or with
-    allocation="global" the same total spread by M-SMoE's rule on normalised frequency
-    (`moejax.merging.allocation`)."""
+def cluster_counts(stats: dict, keep, top_k: int, allocation="uniform", statistic: dict | None = None) -> dict[int, int]:
+    """Clusters per MoE layer: `keep` (a count or ratio of E) in every layer, or the same total
+    spread by the allocation (`moejax.allocation`) over its statistic {layer: [E]}; an allocation
+    that reads the ranking (global: M-SMoE's rule) reads a merge's routing frequency."""
     E = next(iter(stats.values())).counts_E.shape[0]
     count = resolve_keep(keep, E, top_k)
-    return layer_counts({l: st.counts_E for l, st in stats.items()}, count, top_k, allocation)
+    allocation = ALLOCATIONS.parse(allocation)
+    if allocation.reads == RANKING:
+        statistic = {l: st.counts_E for l, st in stats.items()}
+    return layer_counts(statistic, count, top_k, allocation, {l: len(st.counts_E) for l, st in stats.items()})
 
 
-def plan_merge(stats: dict, method: MergeMethod, keep, top_k: int, allocation: str = "uniform", seed: int = 0,
-               scores: dict | None = None, expert_fn=None) -> MergePlan:
+def plan_merge(stats: dict, method: MergeMethod, keep, top_k: int, allocation="uniform", seed: int = 0,
+               scores: dict | None = None, expert_fn=None, statistic: dict | None = None) -> MergePlan:
     """Clusters and leaders of every MoE layer from its MergeStats (and, for a method that reads a
-    score, its scores {layer: [E]}); expert_fn: the model's expert (`cfg.expert_fn()`; None: SwiGLU)."""
-    counts = cluster_counts(stats, keep, top_k, allocation)
+    score, its scores {layer: [E]}); expert_fn: the model's expert (`cfg.expert_fn()`; None: SwiGLU);
+    statistic: what the allocation reads ({layer: [E]}, when it reads a score)."""
+    counts = cluster_counts(stats, keep, top_k, allocation, statistic)
     scores = scores or None
     ctx = {l: MergeContext.of(st, None if scores is None else scores[l], seed, expert_fn=expert_fn)
            for l, st in stats.items()}
@@ -165,7 +169,7 @@ class MergedTensors:
         return np.ascontiguousarray(value.T if transpose else value)
 
 
-def _check_before_pass(checked, ckpt, count: int, keep, allocation: str, collapse_groups: bool, mtp: str) -> None:
+def _check_before_pass(checked, ckpt, count: int, keep, allocation: Allocation, collapse_groups: bool, mtp: str) -> None:
     """What the plan would refuse after the calibration pass, when the settings alone decide it:
     an MTP layer --mtp prune would merge that the pass cannot run (no predictor), and a uniform cluster
     count that no choice of leaders can spread over the routing groups as group-limited routing
@@ -177,7 +181,7 @@ def _check_before_pass(checked, ckpt, count: int, keep, allocation: str, collaps
             ckpt.mtp_specs(layer)
     routing = cfg.router_settings()
     n_group, topk_group, top_k = routing.get("n_group", 1), routing.get("topk_group", 1), cfg.num_experts_per_tok
-    if n_group > 1 and not collapse_groups and allocation == "uniform" and (
+    if n_group > 1 and not collapse_groups and allocation.reads is None and (
             count % n_group or count // n_group < per_group_needed(top_k, topk_group)):
         raise ConfigError(f"--keep {keep} ({count} clusters per MoE layer) cannot keep group-limited routing "
                           f"(n_group={n_group}, topk_group={topk_group}, top_k={top_k}): the groups must keep equal "
@@ -185,27 +189,25 @@ def _check_before_pass(checked, ckpt, count: int, keep, allocation: str, collaps
                           "over all kept experts without groups, or a keep that divides into the groups")
 
 
-def _check_settings(method: MergeMethod, allocation: str, dtype: str, batch_size: int, sequential: bool,
+def _check_settings(method: MergeMethod, allocation: Allocation, dtype: str, batch_size: int, sequential: bool,
                     seed) -> None:
     """The command's own settings, refused before any work (the method checked its own when made)."""
     if not isinstance(method, MergeMethod):
         raise ConfigError(f"method={method!r}: expected a merge method object (moejax.merging.method.parse(name, "
                           "**settings))")
-    if allocation not in ALLOCATIONS:
-        raise ConfigError(f"--allocation {allocation!r}: expected one of {list(ALLOCATIONS)}")
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype={dtype!r}; expected 'float32' or 'bfloat16'")
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1 (--batch-size)")
-    if sequential and allocation != "uniform":
-        raise ConfigError(f"--sequential with --allocation {allocation}: a global budget spreads the counts by every "
+    if sequential and allocation.reads is not None:
+        raise ConfigError(f"--sequential with --allocation {allocation}: it spreads the counts by every "
                           "layer's statistics, which a sequential pass knows only after the layers it merges; "
                           "use --allocation uniform")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"seed={seed!r} (--seed): expected an integer >= 0 ({method.seed_use})")
 
 
-def _check_checkpoint(checked, ckpt, method: MergeMethod, keep, allocation: str, collapse_groups: bool, mtp: str,
+def _check_checkpoint(checked, ckpt, method: MergeMethod, keep, allocation: Allocation, collapse_groups: bool, mtp: str,
                       sequential: bool) -> int:
     """The checkpoint (checked, and opened: `ckpt`) against the settings, before the pass; returns the
     uniform cluster count."""
@@ -220,7 +222,7 @@ def _check_checkpoint(checked, ckpt, method: MergeMethod, keep, allocation: str,
                           "the groups (a --keep that divides into them) or merge one-shot")
     if method.scores:
         scores_for(list(method.scores), cfg.HAS_BALANCE_BIAS, f"{checked.path}: --score")
-    method.check(count if allocation == "uniform" else None, cfg.n_experts)  # global: each layer's count is known later
+    method.check(count if allocation.reads is None else None, cfg.n_experts)  # else each layer's count is known later
     return count
 
 
@@ -249,7 +251,7 @@ def _merge_pass(ckpt, method: MergeMethod, batches, dtype: str, seed: int, count
 
 
 def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=None, seq_len: int | None = None,
-                     max_tokens: int | None = None, batch_size: int = 8, allocation: str = "uniform",
+                     max_tokens: int | None = None, batch_size: int = 8, allocation="uniform",
                      collapse_groups: bool = False, mtp: str = MTP_DEFAULT, dtype: str = "float32", seed: int = 0,
                      overwrite: bool = False, progress: bool | None = None, sequential: bool = False) -> dict:
     """Write the merged checkpoint of `src` to `dst` (shrunk router form) and return its record
@@ -262,6 +264,7 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     layer merged on the calibration stream of the model merged up to the layer before (uniform
     allocation only; group-limited routing kept, not collapsed, so the stream routes as the
     written checkpoint does)."""
+    allocation = ALLOCATIONS.parse(allocation)
     _check_settings(method, allocation, dtype, batch_size, sequential, seed)
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
@@ -285,7 +288,7 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     spec = VariantSpec(method.name, keep, "sequential_shrunk" if sequential else "shrunk")
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
-        **spec.record(method.settings()), "allocation": allocation,
+        **spec.record(method.settings()), **allocation_record(allocation),
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
         "seed": seed, "groups": prune_plan.groups, "mtp": mtp, "dropped_layers": list(prune_plan.dropped_layers),

@@ -31,6 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moejax import __version__
+from moejax.allocation import allocation_record
 from moejax.errors import CheckpointError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
@@ -189,7 +190,7 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
 
 def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layers_keep: dict | None = None,
                      group_aware: bool = False, collapse_groups: bool = False, mtp: str = MTP_DEFAULT,
-                     seed: int = 0, allocation: str = "uniform", overwrite: bool = False,
+                     seed: int = 0, allocation="uniform", overwrite: bool = False,
                      progress: bool | None = None) -> dict:
     """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
@@ -212,7 +213,7 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: fingerprint,
         **VariantSpec(score, keep, "one_shot").record(),
         "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep,
-        "allocation": allocation, "seed": seed, "group_aware": group_aware, "groups": plan.groups, "mtp": mtp,
+        **allocation_record(allocation), "seed": seed, "group_aware": group_aware, "groups": plan.groups, "mtp": mtp,
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }

@@ -22,7 +22,7 @@ from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
 from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
-from moejax.merging.allocation import layer_counts
+from moejax.allocation import ALLOCATIONS, layer_counts, statistic_of
 from moejax.scoring.data_free import data_free_stats
 from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
@@ -123,20 +123,25 @@ def _keep_counts(layers, keep, layers_keep, top_k) -> dict[int, int]:
 def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: CheckpointLayout, cfg, *, score: str, keep=None,
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
                  collapse_groups: bool = False, mtp: str = MTP_DEFAULT, seed: int = 0,
-                 layer_scores: dict | None = None, allocation: str = "uniform", leaders: bool = False) -> PrunePlan:
+                 layer_scores: dict | None = None, allocation="uniform", leaders: bool = False,
+                 counts: dict | None = None) -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
     writing when the request is not well defined (SPEC section 2). layer_scores: {layer: [E]}
-    given in memory instead of a data-free score or a scores file. allocation "global": the
-    per-layer counts from one threshold over the layers' normalised scores, `keep` x layers in all
-    (`moejax.merging.allocation`). leaders: layer_scores mark a merge's cluster leaders (refusals
+    given in memory instead of a data-free score or a scores file. allocation (`moejax.allocation`,
+    a name or object): the per-layer counts, `keep` x layers in all (global: one threshold over
+    the layers' normalised scores; shape: SHAPE's coverage of the scores file's `shapley`); counts:
+    {layer: count} already allocated (evo_esap's search, by the caller). leaders: layer_scores mark a merge's cluster leaders (refusals
     are worded for `moejax merge`). mtp: what becomes of MTP layers (`MTP_POLICIES`)."""
     # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
     # config.json is the source's dictionary with the family's expert-count key updated.
     new_config, notes = cfg.settings_dict(), []  # the settings' level (a wrapper's text_config)
     layers, dropped, whole = _layers_to_prune(reader, layout, cfg, mtp)
-    counts = _keep_counts(layers, keep, layers_keep, cfg.num_experts_per_tok)
+    allocation = ALLOCATIONS.parse(allocation)
     scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
-    counts = _allocated_counts(scores, counts, layers_keep, cfg.num_experts_per_tok, allocation)
+    if counts is None:
+        counts = _keep_counts(layers, keep, layers_keep, cfg.num_experts_per_tok)
+        statistic = _allocation_statistic(reader, layers, score, scores, scores_file, seed, cfg, allocation)
+        counts = _allocated_counts(statistic, counts, layers_keep, cfg.num_experts_per_tok, allocation)
     kept = _choose_kept(scores, counts, cfg, score, group_aware, allocation)
     kept.update({l: np.ones(layout.moe_layers[l].n_experts, bool) for l in whole})  # --mtp keep
     if whole:
@@ -172,19 +177,31 @@ def _layers_to_prune(reader, layout: CheckpointLayout, cfg, mtp: str) -> tuple[d
     return layers, (aside if mtp == "drop" else ()), (aside if mtp == "keep" else ())
 
 
-def _allocated_counts(scores: dict, counts: dict, layers_keep, top_k: int, allocation: str) -> dict[int, int]:
-    """The per-layer keep counts: `counts` as resolved (uniform), else spread over the layers by one
-    threshold over their normalised scores (`layer_counts`), `keep` per layer in all."""
-    if allocation == "uniform":
+def _allocation_statistic(reader, layers, score: str, scores: dict, scores_file, seed, cfg, allocation) -> dict | None:
+    """{layer: [E]} of what the allocation reads: the ranking's own scores, another score of the
+    scores file (shape: `shapley`), or None (uniform)."""
+    name = statistic_of(allocation, score)
+    if name is None or name == score:
+        return scores if name else None
+    if allocation.searches:
+        raise ConfigError(f"--allocation {allocation.name} searches with the model's own outputs: it needs a "
+                          "calibration pass (`moejax prune --text/--tokens`), not a scores file")
+    return _layer_scores(reader, layers, name, scores_file, seed, None, cfg)
+
+
+def _allocated_counts(statistic: dict | None, counts: dict, layers_keep, top_k: int, allocation) -> dict[int, int]:
+    """The per-layer keep counts: `counts` as resolved (uniform), else spread over the layers by the
+    allocation over its statistic (`layer_counts`), `keep` per layer in all."""
+    if allocation.reads is None:
         return counts
     if layers_keep:
-        raise ConfigError("--allocation global spreads one --keep over the layers; it takes no --layers-keep")
+        raise ConfigError(f"--allocation {allocation.name} spreads one --keep over the layers; it takes no --layers-keep")
     # the budget: `keep` per layer (resolved against each layer's own count when they differ)
     budget = next(iter(counts.values())) if len(set(counts.values())) == 1 else counts
-    return layer_counts(scores, budget, top_k, allocation)
+    return layer_counts(statistic, budget, top_k, allocation, {l: len(s) for l, s in statistic.items()})
 
 
-def _choose_kept(scores: dict, counts: dict, cfg, score: str, group_aware: bool, allocation: str) -> dict:
+def _choose_kept(scores: dict, counts: dict, cfg, score: str, group_aware: bool, allocation) -> dict:
     """{layer: bool mask [E] of the kept experts}: the top counts[l] by score, ties to the lower index;
     with --group-aware (and routing groups) an equal number in every group."""
     n_group = cfg.router_settings().get("n_group", 1)
@@ -195,7 +212,7 @@ def _choose_kept(scores: dict, counts: dict, cfg, score: str, group_aware: bool,
         try:
             kept[l] = select_kept_grouped(scores[l], counts[l], n_group)
         except ConfigError as error:
-            hint = ("" if allocation == "uniform" else f" (keep={counts[l]} is the count --allocation "
+            hint = ("" if allocation.reads is None and not allocation.searches else f" (keep={counts[l]} is the count --allocation "
                     f"{allocation} gave layer {l}; it does not allocate whole groups: prune with "
                     "--collapse-groups instead of --group-aware, or with a uniform allocation)")
             raise ConfigError(f"layer {l}: {error}{hint}") from None
