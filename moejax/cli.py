@@ -128,16 +128,19 @@ def _prune(args) -> None:
     require_local(args.src, "moejax prune")
     if args.substitute:
         return _substitute(args)
-    if args.text is not None or args.tokens is not None:
-        raise ConfigError("--text/--tokens are read by `moejax prune --substitute` only; to prune by a calibration "
-                          "score, run `moejax score SRC --text ... --out scores.parquet` and pass --scores-file")
+    allocation = _allocation(args)
+    if (args.text is not None or args.tokens is not None) and not allocation.searches:
+        raise ConfigError("--text/--tokens are read by `moejax prune --substitute` and --allocation evo_esap only; to "
+                          "prune by a calibration score, run `moejax score SRC --text ... --out scores.parquet` and "
+                          "pass --scores-file")
 
     check_apart(args.dst, args.layers_keep, "DST")   # read before prune_checkpoint, which sees only its contents
     record = prune_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
         scores_file=args.scores_file, layers_keep=_read_layers_keep(args.layers_keep), group_aware=args.group_aware,
-        collapse_groups=args.collapse_groups, mtp=args.mtp, seed=args.seed, allocation=_allocation(args),
-        overwrite=args.overwrite)
+        collapse_groups=args.collapse_groups, mtp=args.mtp, seed=args.seed, allocation=allocation,
+        overwrite=args.overwrite, text=args.text, tokens=args.tokens, seq_len=args.seq_len, max_tokens=args.max_tokens,
+        batch_size=args.batch_size, dtype=args.dtype)
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
     print(f"{args.dst}: {len(record['layers'])} MoE layers pruned by {args.score} to {counts} experts "
           f"(groups: {record['groups']}); kept indices in {args.dst}/pruning.json")

@@ -74,6 +74,11 @@ def test_composed_defaults_are_the_dataclass_defaults(name):
     if "merges" in expected:   # the `merge` block: every registered merge method's default settings
         expected["merge"] = {m: dataclasses.asdict(MERGE_METHODS.parse(m)) for m in MERGE_METHODS.names()}
         assert set(expected["merge"]) == {"hc_smoe", "m_smoe", "ream"}
+    if "allocation" in expected:   # the `allocations` block: every allocation's default settings
+        from moejax.allocation import ALLOCATIONS
+
+        expected["allocations"] = {m: dataclasses.asdict(ALLOCATIONS.parse(m)) for m in ALLOCATIONS.names()}
+        assert set(expected["allocations"]) == {"uniform", "global", "shape", "evo_esap"}
     assert set(settings) <= set(expected)
     for key, value in expected.items():
         if key != "path":  # model.path: the model group's (or ??? = required)

@@ -137,9 +137,19 @@ def check_statistic(statistic: dict | None, budget: Budget, who: str) -> dict:
 
 
 ALLOCATIONS = Registry("allocation", Allocation, modules=(
-    "moejax.allocation.threshold", "moejax.allocation.shape"))
+    "moejax.allocation.threshold", "moejax.allocation.shape", "moejax.allocation.evo_esap"))
 register = ALLOCATIONS.register
 parse = ALLOCATIONS.parse
+
+
+def allocate(allocation, budget: Budget, statistic: dict | None = None, fitness: Callable | None = None) -> dict:
+    """{layer: count} of `allocation` (a name or object) under `budget`, checked to keep the total
+    with every layer in [minimum, E_l]; statistic: {layer: [E]} of what it reads; fitness: what a
+    searching allocation maximises (candidates [P, L] of kept counts, the budget's layers in order,
+    -> [P])."""
+    allocation = parse(allocation)
+    allocation.check_budget(budget)
+    return budget.check(allocation.counts(budget, statistic, fitness), allocation.name)
 
 
 def layer_counts(statistic: dict | None, keep, top_k: int, allocation, n_experts: dict | None = None) -> dict[int, int]:
@@ -154,6 +164,4 @@ def layer_counts(statistic: dict | None, keep, top_k: int, allocation, n_experts
         if statistic is None:
             raise ConfigError("allocation: the layers' expert counts are needed when no statistic is given")
         n_experts = {l: len(np.asarray(s)) for l, s in statistic.items()}
-    budget = Budget.of(keep, n_experts, top_k)
-    allocation.check_budget(budget)
-    return budget.check(allocation.counts(budget, statistic), allocation.name)
+    return allocate(allocation, Budget.of(keep, n_experts, top_k), statistic)

@@ -50,7 +50,7 @@ from flax import nnx
 from moejax.hf.model_io import OpenCheckpoint
 from moejax.host_memory import release_free_memory
 from moejax.errors import ConfigError
-from moejax.allocation import ALLOCATIONS, RANKING, UNIFORM, layer_counts, statistic_of
+from moejax.allocation import ALLOCATIONS, RANKING, UNIFORM, Budget, allocate, statistic_of
 from moejax.merging.calibration import merge_stats
 from moejax.merging.average import averaged_rows
 from moejax.moe.neurons import check_mergeable
@@ -65,6 +65,7 @@ from moejax.variants.plan import stacked_expert_map
 from moejax.models.variant import check_routable
 from moejax.evaluation.carried_heldout import TableGroup, carry_heldout
 from moejax.evaluation.carried_layer import attention, mlp
+from moejax.evaluation.esap_fitness import EsapFitness
 from moejax.evaluation.carried_rows import METRICS, ErrorSums, analysis_rows, ppl_row  # noqa: F401 (METRICS: the rows' legend)
 
 # Held-out tokens a decoder layer runs in one call (all streams of a batch together would hold
@@ -130,9 +131,13 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                          for form in ROUTER_FORMS]
     show = sys.stderr.isatty() if progress is None else progress
     allocation = ALLOCATIONS.parse(allocation)
+    searches = {}
+    if allocation.searches:   # the fitness's tokens, held apart: neither scored nor decided on
+        n_fit = allocation.held_apart(len(calib))
+        calib, fitness_ids = calib[:-n_fit], calib[-n_fit:]
     if allocation.reads is not None:
         counts = _allocated_counts(ckpt, calib, allocation, selecting, [m.name for m in merges], keeps, batch_size,
-                                   dtype, seed, show)
+                                   dtype, seed, show, fitness_ids if allocation.searches else None, searches)
     else:
         counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*selecting, *(m.name for m in merges)]
                   for k in keeps}
@@ -159,6 +164,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
             "plans": list(plans.values()),
             "kept": kept_by_layer, "clusters": clusters_by_layer, "allocation": allocation.name,
             "layer_counts": {f"{name}@{k}": c for (name, k), c in counts.items()}, "calib_tokens": int(calib.size),
+            "allocation_search": searches,
             "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
     return rows, info
 
@@ -220,10 +226,13 @@ class _Streams:
 
 
 def _allocated_counts(ckpt: OpenCheckpoint, calib, allocation, scores, merges, keeps, batch_size, dtype, seed,
-                      show) -> dict:
+                      show, fitness_ids=None, searches: dict | None = None) -> dict:
     """{(score or merge method, keep): {MoE layer: count}} under the allocation, from a statistics
     pass over the calibration tokens (the unpruned model's scores; an allocation that reads the
-    ranking allocates a merge by its routing frequency: M-SMoE's rule)."""
+    ranking allocates a merge by its routing frequency: M-SMoE's rule). A searching allocation
+    (evo_esap) searches per ranking and keep with the ESAP of candidates on `fitness_ids`
+    (`moejax.evaluation.esap_fitness`; a merge's candidates pruned by frequency, its leaders' rule),
+    each search's record into `searches` ("name@keep": best fitness, candidates, seconds)."""
     from moejax.inference.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
     cfg = ckpt.config
@@ -237,9 +246,23 @@ def _allocated_counts(ckpt: OpenCheckpoint, calib, allocation, scores, merges, k
         accumulate_layer(moe, router_inputs, [None] * len(router_inputs), acc, **pass_needs(needed))
         stats = acc.stats(np.asarray(moe.router[...]), moe.balance_bias(), seed=seed, layer=layer)
         by_layer[layer] = {**compute_scores(stats, needed), **{m: stats.counts_E for m in merges}}
-    top_k = cfg.num_experts_per_tok
-    return {(name, k): layer_counts({l: sc[statistic[name]] for l, sc in by_layer.items()}, k, top_k, allocation)
-            for name in [*scores, *merges] for k in keeps}
+    top_k, layers = cfg.num_experts_per_tok, list(by_layer)
+    counts = {}
+    for name in [*scores, *merges]:
+        ranking = {l: sc[statistic[name]] for l, sc in by_layer.items()}
+        fitness = None if fitness_ids is None else EsapFitness(ckpt, fitness_ids, ranking, layers,
+                                                               batch_size=batch_size, dtype=dtype)
+        for k in keeps:
+            budget = Budget.of(k, {l: len(ranking[l]) for l in layers}, top_k)
+            if fitness is None:
+                counts[name, k] = allocate(allocation, budget, ranking)
+                continue
+            before = (fitness.evaluated, fitness.seconds)
+            run = allocation.search(budget, fitness)
+            counts[name, k] = budget.check(run["counts"], allocation.name)
+            searches[f"{name}@{k}"] = {"best_esap": run["best_score"], "candidates": fitness.evaluated - before[0],
+                                       "seconds": fitness.seconds - before[1], "generations": len(run["history"]) - 1}
+    return counts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,14 +63,15 @@ def chunks(n: int, chunk: int) -> list[tuple[int, int, int]]:
 
 
 def carry_heldout(graphdef, state, held: dict, held_carry: dict, held_geo: dict, groups: list[TableGroup] | None,
-                  chunk: int, first_seq: int, add_error: Callable) -> float:
+                  chunk: int, first_seq: int, add_error: Callable | None) -> float:
     """The layer on every held-out stream (held: text -> per batch [A, B, S, H], or [1, B, S, H]
     while every stream is still the unpruned one; replaced by the layer's output; held_carry: what
     the attentions before handed each of them, `DecoderLayer.attend`'s carry, [A or 1, B, ...] or
     None, replaced likewise), `chunk` streams per call, group by group (None: a dense layer), and at
     a MoE layer each variant's layer-local errors, `add_error(stream index, norm [B, S], err [B, S])`.
     first_seq: the first stream measured on its own inputs (sequential variants). Returns the
-    unpruned routed output's share of energy at position 0 (NaN at a dense layer)."""
+    unpruned routed output's share of energy at position 0 (NaN at a dense layer, and with
+    add_error None: no layer-local error is measured, the streams are only carried)."""
     if groups is None:   # every stream through the same dense layer, in place (held once while unpruned)
         for text, xs in held.items():
             carries = held_carry[text]
@@ -93,9 +94,13 @@ def carry_heldout(graphdef, state, held: dict, held_carry: dict, held_geo: dict,
                                                                 carries[b])
                     xs[b] = jnp.zeros((n_streams,) + xs[b].shape[1:], xs[b].dtype)   # its attention once
                     carries[b] = _each_stream(hz.carry, n_streams)
-                z_at = {a: None for a in g.streams if a == 0 or a >= first_seq}   # the router inputs errors need
+                z_at = {a: None for a in g.streams if (a == 0 or a >= first_seq) and add_error}   # the router inputs
                 out, carries[b] = _run_group(graphdef, state, xs[b], carries[b], g.streams, em, chunk, cos, sin,
-                                             allowed, z_at, hz)
+                                             allowed, z_at, hz)                                 # errors need
+                if add_error is None:
+                    xs[b] = out.block_until_ready()
+                    del out
+                    continue
                 B, S, H = xs[b].shape[1:]
                 on_unpruned = np.asarray([p for p, a in enumerate(g.streams) if 0 < a < first_seq], np.int32)
                 if g.own:  # stream 0: the unpruned router inputs and routed output every variant is measured on

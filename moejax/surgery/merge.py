@@ -41,14 +41,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import __version__
+from moejax.allocation import ALLOCATIONS, RANKING, Allocation, Budget, allocation_record, layer_counts
 from moejax.errors import CheckpointError, ConfigError
+from moejax.evaluation.esap_fitness import EsapFitness
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.model_io import opened
 from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.moe.neurons import check_mergeable
-from moejax.allocation import ALLOCATIONS, RANKING, Allocation, allocation_record, layer_counts
 from moejax.merging.calibration import merge_stats
 from moejax.merging.layer import LayerMerge, leader_first_clusters, merge_clusters, merge_layer
 from moejax.merging.method import MergeContext, MergeMethod
@@ -105,24 +106,39 @@ def _refuse_quantised(checked) -> None:
                                       f"tensors only ({', '.join(PLAIN_DTYPES)})")
 
 
-def cluster_counts(stats: dict, keep, top_k: int, allocation="uniform", statistic: dict | None = None) -> dict[int, int]:
+def cluster_counts(stats: dict, keep, top_k: int, allocation="uniform", statistic: dict | None = None,
+                   fitness_of=None, n_layers: int | None = None, search: dict | None = None) -> dict[int, int]:
     """Clusters per MoE layer: `keep` (a count or ratio of E) in every layer, or the same total
     spread by the allocation (`moejax.allocation`) over its statistic {layer: [E]}; an allocation
-    that reads the ranking (global: M-SMoE's rule) reads a merge's routing frequency."""
+    that reads the ranking (global: M-SMoE's rule) reads a merge's routing frequency. A searching
+    allocation (evo_esap) searches over the decoder layers (< n_layers; an MTP layer keeps `keep`)
+    by `fitness_of(ranking, layers)`'s fitness, its candidates pruned by routing frequency (the
+    leaders M-SMoE keeps), not merged: merging every layer at every count a candidate names would
+    cost a merge per candidate; its record into `search`."""
     E = next(iter(stats.values())).counts_E.shape[0]
     count = resolve_keep(keep, E, top_k)
     allocation = ALLOCATIONS.parse(allocation)
     if allocation.reads == RANKING:
         statistic = {l: st.counts_E for l, st in stats.items()}
-    return layer_counts(statistic, count, top_k, allocation, {l: len(st.counts_E) for l, st in stats.items()})
+    if not allocation.searches:
+        return layer_counts(statistic, count, top_k, allocation, {l: len(st.counts_E) for l, st in stats.items()})
+    trunk = [l for l in sorted(stats) if n_layers is None or l < n_layers]
+    budget = Budget.of(count, {l: len(stats[l].counts_E) for l in trunk}, top_k)
+    fitness = fitness_of({l: statistic[l] for l in trunk}, trunk)
+    run = allocation.search(budget, fitness)
+    if search is not None:
+        search.update(best_esap=run["best_score"], candidates=fitness.evaluated, seconds=fitness.seconds,
+                      generations=len(run["history"]) - 1)
+    return {**dict.fromkeys(stats, count), **budget.check(run["counts"], allocation.name)}
 
 
 def plan_merge(stats: dict, method: MergeMethod, keep, top_k: int, allocation="uniform", seed: int = 0,
-               scores: dict | None = None, expert_fn=None, statistic: dict | None = None) -> MergePlan:
+               scores: dict | None = None, expert_fn=None, statistic: dict | None = None, **search) -> MergePlan:
     """Clusters and leaders of every MoE layer from its MergeStats (and, for a method that reads a
     score, its scores {layer: [E]}); expert_fn: the model's expert (`cfg.expert_fn()`; None: SwiGLU);
-    statistic: what the allocation reads ({layer: [E]}, when it reads a score)."""
-    counts = cluster_counts(stats, keep, top_k, allocation, statistic)
+    statistic: what the allocation reads ({layer: [E]}, when it reads a score); search: a searching
+    allocation's fitness_of, n_layers and search record (`cluster_counts`)."""
+    counts = cluster_counts(stats, keep, top_k, allocation, statistic, **search)
     scores = scores or None
     ctx = {l: MergeContext.of(st, None if scores is None else scores[l], seed, expert_fn=expert_fn)
            for l, st in stats.items()}
@@ -227,27 +243,33 @@ def _check_checkpoint(checked, ckpt, method: MergeMethod, keep, allocation: Allo
 
 
 def _merge_pass(ckpt, method: MergeMethod, batches, dtype: str, seed: int, count: int, sequential: bool,
-                show: bool, mtp: bool = True) -> tuple[dict, dict]:
-    """({layer: MergeStats}, {layer: the method's score per expert}) from one streamed calibration
-    pass; sequential: each layer merged (shrunk) as soon as its statistics are in, for the stream to
-    pass through it as the checkpoint will hold it. mtp: the MTP layers too (run on the trunk as merged)."""
+                show: bool, mtp: bool = True, statistic: str | None = None) -> tuple[dict, dict, dict]:
+    """({layer: MergeStats}, {layer: the method's score per expert}, {layer: the score `statistic`
+    an allocation reads}) from one streamed calibration pass; sequential: each layer merged (shrunk)
+    as soon as its statistics are in, for the stream to pass through it as the checkpoint will hold
+    it. mtp: the MTP layers too (run on the trunk as merged)."""
     from moejax.inference.stream import stream_layers  # at call time: tests patch it to refuse a pass
 
-    stats, layer_scores, merged_layers = {}, {}, {}
+    stats, layer_scores, merged_layers, allocated = {}, {}, {}, {}
+    wanted = [*method.scores, *([statistic] if statistic else [])]
     carry = (lambda layer: merged_layers.pop(layer)) if sequential else None
     for layer, moe, router_inputs in stream_layers(ckpt, batches, jnp.dtype(dtype), show, variant_of=carry, mtp=mtp):
         masks = [None] * len(router_inputs)
         stats[layer] = merge_stats(moe, router_inputs, masks, **method.stats_options(), seed=seed)
-        if method.scores:
+        if wanted:
             acc = StatsAccumulator(moe.router.shape[0], moe.router.shape[1])
-            accumulate_layer(moe, router_inputs, masks, acc, **pass_needs(method.scores))
+            accumulate_layer(moe, router_inputs, masks, acc, **pass_needs(wanted))
             layer_stats = acc.stats(jax.device_get(moe.router[...]), jax.device_get(moe.balance_bias()), seed=seed,
                                     layer=layer)
-            layer_scores[layer] = compute_scores(layer_stats, list(method.scores))[method.scores[0]]
+            computed = compute_scores(layer_stats, wanted)
+            if method.scores:
+                layer_scores[layer] = computed[method.scores[0]]
+            if statistic:
+                allocated[layer] = computed[statistic]
         if sequential:
             ctx = MergeContext.of(stats[layer], layer_scores.get(layer), seed, expert_fn=ckpt.config.expert_fn())
             merged_layers[layer] = merge_layer(method, count, ctx, moe.expert_weights()).expert_map("shrunk")
-    return stats, layer_scores
+    return stats, layer_scores, allocated
 
 
 def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=None, seq_len: int | None = None,
@@ -274,11 +296,20 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
+    search, fitness = {}, {}
+    if allocation.searches:   # the fitness's sequences held apart (the last ones): not in the statistics
+        n_fit = allocation.held_apart(len(ids))
+        ids, fitness_ids = ids[:-n_fit], ids[-n_fit:]
+        fitness = {"fitness_of": lambda ranking, layers: EsapFitness(ckpt, fitness_ids, ranking, layers,
+                                                                     batch_size=batch_size, dtype=jnp.dtype(dtype)),
+                   "n_layers": cfg.num_hidden_layers, "search": search}
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress
-    stats, layer_scores = _merge_pass(ckpt, method, batches, dtype, seed, count, sequential, show, mtp == "prune")
+    reads = None if allocation.reads in (None, RANKING) else allocation.reads   # a score (shape: shapley)
+    stats, layer_scores, statistic = _merge_pass(ckpt, method, batches, dtype, seed, count, sequential, show,
+                                                 mtp == "prune", reads)
     plan = plan_merge(stats, method, keep, cfg.num_experts_per_tok, allocation, seed, scores=layer_scores,
-                      expert_fn=cfg.expert_fn())
+                      expert_fn=cfg.expert_fn(), statistic=statistic or None, **fitness)
     leader_scores = {l: np.isin(np.arange(len(lab)), plan.leaders[l]).astype(np.float64)
                      for l, lab in plan.labels.items()}
     prune_plan = plan_pruning(reader, layout, cfg, score=f"{method.name} cluster leaders", layers_keep=plan.counts,
@@ -289,6 +320,7 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
         **spec.record(method.settings()), **allocation_record(allocation),
+        **({"allocation_search": {**search, "fitness_sequences": allocation.fitness_sequences}} if search else {}),
         "calibration": {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
                         "tokenizer": tokenizer, "dtype": dtype},
         "seed": seed, "groups": prune_plan.groups, "mtp": mtp, "dropped_layers": list(prune_plan.dropped_layers),

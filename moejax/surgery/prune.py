@@ -31,17 +31,18 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moejax import __version__
-from moejax.allocation import allocation_record
-from moejax.errors import CheckpointError
+from moejax.allocation import ALLOCATIONS, allocation_record
+from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader, allowed_root, check_regular_file
 from moejax.hf.io.checkpoint_writer import JoinedTensor, write_safetensors_file
 from moejax.hf.io.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
-from moejax.hf.io.staging import check_destination, staged_directory
+from moejax.hf.io.staging import check_destination, staged_directory, text_inputs
 from moejax.hf.layout import CheckpointLayout, layer_of
 from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
 from moejax.hf.mtp_names import MTP_DEFAULT
+from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.surgery.prune_plan import PrunePlan, plan_pruning
 from moejax.variants.spec import VariantSpec
 
@@ -191,13 +192,19 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
 def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layers_keep: dict | None = None,
                      group_aware: bool = False, collapse_groups: bool = False, mtp: str = MTP_DEFAULT,
                      seed: int = 0, allocation="uniform", overwrite: bool = False,
-                     progress: bool | None = None) -> dict:
+                     progress: bool | None = None, text=None, tokens=None, seq_len: int | None = None,
+                     max_tokens: int | None = None, batch_size: int = 8, dtype: str = "float32") -> dict:
     """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
     before the first byte is written. mtp: MTP layers pruned with the trunk's keep by their own
-    scores, kept whole, or removed (`moejax.hf.mtp_names.check_mtp_policy`)."""
+    scores, kept whole, or removed (`moejax.hf.mtp_names.check_mtp_policy`). allocation: per-layer
+    counts (`moejax.allocation`); evo_esap searches by the ESAP of candidates on the calibration
+    tokens text / tokens (seq_len, max_tokens, batch_size, dtype as `moejax score`), tokens apart
+    from those the scores file was made from."""
     src, dst = Path(src), Path(dst)
-    check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json")))
+    allocation = ALLOCATIONS.parse(allocation)
+    check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json"),
+                                              text_inputs(text), tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
@@ -205,15 +212,36 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     if scores_file is not None:
         sidecar, where = scores_sidecar(scores_file)
         check_made_from(sidecar or {}, where, "checkpoint", src, lambda: fingerprint, "scores file")
+    fitness_of, search, fitness_record = None, {}, None   # (evo_esap's)
+    if allocation.searches:
+        if text is None and tokens is None:
+            raise ConfigError(f"--allocation {allocation.name} searches by the ESAP of candidates on calibration tokens: "
+                              "give them with --text or --tokens (apart from those the scores came from)")
+        ids, tokenizer = calibration_ids(src, checked.config, text, tokens, seq_len, max_tokens)
+        fitness_record = {"tokens": int(ids.size), "sequences": int(len(ids)), "seq_len": int(ids.shape[1]),
+                          "tokenizer": tokenizer, "dtype": dtype}
+
+        def esap_of(ranking, layers):   # JAX only now, for the search
+            import jax.numpy as jnp
+
+            from moejax.evaluation.esap_fitness import EsapFitness
+            from moejax.hf.model_io import opened
+
+            return EsapFitness(opened(checked), ids, ranking, layers, batch_size=batch_size, dtype=jnp.dtype(dtype))
+        fitness_of = esap_of
+    elif text is not None or tokens is not None:
+        raise ConfigError(f"--text/--tokens: --allocation {allocation.name} reads no calibration tokens (evo_esap's "
+                          "search does; to prune by a calibration score, run `moejax score` and pass --scores-file)")
     plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
                         layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
-                        mtp=mtp, seed=seed, allocation=allocation)
+                        mtp=mtp, seed=seed, allocation=allocation, fitness_of=fitness_of, search=search)
     plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: fingerprint,
         **VariantSpec(score, keep, "one_shot").record(),
         "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep,
-        **allocation_record(allocation), "seed": seed, "group_aware": group_aware, "groups": plan.groups, "mtp": mtp,
+        **allocation_record(allocation), **({"allocation_search": {**search, "fitness": fitness_record}}
+                                            if allocation.searches else {}), "seed": seed, "group_aware": group_aware, "groups": plan.groups, "mtp": mtp,
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }

@@ -22,7 +22,7 @@ from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
 from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
-from moejax.allocation import ALLOCATIONS, layer_counts, statistic_of
+from moejax.allocation import ALLOCATIONS, Budget, layer_counts, statistic_of
 from moejax.scoring.data_free import data_free_stats
 from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, compute_scores
 from moejax.scoring.select import group_counts, resolve_keep, select_kept, select_kept_grouped
@@ -124,13 +124,15 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
                  scores_file=None, layers_keep: dict | None = None, group_aware: bool = False,
                  collapse_groups: bool = False, mtp: str = MTP_DEFAULT, seed: int = 0,
                  layer_scores: dict | None = None, allocation="uniform", leaders: bool = False,
-                 counts: dict | None = None) -> PrunePlan:
+                 counts: dict | None = None, fitness_of=None, search: dict | None = None) -> PrunePlan:
     """Decide the kept experts of every MoE layer and the pruned config; raises before any
     writing when the request is not well defined (SPEC section 2). layer_scores: {layer: [E]}
     given in memory instead of a data-free score or a scores file. allocation (`moejax.allocation`,
     a name or object): the per-layer counts, `keep` x layers in all (global: one threshold over
-    the layers' normalised scores; shape: SHAPE's coverage of the scores file's `shapley`); counts:
-    {layer: count} already allocated (evo_esap's search, by the caller). leaders: layer_scores mark a merge's cluster leaders (refusals
+    the layers' normalised scores; shape: SHAPE's coverage of the scores file's `shapley`; evo_esap:
+    a search by the fitness `fitness_of(rankings {layer: [E]}, layers)` builds, over the decoder
+    layers (an MTP layer keeps `keep`), its record into `search`); counts: {layer: count} already
+    allocated. leaders: layer_scores mark a merge's cluster leaders (refusals
     are worded for `moejax merge`). mtp: what becomes of MTP layers (`MTP_POLICIES`)."""
     # cfg: the family's typed config, checked with the checkpoint (moejax.hf.check); the pruned
     # config.json is the source's dictionary with the family's expert-count key updated.
@@ -141,7 +143,8 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     if counts is None:
         counts = _keep_counts(layers, keep, layers_keep, cfg.num_experts_per_tok)
         statistic = _allocation_statistic(reader, layers, score, scores, scores_file, seed, cfg, allocation)
-        counts = _allocated_counts(statistic, counts, layers_keep, cfg.num_experts_per_tok, allocation)
+        counts = _allocated_counts(statistic, counts, layers_keep, cfg.num_experts_per_tok, allocation,
+                                   cfg.num_hidden_layers, fitness_of, search)
     kept = _choose_kept(scores, counts, cfg, score, group_aware, allocation)
     kept.update({l: np.ones(layout.moe_layers[l].n_experts, bool) for l in whole})  # --mtp keep
     if whole:
@@ -183,19 +186,32 @@ def _allocation_statistic(reader, layers, score: str, scores: dict, scores_file,
     name = statistic_of(allocation, score)
     if name is None or name == score:
         return scores if name else None
-    if allocation.searches:
-        raise ConfigError(f"--allocation {allocation.name} searches with the model's own outputs: it needs a "
-                          "calibration pass (`moejax prune --text/--tokens`), not a scores file")
     return _layer_scores(reader, layers, name, scores_file, seed, None, cfg)
 
 
-def _allocated_counts(statistic: dict | None, counts: dict, layers_keep, top_k: int, allocation) -> dict[int, int]:
+def _allocated_counts(statistic: dict | None, counts: dict, layers_keep, top_k: int, allocation, n_layers: int,
+                      fitness_of=None, search: dict | None = None) -> dict[int, int]:
     """The per-layer keep counts: `counts` as resolved (uniform), else spread over the layers by the
-    allocation over its statistic (`layer_counts`), `keep` per layer in all."""
+    allocation over its statistic (`layer_counts`), `keep` per layer in all; a searching allocation
+    over the decoder layers by `fitness_of`'s fitness (MTP layers, which the fitness does not see,
+    keep their counts)."""
     if allocation.reads is None:
         return counts
     if layers_keep:
         raise ConfigError(f"--allocation {allocation.name} spreads one --keep over the layers; it takes no --layers-keep")
+    if allocation.searches:
+        if fitness_of is None:
+            raise ConfigError(f"--allocation {allocation.name} searches by the ESAP of candidates on calibration "
+                              "tokens: give them with --text or --tokens (tokens apart from those the scores came from)")
+        trunk = [l for l in sorted(statistic) if l < n_layers]
+        ranking = {l: statistic[l] for l in trunk}
+        budget = Budget.of({l: counts[l] for l in trunk}, {l: len(statistic[l]) for l in trunk}, top_k)
+        fitness = fitness_of(ranking, trunk)
+        run = allocation.search(budget, fitness)
+        if search is not None:
+            search.update(best_esap=run["best_score"], candidates=fitness.evaluated, seconds=fitness.seconds,
+                          generations=len(run["history"]) - 1, counts={str(l): c for l, c in run["counts"].items()})
+        return {**counts, **budget.check(run["counts"], allocation.name)}
     # the budget: `keep` per layer (resolved against each layer's own count when they differ)
     budget = next(iter(counts.values())) if len(set(counts.values())) == 1 else counts
     return layer_counts(statistic, budget, top_k, allocation, {l: len(s) for l, s in statistic.items()})
