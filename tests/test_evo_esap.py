@@ -225,3 +225,27 @@ def test_the_experiments_take_an_allocation_with_its_settings():
         typed_settings(PruneRealConfig, {"allocation": "evo"}, "prune_real")
     with pytest.raises(ConfigError, match="prune_real: allocation evo_esap: unknown setting"):
         typed_settings(PruneRealConfig, {"allocation": "evo_esap", "allocations": {"evo_esap": {"pop": 3}}}, "prune_real")
+
+
+def test_moejax_prune_allocates_by_the_scores_files_shapley(tiny, tmp_path):
+    """`moejax prune --score reap --scores-file S --allocation shape`: the counts are SHAPE's
+    coverage of the file's `shapley` column (which `moejax score` writes), the ranking REAP's."""
+    import json
+
+    import pandas as pd
+
+    from moejax.allocation import layer_counts
+    from moejax.scoring.score_checkpoint import score_checkpoint
+    from moejax.surgery.prune import prune_checkpoint
+
+    ckpt, _, _ = tiny
+    calib = tmp_path / "calib.npy"
+    np.save(calib, np.random.default_rng(5).integers(0, 96, size=(4, 24)).astype(np.int32))
+    score_checkpoint(ckpt.path, tokens=calib, out=tmp_path / "s.parquet", scores=["reap", "shapley"])
+    df = pd.read_parquet(tmp_path / "s.parquet")
+    phi = {int(l): g.sort_values("expert").value.to_numpy() for l, g in df[df.score == "shapley"].groupby("layer")}
+    record = prune_checkpoint(ckpt.path, tmp_path / "p", score="reap", scores_file=tmp_path / "s.parquet", keep=4,
+                              allocation="shape")
+    got = {int(l): len(v["kept"]) for l, v in record["layers"].items()}
+    assert got == layer_counts(phi, 4, 2, "shape") and sum(got.values()) == 12
+    assert json.loads((tmp_path / "p" / "pruning.json").read_text())["allocation"] == "shape"

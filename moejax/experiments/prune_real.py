@@ -114,6 +114,11 @@ class PruneRealConfig:
         if not isinstance(self.allocation, Allocation):
             raise ConfigError(f"prune_real: allocation={self.allocation!r}; expected an allocation object "
                               f"(moejax.allocation.parse(name, **settings)), one of {list(ALLOCATIONS.names())}")
+        if self.allocation.searches:   # its fitness sequences must leave some to score by
+            try:
+                self.allocation.held_apart(self.calib_tokens // self.seq_len, "calibration (calib_tokens // seq_len)")
+            except ConfigError as e:
+                raise ConfigError(f"prune_real: {e}") from None
         if not self.keep:
             raise ConfigError("prune_real: keep is empty; give counts or ratios of E, e.g. keep=[0.5,0.25]")
         refuse_repeats("prune_real", "keep", [resolve_keep(k, config.n_experts, config.num_experts_per_tok)
@@ -237,7 +242,8 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
     df["layer"] = df["layer"].astype("Int64")
     timings = {"pass_s": info["seconds"], "variants": info["variants"], "calib_tokens": info["calib_tokens"],
                "heldout_tokens": info["heldout_tokens"], "calib_files": len(calib_files),
-               "heldout_files": [str(f) for f in heldout_files]}
+               "heldout_files": [str(f) for f in heldout_files], "allocation": cfg.allocation.record(),
+               "allocation_search": info["allocation_search"], "layer_counts": info["layer_counts"]}
     if cfg.reroute:
         timings["reroute_s"] = info["reroute_seconds"]
     return df, info, timings
