@@ -248,6 +248,7 @@ JAX_FREE = (
     "moejax.hf", "moejax.hf.auto", "moejax.hf.check", "moejax.hf.fused_experts", "moejax.hf.io",
     "moejax.hf.io.checkpoint_reader", "moejax.hf.io.checkpoint_writer", "moejax.hf.io.location",
     "moejax.hf.io.remote", "moejax.hf.io.safetensors_format", "moejax.hf.io.staging", "moejax.hf.io.storage",
+    "moejax.hf.keep_map", "moejax.hf.keep_map_formats",
     "moejax.hf.layout", "moejax.hf.mapping", "moejax.hf.provenance", "moejax.hf.quant",
     "moejax.hf.quant.decode", "moejax.hf.quant.encode", "moejax.hf.substitution",
     "moejax.inference",

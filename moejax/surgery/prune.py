@@ -39,13 +39,13 @@ from moejax.hf.io.checkpoint_reader import CheckpointReader, allowed_root, check
 from moejax.hf.io.checkpoint_writer import JoinedTensor, write_safetensors_file
 from moejax.hf.io.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
 from moejax.hf.io.staging import check_destination, staged_directory
+from moejax.hf.keep_map import KEEP_MAP, check_keep_map, keep_map_of, write_keep_map
 from moejax.hf.layout import CheckpointLayout, layer_of
-from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
+from moejax.hf.provenance import (FINGERPRINT_KEY, PRUNING_RECORD, check_made_from, checkpoint_fingerprint,
+                                  scores_sidecar)
 from moejax.hf.mtp_names import MTP_DEFAULT
 from moejax.surgery.prune_plan import PrunePlan, plan_pruning
 from moejax.variants.spec import VariantSpec
-
-PRUNING_RECORD = "pruning.json"
 
 
 def _renames(layout: CheckpointLayout, plan: PrunePlan) -> dict[str, str | None]:
@@ -155,7 +155,8 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
     """The source's files that are not weights (tokenizer, generation config, code, ...), as paths
     relative to the folder, each checked to be a regular file inside it (or inside the Hugging Face
     cache repository it is a snapshot of) before anything is written; and notes on what is left
-    out. Hidden files, config.json, the index, pruning.json and the indexed shards are not copied."""
+    out. Hidden files, config.json, the index, pruning.json, keep_map.json (a pruned source's: the
+    output's own is written) and the indexed shards are not copied."""
     src = reader.directory
     root = allowed_root(src)
     shards = {path.resolve() for path in reader.files()}
@@ -164,7 +165,7 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
     def visit(folder: Path) -> None:
         for item in sorted(folder.iterdir()):
             relative = item.relative_to(src)
-            if item.name.startswith(".") or relative.as_posix() in (INDEX_NAME, CONFIG_NAME, PRUNING_RECORD):
+            if item.name.startswith(".") or relative.as_posix() in (INDEX_NAME, CONFIG_NAME, PRUNING_RECORD, KEEP_MAP):
                 continue
             if item.is_dir() and not item.is_symlink():
                 visit(item)
@@ -217,17 +218,23 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }
-    write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=progress)
+    write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=progress,
+                 num_hidden_layers=checked.config.num_hidden_layers)
     return record
 
 
 def write_folder(reader: FusedExpertsReader, layout: CheckpointLayout, plan: PrunePlan, src: Path, dst: Path,
                  copied: list[Path], record: dict, *, overwrite: bool, progress: bool | None, replaced=None,
-                 shards=None) -> None:
+                 shards=None, num_hidden_layers: int | None = None) -> None:
     """DST written atomically (a staging folder renamed at the end, removed on any failure): the
     streamed shards (`write_pruned`; or `shards(staging, progress)`, which writes them another way:
-    `moejax prune --substitute`), the source's other files, config.json and pruning.json."""
+    `moejax prune --substitute`), the source's other files, config.json, pruning.json and
+    keep_map.json (`moejax.hf.keep_map`: the plan's kept experts in written order, the record's
+    source, fingerprint, MTP policy, clusters or substituted experts; checked before the first byte)."""
     show = sys.stderr.isatty() if progress is None else progress
+    whole = {l: ml.n_experts for l, ml in layout.moe_layers.items() if l not in plan.dropped_layers}
+    keep_map = check_keep_map(keep_map_of(record, plan.kept, plan.n_experts, whole, num_hidden_layers),
+                              dst / KEEP_MAP, error=CheckpointError)
     with staged_directory(dst, overwrite) as staging:
         if shards is None:
             write_pruned(reader, layout, plan, staging, progress=show, replaced=replaced)
@@ -238,3 +245,4 @@ def write_folder(reader: FusedExpertsReader, layout: CheckpointLayout, plan: Pru
             shutil.copyfile(src / relative, staging / relative)
         (staging / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2) + "\n", encoding="utf-8")
         (staging / PRUNING_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        write_keep_map(staging, keep_map)
