@@ -283,7 +283,7 @@ JAX_FREE = (
     "moejax.settings_check",
     "moejax.signals",
     "moejax.surgery", "moejax.surgery.diff", "moejax.surgery.inspect", "moejax.surgery.plan",
-    "moejax.surgery.prune", "moejax.surgery.prune_plan", "moejax.surgery.reroute", "moejax.surgery.substitute",
+    "moejax.surgery.prune", "moejax.surgery.prune_keep_map", "moejax.surgery.prune_plan", "moejax.surgery.reroute", "moejax.surgery.substitute",
     "moejax.training", "moejax.training.checkpoints", "moejax.training.config", "moejax.training.corpus",
     "moejax.training.progress", "moejax.training.reroute_settings", "moejax.training.skill_match",
     "moejax.training.skills",

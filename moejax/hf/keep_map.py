@@ -231,6 +231,16 @@ def parse_keep_map(data: bytes, where, top_k: int | None = None, error=ConfigErr
     return check_keep_map(value, where, top_k, error)
 
 
+def check_made_from(keep_map: dict, where, target, fingerprint: str) -> None:
+    """Refuse a keep-map made from another checkpoint than `target` (router fingerprint
+    `fingerprint`), naming both fingerprints; a map without one (a foreign format's) passes."""
+    recorded = keep_map[FINGERPRINT_KEY]
+    if recorded is not None and recorded != fingerprint:
+        raise ConfigError(f"{where}: this keep-map was made from {keep_map['source'] or 'another checkpoint'} (router "
+                          f"fingerprint {recorded}), not from {target} ({fingerprint}): its expert ids would select "
+                          "another model's experts; use it with the checkpoint it was made from")
+
+
 def kept_of(keep_map: dict) -> dict[int, list[int]]:
     """{layer: kept source experts in written order} of a checked keep-map."""
     return {int(l): list(entry["kept"]) for l, entry in keep_map["layers"].items()}

@@ -31,8 +31,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moejax import __version__
-from moejax.allocation import allocation_record
-from moejax.errors import CheckpointError
+from moejax.allocation import ALLOCATIONS, allocation_record
+from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.check import check_checkpoint
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader, allowed_root, check_regular_file
@@ -44,6 +44,7 @@ from moejax.hf.layout import CheckpointLayout, layer_of
 from moejax.hf.provenance import (FINGERPRINT_KEY, PRUNING_RECORD, check_made_from, checkpoint_fingerprint,
                                   scores_sidecar)
 from moejax.hf.mtp_names import MTP_DEFAULT
+from moejax.surgery.prune_keep_map import SCORE as KEEP_MAP_SCORE, plan_from_keep_map
 from moejax.surgery.prune_plan import PrunePlan, plan_pruning
 from moejax.variants.spec import VariantSpec
 
@@ -189,38 +190,64 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
     return files, notes
 
 
-def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layers_keep: dict | None = None,
-                     group_aware: bool = False, collapse_groups: bool = False, mtp: str = MTP_DEFAULT,
-                     seed: int = 0, allocation="uniform", overwrite: bool = False,
-                     progress: bool | None = None) -> dict:
+def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_file=None,
+                     layers_keep: dict | None = None, group_aware: bool = False, collapse_groups: bool = False,
+                     mtp: str = MTP_DEFAULT, seed: int = 0, allocation="uniform", overwrite: bool = False,
+                     progress: bool | None = None, keep_map=None, keep_map_format: str | None = None,
+                     keep_map_settings: dict | None = None) -> dict:
     """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
     before the first byte is written. mtp: MTP layers pruned with the trunk's keep by their own
-    scores, kept whole, or removed (`moejax.hf.mtp_names.check_mtp_policy`)."""
+    scores, kept whole, or removed (`moejax.hf.mtp_names.check_mtp_policy`). keep_map: prune to
+    exactly a keep-map's kept sets instead of a score (`moejax.surgery.prune_keep_map`: any format
+    of `moejax.hf.keep_map_formats`, `keep_map_format` None to detect it, `keep_map_settings` what
+    it needs), refused when made from another checkpoint."""
+    _check_request(score, keep, scores_file, layers_keep, group_aware, allocation, keep_map)
     src, dst = Path(src), Path(dst)
-    check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json")))
+    check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json"),
+                                              keep_map))
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
-    fingerprint = checkpoint_fingerprint(checked)  # recorded, and the scores file's checked against it
+    fingerprint = checkpoint_fingerprint(checked)  # recorded, and the scores file's (the keep-map's) checked against it
     if scores_file is not None:
         sidecar, where = scores_sidecar(scores_file)
         check_made_from(sidecar or {}, where, "checkpoint", src, lambda: fingerprint, "scores file")
-    plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
-                        layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
-                        mtp=mtp, seed=seed, allocation=allocation)
+    if keep_map is not None:
+        plan, about, mtp = plan_from_keep_map(keep_map, checked, fingerprint, fmt=keep_map_format,
+                                              settings=keep_map_settings, collapse_groups=collapse_groups, mtp=mtp)
+        counts = {len(kept) for kept in plan.kept.values()}
+        score, keep = KEEP_MAP_SCORE, (counts.pop() if len(counts) == 1 else None)   # None: per-layer counts
+    else:
+        plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
+                            layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
+                            mtp=mtp, seed=seed, allocation=allocation)
     plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))
+    chosen = ({"keep_map": about} if keep_map is not None else
+              {"scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep,
+               **allocation_record(allocation), "seed": seed, "group_aware": group_aware})
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: fingerprint,
-        **VariantSpec(score, keep, "one_shot").record(),
-        "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep,
-        **allocation_record(allocation), "seed": seed, "group_aware": group_aware, "groups": plan.groups, "mtp": mtp,
+        **VariantSpec(score, keep, "one_shot").record(), **chosen, "groups": plan.groups, "mtp": mtp,
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }
     write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=progress,
                  num_hidden_layers=checked.config.num_hidden_layers)
     return record
+
+
+def _check_request(score, keep, scores_file, layers_keep, group_aware, allocation, keep_map) -> None:
+    """A score chooses, or a keep-map does (and then nothing else that chooses is given)."""
+    if keep_map is None:
+        if score is None:
+            raise ConfigError("prune needs --score (a data-free score, or one of --scores-file) or --keep-map")
+        return
+    given = [flag for flag, value in (("--score", score), ("--keep", keep), ("--scores-file", scores_file),
+                                      ("--layers-keep", layers_keep), ("--group-aware", group_aware),
+                                      ("--allocation", ALLOCATIONS.parse(allocation).name != "uniform")) if value]
+    if given:
+        raise ConfigError(f"--keep-map {keep_map} decides every layer's kept experts; it takes no {', '.join(given)}")
 
 
 def write_folder(reader: FusedExpertsReader, layout: CheckpointLayout, plan: PrunePlan, src: Path, dst: Path,
