@@ -471,9 +471,15 @@ def detect_format(path: Path) -> str:
         return "ascend-jsonl"
     elif path.is_file():
         try:
-            value = json.loads(path.read_bytes().decode("utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
+            text = path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        try:
+            value = json.loads(text)
+        except ValueError:
             value = None
+            if _json_lines(text):
+                return "ascend-jsonl"
         if isinstance(value, dict):
             if value.get("format") == FORMAT:
                 return "moejax"
@@ -481,10 +487,23 @@ def detect_format(path: Path) -> str:
                 return "riy"
             if "original_experts" in value and "keep" in value:
                 return "hipfire"
+            if _json_lines(text):   # one line of ascend-jsonl
+                return "ascend-jsonl"
     elif not path.exists():
         raise ConfigError(f"{path}: no such keep-map file or folder")
     raise ConfigError(f"{path}: cannot tell which keep-map format this is; name it with --from "
                       f"({', '.join(FORMATS)})")
+
+
+def _json_lines(text: str) -> bool:
+    """Whether every non-blank line of `text` (there being one) is `{"<layer>": [ids]}`."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    try:
+        values = [json.loads(line) for line in lines]
+    except ValueError:
+        return False
+    return bool(values) and all(isinstance(v, dict) and len(v) == 1 and layer_index(next(iter(v))) is not None
+                                and isinstance(next(iter(v.values())), list) for v in values)
 
 
 def read_files(path: Path, fmt: KeepMapFormat) -> dict:
