@@ -16,7 +16,9 @@ Two steps, both explicit so each can be read and tested alone:
 
 The output is written to a hidden sibling folder and renamed at the end (never a half-written
 DST), beside a `pruning.json` recording the source, the variant (`VariantSpec.record`: method the
-score, form one_shot, the keep asked) and the kept source indices per layer, which `moejax diff` can check against the files. `write_folder` and the shard
+score, form one_shot, the keep asked) and the kept source indices per layer, which `moejax diff` can check against the files,
+and a `keep_map.json` (`moejax.hf.keep_map`: the same kept sets in the one schema every compressed
+checkpoint shares). `--keep-map MAP` plans from a keep-map instead of a score (`moejax.surgery.prune_keep_map`). `write_folder` and the shard
 writers here are shared by the other surgeries (`moejax merge`, `--substitute`, `reroute`).
 """
 
