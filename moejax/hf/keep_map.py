@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from moejax.errors import CheckpointError, ConfigError
@@ -86,17 +87,18 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def checked_ids(value, n: int | None, key: str, problems: list, empty_ok: bool = False) -> list[int] | None:
+def checked_ids(value, n: int | None, key: str, problems: list, empty_ok: bool = False,
+                what: str = "expert ids") -> list[int] | None:
     """`value` as a list of unique ints in [0, n), else None with the problems named by key."""
     if not isinstance(value, list) or not all(_int(e) for e in value):
-        problems.append(f"{key}: expected a list of integer expert ids, got {json.dumps(value)[:80]}")
+        problems.append(f"{key}: expected a list of integer {what}, got {json.dumps(value)[:80]}")
         return None
     if not value and not empty_ok:
         problems.append(f"{key}: empty; a layer keeps at least one expert")
         return None
-    repeated = sorted({e for e in value if value.count(e) > 1})
+    repeated = sorted(e for e, c in Counter(value).items() if c > 1)
     if repeated:
-        problems.append(f"{key}: expert ids {repeated} given more than once")
+        problems.append(f"{key}: {what} {repeated} given more than once")
     if n is not None:
         outside = [e for e in value if not 0 <= e < n]
         if outside:
@@ -192,7 +194,7 @@ def keep_map_problems(value, top_k: int | None = None) -> list[str]:
     if n_layers is not None and (not _int(n_layers) or n_layers < 1):
         problems.append(f"num_hidden_layers: expected an integer >= 1 or null, got {n_layers!r}")
         n_layers = None
-    dropped = checked_ids(value.get("dropped_layers", []), None, "dropped_layers", problems, empty_ok=True) or []
+    dropped = checked_ids(value.get("dropped_layers", []), None, "dropped_layers", problems, True, "layer indices") or []
     if any(l < 0 for l in dropped):
         problems.append(f"dropped_layers: negative layer indices {[l for l in dropped if l < 0]}")
     if n_layers is not None and any(l < n_layers for l in dropped):
