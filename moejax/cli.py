@@ -7,6 +7,8 @@
     moejax prune SRC DST (--score NAME | --scores-file scores.parquet --score NAME) --keep K
                  [--layers-keep FILE.json] [--allocation NAME [--allocation-setting K=V ...]] [--group-aware | --collapse-groups]
                  [--mtp prune|keep|drop] [--overwrite]
+    moejax prune SRC DST --keep-map MAP [--keep-map-format FORMAT] [--expert-prune-ratio R] [--mtp ...]
+                 (exactly a keep-map's kept sets; MAP made from SRC, or a foreign format that fits it)
     moejax prune SRC DST --substitute --score mone --keep K (--text PATH... | --tokens FILE.npy)
                  [--seq-len N] [--max-tokens N] [--batch-size B] [--dtype bfloat16] [--overwrite]
                  (MoNE: the other experts return constants; vLLM's constant-v1 expert substitution)
@@ -19,6 +21,8 @@
                  [--max-tokens N] [--holdout 0.1] [--eval-every 10] [--teacher-cache DIR] [--mesh-expert 8]
                  [--mesh-data 1] [--overwrite]
                  (router distillation: COMPRESSED's routers trained to match SRC's next-token distribution)
+    moejax keep-map SRC_OR_MAP --to moejax|riy|evoesap|ascend-jsonl|hipfire [--from FORMAT] [--out PATH]
+                 [--checkpoint CKPT] [--expert-prune-ratio R] [--overwrite]
     moejax inspect CKPT [--json]
     moejax plan CKPT [--gpu NAME=GB ...] [--json]
     moejax diff SRC PRUNED [--hash] [--json]       (exit 1 when a check fails)
@@ -135,15 +139,19 @@ def _prune(args) -> None:
                           "pass --scores-file")
 
     check_apart(args.dst, args.layers_keep, "DST")   # read before prune_checkpoint, which sees only its contents
+    if args.keep_map is None and (args.keep_map_format or args.expert_prune_ratio is not None):
+        raise ConfigError("--keep-map-format and --expert-prune-ratio describe a --keep-map; give one")
     record = prune_checkpoint(
         args.src, args.dst, score=args.score, keep=parse_keep(args.keep) if args.keep else None,
         scores_file=args.scores_file, layers_keep=_read_layers_keep(args.layers_keep), group_aware=args.group_aware,
         collapse_groups=args.collapse_groups, mtp=args.mtp, seed=args.seed, allocation=allocation,
         overwrite=args.overwrite, text=args.text, tokens=args.tokens, seq_len=args.seq_len, max_tokens=args.max_tokens,
-        batch_size=args.batch_size, dtype=args.dtype)
+        batch_size=args.batch_size, dtype=args.dtype, keep_map=args.keep_map, keep_map_format=args.keep_map_format,
+        keep_map_settings={"expert_prune_ratio": args.expert_prune_ratio})
     counts = sorted({len(layer["kept"]) for layer in record["layers"].values()})
-    print(f"{args.dst}: {len(record['layers'])} MoE layers pruned by {args.score} to {counts} experts "
-          f"(groups: {record['groups']}); kept indices in {args.dst}/pruning.json")
+    how = f"the keep-map {args.keep_map}" if args.keep_map else args.score
+    print(f"{args.dst}: {len(record['layers'])} MoE layers pruned by {how} to {counts} experts "
+          f"(groups: {record['groups']}); kept indices in {args.dst}/pruning.json and keep_map.json")
     for note in record["notes"]:
         print(f"note: {note}")
 
@@ -154,11 +162,14 @@ def _substitute(args) -> None:
     from moejax.surgery.substitute import substitute_checkpoint
 
     unused = [flag for flag, given in (("--scores-file", args.scores_file), ("--layers-keep", args.layers_keep),
+                                       ("--keep-map", args.keep_map),
                                        ("--group-aware", args.group_aware), ("--collapse-groups", args.collapse_groups),
                                        (f"--allocation {args.allocation}", args.allocation != "uniform")) if given]
     if unused:
         raise ConfigError(f"--substitute takes no {', '.join(unused)}: it keeps every router slot (routing and groups "
                           "unchanged), ranks by its own calibration pass and keeps --keep experts computing per layer")
+    if args.score is None:
+        raise ConfigError("--substitute needs --score (the calibration score ranking the experts, e.g. mone)")
     if args.text is None and args.tokens is None:
         raise ConfigError("--substitute needs calibration data (--text or --tokens): the novices' constants are the "
                           "substituted experts' mean outputs over it")
@@ -273,7 +284,7 @@ def _diff(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moejax", description="moejax checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_score_parser, _prune_parser, _merge_parser, _reroute_parser, _other_parser):
+    for add in (_score_parser, _prune_parser, _merge_parser, _reroute_parser, _keep_map_parser, _other_parser):
         add(sub)
     return parser
 
@@ -306,11 +317,12 @@ def _prune_parser(sub) -> None:
     p = sub.add_parser("prune", help="write a pruned HF checkpoint, streamed shard by shard")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--score", required=True, help="data-free (bias, signed, l1, random, aimer) or a score in "
-                   "--scores-file")
+    p.add_argument("--score", help="data-free (bias, signed, l1, random, aimer) or a score in --scores-file "
+                   "(required unless --keep-map)")
     p.add_argument("--scores-file", help="scores.parquet from `moejax score`")
     p.add_argument("--keep", help="experts kept per MoE layer: a count (32) or a ratio of E (0.5)")
     p.add_argument("--layers-keep", help="JSON file of layer -> keep count, overriding --keep per layer")
+    _keep_map_arguments(p)
     groups = p.add_mutually_exclusive_group()
     groups.add_argument("--group-aware", action="store_true", help="keep an equal number per routing group")
     groups.add_argument("--collapse-groups", action="store_true",
@@ -430,6 +442,59 @@ def _reroute_parser(sub) -> None:
     p.add_argument("--mesh-data", type=int, default=1, help="data-parallel devices (tokens split)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=_reroute)
+
+
+def _keep_map_arguments(p, prefix: str = "--keep-map-format") -> None:
+    """--keep-map (prune) and what reading a foreign keep-map needs; the formats are the table's names."""
+    from moejax.hf.keep_map_formats import FORMATS
+
+    if prefix == "--keep-map-format":
+        p.add_argument("--keep-map", help="prune to exactly these kept sets: a keep_map.json, a checkpoint folder "
+                       "holding one (both refused unless made from SRC), or a file/folder in a public format, "
+                       "checked to fit SRC")
+    p.add_argument(prefix, dest="keep_map_format" if prefix == "--keep-map-format" else "from_format",
+                   choices=list(FORMATS), default=None, help="the keep-map's format (default: detected)")
+    p.add_argument("--expert-prune-ratio", type=float, default=None,
+                   help="ascend-jsonl: the expert_prune_ratio its lists are read with")
+
+
+def _keep_map_command(args) -> None:
+    """`moejax keep-map`: a keep-map in another format (stdout, or --out)."""
+    from moejax.errors import ConfigError
+    from moejax.hf.keep_map_formats import FORMATS, convert, read_for_checkpoint, write_converted
+
+    keep_map, fmt = read_for_checkpoint(args.map, args.from_format, args.checkpoint,
+                                        {"expert_prune_ratio": args.expert_prune_ratio})
+    converted = convert(keep_map, args.to)
+    for note in converted.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.out is None:
+        if FORMATS[args.to].folder:
+            raise ConfigError(f"--to {args.to} writes a folder ({', '.join(converted.files)}); give --out DIR")
+        sys.stdout.write(next(iter(converted.files.values())))
+        return
+    written = write_converted(converted, FORMATS[args.to], args.out, args.overwrite, inputs=(args.map, args.checkpoint))
+    counts = sorted({len(e["kept"]) for e in keep_map["layers"].values()})
+    print(f"{args.map} ({fmt}, {len(keep_map['layers'])} MoE layers keeping {counts} experts) -> "
+          f"{', '.join(map(str, written))} ({args.to})", file=sys.stderr)
+
+
+def _keep_map_parser(sub) -> None:
+    """`moejax keep-map`: the formats are `moejax.hf.keep_map_formats.FORMATS`' names."""
+    from moejax.hf.keep_map_formats import FORMATS
+
+    p = sub.add_parser("keep-map", help="convert a keep-map (a compressed checkpoint's keep_map.json, or a public "
+                       "format) to another format: " + ", ".join(FORMATS))
+    p.add_argument("map", help="a keep_map.json, a checkpoint folder holding one, or a file/folder in a public format")
+    p.add_argument("--to", required=True, choices=list(FORMATS), help="the format to write")
+    _keep_map_arguments(p, "--from")
+    p.add_argument("--out", default=None, help="the file (evoesap: the folder) to write; default: stdout")
+    p.add_argument("--checkpoint", default=None,
+                   help="the checkpoint the map was made for: each layer's expert count (riy, ascend-jsonl and "
+                        "evoesap without its plan need them), and the map checked against it (its fingerprint, "
+                        "counts and top_k)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.set_defaults(func=_keep_map_command)
 
 
 def _other_parser(sub) -> None:

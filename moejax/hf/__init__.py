@@ -9,7 +9,9 @@
                        `check` (the one check every command runs first), `model_io` (the loader:
                        `load_pretrained`, `save_pretrained`; the model never imports it), `auto`
                        (`AutoModelForCausalLM`), `provenance` (which checkpoint a record was made
-                       from), `substitution` (vLLM's constant-v1 expert substitution format)
+                       from), `substitution` (vLLM's constant-v1 expert substitution format),
+                       `keep_map` (keep_map.json: the source experts a compressed checkpoint
+                       holds) and `keep_map_formats` (its public formats, one table)
 
 The commands that report on a checkpoint (`moejax inspect`, `plan`, `diff`) are in `moejax.surgery`.
 """

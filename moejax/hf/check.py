@@ -17,6 +17,10 @@
   decoder layers beyond `num_hidden_layers + num_nextn_predict_layers` are an error, not
   silently taken for MTP layers.
 
+A compressed checkpoint's `keep_map.json` (`moejax.hf.keep_map`), when the folder holds one, is
+checked too: its schema, each listed layer's expert count against the checkpoint's, and agreement
+with the `pruning.json` beside it; a malformed or inconsistent one is refused naming the key.
+
 A checkpoint whose MoE layers substitute experts by constants (MoNE, vLLM's `constant-v1`:
 `moejax.hf.substitution`) is refused by name, except by `check_checkpoint(..., substituted=True)`
 (`moejax.surgery.substitute.load_substituted`), which checks it through its complete view.
@@ -36,6 +40,7 @@ from moejax.hf.io.checkpoint_reader import CheckpointReader, parse_json_object
 from moejax.hf.io.location import open_location
 from moejax.hf.io.safetensors_format import CONFIG_NAME
 from moejax.hf.io.storage import MissingFile, Storage
+from moejax.hf.keep_map import checkpoint_keep_map
 from moejax.hf.layout import CheckpointLayout, checkpoint_layout
 from moejax.hf.mapping import TensorSpec, layer_specs, tensor_specs
 from moejax.hf.mtp_names import mtp_renames
@@ -65,6 +70,7 @@ class CheckedCheckpoint:
     stored: dict                # hf name -> the on-disk tensors holding it
     carried: list[str]          # tensors with no parameter: MTP layers, stray rotary buffers
     layout: CheckpointLayout    # the MoE structure by tensor name in `reader`'s per-expert view
+    keep_map: dict | None = None  # its keep_map.json (moejax.hf.keep_map), checked against it; None: none
 
 
 def stored_as(reader, name: str, fmt: str | None) -> tuple[str, ...] | None:
@@ -262,5 +268,10 @@ def _checked(path, uniform_experts: bool, substituted: bool = False) -> tuple[li
     specs = tensor_specs(cfg)
     problems, stored, carried = check_tensors(cfg, reader, specs, fmt)
     layout = checkpoint_layout(reader, family) if not problems else None  # fused experts as per-expert
+    keep_map = None
+    if layout is not None:  # a compressed checkpoint's keep_map.json, against its layers and pruning.json
+        keep_map = checkpoint_keep_map(
+            storage, {l: ml.n_experts for l, ml in layout.moe_layers.items()}, cfg.num_experts_per_tok,
+            None if substitution is None else {l: sorted(v) for l, v in substitution.values.items()})
     where = storage.root if storage.remote else storage.root.resolve()
-    return problems, CheckedCheckpoint(where, cfg, family, reader, fmt, specs, stored, carried, layout)
+    return problems, CheckedCheckpoint(where, cfg, family, reader, fmt, specs, stored, carried, layout, keep_map)

@@ -32,6 +32,7 @@ from moejax.errors import ConfigError
 from moejax.hf.layout import layer_of
 
 FINGERPRINT_KEY = "fingerprint"
+PRUNING_RECORD = "pruning.json"   # the record beside a checkpoint moejax pruned, merged or substituted
 
 
 class ProvenanceWarning(UserWarning):

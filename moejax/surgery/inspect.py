@@ -106,6 +106,7 @@ class CheckpointFacts:
     layout: CheckpointLayout
     tensors: dict[str, TensorFacts]  # per-expert view: transformers-5 fused experts as per-expert tensors
     stored_tensors: int              # tensors on disk (a fused expert tensor counts once)
+    keep_map: dict | None = None     # its keep_map.json (checked against it by moejax.hf.check), if any
 
 
 def checkpoint_facts(path) -> CheckpointFacts:
@@ -115,7 +116,8 @@ def checkpoint_facts(path) -> CheckpointFacts:
     reader, layout, fmt = checked.reader, checked.layout, checked.fmt  # the per-expert view, as the layout's
     routed = layout.routed_names()
     tensors = {name: tensor_facts(reader.info(name), fmt, name in routed) for name in reader.keys()}
-    return CheckpointFacts(storage.root, checked.config, fmt, layout, tensors, len(reader.reader.keys()))
+    return CheckpointFacts(storage.root, checked.config, fmt, layout, tensors, len(reader.reader.keys()),
+                           checked.keep_map)
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,6 +143,9 @@ def inspect_checkpoint(path) -> dict:
       also the output projection and counts in full. MTP layers (index >= ``num_hidden_layers``)
       are left out; ``parameters.mtp`` reports them.
     * ``bytes``: stored bytes, split the same way and by safetensors dtype code.
+    * ``keep_map``: from a compressed checkpoint's keep_map.json (`moejax.hf.keep_map`), its source,
+      the source's router fingerprint, the variant, and per MoE layer the experts kept of the
+      source's; None when the folder has none.
     """
     checkpoint = checkpoint_facts(path)
     num_layers = checkpoint.config.num_hidden_layers
@@ -178,7 +183,17 @@ def inspect_checkpoint(path) -> dict:
             "other": total_bytes - routed_bytes,
             "by_dtype": dict(sorted(by_dtype.items())),
         },
+        "keep_map": keep_map_summary(checkpoint.keep_map),
     }
+
+
+def keep_map_summary(keep_map: dict | None) -> dict | None:
+    """What inspect reports of a keep-map: source, fingerprint, variant, {layer: [kept, of]}."""
+    if keep_map is None:
+        return None
+    return {"source": keep_map["source"], "fingerprint": keep_map["fingerprint"], "method": keep_map.get("method"),
+            "form": keep_map.get("form"), "mtp": keep_map["mtp"], "dropped_layers": keep_map["dropped_layers"],
+            "kept": {l: [len(e["kept"]), e["n_experts"]] for l, e in keep_map["layers"].items()}}
 
 
 def expert_parameters(checkpoint: CheckpointFacts, layer: int) -> int:
@@ -227,6 +242,12 @@ def format_inspect(report: dict) -> str:
         ("MTP layers", f"{report['mtp_layers']['count']} ({_ranges(report['mtp_layers']['indices'])})"),
         ("MoE layers", moe_line),
     ]
+    if report.get("keep_map"):
+        km = report["keep_map"]
+        kept = ", ".join(f"{l}: {k}/{n}" for l, (k, n) in km["kept"].items())
+        header += [("keep map", f"{km['method'] or '?'} ({km['form'] or '?'}) from {km['source'] or 'unknown source'}"),
+                   ("  fingerprint", km["fingerprint"] or "none (converted from a foreign format)"),
+                   ("  kept per layer", kept)]
     lines = _align(header)
     lines += [""] + text_table(
         ["", "parameters", "bytes"],

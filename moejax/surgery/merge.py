@@ -328,5 +328,5 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
         "layers": plan.record_layers(),
     }
     write_folder(reader, layout, prune_plan, src, dst, copied, record, overwrite=overwrite, progress=show,
-                 replaced=MergedTensors(ckpt, plan))
+                 replaced=MergedTensors(ckpt, plan), num_hidden_layers=cfg.num_hidden_layers)
     return record

@@ -16,7 +16,9 @@ Two steps, both explicit so each can be read and tested alone:
 
 The output is written to a hidden sibling folder and renamed at the end (never a half-written
 DST), beside a `pruning.json` recording the source, the variant (`VariantSpec.record`: method the
-score, form one_shot, the keep asked) and the kept source indices per layer, which `moejax diff` can check against the files. `write_folder` and the shard
+score, form one_shot, the keep asked) and the kept source indices per layer, which `moejax diff` can check against the files,
+and a `keep_map.json` (`moejax.hf.keep_map`: the same kept sets in the one schema every compressed
+checkpoint shares). `--keep-map MAP` plans from a keep-map instead of a score (`moejax.surgery.prune_keep_map`). `write_folder` and the shard
 writers here are shared by the other surgeries (`moejax merge`, `--substitute`, `reroute`).
 """
 
@@ -39,14 +41,15 @@ from moejax.hf.io.checkpoint_reader import CheckpointReader, allowed_root, check
 from moejax.hf.io.checkpoint_writer import JoinedTensor, write_safetensors_file
 from moejax.hf.io.safetensors_format import CONFIG_NAME, INDEX_NAME, RawTensor
 from moejax.hf.io.staging import check_destination, staged_directory, text_inputs
+from moejax.hf.keep_map import KEEP_MAP, check_keep_map, keep_map_of, write_keep_map
 from moejax.hf.layout import CheckpointLayout, layer_of
-from moejax.hf.provenance import FINGERPRINT_KEY, check_made_from, checkpoint_fingerprint, scores_sidecar
+from moejax.hf.provenance import (FINGERPRINT_KEY, PRUNING_RECORD, check_made_from, checkpoint_fingerprint,
+                                  scores_sidecar)
 from moejax.hf.mtp_names import MTP_DEFAULT
 from moejax.scoring.score_checkpoint import calibration_ids
+from moejax.surgery.prune_keep_map import SCORE as KEEP_MAP_SCORE, plan_from_keep_map
 from moejax.surgery.prune_plan import PrunePlan, plan_pruning
 from moejax.variants.spec import VariantSpec
-
-PRUNING_RECORD = "pruning.json"
 
 
 def _renames(layout: CheckpointLayout, plan: PrunePlan) -> dict[str, str | None]:
@@ -156,7 +159,8 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
     """The source's files that are not weights (tokenizer, generation config, code, ...), as paths
     relative to the folder, each checked to be a regular file inside it (or inside the Hugging Face
     cache repository it is a snapshot of) before anything is written; and notes on what is left
-    out. Hidden files, config.json, the index, pruning.json and the indexed shards are not copied."""
+    out. Hidden files, config.json, the index, pruning.json, keep_map.json (a pruned source's: the
+    output's own is written) and the indexed shards are not copied."""
     src = reader.directory
     root = allowed_root(src)
     shards = {path.resolve() for path in reader.files()}
@@ -165,7 +169,7 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
     def visit(folder: Path) -> None:
         for item in sorted(folder.iterdir()):
             relative = item.relative_to(src)
-            if item.name.startswith(".") or relative.as_posix() in (INDEX_NAME, CONFIG_NAME, PRUNING_RECORD):
+            if item.name.startswith(".") or relative.as_posix() in (INDEX_NAME, CONFIG_NAME, PRUNING_RECORD, KEEP_MAP):
                 continue
             if item.is_dir() and not item.is_symlink():
                 visit(item)
@@ -189,26 +193,31 @@ def other_files(reader: CheckpointReader) -> tuple[list[Path], list[str]]:
     return files, notes
 
 
-def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layers_keep: dict | None = None,
-                     group_aware: bool = False, collapse_groups: bool = False, mtp: str = MTP_DEFAULT,
-                     seed: int = 0, allocation="uniform", overwrite: bool = False,
+def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_file=None,
+                     layers_keep: dict | None = None, group_aware: bool = False, collapse_groups: bool = False,
+                     mtp: str = MTP_DEFAULT, seed: int = 0, allocation="uniform", overwrite: bool = False,
                      progress: bool | None = None, text=None, tokens=None, seq_len: int | None = None,
-                     max_tokens: int | None = None, batch_size: int = 8, dtype: str = "float32") -> dict:
+                     max_tokens: int | None = None, batch_size: int = 8, dtype: str = "float32", keep_map=None,
+                     keep_map_format: str | None = None, keep_map_settings: dict | None = None) -> dict:
     """Write the pruned checkpoint of `src` to `dst` and return the pruning record (also written
     to dst/pruning.json). Everything is checked (destination, headers, scores, keep, groups)
     before the first byte is written. mtp: MTP layers pruned with the trunk's keep by their own
     scores, kept whole, or removed (`moejax.hf.mtp_names.check_mtp_policy`). allocation: per-layer
     counts (`moejax.allocation`); evo_esap searches by the ESAP of candidates on the calibration
     tokens text / tokens (seq_len, max_tokens, batch_size, dtype as `moejax score`), tokens apart
-    from those the scores file was made from."""
+    from those the scores file was made from. keep_map: prune to exactly a keep-map's kept sets
+    instead of a score (`moejax.surgery.prune_keep_map`: any format of `moejax.hf.keep_map_formats`,
+    `keep_map_format` None to detect it, `keep_map_settings` what it needs), refused when made from
+    another checkpoint."""
+    _check_request(score, keep, scores_file, layers_keep, group_aware, allocation, keep_map)
     src, dst = Path(src), Path(dst)
     allocation = ALLOCATIONS.parse(allocation)
     check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json"),
-                                              text_inputs(text), tokens))
+                                              keep_map, text_inputs(text), tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
-    fingerprint = checkpoint_fingerprint(checked)  # recorded, and the scores file's checked against it
+    fingerprint = checkpoint_fingerprint(checked)  # recorded, and the scores file's (the keep-map's) checked against it
     if scores_file is not None:
         sidecar, where = scores_sidecar(scores_file)
         check_made_from(sidecar or {}, where, "checkpoint", src, lambda: fingerprint, "scores file")
@@ -232,30 +241,57 @@ def prune_checkpoint(src, dst, *, score: str, keep=None, scores_file=None, layer
     elif text is not None or tokens is not None:
         raise ConfigError(f"--text/--tokens: --allocation {allocation.name} reads no calibration tokens (evo_esap's "
                           "search does; to prune by a calibration score, run `moejax score` and pass --scores-file)")
-    plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
-                        layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
-                        mtp=mtp, seed=seed, allocation=allocation, fitness_of=fitness_of, search=search)
+    if keep_map is not None:
+        plan, about, mtp = plan_from_keep_map(keep_map, checked, fingerprint, fmt=keep_map_format,
+                                              settings=keep_map_settings, collapse_groups=collapse_groups, mtp=mtp)
+        counts = {len(kept) for kept in plan.kept.values()}
+        score, keep = KEEP_MAP_SCORE, (counts.pop() if len(counts) == 1 else None)   # None: per-layer counts
+    else:
+        plan = plan_pruning(reader, layout, checked.config, score=score, keep=keep, scores_file=scores_file,
+                            layers_keep=layers_keep, group_aware=group_aware, collapse_groups=collapse_groups,
+                            mtp=mtp, seed=seed, allocation=allocation, fitness_of=fitness_of, search=search)
     plan = dataclasses.replace(plan, notes=plan.notes + tuple(file_notes))
+    chosen = ({"keep_map": about} if keep_map is not None else
+              {"scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep,
+               **allocation_record(allocation), **({"allocation_search": {**search, "fitness": fitness_record}}
+                                                   if allocation.searches else {}),
+               "seed": seed, "group_aware": group_aware})
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: fingerprint,
-        **VariantSpec(score, keep, "one_shot").record(),
-        "scores_file": str(Path(scores_file).resolve()) if scores_file else None, "layers_keep": layers_keep,
-        **allocation_record(allocation), **({"allocation_search": {**search, "fitness": fitness_record}}
-                                            if allocation.searches else {}), "seed": seed, "group_aware": group_aware, "groups": plan.groups, "mtp": mtp,
+        **VariantSpec(score, keep, "one_shot").record(), **chosen, "groups": plan.groups, "mtp": mtp,
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }
-    write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=progress)
+    write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=progress,
+                 num_hidden_layers=checked.config.num_hidden_layers)
     return record
+
+
+def _check_request(score, keep, scores_file, layers_keep, group_aware, allocation, keep_map) -> None:
+    """A score chooses, or a keep-map does (and then nothing else that chooses is given)."""
+    if keep_map is None:
+        if score is None:
+            raise ConfigError("prune needs --score (a data-free score, or one of --scores-file) or --keep-map")
+        return
+    given = [flag for flag, value in (("--score", score), ("--keep", keep), ("--scores-file", scores_file),
+                                      ("--layers-keep", layers_keep), ("--group-aware", group_aware),
+                                      ("--allocation", ALLOCATIONS.parse(allocation).name != "uniform")) if value]
+    if given:
+        raise ConfigError(f"--keep-map {keep_map} decides every layer's kept experts; it takes no {', '.join(given)}")
 
 
 def write_folder(reader: FusedExpertsReader, layout: CheckpointLayout, plan: PrunePlan, src: Path, dst: Path,
                  copied: list[Path], record: dict, *, overwrite: bool, progress: bool | None, replaced=None,
-                 shards=None) -> None:
+                 shards=None, num_hidden_layers: int | None = None) -> None:
     """DST written atomically (a staging folder renamed at the end, removed on any failure): the
     streamed shards (`write_pruned`; or `shards(staging, progress)`, which writes them another way:
-    `moejax prune --substitute`), the source's other files, config.json and pruning.json."""
+    `moejax prune --substitute`), the source's other files, config.json, pruning.json and
+    keep_map.json (`moejax.hf.keep_map`: the plan's kept experts in written order, the record's
+    source, fingerprint, MTP policy, clusters or substituted experts; checked before the first byte)."""
     show = sys.stderr.isatty() if progress is None else progress
+    whole = {l: ml.n_experts for l, ml in layout.moe_layers.items() if l not in plan.dropped_layers}
+    keep_map = check_keep_map(keep_map_of(record, plan.kept, plan.n_experts, whole, num_hidden_layers),
+                              dst / KEEP_MAP, error=CheckpointError)
     with staged_directory(dst, overwrite) as staging:
         if shards is None:
             write_pruned(reader, layout, plan, staging, progress=show, replaced=replaced)
@@ -266,3 +302,4 @@ def write_folder(reader: FusedExpertsReader, layout: CheckpointLayout, plan: Pru
             shutil.copyfile(src / relative, staging / relative)
         (staging / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2) + "\n", encoding="utf-8")
         (staging / PRUNING_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        write_keep_map(staging, keep_map)

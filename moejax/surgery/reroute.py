@@ -5,7 +5,7 @@ family) the student, whose MoE routers alone are trained to match the teacher's 
 distribution on calibration text. DST is COMPRESSED with new router weights:
 
 - every tensor but the decoder layers' MoE routers is COMPRESSED's bytes, every file but the
-  shards (config.json, pruning.json, the tokenizer, ...) copied as it is; a router is written in
+  shards (config.json, pruning.json, keep_map.json, the tokenizer, ...) copied as it is; a router is written in
   its stored dtype (the student trains it in float32);
 - `reroute.json` beside it: teacher and student (paths, fingerprints), the settings, the data, the
   loss of every step, the held-out selection (`heldout`: the KL before and after on the held-out
@@ -49,6 +49,7 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.io.safetensors_format import CONFIG_NAME, numpy_dtype
 from moejax.hf.io.staging import check_apart, check_destination, staged_directory, text_inputs
 from moejax.hf.io.storage import require_local
+from moejax.hf.keep_map import KEEP_MAP
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.hf.substitution import SubstitutedExpertsView
 from moejax.parallel.mesh import MeshConfig, make_mesh
@@ -289,7 +290,7 @@ def _cache_key(teacher: str, ids, batch_size: int, vocab_size: int) -> dict:
 def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, overwrite: bool) -> None:
     """DST: COMPRESSED's shards with the routers replaced (in their stored dtype), its other files
     copied byte for byte (`moejax.surgery.prune.other_files`' checks: regular files inside the
-    folder), its config.json and pruning.json as they are, and reroute.json. fused: COMPRESSED's
+    folder), its config.json, pruning.json and keep_map.json as they are, and reroute.json. fused: COMPRESSED's
     reader (stored names to the family's names: `view_name`)."""
     stored = fused.reader
     names_of = {name: fused.view_name(name) for name in stored.keys() if fused.view_name(name) in routers}
@@ -309,6 +310,7 @@ def _write(fused, routers: dict, compressed: Path, dst: Path, record: dict, over
         values[name] = value.astype(numpy_dtype(info.dtype, name))   # (a non-finite one, an F16 overflow: the writer refuses)
     copied, _ = other_files(stored)
     copied = [r for r in copied if r.as_posix() != RECORD] + [Path(CONFIG_NAME), Path(PRUNING_RECORD)]
+    copied += [Path(KEEP_MAP)] if (compressed / KEEP_MAP).is_file() else []   # its kept experts are DST's
     with staged_directory(dst, overwrite) as staging:
         weight_map, total = {}, 0
         for path in stored.files():

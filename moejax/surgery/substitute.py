@@ -265,5 +265,5 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     }
     write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=show,
                  shards=lambda staging, show: write_substituted(reader, layout, substituted, constants, staging, show,
-                                                                dropped))
+                                                                dropped), num_hidden_layers=cfg.num_hidden_layers)
     return record
