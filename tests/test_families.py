@@ -434,3 +434,58 @@ def test_fused_expert_names_of_transformers_5_load_too(family_checkpoints, famil
     out, canonical = CheckpointReader(save_pretrained(loaded, tmp_path / "out")), CheckpointReader(path)
     assert out.keys() == canonical.keys()
     assert all(out.read_bytes(n) == canonical.read_bytes(n) for n in canonical.keys())
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_esap_fitness_equals_the_masked_forward(family_checkpoints, family, tmp_path):
+    """EvoESAP's fitness (`moejax.evaluation.esap_fitness`) of two candidate allocations, from one
+    walk over the checkpoint's layers (the family's attention carries included), equals the ESAP of
+    the whole model's forward under each candidate's masks against the unpruned forward (float64)."""
+    from moejax.evaluation.esap_fitness import EsapFitness
+    from moejax.hf.model_io import open_checkpoint
+    from moejax.models.variant import check_routable, maps_from_masks
+
+    path, _, model = family_checkpoints[family]
+    cfg = model.config
+    layers = list(cfg.moe_layers)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, cfg.vocab_size, size=(2, 24)).astype(np.int32)
+    ranking = {l: rng.standard_normal(cfg.experts_in_layer(l)) for l in layers}
+    E, k = [cfg.experts_in_layer(l) for l in layers], cfg.num_experts_per_tok
+    counts = np.asarray([[max(k, e // 2) for e in E], [k + (i % 2) * (e - k) for i, e in enumerate(E)]])
+    fitness = EsapFitness(open_checkpoint(path), ids, ranking, layers, batch_size=2)
+    got = fitness(counts)
+    ref = np.asarray(model(jnp.asarray(ids)).logits_BSV, np.float64)[:, :-1]
+    p = np.exp(ref - ref.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    for row, kept in zip(got, fitness.kept(counts)):
+        masks = np.ones((cfg.num_hidden_layers, max(E)), bool)
+        for l, m in kept.items():
+            masks[l, :len(m)] = m
+        runs = model
+        try:
+            for l, m in kept.items():
+                check_routable(m, l, cfg, "candidate")
+        except ConfigError:   # its kept sets break the routing groups: as --collapse-groups writes it
+            runs = collapsed(path, tmp_path)
+        out = np.asarray(runs(jnp.asarray(ids), variant=maps_from_masks(masks, runs.config)).logits_BSV,
+                         np.float64)[:, :-1]
+        q = np.exp(out - out.max(-1, keepdims=True))
+        q /= q.sum(-1, keepdims=True)
+        assert row == pytest.approx(np.minimum(p, q).sum(-1).mean(), abs=5e-6), family
+    assert got.min() < 1 - 1e-4   # the candidates change the model
+
+
+def collapsed(path, tmp_path):
+    """The checkpoint at `path` loaded with its routing groups collapsed (n_group = topk_group = 1 in
+    config.json, or in its text_config), as `moejax prune --collapse-groups` writes the config."""
+    import json
+    import shutil
+
+    out = tmp_path / "collapsed"
+    shutil.copytree(path, out)
+    cfg = json.loads((out / "config.json").read_text())
+    inner = cfg.get("text_config", cfg)
+    inner.update(n_group=1, topk_group=1)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return AutoModelForCausalLM.from_pretrained(out, dtype=jnp.float32)

@@ -4,29 +4,38 @@ candidates in one walk over the layers.
 
 A candidate is kept counts per MoE layer; at layer l it keeps the count_l best experts of the
 variant's ranking (`select_kept`, ties to the lower index) and routes over them, as a pruned
-checkpoint does (EvoESAP masks the router logits of the others to -inf). Every candidate is a
-held-out stream of the carried pass's machinery (`carry_heldout`, stream 0 the unpruned model),
-so each decoder layer is read once per generation for all of them; the head then gives each
-stream's ESAP against stream 0 at every position that predicts a next token
-(`moejax.inference.agreement`), and a candidate's fitness is its mean over those positions:
+checkpoint does (EvoESAP masks the router logits of the others to -inf). The candidates of a call
+are held-out streams of the carried pass's machinery (`carry_heldout`), so each decoder layer is
+read once per generation for all of them; the unpruned model's last hidden states are computed once,
+when the fitness is made. The head then gives each candidate's ESAP against them at every position
+that predicts a next token (`moejax.inference.agreement`), and a candidate's fitness is its mean
+over those positions:
 
     fitness(c) = (1 / N) sum_{sequences, t} sum_v min(p_t[v], q_t^c[v])
 
 the token-weighted mean EvoESAP's `esp-dataset` takes (it also scores a sequence's last position,
 which predicts nothing here and is left out).
+
+Under group-limited routing (n_group > 1) a candidate is evaluated as `moejax prune` writes it: with
+the groups where its kept sets leave every group routable, else routing over all kept experts
+(n_group = topk_group = 1, what `--collapse-groups` writes), each kind in a walk of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.errors import ConfigError
 from moejax.evaluation.carried_heldout import TableGroup, carry_heldout
 from moejax.hf.model_io import OpenCheckpoint
 from moejax.inference.stream import batch_geometry, embed, head_pass
+from moejax.models.registry import config_from_dict
+from moejax.models.variant import check_routable
 from moejax.scoring.select import select_kept
 from moejax.variants import Kept
 from moejax.variants.plan import stacked_expert_map
@@ -47,6 +56,8 @@ class EsapFitness:
         self.geometry = [batch_geometry(ckpt, b, None, dtype) for b in self.batches]
         self.embedded = embed(ckpt, self.batches, dtype)
         self.tokens = max(b.size for b in self.batches)
+        self.collapsed = None   # the checkpoint with its routing groups collapsed, made when first needed
+        self.reference = self._walk(ckpt, None)   # the unpruned model's last hidden states, [1, B, S, H]
         self.evaluated, self.seconds = 0, 0.0
 
     def kept(self, counts_PL) -> list[dict]:
@@ -64,8 +75,39 @@ class EsapFitness:
 
     def esap(self, kept: list[dict]) -> np.ndarray:
         """The mean ESAP of each kept-set candidate ({layer: bool [E]}) against the unpruned model."""
-        ckpt, cfg = self.ckpt, self.ckpt.config
-        n = len(kept) + 1
+        out = np.empty(len(kept))
+        for ckpt, which in self._by_routing(kept):
+            out[which] = self._agreement(self._walk(ckpt, [kept[i] for i in which]))
+        return out
+
+    def _by_routing(self, kept: list[dict]) -> list:
+        """[(checkpoint to walk, candidate indices)]: the checkpoint as it is, and (group-limited
+        routing) with its groups collapsed for the candidates whose kept sets break them."""
+        cfg = self.ckpt.config
+        if cfg.router_settings().get("n_group", 1) <= 1:
+            return [(self.ckpt, list(range(len(kept))))]
+        grouped, collapsed = [], []
+        for i, k in enumerate(kept):
+            try:
+                for layer, mask in k.items():
+                    check_routable(mask, layer, cfg, "candidate")
+                grouped.append(i)
+            except ConfigError:
+                collapsed.append(i)
+        out = [(self.ckpt, grouped)] if grouped else []
+        if collapsed:
+            if self.collapsed is None:
+                settings = {**cfg.settings_dict(), "n_group": 1, "topk_group": 1}
+                self.collapsed = dataclasses.replace(self.ckpt, config=config_from_dict(
+                    cfg.with_settings(settings), f"{self.ckpt.path} (groups collapsed)", uniform_experts=False))
+            out.append((self.collapsed, collapsed))
+        return out
+
+    def _walk(self, ckpt: OpenCheckpoint, kept: list[dict] | None) -> list:
+        """The last hidden states [A, B, S, H] per batch of the candidates `kept` (None: the
+        unpruned model, one stream) through every decoder layer of `ckpt`."""
+        cfg = ckpt.config
+        n = 1 if kept is None else len(kept)
         held = {"fitness": [x[None] for x in self.embedded]}
         carries = {"fitness": [None] * len(self.batches)}
         geo = {"fitness": self.geometry}
@@ -74,14 +116,19 @@ class EsapFitness:
             layer = ckpt.decoder_layer(layer_idx, self.dtype, expert_dtype=ckpt.stored_expert_dtype(self.dtype))
             graphdef, state = nnx.split(layer)
             groups = None
-            if layer.is_moe:
+            if layer.is_moe and kept is not None:
                 own = layer.mlp.expert_weights()
-                plans = [None] + [Kept(k[layer_idx]) if layer_idx in k else None for k in kept]
+                plans = [Kept(k[layer_idx]) if layer_idx in k else None for k in kept]
                 groups = [TableGroup(list(range(n)), lambda: stacked_expert_map(plans, own, cfg.n_experts))]
             carry_heldout(graphdef, state, held, carries, geo, groups, chunk, n, None)
             del layer, graphdef, state, groups
-        out = head_pass(ckpt, held, {"fitness": self.batches}, self.dtype, agreement=True)
-        per_batch = out.esap["fitness"]   # [A, B, S - 1] each
+        return held["fitness"]
+
+    def _agreement(self, xs: list) -> np.ndarray:
+        """Each stream's mean ESAP against the unpruned model's (`reference`), stacked first."""
+        streams = [jnp.concatenate([ref, x]) for ref, x in zip(self.reference, xs)]
+        out = head_pass(self.ckpt, {"fitness": streams}, {"fitness": self.batches}, self.dtype, agreement=True)
+        per_batch = out.esap["fitness"]   # [1 + A, B, S - 1] each
         total = sum(b.sum(axis=(1, 2), dtype=np.float64) for b in per_batch)
         count = sum(b[0].size for b in per_batch)
         return np.asarray(total[1:] / count, np.float64)

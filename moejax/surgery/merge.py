@@ -197,6 +197,9 @@ def _check_before_pass(checked, ckpt, count: int, keep, allocation: Allocation, 
             ckpt.mtp_specs(layer)
     routing = cfg.router_settings()
     n_group, topk_group, top_k = routing.get("n_group", 1), routing.get("topk_group", 1), cfg.num_experts_per_tok
+    if allocation.searches and n_group > 1 and not collapse_groups:
+        raise ConfigError(f"--allocation {allocation.name} on group-limited routing (n_group={n_group}): a searched "
+                          "count need not divide into the groups; give --collapse-groups")
     if n_group > 1 and not collapse_groups and allocation.reads is None and (
             count % n_group or count // n_group < per_group_needed(top_k, topk_group)):
         raise ConfigError(f"--keep {keep} ({count} clusters per MoE layer) cannot keep group-limited routing "

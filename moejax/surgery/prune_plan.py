@@ -144,7 +144,8 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
         counts = _keep_counts(layers, keep, layers_keep, cfg.num_experts_per_tok)
         statistic = _allocation_statistic(reader, layers, score, scores, scores_file, seed, cfg, allocation)
         counts = _allocated_counts(statistic, counts, layers_keep, cfg.num_experts_per_tok, allocation,
-                                   cfg.num_hidden_layers, fitness_of, search)
+                                   cfg.num_hidden_layers, fitness_of, search, cfg.router_settings().get("n_group", 1),
+                                   collapse_groups)
     kept = _choose_kept(scores, counts, cfg, score, group_aware, allocation)
     kept.update({l: np.ones(layout.moe_layers[l].n_experts, bool) for l in whole})  # --mtp keep
     if whole:
@@ -190,7 +191,8 @@ def _allocation_statistic(reader, layers, score: str, scores: dict, scores_file,
 
 
 def _allocated_counts(statistic: dict | None, counts: dict, layers_keep, top_k: int, allocation, n_layers: int,
-                      fitness_of=None, search: dict | None = None) -> dict[int, int]:
+                      fitness_of=None, search: dict | None = None, n_group: int = 1,
+                      collapse_groups: bool = False) -> dict[int, int]:
     """The per-layer keep counts: `counts` as resolved (uniform), else spread over the layers by the
     allocation over its statistic (`layer_counts`), `keep` per layer in all; a searching allocation
     over the decoder layers by `fitness_of`'s fitness (MTP layers, which the fitness does not see,
@@ -200,6 +202,10 @@ def _allocated_counts(statistic: dict | None, counts: dict, layers_keep, top_k: 
     if layers_keep:
         raise ConfigError(f"--allocation {allocation.name} spreads one --keep over the layers; it takes no --layers-keep")
     if allocation.searches:
+        if n_group > 1 and not collapse_groups:
+            raise ConfigError(f"--allocation {allocation.name} on group-limited routing (n_group={n_group}): a searched "
+                              "count need not divide into the groups; give --collapse-groups (a candidate whose kept "
+                              "sets break the groups is evaluated routing over all kept experts, as it is then written)")
         if fitness_of is None:
             raise ConfigError(f"--allocation {allocation.name} searches by the ESAP of candidates on calibration "
                               "tokens: give them with --text or --tokens (tokens apart from those the scores came from)")
