@@ -474,6 +474,12 @@ def test_esap_fitness_equals_the_masked_forward(family_checkpoints, family, tmp_
         q /= q.sum(-1, keepdims=True)
         assert row == pytest.approx(np.minimum(p, q).sum(-1).mean(), abs=5e-6), family
     assert got.min() < 1 - 1e-4   # the candidates change the model
+    # the carried pass's fitness (groups kept, masks under the model's own routing): an unroutable
+    # candidate scores -inf, a routable one as above
+    kept_routing = EsapFitness(open_checkpoint(path), ids, ranking, layers, batch_size=2, collapse=False)(counts)
+    routable = [fitness._routable(k) for k in fitness.kept(counts)]
+    np.testing.assert_allclose(kept_routing[routable], got[routable], rtol=0, atol=1e-6)
+    assert np.isneginf(kept_routing[~np.asarray(routable)]).all()
 
 
 def collapsed(path, tmp_path):

@@ -417,7 +417,7 @@ def test_bad_settings_are_refused_before_the_pass(substituted, tmp_path, no_pass
     assert main(["prune", str(src), str(out), "--substitute", "--score", "mone", "--keep", "4"]) == 2
     assert "needs calibration data" in capsys.readouterr().err
     assert main(["prune", str(src), str(out), "--score", "l1", "--keep", "4", "--tokens", str(tokens)]) == 2
-    assert "read by `moejax prune --substitute` only" in capsys.readouterr().err
+    assert "read by `moejax prune --substitute` and --allocation evo_esap only" in capsys.readouterr().err
     assert main(["prune", str(dst), str(out), "--substitute", "--score", "mone", "--keep", "4",
                  "--tokens", str(tokens)]) == 2  # an already substituted source
     assert "constant-v1" in capsys.readouterr().err

@@ -37,7 +37,9 @@ def variant_rows(run) -> pd.DataFrame:
     kind = tasks.task.map(lambda t: {"mc": "mc", "ll": "ll"}.get(t.split("_")[-1], "gen"))
     gen = tasks[(kind == "gen") & (tasks.metric == "exact_match")]
     mc = tasks[(kind == "mc") & (tasks.metric == "acc")]
-    held = df[(df.task == "heldout") & (df.text.fillna("all") == "all") if "text" in df else (df.task == "heldout")]
+    held = df[df.task == "heldout"]
+    if "text" in held:   # the carried pass's rows per held-out text and over all of them ("all")
+        held = held[held.text.fillna("all") == "all"]
     key = ["form", "method", "keep"]
     out = gen.groupby(key, dropna=False).value.mean().rename("exact match").to_frame()
     out["MC"] = mc.groupby(key, dropna=False).value.mean()

@@ -251,7 +251,7 @@ def _allocated_counts(ckpt: OpenCheckpoint, calib, allocation, scores, merges, k
     for name in [*scores, *merges]:
         ranking = {l: sc[statistic[name]] for l, sc in by_layer.items()}
         fitness = None if fitness_ids is None else EsapFitness(ckpt, fitness_ids, ranking, layers,
-                                                               batch_size=batch_size, dtype=dtype)
+                                                               batch_size=batch_size, dtype=dtype, collapse=False)
         for k in keeps:
             budget = Budget.of(k, {l: len(ranking[l]) for l in layers}, top_k)
             if fitness is None:
@@ -259,6 +259,9 @@ def _allocated_counts(ckpt: OpenCheckpoint, calib, allocation, scores, merges, k
                 continue
             before = (fitness.evaluated, fitness.seconds)
             run = allocation.search(budget, fitness)
+            if not np.isfinite(run["best_score"]):
+                raise ConfigError(f"allocation {allocation.name} ({name}@{k}): no candidate it scored keeps every token "
+                                  "routable under the model's routing groups")
             counts[name, k] = budget.check(run["counts"], allocation.name)
             searches[f"{name}@{k}"] = {"best_esap": run["best_score"], "candidates": fitness.evaluated - before[0],
                                        "seconds": fitness.seconds - before[1], "generations": len(run["history"]) - 1}

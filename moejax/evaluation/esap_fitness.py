@@ -16,9 +16,12 @@ over those positions:
 the token-weighted mean EvoESAP's `esp-dataset` takes (it also scores a sequence's last position,
 which predicts nothing here and is left out).
 
-Under group-limited routing (n_group > 1) a candidate is evaluated as `moejax prune` writes it: with
-the groups where its kept sets leave every group routable, else routing over all kept experts
-(n_group = topk_group = 1, what `--collapse-groups` writes), each kind in a walk of its own.
+Under group-limited routing (n_group > 1) a candidate is evaluated as it will be used. With
+`collapse` (what `moejax prune` and `merge --collapse-groups` write): with the groups where its kept
+sets keep them (`keeps_groups`, the caller's rule), else routing over all kept experts (n_group =
+topk_group = 1), each kind in a walk of its own. Without it (the carried pass, which evaluates
+masks under the model's own routing): with the groups, and a candidate under which some token
+could not be routed to top_k kept experts (`check_routable`) scores -inf, so it is never chosen.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class EsapFitness:
     `seconds` spent so far (for the rate)."""
 
     def __init__(self, ckpt: OpenCheckpoint, ids_NS: np.ndarray, rankings: dict, layers: list, *,
-                 batch_size: int = 8, dtype=jnp.float32):
+                 batch_size: int = 8, dtype=jnp.float32, collapse: bool = True, keeps_groups=None):
         self.ckpt, self.dtype = ckpt, dtype
         self.rankings, self.layers = {l: np.asarray(rankings[l], np.float64) for l in layers}, list(layers)
         ids_NS = np.asarray(ids_NS)
@@ -57,6 +60,7 @@ class EsapFitness:
         self.embedded = embed(ckpt, self.batches, dtype)
         self.tokens = max(b.size for b in self.batches)
         self.collapsed = None   # the checkpoint with its routing groups collapsed, made when first needed
+        self.collapse, self.keeps_groups = collapse, keeps_groups or self._routable
         self.reference = self._walk(ckpt, None)   # the unpruned model's last hidden states, [1, B, S, H]
         self.evaluated, self.seconds = 0, 0.0
 
@@ -75,7 +79,7 @@ class EsapFitness:
 
     def esap(self, kept: list[dict]) -> np.ndarray:
         """The mean ESAP of each kept-set candidate ({layer: bool [E]}) against the unpruned model."""
-        out = np.empty(len(kept))
+        out = np.full(len(kept), -np.inf)
         for ckpt, which in self._by_routing(kept):
             out[which] = self._agreement(self._walk(ckpt, [kept[i] for i in which]))
         return out
@@ -86,22 +90,26 @@ class EsapFitness:
         cfg = self.ckpt.config
         if cfg.router_settings().get("n_group", 1) <= 1:
             return [(self.ckpt, list(range(len(kept))))]
-        grouped, collapsed = [], []
-        for i, k in enumerate(kept):
-            try:
-                for layer, mask in k.items():
-                    check_routable(mask, layer, cfg, "candidate")
-                grouped.append(i)
-            except ConfigError:
-                collapsed.append(i)
+        grouped = [i for i, k in enumerate(kept) if self.keeps_groups(k)]
+        collapsed = [i for i in range(len(kept)) if i not in set(grouped)]
         out = [(self.ckpt, grouped)] if grouped else []
-        if collapsed:
+        if collapsed and self.collapse:
             if self.collapsed is None:
                 settings = {**cfg.settings_dict(), "n_group": 1, "topk_group": 1}
                 self.collapsed = dataclasses.replace(self.ckpt, config=config_from_dict(
                     cfg.with_settings(settings), f"{self.ckpt.path} (groups collapsed)", uniform_experts=False))
             out.append((self.collapsed, collapsed))
         return out
+
+    def _routable(self, kept: dict) -> bool:
+        """Whether every token can be routed to top_k of the candidate's kept experts under the
+        model's routing groups (`check_routable`)."""
+        try:
+            for layer, mask in kept.items():
+                check_routable(mask, layer, self.ckpt.config, "candidate")
+        except ConfigError:
+            return False
+        return True
 
     def _walk(self, ckpt: OpenCheckpoint, kept: list[dict] | None) -> list:
         """The last hidden states [A, B, S, H] per batch of the candidates `kept` (None: the

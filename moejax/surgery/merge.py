@@ -58,7 +58,7 @@ from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import StatsAccumulator, compute_scores, pass_needs, scores_for
 from moejax.scoring.select import resolve_keep
 from moejax.surgery.prune import other_files, write_folder
-from moejax.surgery.prune_plan import per_group_needed, plan_pruning
+from moejax.surgery.prune_plan import keeps_groups, per_group_needed, plan_pruning
 from moejax.variants.spec import VariantSpec
 
 PLAIN_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -303,8 +303,9 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     if allocation.searches:   # the fitness's sequences held apart (the last ones): not in the statistics
         n_fit = allocation.held_apart(len(ids))
         ids, fitness_ids = ids[:-n_fit], ids[-n_fit:]
-        fitness = {"fitness_of": lambda ranking, layers: EsapFitness(ckpt, fitness_ids, ranking, layers,
-                                                                     batch_size=batch_size, dtype=jnp.dtype(dtype)),
+        fitness = {"fitness_of": lambda ranking, layers: EsapFitness(
+            ckpt, fitness_ids, ranking, layers, batch_size=batch_size, dtype=jnp.dtype(dtype),
+            keeps_groups=lambda kept: keeps_groups(kept, cfg)),
                    "n_layers": cfg.num_hidden_layers, "search": search}
     batches = [(ids[i:i + batch_size], None) for i in range(0, len(ids), batch_size)]
     show = sys.stderr.isatty() if progress is None else progress

@@ -48,7 +48,7 @@ from moejax.hf.provenance import (FINGERPRINT_KEY, PRUNING_RECORD, check_made_fr
 from moejax.hf.mtp_names import MTP_DEFAULT
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.surgery.prune_keep_map import SCORE as KEEP_MAP_SCORE, plan_from_keep_map
-from moejax.surgery.prune_plan import PrunePlan, plan_pruning
+from moejax.surgery.prune_plan import PrunePlan, keeps_groups, plan_pruning
 from moejax.variants.spec import VariantSpec
 
 
@@ -236,7 +236,8 @@ def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_fi
             from moejax.evaluation.esap_fitness import EsapFitness
             from moejax.hf.model_io import opened
 
-            return EsapFitness(opened(checked), ids, ranking, layers, batch_size=batch_size, dtype=jnp.dtype(dtype))
+            return EsapFitness(opened(checked), ids, ranking, layers, batch_size=batch_size, dtype=jnp.dtype(dtype),
+                               keeps_groups=lambda kept: keeps_groups(kept, checked.config))
         fitness_of = esap_of
     elif text is not None or tokens is not None:
         raise ConfigError(f"--text/--tokens: --allocation {allocation.name} reads no calibration tokens (evo_esap's "

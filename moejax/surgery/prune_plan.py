@@ -241,6 +241,18 @@ def _choose_kept(scores: dict, counts: dict, cfg, score: str, group_aware: bool,
     return kept
 
 
+def keeps_groups(kept: dict, cfg) -> bool:
+    """Whether kept sets {layer: bool [E]} keep group-limited routing as `_groups_rule` writes it
+    ("preserved": every layer an equal count per group, enough for top_k); True without groups."""
+    routing = cfg.router_settings()
+    n_group, topk_group = routing.get("n_group", 1), routing.get("topk_group", 1)
+    if n_group <= 1:
+        return True
+    need = per_group_needed(cfg.num_experts_per_tok, topk_group)
+    counts = [group_counts(m, n_group).tolist() for m in kept.values()]
+    return all(len(set(c)) == 1 and c[0] >= need for c in counts)
+
+
 def _groups_rule(kept: dict, cfg, collapse_groups: bool, group_aware: bool, leaders: bool, new_config: dict,
                  notes: list) -> str:
     """What becomes of group-limited routing: "none" (no groups), "preserved" (every layer keeps
