@@ -24,7 +24,14 @@ LEARNED = ("close", "rev", "sort", "up")   # the skills both models learn (exper
 
 
 def allocation_of(run) -> str:
-    return str(yaml.safe_load((Path(run) / "resolved_config.yaml").read_text()).get("allocation", "uniform"))
+    """The run's allocation, with the settings it changed from their defaults (e.g. a longer search)."""
+    from moejax.allocation import ALLOCATIONS
+
+    cfg = yaml.safe_load((Path(run) / "resolved_config.yaml").read_text())
+    name = str(cfg.get("allocation", "uniform"))
+    given = (cfg.get("allocations") or {}).get(name) or {}
+    changed = {k: v for k, v in given.items() if ALLOCATIONS.defaults()[name].get(k) != v}
+    return name + (f" ({', '.join(f'{k}={v}' for k, v in changed.items())})" if changed else "")
 
 
 def variant_rows(run) -> pd.DataFrame:
@@ -42,6 +49,8 @@ def variant_rows(run) -> pd.DataFrame:
         held = held[held.text.fillna("all") == "all"]
     key = ["form", "method", "keep"]
     out = gen.groupby(key, dropna=False).value.mean().rename("exact match").to_frame()
+    # the standard error of a mean of task means (lm-eval's per-task errors, independent documents)
+    out["exact match se"] = gen.groupby(key, dropna=False).stderr.apply(lambda e: np.sqrt((e.fillna(0) ** 2).sum()) / len(e))
     out["MC"] = mc.groupby(key, dropna=False).value.mean()
     for metric in ("esap", "kl", "top1_agreement", "perplexity"):
         out[metric] = held[held.metric == metric].groupby(key, dropna=False).value.mean()
@@ -52,7 +61,7 @@ def tables(runs) -> dict:
     rows = pd.concat([variant_rows(r) for r in runs], ignore_index=True)
     pruned = rows[rows["form"] != "none"]
     out = {"variants": pruned.set_index(["keep", "method", "allocation"]).sort_index(ascending=[False, True, True])
-           [["exact match", "MC", "esap", "kl", "top1_agreement", "perplexity"]].round(3)}
+           [["exact match", "exact match se", "MC", "esap", "kl", "top1_agreement", "perplexity"]].round(3)}
     base = rows[rows["form"] == "none"].iloc[:1]
     out["unpruned"] = base[["exact match", "MC", "perplexity"]].round(3)
     ranks = {}
