@@ -69,6 +69,9 @@ def tiny(tmp_path_factory):
     return open_checkpoint(path), load_pretrained(path), ids
 
 
+_FORWARDS = {}
+
+
 def separate_esap(model, ids, kept: dict) -> float:
     """ESAP of a candidate from the whole model's forward under its masks, float64 numpy."""
     from moejax.models.variant import maps_from_masks
@@ -77,8 +80,10 @@ def separate_esap(model, ids, kept: dict) -> float:
     masks = np.ones((cfg.num_hidden_layers, cfg.n_experts), bool)
     for layer, m in kept.items():
         masks[layer] = m
-    ref = np.asarray(model(jnp.asarray(ids)).logits_BSV, np.float64)[:, :-1]
-    got = np.asarray(model(jnp.asarray(ids), variant=maps_from_masks(masks, cfg)).logits_BSV, np.float64)[:, :-1]
+    forward = _FORWARDS.setdefault(id(model), (model, model.jitted()))[1]   # one compiled forward per model
+    ref = np.asarray(forward(jnp.asarray(ids), None).logits_BSV, np.float64)[:, :-1]
+    got = np.asarray(forward(jnp.asarray(ids), None, variant=maps_from_masks(masks, cfg)).logits_BSV,
+                     np.float64)[:, :-1]
     p = np.exp(ref - ref.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     q = np.exp(got - got.max(-1, keepdims=True))
