@@ -254,3 +254,26 @@ def test_moejax_prune_allocates_by_the_scores_files_shapley(tiny, tmp_path):
     got = {int(l): len(v["kept"]) for l, v in record["layers"].items()}
     assert got == layer_counts(phi, 4, 2, "shape") and sum(got.values()) == 12
     assert json.loads((tmp_path / "p" / "pruning.json").read_text())["allocation"] == "shape"
+
+
+def test_a_search_whose_every_candidate_is_unroutable_is_refused():
+    """`EvoEsap.searched`: when the fitness scores no candidate finitely (each unroutable under the
+    routing groups), the search is refused rather than returning one of them; otherwise it returns
+    the best counts and the fitness's candidates and seconds spent in this search."""
+    class Fitness:
+        evaluated, seconds = 5, 1.0
+
+        def __init__(self, value):
+            self.value = value
+
+        def __call__(self, kept):
+            self.evaluated += len(kept)
+            return np.full(len(kept), self.value)
+
+    method, budget = ALLOCATIONS.parse("evo_esap", generations=1), Budget.of(4, {0: 8, 1: 8}, 2)
+    with pytest.raises(ConfigError, match="no candidate it scored keeps every token routable"):
+        method.searched(budget, Fitness(-np.inf))
+    counts, record = method.searched(budget, Fitness(0.5))
+    assert sum(counts.values()) == 8 and record["best_esap"] == 0.5 and record["generations"] == 1
+    assert record["candidates"] == len({tuple(c) for h in method.search(budget, Fitness(0.5))["history"]
+                                        for c in h["candidates"]})

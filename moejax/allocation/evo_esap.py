@@ -180,6 +180,25 @@ class EvoEsap(Allocation):
                               "fitness sequences (allocations.evo_esap.fitness_sequences / --allocation-setting)")
         return self.fitness_sequences
 
+    def split(self, ids):
+        """(scoring sequences, fitness sequences) of calibration ids [N, S]: the last
+        `fitness_sequences` held apart (`held_apart`)."""
+        n = self.held_apart(len(ids))
+        return ids[:-n], ids[-n:]
+
+    def searched(self, budget: Budget, fitness: Callable) -> tuple[dict, dict]:
+        """({layer: count} of the search's best, checked against the budget; its record: best ESAP,
+        candidates scored and seconds spent by `fitness` (an `EsapFitness`) in this search,
+        generations). Refused when no candidate scored finitely (every one unroutable)."""
+        before = (fitness.evaluated, fitness.seconds)
+        run = self.search(budget, fitness)
+        if not np.isfinite(run["best_score"]):
+            raise ConfigError(f"allocation {self.name}: no candidate it scored keeps every token routable under the "
+                              "model's routing groups")
+        return budget.check(run["counts"], self.name), {
+            "best_esap": run["best_score"], "candidates": fitness.evaluated - before[0],
+            "seconds": fitness.seconds - before[1], "generations": len(run["history"]) - 1}
+
     def search(self, budget: Budget, fitness: Callable) -> dict:
         """The search's record (`evolutionary_search`) over the budget and its best as kept `counts`
         {layer: count}; fitness takes kept counts [P, L]."""
@@ -190,7 +209,8 @@ class EvoEsap(Allocation):
         run = evolutionary_search(capacities, pruned, lambda p: fitness(full[None] - p), population=self.population,
                                   survivors=self.survivors, generations=self.generations, max_delta=self.max_delta,
                                   mutations=self.mutations, attempts=self.attempts, seed=self.seed)
-        return {**run, "counts": {l: budget.n_experts[l] - int(p) for l, p in zip(layers, run["best"])}}
+        best = run["best"]   # None when no candidate scored finitely
+        return {**run, "counts": None if best is None else {l: budget.n_experts[l] - int(p) for l, p in zip(layers, best)}}
 
     def counts(self, budget: Budget, statistic=None, fitness=None) -> dict[int, int]:
         if fitness is None:

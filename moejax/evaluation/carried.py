@@ -133,8 +133,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     allocation = ALLOCATIONS.parse(allocation)
     searches = {}
     if allocation.searches:   # the fitness's tokens, held apart: neither scored nor decided on
-        n_fit = allocation.held_apart(len(calib))
-        calib, fitness_ids = calib[:-n_fit], calib[-n_fit:]
+        calib, fitness_ids = allocation.split(calib)
     if allocation.reads is not None:
         counts = _allocated_counts(ckpt, calib, allocation, selecting, [m.name for m in merges], keeps, batch_size,
                                    dtype, seed, show, fitness_ids if allocation.searches else None, searches)
@@ -257,14 +256,7 @@ def _allocated_counts(ckpt: OpenCheckpoint, calib, allocation, scores, merges, k
             if fitness is None:
                 counts[name, k] = allocate(allocation, budget, ranking)
                 continue
-            before = (fitness.evaluated, fitness.seconds)
-            run = allocation.search(budget, fitness)
-            if not np.isfinite(run["best_score"]):
-                raise ConfigError(f"allocation {allocation.name} ({name}@{k}): no candidate it scored keeps every token "
-                                  "routable under the model's routing groups")
-            counts[name, k] = budget.check(run["counts"], allocation.name)
-            searches[f"{name}@{k}"] = {"best_esap": run["best_score"], "candidates": fitness.evaluated - before[0],
-                                       "seconds": fitness.seconds - before[1], "generations": len(run["history"]) - 1}
+            counts[name, k], searches[f"{name}@{k}"] = allocation.searched(budget, fitness)
     return counts
 
 

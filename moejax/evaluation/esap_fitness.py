@@ -90,8 +90,9 @@ class EsapFitness:
         cfg = self.ckpt.config
         if cfg.router_settings().get("n_group", 1) <= 1:
             return [(self.ckpt, list(range(len(kept))))]
-        grouped = [i for i, k in enumerate(kept) if self.keeps_groups(k)]
-        collapsed = [i for i in range(len(kept)) if i not in set(grouped)]
+        keeps = [self.keeps_groups(k) for k in kept]
+        grouped = [i for i, ok in enumerate(keeps) if ok]
+        collapsed = [i for i, ok in enumerate(keeps) if not ok]
         out = [(self.ckpt, grouped)] if grouped else []
         if collapsed and self.collapse:
             if self.collapsed is None:

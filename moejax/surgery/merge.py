@@ -125,11 +125,10 @@ def cluster_counts(stats: dict, keep, top_k: int, allocation="uniform", statisti
     trunk = [l for l in sorted(stats) if n_layers is None or l < n_layers]
     budget = Budget.of(count, {l: len(stats[l].counts_E) for l in trunk}, top_k)
     fitness = fitness_of({l: statistic[l] for l in trunk}, trunk)
-    run = allocation.search(budget, fitness)
+    searched, record = allocation.searched(budget, fitness)
     if search is not None:
-        search.update(best_esap=run["best_score"], candidates=fitness.evaluated, seconds=fitness.seconds,
-                      generations=len(run["history"]) - 1)
-    return {**dict.fromkeys(stats, count), **budget.check(run["counts"], allocation.name)}
+        search.update(record)
+    return {**dict.fromkeys(stats, count), **searched}
 
 
 def plan_merge(stats: dict, method: MergeMethod, keep, top_k: int, allocation="uniform", seed: int = 0,
@@ -301,8 +300,7 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     ids, tokenizer = calibration_ids(src, cfg, text, tokens, seq_len, max_tokens)
     search, fitness = {}, {}
     if allocation.searches:   # the fitness's sequences held apart (the last ones): not in the statistics
-        n_fit = allocation.held_apart(len(ids))
-        ids, fitness_ids = ids[:-n_fit], ids[-n_fit:]
+        ids, fitness_ids = allocation.split(ids)
         fitness = {"fitness_of": lambda ranking, layers: EsapFitness(
             ckpt, fitness_ids, ranking, layers, batch_size=batch_size, dtype=jnp.dtype(dtype),
             keeps_groups=lambda kept: keeps_groups(kept, cfg)),

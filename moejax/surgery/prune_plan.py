@@ -213,11 +213,10 @@ def _allocated_counts(statistic: dict | None, counts: dict, layers_keep, top_k: 
         ranking = {l: statistic[l] for l in trunk}
         budget = Budget.of({l: counts[l] for l in trunk}, {l: len(statistic[l]) for l in trunk}, top_k)
         fitness = fitness_of(ranking, trunk)
-        run = allocation.search(budget, fitness)
+        searched, record = allocation.searched(budget, fitness)
         if search is not None:
-            search.update(best_esap=run["best_score"], candidates=fitness.evaluated, seconds=fitness.seconds,
-                          generations=len(run["history"]) - 1, counts={str(l): c for l, c in run["counts"].items()})
-        return {**counts, **budget.check(run["counts"], allocation.name)}
+            search.update(record, counts={str(l): c for l, c in searched.items()})
+        return {**counts, **searched}
     # the budget: `keep` per layer (resolved against each layer's own count when they differ)
     budget = next(iter(counts.values())) if len(set(counts.values())) == 1 else counts
     return layer_counts(statistic, budget, top_k, allocation, {l: len(s) for l, s in statistic.items()})
