@@ -483,3 +483,46 @@ def test_every_family_has_a_tiny_preset(family):
     assert type(model_cfg) is FAMILIES[family].config_class and model_cfg.vocab_size == 256
     model = nnx.eval_shape(lambda: AutoModelForCausalLM.from_config(model_cfg, jnp.float32))
     assert model.model.embed_tokens.shape == (256, model_cfg.hidden_size)
+
+
+def test_several_seeds_in_one_job_equal_single_seed_runs(tmp_path):
+    """seeds=2 trains seeds 3 and 4 in two processes, one per core, each at <model.path>/seed-<k>;
+    each equals the ordinary single-seed run of its seed (this process, both cores) within float32
+    reordering. (Run on one core, as the workers are, the single-seed run is byte-identical:
+    docs/benchmarks.md shows it with taskset.) The two seeds differ from each other far more."""
+    from safetensors.numpy import load_file
+
+    def cfg(path, **top):
+        s = settings(path, steps=6, eval_every=3, checkpoint_every=6, decay_steps=6)
+        s["data"].update(seq_len=48, mix={"code": 0.5, "sort": 0.5}, skill_eval_docs=2, skill_bytes=20_000)
+        return tt.Config.from_mapping({**s, **top})
+
+    df, timings = tt.run(cfg(tmp_path / "multi", seed=3, seeds=2))
+    assert sorted(df.seed.unique()) == [3, 4] and timings["workers"] == 2
+    assert timings["train_flops"] > 0 and timings["dense_gflops"] > 0
+    curves = df[df.metric == "skill_exact_match"]
+    assert sorted(curves.step.unique()) == [3, 6] and set(curves.seed) == {3, 4}
+    weights = {}
+    for k in (3, 4):
+        single = tmp_path / f"single-{k}"
+        tt.run(cfg(single, seed=k))
+        a, b = load_file(tmp_path / "multi" / f"seed-{k}" / "model.safetensors"), load_file(single / "model.safetensors")
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-4 * np.abs(b[name]).max(), err_msg=name)
+        record = json.loads((tmp_path / "multi" / f"seed-{k}" / tt.RECORD).read_text())
+        assert record["config"]["seed"] == k
+        weights[k] = a
+    apart = max(np.abs(weights[3][n] - weights[4][n]).max() / np.abs(weights[3][n]).max() for n in weights[3])
+    assert apart > 0.1
+    table = tt.summary_table(df)
+    assert list(table.columns) == ["seed 3", "seed 4"]
+
+
+def test_several_seeds_refuse_a_checkpoint_as_their_folder(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    s = settings(tmp_path, steps=2)
+    with pytest.raises(ConfigError, match="holds a checkpoint"):
+        tt.run(tt.Config.from_mapping({**s, "seeds": 2}))
+    with pytest.raises(ConfigError, match=r"seeds=0; expected an integer >= 1"):
+        tt.Config.from_mapping({**s, "seeds": 0})

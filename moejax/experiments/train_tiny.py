@@ -94,6 +94,7 @@ Config = TrainTinyConfig
 def settings_from(cfg: dict) -> dict:
     mesh = MeshConfig.from_dict(cfg.get("mesh"))
     return {"path": (cfg.get("model") or {}).get("path") or "", "seed": cfg.get("seed", 0),
+            "seeds": cfg.get("seeds", 1), "workers": cfg.get("workers", 0),
             "arch": cfg.get("arch"), "data": cfg.get("data"), "train": cfg.get("train"),
             "mesh_data": mesh.data, "mesh_expert": mesh.expert}
 
@@ -110,17 +111,28 @@ def versions() -> dict:
 
 
 def run(cfg: TrainTinyConfig, progress=None, job_dir=None):
-    """Train (or resume) and save; returns (tidy results DataFrame, timings dict)."""
+    """Train (or resume) and save; returns (tidy results DataFrame, timings dict). seeds > 1:
+    every seed's model, trained by `moejax.experiments.train_seeds` (a `seed` column tells them apart)."""
+    if cfg.seeds > 1:
+        from moejax.experiments.train_seeds import run_seeds
+
+        return run_seeds(cfg, progress)
+    return train_one(cfg)
+
+
+def train_one(cfg: TrainTinyConfig, progress_stream=None):
+    """One seed's training (`run` with seeds=1); progress_stream: where its progress line goes
+    (default stderr, drawn only on a terminal)."""
     timings = {}
     check_output(cfg)
     corpus = _prepare_data(cfg, timings)
     trainer, manager, state = _resume(cfg, timings)
     skill_docs = _skill_docs(cfg)
-    loop = TrainLoop(cfg, trainer, corpus, state)
+    loop = TrainLoop(cfg, trainer, corpus, state, progress_stream)
     loop.add_hook(functools.partial(_evaluate, skill_docs), every=cfg.train.eval_every, pauses_clock=True)
     loop.add_hook(functools.partial(_checkpoint, manager), every=cfg.train.checkpoint_every, at_end=True)
     loop.run()
-    timings.update(loop.timings())
+    timings.update(loop.timings(), **_flop_rate(cfg, trainer, state.start, loop))
     heldout_loss, loads = _final_evaluation(loop, skill_docs, timings)
     record = build_record(cfg, corpus, state, heldout_loss, timings["train_s"])
     out = _save_staged(cfg, trainer, record, timings)
@@ -201,8 +213,9 @@ class TrainLoop:
     (every 10 steps, at the end, and before any hook is called) so the host does not wait on every
     step; then the hooks due at that step, in the order added."""
 
-    def __init__(self, cfg: TrainTinyConfig, trainer: Trainer, corpus, state: RunState):
+    def __init__(self, cfg: TrainTinyConfig, trainer: Trainer, corpus, state: RunState, progress_stream=None):
         self.cfg, self.trainer, self.corpus, self.state = cfg, trainer, corpus, state
+        self.progress_stream = progress_stream
         self.hooks: list[Hook] = []
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         self.smooth, self.rate, self.compile_s, self.eval_s = None, 0.0, 0.0, 0.0
@@ -214,7 +227,7 @@ class TrainLoop:
 
     def run(self) -> None:
         last = self.cfg.train.steps
-        bar = Progress(last, self.state.start)
+        bar = Progress(last, self.state.start, self.progress_stream)
         self.t_train = time.perf_counter()
         self.t_rate = time.perf_counter()
         try:
@@ -266,6 +279,18 @@ class TrainLoop:
         return {"train_s": train_s, "compile_s": self.compile_s,
                 "tokens_per_s": ((trained - 1) * self.tokens_per_step / max(train_s - self.compile_s, 1e-9)
                                  if trained > 1 else float("nan"))}
+
+
+def _flop_rate(cfg: TrainTinyConfig, trainer: Trainer, start: int, loop: TrainLoop) -> dict:
+    """train_flops (the steps this run took, `moejax.training.flops.step_flops`) and train_gflops
+    (per second of training, compilation and hooks excluded)."""
+    from moejax.training.flops import step_flops, weight_counts
+
+    per_step = step_flops(trainer.model_cfg, weight_counts(trainer.model), cfg.train.batch_size, cfg.data.seq_len)
+    t = loop.timings()
+    steps = cfg.train.steps - start
+    return {"train_flops": steps * per_step,
+            "train_gflops": (steps - 1) * per_step / max(t["train_s"] - t["compile_s"], 1e-9) / 1e9}
 
 
 def _evaluate(skill_docs: dict, loop: TrainLoop, done: int) -> None:
@@ -408,10 +433,18 @@ def _skill_curve(trainer, skill_docs: dict, step: int) -> list:
 
 
 def summary_title(cfg: TrainTinyConfig) -> str:
-    return f"train_tiny: {cfg.train.steps} steps, saved to {cfg.path} (loss in nats per byte):"
+    seeds = f", seeds {cfg.seed}..{cfg.seed + cfg.seeds - 1} in seed-<k> folders" if cfg.seeds > 1 else ""
+    return f"train_tiny: {cfg.train.steps} steps, saved to {cfg.path}{seeds} (loss in nats per byte):"
 
 
 def summary_table(df):
+    """The last values of one run (a column "value"), or of each seed (a column per seed)."""
+    if "seed" in df:
+        return pd.concat({f"seed {k}": _summary(part)["value"] for k, part in df.groupby("seed")}, axis=1)
+    return _summary(df)
+
+
+def _summary(df):
     last = df["step"].max()
     train = df[df.metric == "train_loss"].sort_values("step")
     out = {"train_loss (last 20 steps)": train.value.tail(20).mean(),

@@ -136,6 +136,8 @@ class TrainTinyConfig:
     train: TrainConfig = TrainConfig()
     mesh_data: int = 1
     mesh_expert: int = 1
+    seeds: int = 1                  # seeds seed .. seed + seeds - 1, each a model at <path>/seed-<k> (seeds > 1)
+    workers: int = 0                # processes training them at once, each on its own core; 0: one per core
 
     @classmethod
     def from_mapping(cls, d: dict) -> "TrainTinyConfig":
@@ -154,6 +156,10 @@ class TrainTinyConfig:
             raise ConfigError("train_tiny: no output folder; set model=tiny or model.path=FOLDER")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"train_tiny: seed={self.seed!r}; expected a non-negative integer")
+        for name in ("seeds", "workers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "seeds" else 0):
+                raise ConfigError(f"train_tiny: {name}={v!r}; expected an integer >= {1 if name == 'seeds' else 0}")
         if self.mesh_data * self.mesh_expert != 1:
             raise ConfigError(f"train_tiny: runs on one device; got mesh.data={self.mesh_data}, "
                               f"mesh.expert={self.mesh_expert} (use mesh=single)")
@@ -200,6 +206,14 @@ class TrainTinyConfig:
                 and (t.aux_loss_alpha is None or t.aux_loss_alpha >= 0)):
             raise ConfigError(f"train_tiny: need lr > 0, 0 <= min_lr_ratio <= 1, clip_norm > 0, weight_decay >= 0, "
                               f"b1, b2 in [0, 1), bias_update_rate >= 0, aux_loss_alpha >= 0; got {t}")
+
+    def seed_configs(self) -> list["TrainTinyConfig"]:
+        """One single-seed training per seed: seeds=1 is this one (at model.path); seeds=N > 1 are
+        seeds seed .. seed + N - 1, seed k saved at <model.path>/seed-<k>."""
+        if self.seeds == 1:
+            return [self]
+        return [dataclasses.replace(self, seed=k, seeds=1, workers=0, path=str(Path(self.path) / f"seed-{k}"))
+                for k in range(self.seed, self.seed + self.seeds)]
 
     def model_config(self):
         """The family's typed config of the architecture (every key checked by the family's class)."""
