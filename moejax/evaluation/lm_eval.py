@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import jinja2
 import numpy as np
-from flax import nnx
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
@@ -48,7 +47,7 @@ from moejax.errors import ConfigError, MoejaxError
 from moejax.evaluation.chat_template import (chat_template_source, read_chat_template, render_chat,
                                              special_token_texts)
 from moejax.inference.generate import SEEDS, Generator, Sampling, check_seed
-from moejax.inference.nll import target_logprobs
+from moejax.inference.nll import compiled_scorer
 from moejax.hf.model_io import load_pretrained
 from moejax.models.registry import read_config
 from moejax.models.variant import check_variant
@@ -204,7 +203,7 @@ class MoejaxLM(TemplateLM):
         self.mesh = self._mesh(mesh_data, mesh_expert, config, path)
         self.path = path
         self.model = model or load_pretrained(path, dtype=jnp.dtype(dtype), mesh=self.mesh)
-        self._score_fn = _compiled_scorer(self.model)
+        self._score_fn = compiled_scorer(self.model)
         self._generator = Generator(self.model)
 
     def variant(self, variant) -> "MoejaxLM":
@@ -542,19 +541,6 @@ def _int_arg(name: str, value, low: int, why: str = "") -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
         raise ConfigError(f"moejax lm-eval model: {name}={value!r}; expected an integer >= {low}{why}")
     return int(value)
-
-
-def _compiled_scorer(model):
-    """(log p(target) [B, S], target == argmax [B, S]) of every position, in one compiled call:
-    the [B, S, V] logits never leave it. The weights are arguments (see model.jitted())."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def score(state, ids_BS, targets_BS, variant):
-        logits = nnx.merge(graphdef, state)(ids_BS, None, variant, forward_only=True).logits_BSV
-        return target_logprobs(logits, targets_BS), jnp.argmax(logits, axis=-1) == targets_BS
-
-    return lambda ids, targets, variant: score(state, ids, targets, variant)
 
 
 # How lm-eval words its refusal of a task list (its command line: unknown names; simple_evaluate:

@@ -49,3 +49,20 @@ def chunked_logsumexp(state):
 def chunked_nll(state):
     """-log p(target) once every vocabulary chunk is folded in: logsumexp - target logit."""
     return chunked_logsumexp(state) - state[2]
+
+
+def compiled_scorer(model):
+    """fn(ids [B, S], targets [B, S], variant) -> (log p(target) [B, S], target == argmax [B, S]) of
+    every position under a variant (`moejax.models.variant`), in one compiled call: the [B, S, V]
+    logits never leave it. The weights are arguments (a variant of another kind compiles once more;
+    masks and maps of one structure reuse the program)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def score(state, ids_BS, targets_BS, variant):
+        logits = nnx.merge(graphdef, state)(ids_BS, None, variant, forward_only=True).logits_BSV
+        return target_logprobs(logits, targets_BS), jnp.argmax(logits, axis=-1) == targets_BS
+
+    return lambda ids, targets, variant: score(state, ids, targets, variant)
