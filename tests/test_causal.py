@@ -173,3 +173,47 @@ def test_across_models_and_gini_against_numpy():
     by_ranks = (2 * np.sum(np.arange(1, n + 1) * xs)) / (n * xs.sum()) - (n + 1) / n
     np.testing.assert_allclose(causal_stats.gini(x), by_ranks, rtol=1e-12)
     assert causal_stats.gini([1, 1, 1]) == 0.0 and np.isnan(causal_stats.gini([0, -1]))
+
+
+def test_the_skills_causal_run_and_its_tables_and_figures(tmp_path):
+    """experiments/skills/causal.py on a byte-level checkpoint (two models: two seeds of the fixture),
+    then make_tables --causal: every expert's removal per task, every score on both calibrations,
+    the paired d per cell, the tables and a PNG and SVG figure per family."""
+    import importlib.util
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    from moejax.data import write_byte_tokenizer
+
+    root = Path(__file__).resolve().parents[1] / "experiments" / "skills"
+    mods = {}
+    for name in ("causal", "make_tables"):
+        spec = importlib.util.spec_from_file_location(f"skills_{name}", root / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mods[name]
+        spec.loader.exec_module(mods[name])
+    models = []
+    for seed in (1, 2):
+        path = tmp_path / "skills-qwen3_moe" / f"seed-{seed}"
+        make_family_checkpoint(FAMILY, path, seed=seed, vocab_size=256, max_position_embeddings=256,
+                               eos_token_id=0, pad_token_id=0, bos_token_id=None)
+        write_byte_tokenizer(path, 256)
+        (path / "moejax_tiny.json").write_text(json.dumps({"stdlib_root": sysconfig.get_paths()["stdlib"],
+                                                           "heldout": ["textwrap.py"]}))
+        models.append(path)
+    out = tmp_path / "out"
+    mods["causal"].main([*map(str, models), "--out", str(out), "--docs", "4"])
+    import pandas as pd
+
+    causal_df = pd.read_parquet(out / "causal.parquet")
+    assert set(causal_df.task) == {"add", "sort", "rev", "kv", "close", "up", "code"}
+    assert set(causal_df.model) == {"skills-qwen3_moe/seed-1", "skills-qwen3_moe/seed-2"}
+    scores = pd.read_parquet(out / "scores.parquet")
+    assert {"frequency", "reap", "ean", "random"} <= set(scores.score) and set(scores.calibration) == {"code", "task"}
+    d = pd.read_parquet(out / "paired_d.parquet")
+    assert np.isfinite(d.d).any() and set(d.task) == set(causal_df.task)
+    tables = mods["make_tables"].causal_tables([out])
+    assert any("Spearman" in title for title in tables) and all(len(t) for t in tables.values())
+    figures = mods["make_tables"].causal_figures([out], tmp_path / "figures")
+    assert {p.suffix for p in figures} == {".png", ".svg"} and all(p.stat().st_size > 1000 for p in figures)

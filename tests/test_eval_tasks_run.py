@@ -90,6 +90,30 @@ def test_keeping_every_expert_reproduces_the_unpruned_model_exactly(results):
     assert (pruned.value != base[("stdlib_ppl", "bits_per_byte")]).all()  # pruning half changes every variant
 
 
+def test_requests_built_once_give_what_each_variant_built_afresh_gives(results, ckpt):
+    """The job builds lm-eval's requests for its first variant and reads them back for the others;
+    lm-eval building them afresh for the unpruned model gives the job's numbers exactly (and the
+    keep=all variants, read back, equal the unpruned: the test above). No request cache is left."""
+    from lm_eval import evaluator
+    from lm_eval.tasks import TaskManager
+
+    from moejax.evaluation.lm_eval import MoejaxLM
+
+    out, df = results
+    assert not (out / "lm_eval_requests").exists()
+    tm = TaskManager(include_path=str(out / "tasks"), include_defaults=False)
+    afresh = evaluator.evaluate(lm=MoejaxLM(pretrained=str(ckpt), batch_size=4),
+                                task_dict=tm.load(["stdlib_nextline", "stdlib_mc", "stdlib_ppl"]),
+                                bootstrap_iters=0, log_samples=False)
+    from moejax.experiments.eval_tasks import task_rows
+
+    want = {(r["task"], r["metric"]): r["value"] for r in task_rows(afresh, {})}
+    got = df[(df["form"] == "none") & (df.task != "heldout")].set_index(["task", "metric"]).value
+    assert len(want) == len(got) > 0
+    for key, value in want.items():
+        assert got[key] == value or (np.isnan(got[key]) and np.isnan(value)), key
+
+
 def test_unknown_task_fails_before_the_calibration_pass(ckpt, tmp_path, monkeypatch):
     from moejax.experiments import prune_real
 

@@ -100,6 +100,8 @@ def test_greedy_flags_true_and_false_equal_the_hf_backend(backends):
     requests.append((requests[0][0], requests[0][1][1:]))  # greedy tokens one position early
     expected.append(None)
     token_requests = [(("", ""), ctx, cont) for ctx, cont in requests]
+    token_requests += token_requests[4::3]   # repeated requests (moejax scores each pair once): answered each time
+    expected += expected[4::3]
     want = hf_lm._loglikelihood_tokens(token_requests, disable_tqdm=True)
     got = mj_lm._loglikelihood_tokens(token_requests, disable_tqdm=True)
     flags = [w[1] for w in want]

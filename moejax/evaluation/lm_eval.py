@@ -65,7 +65,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 def bucket(n: int, cap: int) -> int:
@@ -352,19 +352,25 @@ class MoejaxLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether it is the greedy continuation)
-        for each (request, context tokens, continuation tokens)."""
+        for each (request, context tokens, continuation tokens). Identical token pairs are scored
+        once (a multiple-choice task's right answer is often its log-likelihood twin's request)."""
         def longest_first(req):
             toks = req[1] + req[2]
             return -len(toks), tuple(toks)
 
-        order = Collator(requests, sort_fn=longest_first)
+        index = {}
+        for req in requests:
+            index.setdefault((tuple(req[1]), tuple(req[2])), len(index))
+        unique = [(None, list(context), list(continuation)) for context, continuation in index]
+        order = Collator(unique, sort_fn=longest_first)
         results = []
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="moejax loglikelihood")
+        bar = tqdm(total=len(unique), disable=disable_tqdm, desc="moejax loglikelihood")
         for chunk in order.get_batched(n=self.batch_size):
             results.extend(self._score_batch(chunk))
             bar.update(len(chunk))
         bar.close()
-        return order.get_original(results)
+        scored = order.get_original(results)
+        return [scored[index[(tuple(req[1]), tuple(req[2]))]] for req in requests]
 
     def _score_batch(self, chunk) -> list[tuple[float, bool]]:
         rows = []

@@ -16,11 +16,29 @@ def routing_shares(model, texts: dict, seq_len: int, batch: int = 16) -> dict:
     """{text name: float64 [n_moe_layers, E] shares (each row sums to one)}, with the MoE layers
     in model order. Each text's UTF-8 bytes (byte-level ids) are cut into rows of seq_len; the last
     row is padded, and the padding is not counted."""
+    import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from moejax.moe.routing import routing_counts
 
     E = model.config.n_experts
+
+    def counts_of(model, ids_BS, mask_BS):
+        routing = model(ids_BS, mask_BS, return_routing=True, forward_only=True).routing
+        valid = mask_BS.reshape(-1).astype(bool)
+        return jnp.stack([routing_counts(r.expert_idx_TK, E, valid) for _, r in sorted(routing.items())])
+
+    if isinstance(model, nnx.Module):   # one compiled forward (run op by op, it took 24 s of an eval_skills job)
+        graphdef, state = nnx.split(model)
+        compiled = jax.jit(lambda state, ids, mask: counts_of(nnx.merge(graphdef, state), ids, mask))
+
+        def layer_counts(ids_BS, mask_BS):
+            return compiled(state, ids_BS, mask_BS)
+    else:                               # any callable with the model's signature, as it is
+        def layer_counts(ids_BS, mask_BS):
+            return counts_of(model, ids_BS, mask_BS)
+
     out = {}
     for name, text in texts.items():
         ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
@@ -30,10 +48,8 @@ def routing_shares(model, texts: dict, seq_len: int, batch: int = 16) -> dict:
         rows.reshape(-1)[:len(ids)], mask.reshape(-1)[:len(ids)] = ids, 1
         counts = None
         for i in range(0, n_rows, batch):
-            m = jnp.asarray(mask[i:i + batch])
-            routing = model(jnp.asarray(rows[i:i + batch]), m, return_routing=True, forward_only=True).routing
-            c = np.stack([np.asarray(routing_counts(r.expert_idx_TK, E, m.reshape(-1).astype(bool)), np.float64)
-                          for _, r in sorted(routing.items())])
+            c = np.asarray(layer_counts(jnp.asarray(rows[i:i + batch]), jnp.asarray(mask[i:i + batch])),
+                           np.float64)
             counts = c if counts is None else counts + c
         out[name] = counts / counts.sum(axis=1, keepdims=True)
     return out

@@ -260,10 +260,12 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     rows += skill_routing_rows(cfg, base.model)
     # every plan, then (reroute=true) every rerouted variant, as the pass left them: nothing trained twice
     variants = [(plan.spec, plan.expert_maps()) for plan in plans] + list(info.get("rerouted", {}).items())
-    for spec, maps in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
-        results = evaluator.evaluate(lm=base.variant(maps), task_dict=loaded, limit=cfg.limit,
-                                     bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING")
-        rows += task_rows(results, spec.row())
+    with requests_built_once(job_dir):
+        for spec, maps in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
+            results = evaluator.evaluate(lm=base.variant(maps), task_dict=loaded, limit=cfg.limit,
+                                         bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING",
+                                         cache_requests=True)
+            rows += task_rows(results, spec.row())
     df = pd.DataFrame(rows, columns=COLUMNS[:3] + ["rerouted"] + COLUMNS[3:] if cfg.prune_real.reroute else COLUMNS)
     for col in ("keep", "layer", "expert"):
         df[col] = df[col].astype("Int64")
@@ -271,6 +273,24 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         df["rerouted"] = df["rerouted"].map(is_rerouted)
     timings["variants"] = len(variants)
     return df, timings
+
+
+@contextlib.contextmanager
+def requests_built_once(job_dir: Path):
+    """Every variant asks the same requests: lm-eval builds them for the first (rendering every
+    document's templates, a second of each variant's six) and reads them back for the others
+    (`cache_requests`), from a folder in the job folder that is removed afterwards."""
+    import shutil
+
+    import lm_eval.caching.cache as request_cache
+
+    before, folder = request_cache.PATH, Path(job_dir) / "lm_eval_requests"
+    request_cache.PATH = str(folder)
+    try:
+        yield
+    finally:
+        request_cache.PATH = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:
