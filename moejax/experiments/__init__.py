@@ -50,7 +50,7 @@ _DEFAULTS = {
                    {**_PRUNE_REAL, "": (*_PRUNE_REAL[""], "tasks"),
                     "lm_eval": ("task_dir", "include_defaults", "limit", "eval_batch_size", "n_nextline", "n_mc",
                                 "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll", "n_degen", "routing_docs",
-                                "bootstrap_iters")}),
+                                "bootstrap_iters", "workers")}),
 }
 COMPOSED = ("prune_real",)   # a field holding another experiment's whole config: its fields sit beside the others
 _ELSEWHERE = ("path", "mesh_data", "mesh_expert")

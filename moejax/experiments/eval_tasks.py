@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -40,6 +41,7 @@ from moejax.evaluation.tasks import heldout_files, position_budget, write_stdlib
 from moejax.experiments import prune_real
 from moejax.experiments.prune_real import PruneRealConfig, rerouted_as_form
 from moejax.experiments.settings import BLOCKS, typed_settings
+from moejax.parallel.cores import available_cores
 from moejax.settings_check import refuse_repeats
 from moejax.training.skills import documents, longest_document, text
 from moejax.variants import VariantPlan, VariantSpec, is_rerouted
@@ -74,6 +76,7 @@ class EvalTasksConfig:
     n_degen: int = 48
     routing_docs: int = 100        # held-out documents per skill for the routing table (skills tasks only)
     bootstrap_iters: int = 1000    # lm-eval's stderr bootstrap for non-mean metrics
+    workers: int = 0               # processes evaluating variants at once, one per core; 0: every core
 
     @classmethod
     def from_mapping(cls, d: dict) -> "EvalTasksConfig":
@@ -103,6 +106,8 @@ class EvalTasksConfig:
         if not self.tasks:
             raise ConfigError("eval_tasks: tasks is empty; name lm-eval tasks, e.g. tasks=[stdlib_mc]")
         refuse_repeats("eval_tasks", "tasks", self.tasks)
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            raise ConfigError(f"eval_tasks: workers={self.workers!r}; expected an integer >= 0 (0: one per core)")
         for name in ("eval_batch_size", "n_nextline", "n_mc", "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll",
                      "n_degen", "routing_docs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -213,20 +218,12 @@ def task_rows(results: dict, variant: dict) -> list[dict]:
     return rows
 
 
-def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
-    import pandas as pd
-
-    from lm_eval import evaluator
-
-    from moejax.evaluation.lm_eval import MoejaxLM
-
-    job_dir = Path(job_dir or ".")
-    task_dir = build_tasks(cfg, job_dir)
-    if set(cfg.tasks) <= set(DEFAULT_TASKS) | set(SKILL_TASKS):
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON: never ask the hub
-    tm = task_manager(cfg, task_dir)  # unknown names fail here, before the calibration pass
-    loaded = {"tasks": {}, "groups": {}, "group_map": {}}  # TaskManager.load's dicts, merged
-    for name in cfg.tasks:  # each task and its data once, for every variant, before calibrating
+def load_tasks(cfg: EvalTasksConfig, task_dir: Path | None) -> dict:
+    """Every task and its data, loaded once for every variant (TaskManager.load's dicts, merged),
+    few-shot seeded as simple_evaluate seeds them."""
+    tm = task_manager(cfg, task_dir)
+    loaded = {"tasks": {}, "groups": {}, "group_map": {}}
+    for name in cfg.tasks:
         try:
             one = tm.load([name])
         except (ConnectionError, OSError) as e:  # named: which task needs the network
@@ -234,7 +231,29 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         for key, value in one.items():
             loaded.setdefault(key, {}).update(value)
     for task in loaded["tasks"].values():
-        task.set_fewshot_seed(seed=cfg.prune_real.seed)  # as simple_evaluate does
+        task.set_fewshot_seed(seed=cfg.prune_real.seed)
+    return loaded
+
+
+def evaluate_variant(cfg: EvalTasksConfig, lm, loaded: dict, spec_row: dict, maps) -> list[dict]:
+    """One variant (its expert maps) on every task: tidy rows. lm-eval builds the requests of the
+    first call and reads them back afterwards (`requests_built_once`)."""
+    from lm_eval import evaluator
+
+    results = evaluator.evaluate(lm=lm.variant(maps), task_dict=loaded, limit=cfg.limit,
+                                 bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING",
+                                 cache_requests=True)
+    return task_rows(results, spec_row)
+
+
+def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
+    import pandas as pd
+
+    job_dir = Path(job_dir or ".")
+    task_dir = build_tasks(cfg, job_dir)
+    if set(cfg.tasks) <= set(DEFAULT_TASKS) | set(SKILL_TASKS):
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON: never ask the hub
+    loaded = load_tasks(cfg, task_dir)  # unknown names fail here, before the calibration pass
 
     with prune_real_as_eval_tasks():
         ppl_df, info, timings = prune_real.evaluate(cfg.prune_real, progress, merged_weights=True)
@@ -255,24 +274,40 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         rows.append(dict(method=method, form=form, keep=int(keep), task="heldout", metric="rel_error_mean",
                          value=float(value), stderr=math.nan))
 
-    base = MoejaxLM(pretrained=cfg.prune_real.path, dtype=cfg.prune_real.dtype, batch_size=cfg.eval_batch_size,
-                    seed=cfg.prune_real.seed)
-    rows += skill_routing_rows(cfg, base.model)
     # every plan, then (reroute=true) every rerouted variant, as the pass left them: nothing trained twice
     variants = [(plan.spec, plan.expert_maps()) for plan in plans] + list(info.get("rerouted", {}).items())
-    with requests_built_once(job_dir):
-        for spec, maps in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
-            results = evaluator.evaluate(lm=base.variant(maps), task_dict=loaded, limit=cfg.limit,
-                                         bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING",
-                                         cache_requests=True)
-            rows += task_rows(results, spec.row())
+    n_workers = cfg.workers or min(len(available_cores()), len(variants))
+    t0 = time.perf_counter()
+    with requests_built_once(job_dir) as cache:
+        if n_workers > 1:   # one process per core (docs/benchmarks.md: 1.6x on two cores)
+            from moejax.experiments.task_workers import evaluate_in_workers
+            from moejax.hf.model_io import load_pretrained
+
+            import jax.numpy as jnp
+
+            rows += skill_routing_rows(cfg, load_pretrained(cfg.prune_real.path, dtype=jnp.dtype(cfg.prune_real.dtype)))
+            rows += evaluate_in_workers(cfg, task_dir, cache, variants, n_workers, progress)
+        else:
+            base = new_lm(cfg)
+            rows += skill_routing_rows(cfg, base.model)
+            for spec, maps in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
+                rows += evaluate_variant(cfg, base, loaded, spec.row(), maps)
+    timings["tasks_s"] = time.perf_counter() - t0
     df = pd.DataFrame(rows, columns=COLUMNS[:3] + ["rerouted"] + COLUMNS[3:] if cfg.prune_real.reroute else COLUMNS)
     for col in ("keep", "layer", "expert"):
         df[col] = df[col].astype("Int64")
     if cfg.prune_real.reroute:
         df["rerouted"] = df["rerouted"].map(is_rerouted)
-    timings["variants"] = len(variants)
+    timings["variants"], timings["task_workers"] = len(variants), n_workers
     return df, timings
+
+
+def new_lm(cfg: EvalTasksConfig):
+    """The lm-eval backend every variant is evaluated through (loaded and compiled once)."""
+    from moejax.evaluation.lm_eval import MoejaxLM
+
+    return MoejaxLM(pretrained=cfg.prune_real.path, dtype=cfg.prune_real.dtype, batch_size=cfg.eval_batch_size,
+                    seed=cfg.prune_real.seed)
 
 
 @contextlib.contextmanager
@@ -287,7 +322,7 @@ def requests_built_once(job_dir: Path):
     before, folder = request_cache.PATH, Path(job_dir) / "lm_eval_requests"
     request_cache.PATH = str(folder)
     try:
-        yield
+        yield folder
     finally:
         request_cache.PATH = before
         shutil.rmtree(folder, ignore_errors=True)

@@ -22,20 +22,14 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import logging
-import multiprocessing
-import os
 import time
 from pathlib import Path
 
 from moejax.errors import ConfigError
+from moejax.parallel import cores
 from moejax.training.config import TrainTinyConfig
 
 log = logging.getLogger(__name__)
-
-
-def cores() -> list[int]:
-    """The cores this process may run on."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def check_parent(cfg: TrainTinyConfig) -> None:
@@ -59,7 +53,7 @@ def run_seeds(cfg: TrainTinyConfig, progress=None):
     runs = cfg.seed_configs()
     for one in runs:   # every seed's output checked before any training
         train_tiny.check_output(one)
-    n_workers = cfg.workers or min(len(runs), len(cores()))
+    n_workers = cfg.workers or min(len(runs), len(cores.available_cores()))
     t0 = time.perf_counter()
     results = {}
     if n_workers == 1:
@@ -78,13 +72,9 @@ def run_seeds(cfg: TrainTinyConfig, progress=None):
 
 def _in_workers(runs: list, n_workers: int, progress) -> dict:
     """{seed: train_one's result} from `n_workers` processes, each pinned to its own core."""
-    context = multiprocessing.get_context("spawn")   # a fresh interpreter: JAX starts after the pinning
-    counter = context.Value("i", 0)
-    available = cores()
     results = {}
-    with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=context, initializer=_pin,
-                                                initargs=(counter, available)) as pool:
-        futures = {pool.submit(_train_seed, one): one.seed for one in runs}
+    with cores.pool(n_workers) as executor:
+        futures = {executor.submit(_train_seed, one): one.seed for one in runs}
         try:
             for done in concurrent.futures.as_completed(futures):
                 seed = futures[done]
@@ -96,23 +86,9 @@ def _in_workers(runs: list, n_workers: int, progress) -> dict:
                 if progress:
                     progress(1)
         except BaseException:
-            for f in futures:
-                f.cancel()
-            for p in list(getattr(pool, "_processes", {}).values()):   # running seeds stop now, not at their end
-                p.terminate()
+            cores.stop(executor, futures)
             raise
     return results
-
-
-def _pin(counter, available: list[int]) -> None:
-    """A worker's start: its own core (the next one, round robin), before JAX creates any thread."""
-    with counter.get_lock():
-        index = counter.value
-        counter.value += 1
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {available[index % len(available)]})
-    logging.basicConfig(level=logging.WARNING, format=f"[worker {index}] %(message)s")
-    logging.getLogger("moejax").setLevel(logging.INFO)   # the training's own lines, not orbax's
 
 
 def _train_seed(cfg: TrainTinyConfig):
