@@ -63,9 +63,13 @@ def task_tokens(tasks: Path) -> int:
     document, each open prompt to its budget (an upper bound: generations stop early)."""
     import yaml
 
+    class Loader(yaml.SafeLoader):   # lm-eval's `!function` tags read as nothing
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
     total = 0
     for spec in sorted(tasks.glob("*.yaml")):
-        task = yaml.safe_load(spec.read_text())
+        task = yaml.load(spec.read_text(), Loader=Loader)
         docs = [json.loads(line) for line in Path(task["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()]
         budget = (task.get("generation_kwargs") or {}).get("max_gen_toks", 0)
         for d in docs:

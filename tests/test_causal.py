@@ -217,3 +217,23 @@ def test_the_skills_causal_run_and_its_tables_and_figures(tmp_path):
     assert any("Spearman" in title for title in tables) and all(len(t) for t in tables.values())
     figures = mods["make_tables"].causal_figures([out], tmp_path / "figures")
     assert {p.suffix for p in figures} == {".png", ".svg"} and all(p.stat().st_size > 1000 for p in figures)
+
+
+
+def test_the_cliff_preset_is_eval_tasks_at_every_second_keep():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from moejax.experiments import eval_tasks
+
+    import moejax.experiments.runner  # noqa: F401  (registers the experiments' defaults)
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("config", overrides=["experiment=cliff_skills"]), resolve=True)
+    settings = eval_tasks.settings_from(cfg)
+    assert cfg["name"] == "eval_tasks" and settings["keep"] == list(range(30, 2, -2))
+    assert settings["merges"] == [] and settings["substitutes"] == [] and settings["sequential"] is False
+    assert set(settings["tasks"]) == {f"skills_{s}" for s in ("add", "sort", "rev", "kv", "close", "up")}

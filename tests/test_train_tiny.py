@@ -314,6 +314,12 @@ def test_yaml_defaults_compose_into_the_dataclass_defaults(monkeypatch, tmp_path
     assert dataclasses.replace(typed, path="x").fingerprint() == tt.Config(path="x").fingerprint()
     other = experiment_config(OmegaConf.to_container(moved, resolve=True))[1]
     assert other.path == "/elsewhere" and other.train.steps == 7
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        four = compose("config", overrides=["experiment=train_skills", "seeds=4", "seed=2"])
+    four = experiment_config(OmegaConf.to_container(four, resolve=True))[1]
+    assert (four.seeds, four.workers) == (4, 0)
+    assert [(c.seed, Path(c.path).name) for c in four.seed_configs()] == [(k, f"seed-{k}") for k in range(2, 6)]
+    assert {Path(c.path).parent.name for c in four.seed_configs()} == {"skills-deepseek_v3"}
 
 
 def test_progress_line_only_on_a_terminal():

@@ -174,6 +174,7 @@ def across_tables(runs) -> dict[str, pd.DataFrame]:
         g = gen[gen.model.str.startswith(fam + "/")]
         learned = g[g.skill.isin(LEARNED)].groupby(["form", "method", "keep", "model"], dropna=False).value.mean()
         cells = learned.groupby(level=["form", "method", "keep"], dropna=False).agg(_band).unstack("keep")
+        cells = cells[sorted(cells.columns, key=lambda k: -1 if pd.isna(k) else -int(k))]   # unpruned, then 3/4 ...
         out[f"{fam}: mean exact match over the learned skills, mean±sd over models"] = cells
         per_model = learned.unstack("model").round(2)
         out[f"{fam}: the same, each model"] = per_model
