@@ -106,7 +106,7 @@ def test_requests_built_once_give_what_each_variant_built_afresh_gives(results, 
     afresh = evaluator.evaluate(lm=MoejaxLM(pretrained=str(ckpt), batch_size=4),
                                 task_dict=tm.load(["stdlib_nextline", "stdlib_mc", "stdlib_ppl"]),
                                 bootstrap_iters=0, log_samples=False)
-    from moejax.experiments.eval_tasks import task_rows
+    from moejax.experiments.task_workers import task_rows
 
     want = {(r["task"], r["metric"]): r["value"] for r in task_rows(afresh, {})}
     got = df[(df["form"] == "none") & (df.task != "heldout")].set_index(["task", "metric"]).value

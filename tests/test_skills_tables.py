@@ -95,3 +95,13 @@ def test_the_cliff_is_the_fewest_experts_keeping_half_the_unpruned_exact_match(m
             want = "" if not len(v) else (f"{v.mean():.2f}±{v.std(ddof=1):.2f}" if len(v) > 1 else f"{v.mean():.2f}")
             assert cliff.loc[skill, method] == want, (skill, method)
     assert all(p.stat().st_size > 1000 for p in make_tables.cliff_figures(list(runs), tmp_path / "fig"))
+
+
+def test_kept_harmful_is_the_share_of_costly_experts_in_each_scores_top_half(make_tables):
+    eff = pd.DataFrame({"model": "m", "task": "t", "layer": 1, "expert": range(6), "metric": "nll_increase",
+                        "value": [0.0, 0.5, 0.02, 2.0, 0.3, 0.0]})          # experts 1, 3, 4 cost > 0.1
+    scores = pd.DataFrame({"model": "m", "layer": 1, "expert": range(6), "score": "s",
+                           "value": [6.0, 5.0, 4.0, 3.0, 2.0, 1.0]})       # top half: experts 0, 1, 2
+    kept = make_tables._kept_harmful(eff, scores)
+    assert sorted(kept.expert) == [1, 3, 4]
+    assert dict(zip(kept.expert, kept.kept)) == {1: True, 3: False, 4: False}

@@ -49,8 +49,8 @@ def observational(path: Path, docs: dict, seed: int = 0) -> pd.DataFrame:
     """Every score the model supports, on the eval_skills calibration ("code") and on each task's
     own documents ("task")."""
     from moejax.evaluation.causal import DocBatch
-    from moejax.data import Tokenizer, pack, read_text
-    from moejax.experiments.prune_real import PruneRealConfig, calibration_tokens, default_texts
+    from moejax.data import Tokenizer
+    from moejax.experiments.prune_real import PruneRealConfig, calibration_tokens, default_texts, file_tokens
     from moejax.hf.model_io import open_checkpoint
     from moejax.scoring.observe import calibrate_streamed
     from moejax.scoring.score_checkpoint import score_table
@@ -61,17 +61,7 @@ def observational(path: Path, docs: dict, seed: int = 0) -> pd.DataFrame:
     needs = pass_needs(names)
     cfg = PruneRealConfig(path=str(path), seed=seed)
     tok = Tokenizer(str(path), ckpt.config.vocab_size)
-
-    def tokens(files, max_tokens):
-        parts, total = [], 0
-        for f in files:
-            parts.append(tok.encode(read_text(f)))
-            total += len(parts[-1])
-            if total >= max_tokens:
-                break
-        return pack(parts, cfg.seq_len, max_tokens)
-
-    calib = calibration_tokens(cfg, default_texts(cfg)[0], tok, tokens)
+    calib = calibration_tokens(cfg, default_texts(cfg)[0], tok, file_tokens(tok, cfg.seq_len))
     frames = []
     stats = calibrate_streamed(ckpt, [(calib[i:i + 8], None) for i in range(0, len(calib), 8)], **needs)
     frames.append(score_table(stats.items(), names).assign(calibration="code", task="all"))

@@ -327,6 +327,21 @@ def _causal(dirs) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     return read("causal"), read("scores"), read("paired_d")
 
 
+HARMFUL = 0.1   # nats per document: a removal that costs more is one pruning must avoid
+
+
+def _kept_harmful(eff: pd.DataFrame, scores: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, task, layer, expert) whose removal costs more than HARMFUL nats, and per
+    score whether the score ranks it in its layer's top half (kept at keep 1/2)."""
+    harmful = eff[eff.value > HARMFUL][["model", "task", "layer", "expert"]]
+    sc = scores.copy()
+    sc["top_half"] = sc.groupby([c for c in ("model", "task", "score", "layer") if c in sc]).value.rank(
+        ascending=False, method="first") <= sc.groupby([c for c in ("model", "task", "score", "layer")
+                                                         if c in sc]).value.transform("size") / 2
+    on = [c for c in ("model", "task", "layer", "expert") if c in sc]
+    return harmful.merge(sc[on + ["score", "top_half"]], on=on).rename(columns={"top_half": "kept"})
+
+
 def causal_tables(dirs) -> dict[str, pd.DataFrame]:
     """Does any observational score predict the causal importance (experiments/skills/causal.py)?"""
     from moejax.evaluation.causal_stats import across_models, gini, score_agreement
@@ -354,6 +369,12 @@ def causal_tables(dirs) -> dict[str, pd.DataFrame]:
         out[f"Spearman(score, causal importance), mean over layers and tasks; mean±sd over models; "
             f"scores on {calibration}"] = summary.pivot_table(index="score", columns=["family", "metric"],
                                                               values="cell", aggfunc="first")
+        kept = _kept_harmful(eff, sc)
+        kept["family"] = kept.model.map(family)
+        out[f"of the experts whose removal costs a task > {HARMFUL} nats, the share each score keeps at "
+            f"1/2 (its top half in the layer), mean±sd over models; scores on {calibration}"] = (
+            kept.groupby(["family", "score", "model"]).kept.mean().groupby(["family", "score"]).agg(_band)
+            .unstack("family"))
     d = d.assign(family=d.model.map(family))
     tests = d.groupby(["family", "model"]).size()
     d["alpha"] = d.apply(lambda r: 0.05 / tests[(r.family, r.model)], axis=1)

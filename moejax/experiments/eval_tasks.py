@@ -41,6 +41,7 @@ from moejax.evaluation.tasks import heldout_files, position_budget, write_stdlib
 from moejax.experiments import prune_real
 from moejax.experiments.prune_real import PruneRealConfig, rerouted_as_form
 from moejax.experiments.settings import BLOCKS, typed_settings
+from moejax.experiments.task_workers import evaluate_variant, load_tasks, new_lm, requests_built_once
 from moejax.parallel.cores import available_cores
 from moejax.settings_check import refuse_repeats
 from moejax.training.skills import documents, longest_document, text
@@ -161,23 +162,6 @@ def settings_from(cfg: dict) -> dict:
     return settings
 
 
-def task_manager(cfg: EvalTasksConfig, task_dir: Path | None):
-    """lm-eval's TaskManager over task_dir (and lm-eval's own tasks), with every requested name
-    checked: unknown names are refused listing what it knows and where it looked."""
-    from lm_eval.tasks import TaskManager
-
-    tm = TaskManager(include_path=str(task_dir) if task_dir else None, include_defaults=cfg.include_defaults)
-    known = set(tm.all_tasks)
-    unknown = [t for t in cfg.tasks if t not in known]
-    if unknown:
-        where = ([str(task_dir)] if task_dir else []) + (["lm-eval's own tasks"] if cfg.include_defaults else [])
-        local = sorted(n for n in known if task_dir and n.startswith(("stdlib_", "skills_")))[:8]
-        raise ConfigError(f"eval_tasks: unknown task(s) {unknown}; looked in {' and '.join(where)} "
-                          f"({len(known)} tasks known{', e.g. ' + ', '.join(local) if local else ''}; "
-                          "`lm_eval ls tasks` lists lm-eval's own)")
-    return tm
-
-
 def build_tasks(cfg: EvalTasksConfig, job_dir: Path) -> Path | None:
     """The folder of task YAML files: task_dir, or the stdlib and skills tasks named, built into the
     job folder (tasks/ and tasks/skills/)."""
@@ -196,54 +180,6 @@ def build_tasks(cfg: EvalTasksConfig, job_dir: Path) -> Path | None:
         write_skills_tasks(out / "skills", n=cfg.n_skill, n_mc=cfg.n_skill_mc, n_ll=cfg.n_skill_ll,
                            n_degen=cfg.n_degen, code_files=code, prose_file=prose, seed=cfg.prune_real.seed)
     return out
-
-
-def _datasets_offline_hint(error: Exception, task: str) -> ConfigError:
-    return ConfigError(f"eval_tasks: task {task!r}: its dataset could not be loaded ({type(error).__name__}: "
-                       f"{error}). Tasks whose data lives on the Hugging Face hub need the network (or a local "
-                       "datasets cache; HF_DATASETS_OFFLINE=1 uses only the cache)")
-
-
-def task_rows(results: dict, variant: dict) -> list[dict]:
-    """Tidy rows from lm-eval's results dict: one per (task, metric[,filter])."""
-    rows = []
-    for task, metrics in results["results"].items():
-        for key, value in metrics.items():
-            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
-                continue
-            metric, filt = key.split(",", 1)
-            stderr = metrics.get(f"{metric}_stderr,{filt}")
-            rows.append(dict(variant, task=task, metric=metric if filt == "none" else f"{metric},{filt}",
-                             value=float(value), stderr=float(stderr) if isinstance(stderr, (int, float)) else math.nan))
-    return rows
-
-
-def load_tasks(cfg: EvalTasksConfig, task_dir: Path | None) -> dict:
-    """Every task and its data, loaded once for every variant (TaskManager.load's dicts, merged),
-    few-shot seeded as simple_evaluate seeds them."""
-    tm = task_manager(cfg, task_dir)
-    loaded = {"tasks": {}, "groups": {}, "group_map": {}}
-    for name in cfg.tasks:
-        try:
-            one = tm.load([name])
-        except (ConnectionError, OSError) as e:  # named: which task needs the network
-            raise _datasets_offline_hint(e, name) from None
-        for key, value in one.items():
-            loaded.setdefault(key, {}).update(value)
-    for task in loaded["tasks"].values():
-        task.set_fewshot_seed(seed=cfg.prune_real.seed)
-    return loaded
-
-
-def evaluate_variant(cfg: EvalTasksConfig, lm, loaded: dict, spec_row: dict, maps) -> list[dict]:
-    """One variant (its expert maps) on every task: tidy rows. lm-eval builds the requests of the
-    first call and reads them back afterwards (`requests_built_once`)."""
-    from lm_eval import evaluator
-
-    results = evaluator.evaluate(lm=lm.variant(maps), task_dict=loaded, limit=cfg.limit,
-                                 bootstrap_iters=cfg.bootstrap_iters, log_samples=False, verbosity="WARNING",
-                                 cache_requests=True)
-    return task_rows(results, spec_row)
 
 
 def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
@@ -300,32 +236,6 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         df["rerouted"] = df["rerouted"].map(is_rerouted)
     timings["variants"], timings["task_workers"] = len(variants), n_workers
     return df, timings
-
-
-def new_lm(cfg: EvalTasksConfig):
-    """The lm-eval backend every variant is evaluated through (loaded and compiled once)."""
-    from moejax.evaluation.lm_eval import MoejaxLM
-
-    return MoejaxLM(pretrained=cfg.prune_real.path, dtype=cfg.prune_real.dtype, batch_size=cfg.eval_batch_size,
-                    seed=cfg.prune_real.seed)
-
-
-@contextlib.contextmanager
-def requests_built_once(job_dir: Path):
-    """Every variant asks the same requests: lm-eval builds them for the first (rendering every
-    document's templates, a second of each variant's six) and reads them back for the others
-    (`cache_requests`), from a folder in the job folder that is removed afterwards."""
-    import shutil
-
-    import lm_eval.caching.cache as request_cache
-
-    before, folder = request_cache.PATH, Path(job_dir) / "lm_eval_requests"
-    request_cache.PATH = str(folder)
-    try:
-        yield folder
-    finally:
-        request_cache.PATH = before
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def skill_routing_rows(cfg: EvalTasksConfig, model) -> list[dict]:

@@ -213,16 +213,7 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
     if not heldout_files:
         raise ConfigError("prune_real: no held-out text found; name files with data.heldout=[...]")
     tok = Tokenizer(cfg.path, ckpt.config.vocab_size)
-
-    def tokens(files, max_tokens):
-        docs, total = [], 0
-        for f in files:
-            docs.append(tok.encode(read_text(f)))
-            total += len(docs[-1])
-            if total >= max_tokens:
-                break
-        return pack(docs, cfg.seq_len, max_tokens)
-
+    tokens = file_tokens(tok, cfg.seq_len)
     calib = calibration_tokens(cfg, calib_files, tok, tokens)
     heldout = {f.name: tokens([f], cfg.heldout_tokens) for f in heldout_files}
     scores = scores_for(cfg.scores, ckpt.config.HAS_BALANCE_BIAS, f"prune_real: {cfg.path}")
@@ -306,6 +297,21 @@ def forward_perplexity_rows(forward, heldout: dict, maps: dict, batch_size: int,
                       value=float(np.exp(v.mean())) if metric == "perplexity" else float(v.mean()))
                  for metric, v in values.items()]
     return rows
+
+
+def file_tokens(tok, seq_len: int):
+    """tokens(files, max_tokens): the files' text, tokenised in order until max_tokens, packed into
+    rows of seq_len (`moejax.data.pack`)."""
+    def tokens(files, max_tokens):
+        docs, total = [], 0
+        for f in files:
+            docs.append(tok.encode(read_text(f)))
+            total += len(docs[-1])
+            if total >= max_tokens:
+                break
+        return pack(docs, seq_len, max_tokens)
+
+    return tokens
 
 
 def calibration_tokens(cfg: PruneRealConfig, code_files, tok, tokens):
