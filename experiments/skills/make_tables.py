@@ -168,8 +168,7 @@ def across_tables(runs) -> dict[str, pd.DataFrame]:
 
     df = runs_table(runs)
     out = {}
-    gen, mc, _ = _tasks(df)
-    gen, mc = gen.assign(model=df.loc[gen.index, "model"]), mc.assign(model=df.loc[mc.index, "model"])
+    gen, mc, _ = _tasks(df)   # (their model and family columns are the runs')
     for fam in sorted(df.family.unique()):
         g = gen[gen.model.str.startswith(fam + "/")]
         learned = g[g.skill.isin(LEARNED)].groupby(["form", "method", "keep", "model"], dropna=False).value.mean()
@@ -205,13 +204,9 @@ def across_tables(runs) -> dict[str, pd.DataFrame]:
 def across_figures(runs, out: Path) -> list[Path]:
     """Exact match against keep per skill (one-shot REAP and frequency, bands of ±1 sd over models),
     and multiple choice against generation (every variant of every model), per family."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     df = runs_table(runs)
-    gen, mc, _ = _tasks(df)
-    gen, mc = gen.assign(model=df.loc[gen.index, "model"]), mc.assign(model=df.loc[mc.index, "model"])
+    gen, mc, _ = _tasks(df)   # (their model and family columns are the runs')
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for fam in sorted(df.family.unique()):
@@ -243,14 +238,21 @@ def across_figures(runs, out: Path) -> list[Path]:
     return written
 
 
+def _pyplot():
+    """matplotlib's pyplot, drawing to files only (the `plots` extra)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _save(fig, stem: Path) -> list[Path]:
     fig.tight_layout()
     paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
     for path in paths:
         fig.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    _pyplot().close(fig)
     return paths
 
 
@@ -261,7 +263,6 @@ def cliff_tables(runs, gini_dirs=()) -> dict[str, pd.DataFrame]:
     importance, mean over layers (causal.py's folders)."""
     df = runs_table(runs)
     gen, _, _ = _tasks(df)
-    gen = gen.assign(model=df.loc[gen.index, "model"], family=df.loc[gen.index, "family"])
     out = {}
     base = gen[gen["form"] == "none"].groupby(["model", "skill"]).value.mean()
     pruned = gen[gen["form"] == "one_shot"]
@@ -293,13 +294,9 @@ def cliff_tables(runs, gini_dirs=()) -> dict[str, pd.DataFrame]:
 
 def cliff_figures(runs, out: Path) -> list[Path]:
     """Exact match against keep, one panel per skill, a line per score with a ±1 sd band over models."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     df = runs_table(runs)
     gen, _, _ = _tasks(df)
-    gen = gen.assign(family=df.loc[gen.index, "family"])
     written = []
     out.mkdir(parents=True, exist_ok=True)
     for fam in sorted(gen.family.unique()):
@@ -390,10 +387,7 @@ def causal_figures(dirs, out: Path) -> list[Path]:
     """Causal against observational importance: per family, for frequency and REAP measured on
     each task's own documents, the rank of the score against the NLL increase of removing each
     expert, every model, layer and skill in one panel per score (PNG and SVG)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     causal, scores, _ = _causal(dirs)
     eff = causal[(causal.layer >= 0) & (causal.metric == "nll_increase") & (causal.task != "code")]
     sc = scores[scores.calibration == "task"]

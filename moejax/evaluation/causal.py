@@ -60,15 +60,20 @@ def _bytes(s) -> bytes:
     return s if isinstance(s, bytes) else s.encode("utf-8")
 
 
+def _chunks(n_rows: int, batch_size: int):
+    """(start, rows taken, row indices [batch_size]) of each fixed-size chunk of n_rows rows, the
+    last filled with copies of its first row (dropped by the caller): one compiled shape."""
+    for i in range(0, n_rows, batch_size):
+        n = min(batch_size, n_rows - i)
+        yield i, n, np.r_[np.arange(i, i + n), np.full(batch_size - n, i)]
+
+
 def token_scores(scorer, batch: DocBatch, variant, batch_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """(-log p(target) [N, S] float64, target == argmax [N, S]) at every position under `variant`;
     `scorer` is `moejax.inference.nll.compiled_scorer(model)`. Rows go in fixed chunks of batch_size
-    (the last filled with copies of its first row, dropped): one compiled shape."""
-    N = len(batch.ids_NS)
+    (`_chunks`)."""
     nll, hit = np.zeros(batch.ids_NS.shape), np.zeros(batch.ids_NS.shape, bool)
-    for i in range(0, N, batch_size):
-        n = min(batch_size, N - i)
-        pick = np.r_[np.arange(i, i + n), np.full(batch_size - n, i)]
+    for i, n, pick in _chunks(len(batch.ids_NS), batch_size):
         logp, greedy = scorer(batch.ids_NS[pick], batch.targets_NS[pick], variant)
         nll[i:i + n], hit[i:i + n] = -np.asarray(logp, np.float64)[:n], np.asarray(greedy)[:n]
     return nll, hit
@@ -141,11 +146,8 @@ def chosen_experts(model, batch: DocBatch, batch_size: int = 64) -> dict:
         _, routing, _ = nnx.merge(graphdef, state)(ids_BS, return_routing=True)
         return {l: r.expert_idx_TK.reshape(*ids_BS.shape, -1) for l, r in routing.items()}
 
-    N = len(batch.ids_NS)
     out: dict = {}
-    for i in range(0, N, batch_size):
-        n = min(batch_size, N - i)
-        pick = np.r_[np.arange(i, i + n), np.full(batch_size - n, i)]
+    for _, n, pick in _chunks(len(batch.ids_NS), batch_size):
         for l, idx in route(state, batch.ids_NS[pick]).items():
             out.setdefault(l, []).append(np.asarray(idx)[:n])
     return {l: np.concatenate(parts) for l, parts in out.items()}

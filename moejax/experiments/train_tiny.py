@@ -133,7 +133,8 @@ def train_one(cfg: TrainTinyConfig, progress_stream=None):
     loop.add_hook(functools.partial(_evaluate, skill_docs), every=cfg.train.eval_every, pauses_clock=True)
     loop.add_hook(functools.partial(_checkpoint, manager), every=cfg.train.checkpoint_every, at_end=True)
     loop.run()
-    timings.update(loop.timings(), **_flop_rate(cfg, trainer, state.start, loop))
+    timings.update(loop.timings())
+    timings.update(_flop_rate(cfg, trainer, state.start, timings))
     heldout_loss, loads = _final_evaluation(loop, skill_docs, timings)
     record = build_record(cfg, corpus, state, heldout_loss, timings["train_s"])
     out = _save_staged(cfg, trainer, record, timings)
@@ -368,13 +369,12 @@ def _timings(results: dict, wall: float, n_workers: int) -> dict:
     return out
 
 
-def _flop_rate(cfg: TrainTinyConfig, trainer: Trainer, start: int, loop: TrainLoop) -> dict:
+def _flop_rate(cfg: TrainTinyConfig, trainer: Trainer, start: int, t: dict) -> dict:
     """train_flops (the steps this run took, `moejax.training.flops.step_flops`) and train_gflops
-    (per second of training, compilation and hooks excluded)."""
+    (per second of training, compilation and hooks excluded), from the loop's timings `t`."""
     from moejax.training.flops import step_flops, weight_counts
 
     per_step = step_flops(trainer.model_cfg, weight_counts(trainer.model), cfg.train.batch_size, cfg.data.seq_len)
-    t = loop.timings()
     steps = cfg.train.steps - start
     return {"train_flops": steps * per_step,
             "train_gflops": (steps - 1) * per_step / max(t["train_s"] - t["compile_s"], 1e-9) / 1e9}
