@@ -203,6 +203,11 @@ def test_the_skills_causal_run_and_its_tables_and_figures(tmp_path):
                                                            "heldout": ["textwrap.py"]}))
         models.append(path)
     out = tmp_path / "out"
+    from moejax.errors import MoejaxError
+
+    with pytest.raises(MoejaxError, match="--out holds the input"):   # a folder holding a model it reads: refused, nothing written
+        mods["causal"].main([*map(str, models), "--out", str(tmp_path), "--docs", "4"])
+    assert not (tmp_path / "causal.parquet").exists()
     mods["causal"].main([*map(str, models), "--out", str(out), "--docs", "4"])
     import pandas as pd
 

@@ -119,6 +119,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--docs", type=int, default=100, help="held-out documents per task (default 100)")
     args = ap.parse_args(argv)
+    from moejax.hf.io.staging import check_apart
+
+    check_apart(args.out, args.models, "--out")   # never into (or around) a model it reads
     args.out.mkdir(parents=True, exist_ok=True)
     tables, timings = {}, {}
     for path in args.models:
