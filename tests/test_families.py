@@ -65,8 +65,26 @@ def test_routing_and_logits_match_transformers(family_checkpoints, family):
         np.testing.assert_array_equal(np.sort(chosen[layer][valid], 1), np.sort(idx.numpy()[valid], 1),
                                       err_msg=f"layer {layer}")
     m = mask.astype(bool)
-    assert np.abs(logits[m] - want[m]).max() < 1e-4
+    err = np.abs(logits[m] - want[m]).max()
+    if err >= 1e-4:  # transformers' own float32 rounding can reach 1e-4 (the DeltaNet families' chunked rule):
+        ours, own = float32_errors(model, hf, ids)  # then both float32 runs against transformers' float64 one
+        assert ours < 3 * own, f"{err:.2e} from transformers; {ours:.2e} from its float64 run, its own {own:.2e}"
     assert np.abs(want).max() > 0.5
+
+
+def float32_errors(model, hf, ids):
+    """(moejax's, transformers' float32) logits' largest difference from transformers' float64 run, on
+    `ids` unpadded (float64 under a padding mask gives NaN: masked rows' 0 x NaN reaches real positions).
+    The bound is the MTP test's, 3x transformers' own error: on Qwen3.5's test model (jax 0.10.2) moejax sits
+    8.2e-5 from float64 and transformers 3.6e-5, at logits up to 4.6, and the two runs 1.15e-4 apart."""
+    import copy
+
+    t = torch.as_tensor(ids, dtype=torch.long)
+    with torch.no_grad():
+        exact = copy.deepcopy(hf).double()(t).logits.numpy()
+        theirs = hf(t).logits.double().numpy()
+    ours, _ = run(model, ids, np.ones_like(ids))
+    return float(np.abs(ours - exact).max()), float(np.abs(theirs - exact).max())
 
 
 def _prune(family, src, dst, keep, groups="aware"):
