@@ -41,8 +41,8 @@ def job(ckpt, **over):
     text.write_text("def f(x):\n    return x * 2\n" * 40)
     cfg = {"name": "eval_tasks", "model": {"path": str(ckpt)}, "keep": [E, 8], "scores": ["frequency", "l1"],
            "tasks": ["stdlib_nextline", "stdlib_mc", "stdlib_ppl"],
-           "lm_eval": {"n_nextline": 3, "n_mc": 6, "n_ppl": 2, "eval_batch_size": 4, "bootstrap_iters": 0,
-                       "workers": 1},
+           "lm_eval": {"n_nextline": 3, "n_mc": 6, "n_ppl": 2, "eval_batch_size": 4, "bootstrap_iters": 0},
+           "workers": 1,
            "data": {"calib": [str(text)], "heldout": [str(text)], "seq_len": 32, "calib_tokens": 256,
                     "heldout_tokens": 128, "batch_size": 4}}
     for key, value in over.items():
@@ -116,14 +116,16 @@ def test_requests_built_once_give_what_each_variant_built_afresh_gives(results, 
 
 
 def test_variants_in_two_processes_equal_one_process(results, ckpt, tmp_path):
-    """lm_eval.workers=2 (a process per core, each evaluating every other variant) gives every
-    variant's every task metric of the one-process run, within float32 reordering (a process on one
-    core sums in another order than one on two)."""
+    """workers=2 (a process per core: each carries half the variants through the calibration pass,
+    then evaluates every other variant on the tasks) gives every variant's every task metric of the
+    one-process run, within float32 reordering (a process on one core sums in another order than
+    one on two)."""
     _, one = results
     out = tmp_path / "two"
-    run_job(job(ckpt, prune={"sequential": True}, lm_eval={"workers": 2}), out)
+    run_job(job(ckpt, prune={"sequential": True}, workers=2), out)
     two = pd.read_parquet(out / "results.parquet")
-    assert json.loads((out / "timings.json").read_text())["task_workers"] == 2
+    timings = json.loads((out / "timings.json").read_text())
+    assert timings["task_workers"] == timings["pass_workers"] == 2
     key = ["method", "form", "keep", "task", "metric"]
     merged = one.merge(two, on=key, how="outer", suffixes=("_one", "_two"), indicator=True)
     assert (merged["_merge"] == "both").all() and len(merged) == len(one) == len(two)

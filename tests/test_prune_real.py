@@ -361,3 +361,50 @@ def test_agreement_rows_match_transformers_on_the_pruned_checkpoint(tmp_path):
     full = df[(df.keep == 8) & df.metric.isin(["esap", "top1_agreement"])]
     assert len(full) == 6 and np.allclose(full.value, 1.0, atol=1e-5)   # every expert kept: the same distribution
     assert np.allclose(df[(df.keep == 8) & (df.metric == "kl")].value, 0.0, atol=1e-6)
+
+
+def test_the_pass_in_shares_equals_the_whole_pass(setup):
+    """evaluate_pruning(share=(i, 3)) for i = 0, 1, 2 (what `workers=3` runs, one share per process):
+    every variant once, a one-shot merge's two router forms in one share (one clustering), and
+    together the whole pass's rows (the rows every share computes alike, from share 0 only), its
+    plans in its order, kept sets and clusters; each number within float32 reordering (a variant's
+    held-out streams run in calls of other sizes). Pruning, substitution, merging, sequential
+    pruning and merging: six units, two a share; the third share's sequential merge has no one-shot
+    merge beside it (whose statistics the merges' routing counts were once read from)."""
+    from moejax.evaluation.carried import share_of
+    from moejax.experiments.prune_real import join_shares
+    from moejax.merging.method import parse
+    from moejax.variants import VariantSpec
+
+    path, _, calib, heldout = setup[:4]
+    kw = dict(merges=(parse("hc_smoe"),), substitutes=("mone",), sequential=True,
+              sequential_merges=True, batch_size=4)
+    whole, info = evaluate_pruning(open_checkpoint(path), calib, heldout, ["frequency"], [8], **kw)
+    parts = [evaluate_pruning(open_checkpoint(path), calib, heldout, ["frequency"], [8],
+                              share=(i, 3), **kw) for i in range(3)]
+    at = [a for _, p in parts for a in p["at"]]
+    assert sorted(at) == list(range(len(info["plans"])))   # every variant in one share
+    for _, p in parts:   # one-shot merges: both forms where the clusters are made
+        merges = {(v.spec.method, v.spec.keep) for v in p["plans"] if v.spec.merged and not v.spec.sequential}
+        for other in parts:
+            if other[1] is not p:
+                assert not merges & {(v.spec.method, v.spec.keep) for v in other[1]["plans"]
+                                     if v.spec.merged and not v.spec.sequential}
+    split, joined, timings = join_shares([(pd.DataFrame(r), p, {"pass_s": p["seconds"]}) for r, p in parts], 1.0)
+    assert timings["pass_workers"] == 3 and joined["variants"] == info["variants"]
+    assert [p.spec for p in joined["plans"]] == [p.spec for p in info["plans"]]
+    for mine, theirs in zip(joined["plans"], info["plans"]):
+        for layer, lp in theirs.layers.items():
+            np.testing.assert_array_equal(mine.layers[layer].routable_E, lp.routable_E)
+    assert {l: sorted(d) for l, d in joined["kept"].items()} == {l: sorted(d) for l, d in info["kept"].items()}
+    assert joined["clusters"] == info["clusters"]
+    cols = ["method", "form", "keep", "layer", "text", "metric"]
+    one = pd.DataFrame(whole).fillna({"method": "", "form": "", "text": ""})
+    split = split.fillna({"method": "", "form": "", "text": ""})
+    assert not split.duplicated(cols).any() and len(split) == len(one)
+    merged = one.merge(split, on=cols, how="outer", indicator=True, suffixes=("", "_split"))
+    assert (merged["_merge"] == "both").all()
+    np.testing.assert_allclose(merged.value_split, merged.value, rtol=1e-5, atol=1e-7)
+    assert share_of([VariantSpec("a", 4)], 1, 2) == []
+    with pytest.raises(Exception, match=r"share=\(2, 2\); expected \(index, count\) with 0 <= index < count"):
+        share_of([], 2, 2)

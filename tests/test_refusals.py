@@ -347,7 +347,7 @@ def test_eval_tasks_errors_carry_its_own_name(ckpts):
         EvalTasksConfig(prune_real=dataclasses.replace(prune_real, path=str(ckpts / "src"), dtype="float16")).validate()
     for workers in (-1, True, 1.5):
         with pytest.raises(ConfigError, match=r"^eval_tasks: workers=.*expected an integer >= 0 \(0: one per core\)"):
-            EvalTasksConfig(prune_real=dataclasses.replace(prune_real, path=str(ckpts / "src")), workers=workers).validate()
+            EvalTasksConfig(prune_real=dataclasses.replace(prune_real, path=str(ckpts / "src"), workers=workers)).validate()
 
 
 def test_hf_location_must_name_a_repository(capsys):

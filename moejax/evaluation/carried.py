@@ -87,7 +87,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                      sequential: bool = False, sequential_merges: bool = False,
                      allocation=UNIFORM,
                      batch_size: int = 8, dtype=jnp.float32, seed: int = 0, merged_weights: bool = False,
-                     progress: bool | None = None) -> tuple[list[dict], dict]:
+                     progress: bool | None = None, share: tuple[int, int] = (0, 1)) -> tuple[list[dict], dict]:
     """(tidy rows, info) for every (score, keep) variant and every (merge method, keep, router
     form); calib and each held-out text are token ids [n_seq, seq_len]. Each decoder layer's
     weights are read once. info["plans"] is every variant's `VariantPlan` (its decisions per MoE
@@ -99,6 +99,12 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     "method@keep" to its clusters (lists of experts, the leader first), each sequential merge's
     name ("sequential_tied:method@keep") to its own, and "counts" to the routing decisions per
     expert the one-shot merges weighed by (with merges).
+
+    share (index, count): carry only the index-th of `count` shares of the variants (`share_of`), for
+    a pass split over processes (`moejax.experiments.prune_real`); each share computes what every
+    variant's decisions need (the unpruned streams, the one-shot scores), and only share 0 returns
+    the rows that are the same in every share (the analyses, the unpruned model's perplexity).
+    info["at"]: the share's variants' places among all the variants (info["plans"]'s order unsplit).
 
     sequential: also every score's sequential variant (layer l+1 scored on the model pruned up to
     layer l); sequential_merges: also every merge's, per router form (layer l+1 clustered and
@@ -129,6 +135,10 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
             raise ConfigError("sequential_merges=True: no merge method to run sequentially (merges is empty)")
         seq_variants += [VariantSpec(m.name, k, f"sequential_{form}") for m in merges for k in keeps
                          for form in ROUTER_FORMS]
+    every = one_shot + merged + substituted + seq_variants
+    mine = share_of(every, *share)
+    one_shot, merged, substituted, seq_variants = ([v for v in vs if v in mine]
+                                                   for vs in (one_shot, merged, substituted, seq_variants))
     show = sys.stderr.isatty() if progress is None else progress
     allocation = ALLOCATIONS.parse(allocation)
     searches = {}
@@ -149,7 +159,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({len(streams.order)} held-out streams)",
                           unit="layer", disable=not show):
         layer_rows, layer_plans, clusters = _layer_pass(ckpt, layer_idx, streams, methods, keeps, counts, errors,
-                                                        seed, dtype, merged_weights)
+                                                        seed, dtype, merged_weights, shared_rows=share[0] == 0)
         rows += layer_rows
         release_free_memory()   # the layer's weights' pages, before the next layer's are read
         if layer_plans is not None:
@@ -157,15 +167,30 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
                 plans[v].layers[layer_idx] = layer_plan
             kept_by_layer[layer_idx] = {v.name: p.experts() for v, p in layer_plans.items() if not v.merged}
             clusters_by_layer[layer_idx] = clusters
-    rows += _perplexity_rows(ckpt, streams, dtype)
+    rows += _perplexity_rows(ckpt, streams, dtype, unpruned=share[0] == 0)
     rows += errors.rows()
     info = {"seconds": time.perf_counter() - t0, "variants": len(streams.order) - 1, "keeps": keeps,
-            "plans": list(plans.values()),
+            "plans": list(plans.values()), "at": [every.index(v) for v in streams.order[1:]],
             "kept": kept_by_layer, "clusters": clusters_by_layer, "allocation": allocation.name,
             "layer_counts": {f"{name}@{k}": c for (name, k), c in counts.items()}, "calib_tokens": int(calib.size),
             "allocation_search": searches,
             "heldout_tokens": {t: int(ids.size) for t, ids in heldout.items()}}
     return rows, info
+
+
+def share_of(variants: list, index: int, count: int) -> list:
+    """The index-th of `count` shares of `variants`, in their order: whole units round robin, a unit
+    being the variants one decision serves (a one-shot merge's router forms share their clusters;
+    every other variant is a unit of its own), so no decision is made in two shares."""
+    if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
+        raise ConfigError(f"evaluate_pruning: share=({index!r}, {count!r}); expected (index, count) with "
+                          "0 <= index < count")
+
+    def unit(v):
+        return (v.method, v.keep, "merged") if v.merged and not v.sequential else v
+
+    mine = set(list(dict.fromkeys(map(unit, variants)))[index::count])
+    return [v for v in variants if unit(v) in mine]
 
 
 @dataclasses.dataclass
@@ -285,7 +310,7 @@ class _Methods:
 
 
 def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods: _Methods, keeps, counts: dict,
-                errors: ErrorSums, seed: int, dtype, merged_weights: bool = False
+                errors: ErrorSums, seed: int, dtype, merged_weights: bool = False, shared_rows: bool = True
                 ) -> tuple[list[dict], dict | None, dict | None]:
     """Decoder layer `layer_idx` (its weights read once) on every stream, which it moves on to the
     layer's output, in three steps: decide (at a MoE layer, every variant's plan: one-shot pruning
@@ -293,7 +318,8 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     `_decide_layer`), carry the calibration streams (`_carry_calibration`), carry the held-out
     streams (their layer-local errors into `errors`). Returns (analysis rows, {VariantSpec: its
     LayerPlan here}, {merge name: clusters}), the last two None at a dense layer (the kept experts
-    of info["kept"] are the plans'); merged plans keep their merged experts only with `merged_weights`."""
+    of info["kept"] are the plans'); merged plans keep their merged experts only with `merged_weights`;
+    shared_rows False: not the analysis rows (the unpruned model's, the same in every share)."""
     layer = ckpt.decoder_layer(layer_idx, dtype, expert_dtype=ckpt.stored_expert_dtype(dtype))
     graphdef, state = nnx.split(layer)
     # per calibration group and batch: `Attended` (h, the residual after attention; z, the MLP's (router's)
@@ -321,7 +347,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     layer_plans = _recorded_plans(decision.plans, kept_experts)
     rows = [dict(form="one_shot", **r) for r in analysis_rows(layer_idx, decision.stats,
                                                                 {s: decision.scores[s] for s in methods.scores},
-                                                                decision.kept, keeps, energy_pos0)]
+                                                                decision.kept, keeps, energy_pos0)] if shared_rows else []
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
              for v in streams.order[1:]]
     return rows, layer_plans, decision.clusters
@@ -447,14 +473,17 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
         a = merge_averaging(lm.method, lm.labels_E, lm.leaders, ctx, host)
         return averaged_rows(host, lm.labels_E, a, lm.shared_clusters(), n_experts)
 
+    def stats_of(group):
+        if group not in group_stats:
+            zs = [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in cal_hz[group]]
+            group_stats[group] = merge_stats(layer.mlp, zs, [None] * len(zs), **options)
+        return group_stats[group]
+
     def merged(method, keep, group, with_experts):
         if (method, keep, group) not in done:
-            if group not in group_stats:
-                zs = [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in cal_hz[group]]
-                group_stats[group] = merge_stats(layer.mlp, zs, [None] * len(zs), **options)
             _, layer_sc = scores_of(group)
             scores_E = layer_sc[method.scores[0]] if method.scores else None   # REAM's centroid score
-            ctx = MergeContext.of(group_stats[group], scores_E, seed, alignments, layer.mlp.expert_fn)
+            ctx = MergeContext.of(stats_of(group), scores_E, seed, alignments, layer.mlp.expert_fn)
             labels = method.clusters(counts[method.name, keep][layer_idx], ctx)
             lm = LayerMerge(method, labels, method.leaders(labels, ctx), None)
             source[id(lm)] = ctx
@@ -468,7 +497,7 @@ def _layer_merges(layer, layer_idx, cal_hz, streams: _Streams, methods: _Methods
     for v in sorted(variants, key=lambda v: not v.sequential):   # the merges a calibration stream runs under first
         merged(methods.merge(v.method), v.keep, streams.group[v] if v.sequential else None, v.sequential)
     merge_of = {v: done[methods.merge(v.method), v.keep, streams.group[v] if v.sequential else None] for v in variants}
-    return merge_of, group_stats[None].counts_E, experts
+    return merge_of, stats_of(None).counts_E, experts   # (the unpruned stream's, with or without a one-shot merge)
 
 
 def _table_groups(plans: list, own: dict, n_experts: int, experts: Callable | None,
@@ -504,11 +533,11 @@ def _novice_constants(stats) -> np.ndarray:
     return np.asarray(stats.mean_output_EH, np.float32)
 
 
-def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dict]:
+def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype, unpruned: bool = True) -> list[dict]:
     """The final norm and head on every held-out stream (`moejax.inference.stream.head_pass`): a
     perplexity row per stream and text, and over all texts ("all"); for every variant also its
     agreement with the unpruned stream (`moejax.inference.agreement`: ESAP, KL, top-1), the mean
-    over the same positions."""
+    over the same positions. unpruned False: no rows for the unpruned stream."""
     out = head_pass(ckpt, streams.held, streams.held_ids, dtype, agreement=len(streams.order) > 1)
     per_metric = {"perplexity": out.nll, **({} if out.esap is None else
                                            {"esap": out.esap, "kl": out.kl, "top1_agreement": out.top1})}
@@ -516,7 +545,7 @@ def _perplexity_rows(ckpt: OpenCheckpoint, streams: _Streams, dtype) -> list[dic
     for metric, values in per_metric.items():
         for text, per_batch in values.items():   # [A or 1, B, S - 1] per batch
             for i, v in enumerate(streams.order):
-                if v is None and metric != "perplexity":
+                if v is None and (metric != "perplexity" or not unpruned):
                     continue   # the unpruned stream against itself
                 total = sum(float(b[i if b.shape[0] > 1 else 0].sum(dtype=np.float64)) for b in per_batch)
                 count = sum(b[0].size for b in per_batch)

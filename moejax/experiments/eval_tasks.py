@@ -62,7 +62,7 @@ class EvalTasksConfig:
     `PruneRealConfig`, composed, not copied) and the tasks'. In the Hydra config both sit side by
     side (`keep`, `merges`, `prune.*`, `data.*` are prune_real's; `tasks`, `lm_eval.*` the tasks')."""
 
-    prune_real: PruneRealConfig = dataclasses.field(default_factory=lambda: PruneRealConfig(scores=DEFAULT_SCORES))
+    prune_real: PruneRealConfig = dataclasses.field(default_factory=lambda: PruneRealConfig(scores=DEFAULT_SCORES, workers=0))
     tasks: tuple = DEFAULT_TASKS
     task_dir: str = ""             # folder of lm-eval YAML tasks; "" = build the stdlib tasks in the job folder
     include_defaults: bool = True  # also look tasks up among lm-eval's own
@@ -77,7 +77,6 @@ class EvalTasksConfig:
     n_degen: int = 48
     routing_docs: int = 100        # held-out documents per skill for the routing table (skills tasks only)
     bootstrap_iters: int = 1000    # lm-eval's stderr bootstrap for non-mean metrics
-    workers: int = 0               # processes evaluating variants at once, one per core; 0: every core
 
     @classmethod
     def from_mapping(cls, d: dict) -> "EvalTasksConfig":
@@ -91,6 +90,7 @@ class EvalTasksConfig:
         nested = {k: v for k, v in d.items() if k in inner}
         if "scores" not in nested:
             nested["scores"] = DEFAULT_SCORES
+        nested.setdefault("workers", 0)   # the pass's variants, then the tasks', a process per core
         with prune_real_as_eval_tasks():
             prune = PruneRealConfig(**typed_settings(PruneRealConfig, nested, "prune_real", nullable=("scores",)))
         mine = typed_settings(cls, {k: v for k, v in d.items() if k in own}, "eval_tasks",
@@ -107,8 +107,6 @@ class EvalTasksConfig:
         if not self.tasks:
             raise ConfigError("eval_tasks: tasks is empty; name lm-eval tasks, e.g. tasks=[stdlib_mc]")
         refuse_repeats("eval_tasks", "tasks", self.tasks)
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
-            raise ConfigError(f"eval_tasks: workers={self.workers!r}; expected an integer >= 0 (0: one per core)")
         for name in ("eval_batch_size", "n_nextline", "n_mc", "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll",
                      "n_degen", "routing_docs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -212,7 +210,7 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
 
     # every plan, then (reroute=true) every rerouted variant, as the pass left them: nothing trained twice
     variants = [(plan.spec, plan.expert_maps()) for plan in plans] + list(info.get("rerouted", {}).items())
-    n_workers = cfg.workers or min(len(available_cores()), len(variants))
+    n_workers = cfg.prune_real.workers or min(len(available_cores()), len(variants))
     t0 = time.perf_counter()
     with requests_built_once(job_dir) as cache:
         if n_workers > 1:   # one process per core (docs/benchmarks.md: 1.6x on two cores)

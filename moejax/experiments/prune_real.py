@@ -74,6 +74,9 @@ class PruneRealConfig:
     router_distillation: RerouteSettings = dataclasses.field(default_factory=RerouteSettings)   # its settings
     dtype: str = "float32"
     seed: int = 0
+    workers: int = 1               # processes the pass's variants are shared among, each on its own core
+                                   # (0: one per core): each carries its share's held-out streams and makes
+                                   # their decisions (`evaluate_in_workers`)
 
     @classmethod
     def from_mapping(cls, d: dict) -> "PruneRealConfig":
@@ -126,6 +129,8 @@ class PruneRealConfig:
         for name in ("seq_len", "calib_tokens", "heldout_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"prune_real: {name}={getattr(self, name)} must be >= 1")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            raise ConfigError(f"prune_real: workers={self.workers!r}; expected an integer >= 0 (0: one per core)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"prune_real: dtype={self.dtype!r}; expected float32 or bfloat16")
         self.calibration_mix()
@@ -158,7 +163,7 @@ def settings_from(cfg: dict) -> dict:
     model, data, prune = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("prune") or {}
     settings = {"path": model.get("path") or "", **data, **prune}
     for key in ("keep", "scores", "merges", "merge", "substitutes", "allocation", "allocations", "calibration", "dtype", "seed",
-                "router_distillation"):
+                "router_distillation", "workers"):
         if cfg.get(key) is not None:
             settings[key] = cfg[key]
     return settings
@@ -198,10 +203,18 @@ def run(cfg: PruneRealConfig, progress=None, job_dir=None):
     return df, timings
 
 
-def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
+def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False, share: tuple[int, int] = (0, 1)):
     """(tidy DataFrame, evaluate_pruning's info with every variant's plan and kept sets, timings);
-    merged_weights: merges' plans keep their merged experts (evaluate_pruning)."""
+    merged_weights: merges' plans keep their merged experts (evaluate_pruning). With cfg.workers
+    other than 1, the variants are shared among processes (`evaluate_in_workers`); share: the one
+    share this call carries (evaluate_pruning's)."""
     import pandas as pd
+
+    from moejax.parallel.cores import available_cores
+
+    n_workers = cfg.workers or len(available_cores())
+    if n_workers > 1 and share == (0, 1):
+        return evaluate_in_workers(cfg, n_workers, progress, merged_weights)
 
     import jax.numpy as jnp
 
@@ -221,7 +234,8 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
                                   substitutes=cfg.substitutes, sequential=cfg.sequential,
                                   sequential_merges=cfg.sequential_merges, allocation=cfg.allocation,
                                   batch_size=cfg.batch_size, dtype=jnp.dtype(cfg.dtype), seed=cfg.seed,
-                                  merged_weights=merged_weights or cfg.reroute, progress=progress is not None or None)
+                                  merged_weights=merged_weights or cfg.reroute, progress=progress is not None or None,
+                                  share=share)
     if cfg.reroute:
         t0 = time.perf_counter()
         reroute_rows, info["rerouted"] = rerouted_variants(cfg, calib, heldout, info["plans"])
@@ -237,6 +251,58 @@ def evaluate(cfg: PruneRealConfig, progress=None, merged_weights: bool = False):
                "allocation_search": info["allocation_search"], "layer_counts": info["layer_counts"]}
     if cfg.reroute:
         timings["reroute_s"] = info["reroute_seconds"]
+    return df, info, timings
+
+
+def evaluate_in_workers(cfg: PruneRealConfig, n_workers: int, progress=None, merged_weights: bool = False):
+    """`evaluate` in `n_workers` processes, each on its own core (`moejax.parallel.cores`), worker i
+    carrying the i-th share of the variants (`moejax.evaluation.carried.share_of`), rerouting
+    included: the rows of all (the shared ones once), info as one pass's (plans in its order,
+    kept sets and clusters of every layer joined), timings with the wall time as `pass_s` and each
+    worker's. Each variant's rows equal the one-process pass's within float32 reordering (its
+    held-out streams run in calls of other sizes, on one core)."""
+    import concurrent.futures
+
+    from tqdm import tqdm
+
+    from moejax.parallel import cores
+
+    t0 = time.perf_counter()
+    done = {}
+    with cores.pool(n_workers) as executor:
+        futures = {executor.submit(evaluate, cfg, None, merged_weights, (i, n_workers)): i for i in range(n_workers)}
+        try:
+            for future in tqdm(concurrent.futures.as_completed(futures), total=n_workers,
+                               desc=f"calibration pass ({n_workers} workers)", disable=progress is None):
+                done[futures[future]] = future.result()
+        except BaseException:
+            cores.stop(executor, futures)
+            raise
+    return join_shares([done[i] for i in range(n_workers)], time.perf_counter() - t0, cfg.reroute)
+
+
+def join_shares(parts: list, wall: float, reroute: bool = False):
+    """Every share's (rows DataFrame, info, timings), in share order, as one pass's: the rows of all,
+    info with the plans in the unsplit order (info["at"]), every layer's kept sets and clusters
+    joined, rerouted maps in plan order; timings with `wall` as pass_s and each worker's."""
+    import pandas as pd
+
+    df = pd.concat([d for d, _, _ in parts], ignore_index=True)
+    order = sorted(((at, plan) for _, info, _ in parts for at, plan in zip(info["at"], info["plans"])),
+                   key=lambda pair: pair[0])
+    info = dict(parts[0][1], plans=[plan for _, plan in order], at=[at for at, _ in order],
+                variants=sum(p[1]["variants"] for p in parts), seconds=wall)
+    for key in ("kept", "clusters"):   # per layer: every share's (clusters None without merges)
+        info[key] = {l: None if all(p[1][key][l] is None for p in parts) else
+                     {k: v for p in parts for k, v in (p[1][key][l] or {}).items()} for l in parts[0][1][key]}
+    if reroute:
+        place = {dc.replace(plan.spec, rerouted=True): at for at, plan in order}
+        rerouted = {spec: maps for p in parts for spec, maps in p[1]["rerouted"].items()}
+        info["rerouted"] = dict(sorted(rerouted.items(), key=lambda kv: place[kv[0]]))
+    timings = dict(parts[0][2], pass_s=wall, variants=info["variants"], pass_workers=len(parts),
+                   **{f"worker_{i}.pass_s": p[2]["pass_s"] for i, p in enumerate(parts)})
+    if reroute:
+        timings["reroute_s"] = max(p[2]["reroute_s"] for p in parts)
     return df, info, timings
 
 

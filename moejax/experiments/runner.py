@@ -77,13 +77,16 @@ def experiment_config(cfg: dict):
 
 
 def enable_compilation_cache() -> None:
-    """Persistent XLA cache so repeated runs skip compilation. MOEJAX_JAX_CACHE='' turns it off."""
+    """Persistent XLA cache so repeated runs skip compilation. MOEJAX_JAX_CACHE='' turns it off. Also
+    set in the environment (JAX reads its settings from there), so the worker processes a job
+    starts (`moejax.parallel.cores`) use it too."""
     import jax
 
     path = os.environ.get("MOEJAX_JAX_CACHE", str(Path.home() / ".cache" / "moejax" / "jax"))
     if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        for name, value in (("jax_compilation_cache_dir", path), ("jax_persistent_cache_min_compile_time_secs", 0.5)):
+            jax.config.update(name, value)
+            os.environ[name.upper()] = str(value)
 
 
 class _Progress:

@@ -135,9 +135,7 @@ def evaluate_in_workers(cfg, task_dir, cache: Path, variants: list, n_workers: i
 def _load(index: int, cfg, task_dir, cache: str) -> None:
     import lm_eval.caching.cache as request_cache
 
-    from moejax.experiments.runner import enable_compilation_cache
-
-    enable_compilation_cache()   # (the environment, HF_DATASETS_OFFLINE included, is the parent's)
+    # (the environment is the parent's: HF_DATASETS_OFFLINE, the compilation cache's settings)
     request_cache.PATH = str(Path(cache) / f"worker-{index}")   # each worker builds its requests once
     _WORKER.update(cfg=cfg, lm=new_lm(cfg), loaded=load_tasks(cfg, task_dir))
 
