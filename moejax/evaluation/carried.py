@@ -297,6 +297,10 @@ class _Methods:
         """The merge method a variant names (its spec holds the name)."""
         return next(m for m in self.merges if m.name == name)
 
+    def deciding(self, variant) -> list:
+        """The scores a sequential variant decides by on its own stream: its score, or its merge's."""
+        return list(self.merge(variant.method).scores) if variant.merged else [variant.method]
+
     @property
     def needs_outputs(self) -> bool:
         """Whether the layer's statistics need the routed outputs' sums (mone, substitutes' constants):
@@ -374,13 +378,21 @@ def _decide_layer(cfg, layer, layer_idx: int, cal_hz: dict, streams: _Streams, m
     weight_sums = expert_weight_sums(layer.mlp)  # the same for every group: the weights do not change
 
     def scores_of(group):
+        """(statistics, {score: [E]}) of a calibration group: on the unpruned stream (None) every score
+        the layer computes; on a sequential variant's own stream only the score it decides by."""
         if group not in group_scores:
+            names = methods.computed if group is None else methods.deciding(group)
+            if not names:   # a sequential merge that clusters by its statistics alone (`stats_of`)
+                group_scores[group] = None, {}
+                return group_scores[group]
+            needs = pass_needs(names)
             acc = StatsAccumulator(cfg.n_experts, cfg.hidden_size)
             zs = [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in cal_hz[group]]
-            accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums, outputs=methods.needs_outputs,
-                             interventions=pass_needs(methods.computed)["interventions"])
+            accumulate_layer(layer.mlp, zs, [None] * len(zs), acc, weight_sums,
+                             outputs=methods.needs_outputs if group is None else needs["outputs"],
+                             interventions=needs["interventions"])
             stats = acc.stats(router, bias, seed=seed, layer=layer_idx)
-            group_scores[group] = stats, compute_scores(stats, methods.computed)
+            group_scores[group] = stats, compute_scores(stats, names)
         return group_scores[group]
 
     stats, layer_sc = scores_of(None)
