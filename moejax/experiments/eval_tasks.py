@@ -189,9 +189,30 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON: never ask the hub
     loaded = load_tasks(cfg, task_dir)  # unknown names fail here, before the calibration pass
 
-    with prune_real_as_eval_tasks():
-        ppl_df, info, timings = prune_real.evaluate(cfg.prune_real, progress, merged_weights=True)
-    plans = [VariantPlan(VariantSpec.unpruned()), *info["plans"]]   # every variant, as the pass decided it
+    n_workers = cfg.prune_real.workers or len(available_cores())
+    with requests_built_once(job_dir) as cache:
+        if n_workers > 1:   # the pass and the tasks in one process per core (docs/benchmarks.md: 1.6x on two)
+            from moejax.experiments.task_workers import pass_and_tasks_in_workers
+            from moejax.hf.model_io import load_pretrained
+
+            import jax.numpy as jnp
+
+            with prune_real_as_eval_tasks():
+                ppl_df, info, timings, variant_rows = pass_and_tasks_in_workers(cfg, task_dir, cache, n_workers,
+                                                                                progress)
+            routing = skill_routing_rows(cfg, load_pretrained(cfg.prune_real.path, dtype=jnp.dtype(cfg.prune_real.dtype)))
+        else:
+            with prune_real_as_eval_tasks():
+                ppl_df, info, timings = prune_real.evaluate(cfg.prune_real, progress, merged_weights=True)
+            t0 = time.perf_counter()
+            base = new_lm(cfg)
+            routing = skill_routing_rows(cfg, base.model)
+            # every plan, then (reroute=true) every rerouted variant, as the pass left them: nothing trained twice
+            plans = [VariantPlan(VariantSpec.unpruned()), *info["plans"]]
+            variants = [(plan.spec, plan.expert_maps()) for plan in plans] + list(info.get("rerouted", {}).items())
+            variant_rows = [row for spec, maps in tqdm(variants, desc="eval_tasks variants", disable=progress is None)
+                            for row in evaluate_variant(cfg, base, loaded, spec.row(), maps)]
+            timings["tasks_s"] = time.perf_counter() - t0
 
     rows = []
     # over all held-out texts: perplexity, and each variant's agreement with the unpruned model (ESAP, KL, top-1)
@@ -207,32 +228,13 @@ def run(cfg: EvalTasksConfig, progress=None, job_dir: Path | None = None):
     for (method, form, keep), value in err.items():
         rows.append(dict(method=method, form=form, keep=int(keep), task="heldout", metric="rel_error_mean",
                          value=float(value), stderr=math.nan))
-
-    # every plan, then (reroute=true) every rerouted variant, as the pass left them: nothing trained twice
-    variants = [(plan.spec, plan.expert_maps()) for plan in plans] + list(info.get("rerouted", {}).items())
-    n_workers = cfg.prune_real.workers or min(len(available_cores()), len(variants))
-    t0 = time.perf_counter()
-    with requests_built_once(job_dir) as cache:
-        if n_workers > 1:   # one process per core (docs/benchmarks.md: 1.6x on two cores)
-            from moejax.experiments.task_workers import evaluate_in_workers
-            from moejax.hf.model_io import load_pretrained
-
-            import jax.numpy as jnp
-
-            rows += skill_routing_rows(cfg, load_pretrained(cfg.prune_real.path, dtype=jnp.dtype(cfg.prune_real.dtype)))
-            rows += evaluate_in_workers(cfg, task_dir, cache, variants, n_workers, progress)
-        else:
-            base = new_lm(cfg)
-            rows += skill_routing_rows(cfg, base.model)
-            for spec, maps in tqdm(variants, desc="eval_tasks variants", disable=progress is None):
-                rows += evaluate_variant(cfg, base, loaded, spec.row(), maps)
-    timings["tasks_s"] = time.perf_counter() - t0
+    rows += routing + variant_rows
     df = pd.DataFrame(rows, columns=COLUMNS[:3] + ["rerouted"] + COLUMNS[3:] if cfg.prune_real.reroute else COLUMNS)
     for col in ("keep", "layer", "expert"):
         df[col] = df[col].astype("Int64")
     if cfg.prune_real.reroute:
         df["rerouted"] = df["rerouted"].map(is_rerouted)
-    timings["variants"], timings["task_workers"] = len(variants), n_workers
+    timings["variants"], timings["task_workers"] = 1 + info["variants"] + len(info.get("rerouted", {})), n_workers
     return df, timings
 
 

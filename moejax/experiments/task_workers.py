@@ -1,10 +1,11 @@
 """eval_tasks' variants on the lm-eval tasks: the tasks loaded once (`load_tasks`), one variant's
 rows (`evaluate_variant`, lm-eval building the requests once per job: `requests_built_once`), and
-the variants in several processes at once, each pinned to its own core (`evaluate_in_workers`,
-`moejax.parallel.cores`): on two cores 1.6x one process, whose small programs leave the second core
-idle much of the time (docs/benchmarks.md). Each worker loads the model, the lm-eval backend and the
-tasks once, then evaluates the variants it is given (their expert maps, sent as numpy); the rows
-come back in the variants' order. `cfg` is an `eval_tasks.EvalTasksConfig`."""
+the calibration pass with the tasks in several processes at once, each pinned to its own core
+(`pass_and_tasks_in_workers`, `moejax.parallel.cores`): on two cores 1.6x one process, whose small
+programs leave the second core idle much of the time (docs/benchmarks.md). Each worker loads the
+model, the lm-eval backend and the tasks once, carries its share of the variants through the pass,
+then evaluates the same variants on the tasks; the rows come back in the variants' order. `cfg`
+is an `eval_tasks.EvalTasksConfig`."""
 
 from __future__ import annotations
 
@@ -112,24 +113,58 @@ def requests_built_once(job_dir: Path):
 _WORKER: dict = {}   # the worker process's backend, tasks and settings (set by _load)
 
 
-def evaluate_in_workers(cfg, task_dir, cache: Path, variants: list, n_workers: int, progress=None) -> list[dict]:
-    """Every (spec, expert maps) of `variants` on the tasks: their rows, in the variants' order."""
-    import jax
-    import numpy as np
+def pass_and_tasks_in_workers(cfg, task_dir, cache: Path, n_workers: int, progress=None):
+    """The calibration pass and the tasks in `n_workers` processes, each on its own core: worker i
+    carries the i-th share of the variants through the pass (`prune_real.evaluate(share=(i, n))`,
+    rerouting included), then evaluates the same variants on the tasks (worker 0 also the unpruned
+    model), with its model and tasks loaded once for both. Returns (the pass's DataFrame, info and
+    timings, joined as one pass's by `prune_real.join_shares`; the task rows in the variants' order:
+    the unpruned model, the plans, the rerouted variants)."""
     from tqdm import tqdm
 
-    as_numpy = [(spec.row(), None if maps is None else jax.tree.map(np.asarray, maps)) for spec, maps in variants]
+    from moejax.experiments.prune_real import join_shares
+
     done: dict = {}
     with cores.pool(n_workers, _load, (cfg, task_dir, str(cache))) as executor:
-        futures = {executor.submit(_evaluate, row, maps): i for i, (row, maps) in enumerate(as_numpy)}
+        futures = {executor.submit(_pass_and_tasks, (i, n_workers)): i for i in range(n_workers)}
         try:
-            for future in tqdm(concurrent.futures.as_completed(futures), total=len(futures),
-                               desc="eval_tasks variants", disable=progress is None):
+            for future in tqdm(concurrent.futures.as_completed(futures), total=n_workers,
+                               desc=f"calibration pass and tasks ({n_workers} workers)", disable=progress is None):
                 done[futures[future]] = future.result()
         except BaseException:
             cores.stop(executor, futures)
             raise
-    return [row for i in range(len(variants)) for row in done[i]]
+    parts = [done[i] for i in range(n_workers)]
+    df, info, timings = join_shares([p[:3] for p in parts], max(p[2]["pass_s"] for p in parts),
+                                    cfg.prune_real.reroute)
+    timings["tasks_s"] = max(p[2]["tasks_s"] for p in parts)
+    for i, p in enumerate(parts):
+        timings[f"worker_{i}.tasks_s"] = p[2]["tasks_s"]
+    by_place = {place: rows for p in parts for place, rows in p[3].items()}
+    return df, info, timings, [row for place in sorted(by_place) for row in by_place[place]]
+
+
+def _pass_and_tasks(share: tuple[int, int]):
+    """In a worker: its share of the pass, then its variants on the tasks, each variant's rows keyed
+    by its place in the joined order ((0, 0) the unpruned model, (1, at) a plan, (2, at) its
+    rerouted variant)."""
+    import dataclasses
+    import time
+
+    from moejax.experiments import prune_real
+    from moejax.variants import VariantSpec
+
+    cfg = _WORKER["cfg"]
+    df, info, timings = prune_real.evaluate(cfg.prune_real, None, True, share)
+    t0 = time.perf_counter()
+    variants = [((0, 0), VariantSpec.unpruned(), None)] if share[0] == 0 else []
+    variants += [((1, at), plan.spec, plan.expert_maps()) for at, plan in zip(info["at"], info["plans"])]
+    place = {dataclasses.replace(plan.spec, rerouted=True): at for at, plan in zip(info["at"], info["plans"])}
+    variants += [((2, place[spec]), spec, maps) for spec, maps in info.get("rerouted", {}).items()]
+    rows = {key: evaluate_variant(cfg, _WORKER["lm"], _WORKER["loaded"], spec.row(), maps)
+            for key, spec, maps in variants}
+    timings["tasks_s"] = time.perf_counter() - t0
+    return df, info, timings, rows
 
 
 def _load(index: int, cfg, task_dir, cache: str) -> None:
@@ -138,7 +173,3 @@ def _load(index: int, cfg, task_dir, cache: str) -> None:
     # (the environment is the parent's: HF_DATASETS_OFFLINE, the compilation cache's settings)
     request_cache.PATH = str(Path(cache) / f"worker-{index}")   # each worker builds its requests once
     _WORKER.update(cfg=cfg, lm=new_lm(cfg), loaded=load_tasks(cfg, task_dir))
-
-
-def _evaluate(spec_row: dict, maps) -> list[dict]:
-    return evaluate_variant(_WORKER["cfg"], _WORKER["lm"], _WORKER["loaded"], spec_row, maps)
