@@ -86,14 +86,16 @@ def test_settings_objects_own_their_defaults():
 
 def test_experiments_agree_with_the_pass_and_the_registry():
     """prune_real's settings against the carried pass's keyword defaults; eval_tasks composes
-    prune_real's config (one declaration, except the scores it evaluates by default); the Hydra
+    prune_real's config (one declaration, except the scores it evaluates by default and its workers:
+    one per core, where prune_real runs in one process unless asked); the Hydra
     defaults' `merge` and `router_distillation` blocks are the settings objects' own defaults."""
     from moejax.evaluation.carried import evaluate_pruning
 
     config = {f.name: getattr(PruneRealConfig(), f.name) for f in dataclasses.fields(PruneRealConfig)}
     assert disagreements(config, function_defaults(evaluate_pruning)) == {}
     composed = EvalTasksConfig().prune_real
-    assert dataclasses.replace(composed, scores=None) == PruneRealConfig()
+    assert (composed.workers, PruneRealConfig().workers) == (0, 1)
+    assert dataclasses.replace(composed, scores=None, workers=1) == PruneRealConfig()
     own = {f.name for f in dataclasses.fields(EvalTasksConfig)}
     assert not own & {f.name for f in dataclasses.fields(PruneRealConfig)}
     for name in ("prune_real", "eval_tasks", "toy3"):
