@@ -268,6 +268,17 @@ def test_experiment_through_hydra_runner(tmp_path, setup):
     assert {"method", "form", "keep", "layer", "text", "metric", "value"} <= set(df.columns)
     assert set(df[df.metric == "perplexity"].text) == {"text.txt", "all"}
     assert set(df[df.metric == "perplexity"].method.dropna()) == {"frequency", "bias", "man", "msan", "max_act", "aimer"}
+    # workers=2: the pass in two processes (each a share of the variants) gives the same rows
+    run_job({**cfg, "workers": 2}, tmp_path / "two")
+    two = load(tmp_path / "two")
+    cols = ["method", "form", "keep", "layer", "text", "metric"]
+    merged = df.fillna({"method": "", "text": ""}).merge(two.fillna({"method": "", "text": ""}), on=cols, how="outer",
+                                                         indicator=True, suffixes=("", "_two"))
+    assert (merged["_merge"] == "both").all() and len(two) == len(df)
+    np.testing.assert_allclose(merged.value_two, merged.value, rtol=1e-5, atol=1e-7)
+    import json
+
+    assert json.loads((tmp_path / "two" / "timings.json").read_text())["pass_workers"] == 2
     from moejax.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no config.json"):

@@ -261,24 +261,14 @@ def evaluate_in_workers(cfg: PruneRealConfig, n_workers: int, progress=None, mer
     kept sets and clusters of every layer joined), timings with the wall time as `pass_s` and each
     worker's. Each variant's rows equal the one-process pass's within float32 reordering (its
     held-out streams run in calls of other sizes, on one core)."""
-    import concurrent.futures
+    import functools
 
-    from tqdm import tqdm
-
-    from moejax.parallel import cores
+    from moejax.parallel.cores import each_share
 
     t0 = time.perf_counter()
-    done = {}
-    with cores.pool(n_workers) as executor:
-        futures = {executor.submit(evaluate, cfg, None, merged_weights, (i, n_workers)): i for i in range(n_workers)}
-        try:
-            for future in tqdm(concurrent.futures.as_completed(futures), total=n_workers,
-                               desc=f"calibration pass ({n_workers} workers)", disable=progress is None):
-                done[futures[future]] = future.result()
-        except BaseException:
-            cores.stop(executor, futures)
-            raise
-    return join_shares([done[i] for i in range(n_workers)], time.perf_counter() - t0, cfg.reroute)
+    parts = each_share(n_workers, functools.partial(evaluate, cfg, None, merged_weights),
+                       f"calibration pass ({n_workers} workers)", progress)
+    return join_shares(parts, time.perf_counter() - t0, cfg.reroute)
 
 
 def join_shares(parts: list, wall: float, reroute: bool = False):

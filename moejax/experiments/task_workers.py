@@ -9,7 +9,6 @@ is an `eval_tasks.EvalTasksConfig`."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import math
 from pathlib import Path
@@ -120,21 +119,10 @@ def pass_and_tasks_in_workers(cfg, task_dir, cache: Path, n_workers: int, progre
     model), with its model and tasks loaded once for both. Returns (the pass's DataFrame, info and
     timings, joined as one pass's by `prune_real.join_shares`; the task rows in the variants' order:
     the unpruned model, the plans, the rerouted variants)."""
-    from tqdm import tqdm
-
     from moejax.experiments.prune_real import join_shares
 
-    done: dict = {}
-    with cores.pool(n_workers, _load, (cfg, task_dir, str(cache))) as executor:
-        futures = {executor.submit(_pass_and_tasks, (i, n_workers)): i for i in range(n_workers)}
-        try:
-            for future in tqdm(concurrent.futures.as_completed(futures), total=n_workers,
-                               desc=f"calibration pass and tasks ({n_workers} workers)", disable=progress is None):
-                done[futures[future]] = future.result()
-        except BaseException:
-            cores.stop(executor, futures)
-            raise
-    parts = [done[i] for i in range(n_workers)]
+    parts = cores.each_share(n_workers, _pass_and_tasks, f"calibration pass and tasks ({n_workers} workers)", progress,
+                             _load, (cfg, task_dir, str(cache)))
     df, info, timings = join_shares([p[:3] for p in parts], max(p[2]["pass_s"] for p in parts),
                                     cfg.prune_real.reroute)
     timings["tasks_s"] = max(p[2]["tasks_s"] for p in parts)

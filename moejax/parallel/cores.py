@@ -37,6 +37,24 @@ def _start(counter, available: list[int], initializer, initargs) -> None:
         initializer(index, *initargs)
 
 
+def each_share(n_workers: int, task, desc: str, progress=None, initializer=None, initargs=()) -> list:
+    """[task((i, n_workers)) for i in range(n_workers)], each call in a process of its own (`pool`),
+    in share order; a failure in one stops the others."""
+    from tqdm import tqdm
+
+    done = {}
+    with pool(n_workers, initializer, initargs) as executor:
+        futures = {executor.submit(task, (i, n_workers)): i for i in range(n_workers)}
+        try:
+            for future in tqdm(concurrent.futures.as_completed(futures), total=n_workers, desc=desc,
+                               disable=progress is None):
+                done[futures[future]] = future.result()
+        except BaseException:
+            stop(executor, futures)
+            raise
+    return [done[i] for i in range(n_workers)]
+
+
 def stop(executor: concurrent.futures.ProcessPoolExecutor, futures) -> None:
     """Cancel what has not started and end the running workers now (not at their task's end)."""
     for f in futures:
