@@ -202,7 +202,7 @@ def across_tables(runs) -> dict[str, pd.DataFrame]:
 
 
 def across_figures(runs, out: Path) -> list[Path]:
-    """Exact match against keep per skill (one-shot REAP and frequency, bands of ±1 sd over models),
+    """Exact match against keep per skill (one-shot REAP, frequency and l1, bands of ±1 sd over models),
     and multiple choice against generation (every variant of every model), per family."""
     plt = _pyplot()
     df = runs_table(runs)
@@ -214,7 +214,7 @@ def across_figures(runs, out: Path) -> list[Path]:
         skills = sorted(g.skill.dropna().unique())
         fig, axes = plt.subplots(1, len(skills), figsize=(2.6 * len(skills), 2.8), sharey=True)
         for ax, skill in zip(np.atleast_1d(axes), skills):
-            for method in ("reap", "frequency"):
+            for method in ("reap", "frequency", "l1"):
                 s = g[(g.skill == skill) & (g.method == method) & (g["form"] == "one_shot")]
                 stat = s.groupby("keep").value.agg(["mean", "std"]).fillna(0).sort_index()
                 ax.plot(stat.index, stat["mean"], marker="o", ms=3, label=method)
