@@ -348,9 +348,7 @@ def _in_workers(runs: list, n_workers: int, progress) -> dict:
 
 
 def _train_seed(cfg: TrainTinyConfig):
-    from moejax.experiments.runner import enable_compilation_cache
-
-    enable_compilation_cache()
+    # (the compilation cache's settings come with the parent's environment: runner.enable_compilation_cache)
     return train_one(cfg, progress_stream=io.StringIO())   # no progress line: workers share a terminal
 
 
