@@ -104,3 +104,27 @@ def test_experiments_agree_with_the_pass_and_the_registry():
         if name != "toy3":
             assert defaults["allocations"] == ALLOCATIONS.defaults()
             assert defaults["router_distillation"] == dataclasses.asdict(RerouteSettings())
+
+
+@pytest.mark.parametrize("experiment,name", [("prune_real", "prune_real"), ("eval_tasks", "eval_tasks"),
+                                             ("eval_skills", "eval_tasks"), ("cliff_skills", "eval_tasks"),
+                                             ("train_skills", "train_tiny")])
+def test_workers_is_one_top_level_setting(experiment, name):
+    """docs/experiments.md's `workers=W` composes for every experiment that has workers and reaches
+    its settings (it once sat in `lm_eval` for eval_tasks and in `data` for prune_real)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from moejax import experiments
+
+    import moejax.experiments.runner  # noqa: F401  (registers the experiments' defaults)
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("config", overrides=[f"experiment={experiment}", "workers=3"]),
+                                     resolve=True)
+    assert cfg["name"] == name and cfg["workers"] == 3
+    if name != "train_tiny":
+        assert experiments.get(name).settings_from(cfg)["workers"] == 3

@@ -39,7 +39,7 @@ def get(name: str):
 # train_tiny's dataclass lives in moejax.training.config (its experiment module imports JAX).
 # prune_real's settings, in its Hydra config and in eval_tasks' (which composes its PruneRealConfig)
 _PRUNE_REAL = {"": ("keep", "scores", "merges", "substitutes", "allocation", "calibration", "dtype", "seed",
-                    "router_distillation"),
+                    "router_distillation", "workers"),
                "prune": ("sequential", "sequential_merges", "reroute"), "data": "*"}
 _DEFAULTS = {
     "toy3": ("moejax.experiments.toy3:Toy3Config", {"": ("seed", "seeds", "keep"), "toy": "*"}),
@@ -50,7 +50,7 @@ _DEFAULTS = {
                    {**_PRUNE_REAL, "": (*_PRUNE_REAL[""], "tasks"),
                     "lm_eval": ("task_dir", "include_defaults", "limit", "eval_batch_size", "n_nextline", "n_mc",
                                 "n_ppl", "n_skill", "n_skill_mc", "n_skill_ll", "n_degen", "routing_docs",
-                                "bootstrap_iters", "workers")}),
+                                "bootstrap_iters")}),
 }
 COMPOSED = ("prune_real",)   # a field holding another experiment's whole config: its fields sit beside the others
 _ELSEWHERE = ("path", "mesh_data", "mesh_expert")
