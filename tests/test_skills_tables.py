@@ -79,21 +79,67 @@ def test_across_models_cells_are_mean_and_std_over_models(make_tables, tmp_path)
     assert {p.name for p in drawn} >= {"exact-match-vs-keep-deepseek_v3.png", "mc-vs-generation-deepseek_v3.svg"}
 
 
-def test_the_cliff_is_the_fewest_experts_keeping_half_the_unpruned_exact_match(make_tables, tmp_path):
+def _walk_down(values: dict, unpruned: float) -> float:
+    """The cliff by hand: going down from the most experts kept, the last keep still at half the
+    unpruned exact match; 32 when the first keep already falls below."""
+    held = None
+    for k in sorted(values, reverse=True):
+        if values[k] < 0.5 * unpruned:
+            break
+        held = k
+    return 32.0 if held is None else float(held)
+
+
+def _causal_dir(root: Path, seed: int, rng) -> tuple[Path, dict]:
+    """A folder as causal.py writes it, for one model: random single-removal NLL increases and
+    task-calibrated scores at two layers of eight experts; returns it and the numpy Gini per skill
+    (the mean over layers of sum|x_i - x_j| / (2 n^2 mean), negatives as zero)."""
+    out = root / f"causal{seed}"
+    out.mkdir()
+    model = f"skills-deepseek_v3/seed-{seed}"
+    causal, scores, ginis = [], [], {}
+
+    def g(x):
+        x = np.clip(x, 0, None)
+        return np.abs(x[:, None] - x[None, :]).sum() / (2 * len(x) ** 2 * x.mean())
+
+    for skill in SKILLS:
+        per_layer = []
+        for layer in (1, 2):
+            cost = rng.gamma(0.5 + 2 * rng.random(), size=8) - 0.1
+            per_layer.append(g(cost))
+            causal += [dict(layer=layer, expert=e, task=skill, metric="nll_increase", value=float(v), model=model)
+                       for e, v in enumerate(cost)]
+            for score in ("reap", "frequency"):
+                scores += [dict(layer=layer, expert=e, score=score, value=float(v), calibration="task", task=skill,
+                                model=model) for e, v in enumerate(rng.random(8))]
+        ginis[skill] = float(np.mean(per_layer))
+    pd.DataFrame(causal).to_parquet(out / "causal.parquet")
+    pd.DataFrame(scores).to_parquet(out / "scores.parquet")
+    pd.DataFrame([dict(model=model)]).to_parquet(out / "paired_d.parquet")
+    return out, ginis
+
+
+def test_the_cliff_is_where_exact_match_first_falls_below_half_and_the_gini_is_set_beside_it(make_tables, tmp_path):
+    from scipy.stats import spearmanr
+
     rng = np.random.default_rng(1)
     runs, ems = zip(*[_run(tmp_path, s, rng) for s in range(3)])
-    tables = make_tables.cliff_tables(list(runs))
+    dirs, ginis = zip(*[_causal_dir(tmp_path, s, rng) for s in range(3)])
+    tables = make_tables.cliff_tables(list(runs), list(dirs))
     cliff = tables["deepseek_v3: the cliff, fewest experts keeping half the unpruned exact match (mean±sd over models)"]
-    for skill in SKILLS:
-        for method in ("reap", "frequency"):
-            per_model = []
-            for em in ems:
-                kept = [k for k in KEEPS if em[("one_shot", method, k, skill)] >= 0.5 * 0.9]
-                per_model.append(min(kept) if kept else np.nan)
-            v = np.array(per_model, float)
-            v = v[np.isfinite(v)]
-            want = "" if not len(v) else (f"{v.mean():.2f}±{v.std(ddof=1):.2f}" if len(v) > 1 else f"{v.mean():.2f}")
-            assert cliff.loc[skill, method] == want, (skill, method)
+    rho = tables["Does the Gini predict the cliff? Spearman over (model, skill), per family and score"]
+    for method in ("reap", "frequency"):
+        pairs = []
+        for skill in SKILLS:
+            v = np.array([_walk_down({k: em[("one_shot", method, k, skill)] for k in KEEPS}, 0.9) for em in ems])
+            assert cliff.loc[skill, method] == f"{v.mean():.2f}±{v.std(ddof=1):.2f}", (skill, method)
+            pairs += [(ginis[s][skill], c) for s, c in enumerate(v)]
+        gx, cx = np.array(pairs).T
+        assert rho.loc[("deepseek_v3", method), "rho(gini_causal, cliff)"] == round(float(spearmanr(gx, cx).statistic), 3)
+        assert rho.loc[("deepseek_v3", method), "pairs (gini_causal)"] == len(SKILLS) * 3
+    assert make_tables.cliff_of(pd.Series({30: 0.9, 20: 0.1, 10: 0.9}), 0.9) == 30   # not the 10 that recovers
+    assert np.isnan(make_tables.cliff_of(pd.Series({30: 0.1}), 0.1))                 # never learned
     assert all(p.stat().st_size > 1000 for p in make_tables.cliff_figures(list(runs), tmp_path / "fig"))
 
 

@@ -256,16 +256,36 @@ def _save(fig, stem: Path) -> list[Path]:
     return paths
 
 
+def cliff_of(curve: pd.Series, unpruned: float) -> float:
+    """The cliff of one exact-match curve {keep: value}: walking down from the most experts kept,
+    the last keep before the value first falls below half its unpruned value; the first keep plus
+    its step when it falls at once (32 of 32 in the cliff preset); NaN for a skill the model never
+    learned (unpruned 0.2 or less)."""
+    if not unpruned > 0.2:
+        return np.nan
+    keeps = sorted(curve.index, reverse=True)
+    held = None
+    for k in keeps:
+        if curve[k] < 0.5 * unpruned:
+            break
+        held = k
+    if held is not None:
+        return float(held)
+    return float(keeps[0] + (keeps[0] - keeps[1] if len(keeps) > 1 else 0))
+
+
 def cliff_tables(runs, gini_dirs=()) -> dict[str, pd.DataFrame]:
     """Exact match per skill against keep for each score (mean±sd over models), where each falls
-    below half its unpruned value (the cliff), and beside it each layer's Gini coefficient of causal
-    (single-removal NLL increase) and observational (the score on the skill's own documents)
-    importance, mean over layers (causal.py's folders)."""
+    below half its unpruned value (the cliff, `cliff_of`), and with causal.py's folders each layer's
+    Gini coefficient of causal (single-removal NLL increase) and observational (the score on the
+    skill's own documents) importance, mean over layers, and whether it predicts the cliff: the
+    Spearman correlation of Gini with cliff over every (model, skill) a family has."""
     df = runs_table(runs)
     gen, _, _ = _tasks(df)
     out = {}
     base = gen[gen["form"] == "none"].groupby(["model", "skill"]).value.mean()
     pruned = gen[gen["form"] == "one_shot"]
+    cliffs = []
     for fam in sorted(gen.family.unique()):
         f = pruned[pruned.family == fam]
         out[f"{fam}: exact match by keep, mean±sd over models"] = f.groupby(["skill", "method", "keep"]).value.agg(
@@ -273,13 +293,15 @@ def cliff_tables(runs, gini_dirs=()) -> dict[str, pd.DataFrame]:
         rows = []
         for (model, skill, method), part in f.groupby(["model", "skill", "method"]):
             b = base.get((model, skill), np.nan)
-            above = part[part.value >= 0.5 * b].keep
-            rows.append(dict(model=model, skill=skill, method=method, unpruned=b,
-                             cliff=int(above.min()) if len(above) and b > 0.2 else np.nan))
+            rows.append(dict(family=fam, model=model, skill=skill, method=method, unpruned=b,
+                             cliff=cliff_of(part.groupby("keep").value.mean(), b)))
         cliff = pd.DataFrame(rows)
+        cliffs.append(cliff)
         out[f"{fam}: the cliff, fewest experts keeping half the unpruned exact match (mean±sd over models)"] = (
             cliff.groupby(["skill", "method"]).cliff.agg(_band).unstack("method"))
     if gini_dirs:
+        from scipy.stats import spearmanr
+
         from moejax.evaluation.causal_stats import gini
 
         causal, scores, _ = _causal(gini_dirs)
@@ -289,6 +311,24 @@ def cliff_tables(runs, gini_dirs=()) -> dict[str, pd.DataFrame]:
         g_obs = sc.groupby(["model", "task", "score", "layer"]).value.agg(gini).groupby(["model", "task", "score"]).mean()
         out["Gini of importance per layer (mean over layers): causal, and each score on the skill's documents"] = (
             pd.concat([g_causal.rename("causal"), g_obs.unstack("score")], axis=1).round(3))
+        every = pd.concat(cliffs, ignore_index=True)
+        every["key"] = list(zip("skills-" + every.model, every.skill))
+        every["gini_causal"] = every.key.map(g_causal)
+        every["gini_own"] = [g_obs.get((m, s, method), np.nan) for (m, s), method in zip(every.key, every.method)]
+        out["Each model's cliff per score beside its skill's causal Gini"] = every.pivot_table(
+            index=["model", "skill", "gini_causal"], columns="method", values="cliff").round(2)
+        rows = []
+        for (fam, method), part in every.groupby(["family", "method"]):
+            row = dict(family=fam, method=method)
+            for col in ("gini_causal", "gini_own"):
+                ok = part[np.isfinite(part.cliff) & np.isfinite(part[col])]
+                row[f"rho({col}, cliff)"] = (round(float(spearmanr(ok[col], ok.cliff).statistic), 3)
+                                             if len(ok) > 2 and ok[col].nunique() > 1 and ok.cliff.nunique() > 1
+                                             else np.nan)
+                row[f"pairs ({col})"] = len(ok)
+            rows.append(row)
+        out["Does the Gini predict the cliff? Spearman over (model, skill), per family and score"] = (
+            pd.DataFrame(rows).set_index(["family", "method"]))
     return out
 
 
