@@ -151,3 +151,26 @@ def test_kept_harmful_is_the_share_of_costly_experts_in_each_scores_top_half(mak
     kept = make_tables._kept_harmful(eff, scores)
     assert sorted(kept.expert) == [1, 3, 4]
     assert dict(zip(kept.expert, kept.kept)) == {1: True, 3: False, 4: False}
+
+
+def test_calibration_table_is_mean_and_std_over_models_per_mix(make_tables, tmp_path):
+    rng = np.random.default_rng(2)
+    runs, ems = [], {}
+    for cal in ("code", "skills"):
+        (tmp_path / cal).mkdir()
+        for s in range(3):
+            run, em = _run(tmp_path / cal, s, rng)
+            cfg = yaml.safe_load((run / "resolved_config.yaml").read_text())
+            (run / "resolved_config.yaml").write_text(yaml.safe_dump({**cfg, "calibration": cal}))
+            runs.append(run)
+            ems[cal, s] = em
+    table = make_tables.calibration_table(runs)
+    assert list(table.columns) == [(c, m) for c in ("learned", "close", "up") for m in ("code", "skills")]
+    for cal in ("code", "skills"):
+        for method in ("reap", "frequency", "random"):
+            for keep in KEEPS:
+                learned = [np.mean([ems[cal, s][("one_shot", method, keep, k)] for k in make_tables.LEARNED]) for s in range(3)]
+                up = [ems[cal, s][("one_shot", method, keep, "up")] for s in range(3)]
+                for column, v in (("learned", learned), ("up", up)):
+                    want = f"{np.mean(v):.2f}±{np.std(v, ddof=1):.2f}"
+                    assert table.loc[("deepseek_v3", method, keep), (column, cal)] == want, (cal, method, keep, column)

@@ -2,7 +2,7 @@
 skills tasks), as markdown.
 
     python experiments/skills/make_tables.py outputs/DATE/TIME
-    python experiments/skills/make_tables.py --calibration RUN_CODE RUN_SKILLS RUN_UNIFORM   # calibration mixes
+    python experiments/skills/make_tables.py --calibration RUN [RUN ...]   # calibration mixes, one run per model and mix
     python experiments/skills/make_tables.py --causal DIR [DIR ...] [--figures OUT]   # causal.py's outputs
     python experiments/skills/make_tables.py --across RUN [RUN ...] [--figures OUT]   # one run per model
     python experiments/skills/make_tables.py --cliff RUN [RUN ...] [--gini DIR ...] [--figures OUT]
@@ -91,16 +91,24 @@ def questions(df: pd.DataFrame, rare=("close", "up", "kv")) -> dict[str, pd.Data
 
 
 def calibration_table(runs: list) -> pd.DataFrame:
-    """Mean exact match per skill by calibration mix (one run per mix), one-shot scores."""
+    """Exact match by calibration mix (each run's `calibration` setting), one-shot scores: the mean
+    over the learned skills and each rare skill (close, up), a cell per (family, method, keep) and
+    mix, mean±sd over the models (one run per model and mix; a single model gives its value)."""
     import yaml
 
-    frames = []
+    rows = []
     for run in runs:
         cal = yaml.safe_load((Path(run) / "resolved_config.yaml").read_text()).get("calibration", "code")
+        model = model_of(run)
         gen, _, _ = _tasks(load(run))
-        frames.append(gen[gen["form"] == "one_shot"].assign(calibration=cal))
-    gen = pd.concat(frames)
-    return gen.pivot_table(index=["keep", "method"], columns=["skill", "calibration"], values="value").round(2)
+        for (method, keep), part in gen[gen["form"] == "one_shot"].groupby(["method", "keep"]):
+            rows.append(dict(family=model.split("/")[0], method=method, keep=int(keep), model=model, calibration=cal,
+                             learned=part[part.skill.isin(LEARNED)].value.mean(),
+                             close=part[part.skill == "close"].value.mean(), up=part[part.skill == "up"].value.mean()))
+    table = pd.DataFrame(rows).groupby(["family", "method", "keep", "calibration"])[["learned", "close", "up"]].agg(
+        _band).unstack("calibration")
+    mixes = list(dict.fromkeys(r["calibration"] for r in rows))
+    return table.reindex(columns=pd.MultiIndex.from_product([["learned", "close", "up"], mixes]))
 
 
 def tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
@@ -288,8 +296,10 @@ def cliff_tables(runs, gini_dirs=()) -> dict[str, pd.DataFrame]:
     cliffs = []
     for fam in sorted(gen.family.unique()):
         f = pruned[pruned.family == fam]
-        out[f"{fam}: exact match by keep, mean±sd over models"] = f.groupby(["skill", "method", "keep"]).value.agg(
-            _band).unstack("keep")
+        by_keep = f.groupby(["skill", "method", "keep"]).value.agg(_band).unstack("keep")
+        unpruned = base[base.index.get_level_values("model").isin(f.model.unique())].groupby("skill").agg(_band)
+        by_keep["unpruned"] = by_keep.index.get_level_values("skill").map(unpruned)
+        out[f"{fam}: exact match by keep, mean±sd over models"] = by_keep
         rows = []
         for (model, skill, method), part in f.groupby(["model", "skill", "method"]):
             b = base.get((model, skill), np.nan)
@@ -313,7 +323,7 @@ def cliff_tables(runs, gini_dirs=()) -> dict[str, pd.DataFrame]:
             pd.concat([g_causal.rename("causal"), g_obs.unstack("score")], axis=1).round(3))
         every = pd.concat(cliffs, ignore_index=True)
         every["key"] = list(zip("skills-" + every.model, every.skill))
-        every["gini_causal"] = every.key.map(g_causal)
+        every["gini_causal"] = every.key.map(g_causal).round(3)
         every["gini_own"] = [g_obs.get((m, s, method), np.nan) for (m, s), method in zip(every.key, every.method)]
         out["Each model's cliff per score beside its skill's causal Gini"] = every.pivot_table(
             index=["model", "skill", "gini_causal"], columns="method", values="cliff").round(2)
