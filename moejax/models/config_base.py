@@ -267,6 +267,12 @@ class MoeConfig:
 
         return dispatch.swiglu
 
+    def shared_expert_fn(self):
+        """The shared experts' SwiGLU (`expert_fn`'s form; DeepSeek-V4's clamps as its routed experts)."""
+        from moejax.moe import dispatch
+
+        return dispatch.swiglu
+
     @property
     def quantization_config(self) -> dict | None:
         return (getattr(self, "raw", None) or {}).get("quantization_config")
