@@ -51,6 +51,7 @@ from moejax.models.names import MTP_PREDICTOR
 from moejax.models.registry import config_from_dict, family_of, read_config
 
 DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
+INDEX_DTYPES = ("I32", "I64")  # integer ids (a rule with `index`: DeepSeek-V4's tid2eid), held as int32
 PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8", "gpt_oss_mxfp4": "U8"}  # a packed 4-bit tensor's element type
 _STRAY = re.compile(r"\.rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # a wrapper's language model too
@@ -117,7 +118,7 @@ def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> lis
         problems = []
         if tuple(info.shape) != tuple(s.hf_shape):
             problems.append(f"{where}: shape {list(info.shape)}, expected {list(s.hf_shape)} from config.json")
-        allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(DENSE_DTYPES)
+        allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(INDEX_DTYPES if s.index else DENSE_DTYPES)
         if info.dtype not in allowed:
             problems.append(f"{where}: dtype {info.dtype}, expected one of {sorted(allowed)}")
         return problems

@@ -192,7 +192,7 @@ class OpenCheckpoint:
             path = s.param[len(prefix):]
             if path in sharded:
                 continue
-            target = np.float32 if s.param.endswith(_ALWAYS_F32) else (
+            target = np.int32 if s.index else np.float32 if s.param.endswith(_ALWAYS_F32) else (
                 expert_dtype if s.expert is not None and expert_dtype is not None else dtype)
             buf = buffers.get(path)
             if buf is None:   # aligned: JAX uses it in place (no second copy of a layer's experts in memory)
@@ -352,8 +352,8 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int = 5 * 2**30,
 
     def dtype_of(s):
         if source:
-            return source.dtypes.get(s.hf_name, default)
-        return "F32" if s.param.endswith(_ALWAYS_F32) else default
+            return source.dtypes.get(s.hf_name, "I64" if s.index else default)
+        return "I64" if s.index else "F32" if s.param.endswith(_ALWAYS_F32) else default
 
     fused = _fused_specs(family_of(cfg), specs)
     written = set()   # stored tensors holding several experts' quantised weights are written once
