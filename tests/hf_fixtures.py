@@ -85,9 +85,13 @@ def harden(model, router_std: float = 1.0):
                 p.normal_(0, router_std)
             elif name.endswith((".bias", "_bias", ".sinks")):  # gpt-oss: experts' biases, attention sinks
                 p.normal_(0, 0.1 if "sinks" not in name else 1.0)
+            elif name.endswith(("_hc.base", "_hc.scale", "hc_head.hc_base", "hc_head.hc_scale")):
+                p.normal_(0 if name.endswith("base") else 1, 0.5)  # DeepSeek-V4's hyper-connections
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.normal_(0, 0.3)
+            if hasattr(m, "tid2eid"):  # DeepSeek-V4's hash routers: zeros in a fresh model; distinct experts per id
+                m.tid2eid.copy_(torch.stack([torch.randperm(m.num_experts)[:m.top_k] for _ in range(len(m.tid2eid))]))
     return model
 
 
