@@ -158,6 +158,7 @@ def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:
     vocabulary chunk at a time (`VOCAB_CHUNK` rows), keeping only the rows the data uses, so it is
     never held whole (Moonlight's 163,840 x 2,048 table is 0.7 GB in bfloat16); a NaN or infinity
     in a row the data uses is refused naming the token ids."""
+    ckpt.config.require_passes("the layer-streamed executor (scoring, merging, the carried pass, ESAP fitness)")
     (spec,) = [s for s in ckpt.specs if s.param == "model.embed_tokens"]
     ids = [np.asarray(b) for b in batches_of_ids]
     used = np.unique(np.concatenate([b.ravel() for b in ids])) if ids else np.zeros((0,), np.int64)

@@ -176,6 +176,9 @@ class MoeConfig:
     # block transformers does not read): name prefixes
     CARRIED_PREFIXES: ClassVar[tuple] = ()
     num_nextn_predict_layers = 0                        # MTP layers after the decoder layers (a field where read)
+    # Why the checkpoint passes (scoring, pruning and merging, the layer-streamed executors, the
+    # carried pass) cannot run on this family yet, or None when they can (`require_passes`)
+    PASSES_NOT_IMPLEMENTED: ClassVar[str | None] = None
 
     # field (= its config.json key) -> (accepts, expected) type/range rule
     FIELD_RULES = _FromFields(lambda fields: {f.name: f.metadata["rule"] for f in fields})
@@ -249,6 +252,12 @@ class MoeConfig:
         """True when MoE layers hold different expert counts (a checkpoint pruned per layer: each
         layer is built with its own count, `experts_in_layer`; variant masks stay n_experts wide)."""
         return len({self.experts_in_layer(l) for l in self.moe_layers}) > 1
+
+    def require_passes(self, what: str) -> None:
+        """Refuse, naming the family and the reason, a pass this family cannot run yet (rather than
+        compute something wrong): `what` names the pass."""
+        if self.PASSES_NOT_IMPLEMENTED:
+            raise ConfigError(f"{self.TITLE}: {what} is not implemented for this family yet: {self.PASSES_NOT_IMPLEMENTED}")
 
     # --- the router and the MoE block ---------------------------------------------------------
     @property

@@ -80,6 +80,7 @@ def calibrate(model, batches) -> dict[int, LayerStats]:
     """{HF layer index: LayerStats} from batches of (input_ids [B, S], attention_mask [B, S] or None),
     with the whole model in memory: every score's statistics."""
     cfg = model.config
+    cfg.require_passes("calibration statistics (expert scores)")
     forward = model.jitted()
     per_layer = {l: [] for l in cfg.moe_layers}
     masks = []

@@ -61,6 +61,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     check_calibration_args(text, tokens, seq_len, max_tokens)
     check_mtp_policy(mtp)
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
+    ckpt.config.require_passes("scoring a checkpoint's experts")
     scores = scores_for(scores, ckpt.config.HAS_BALANCE_BIAS, f"{checkpoint}")
     if out is not None:  # before the pass, not after hours of it
         _check_out(out, (checkpoint, text_inputs(text), tokens))
@@ -116,6 +117,7 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
         _check_out(out, (checkpoint,))
     storage = open_location(checkpoint)
     checked = check_checkpoint(storage, uniform_experts=False)  # headers and config.json only
+    checked.config.require_passes("scoring a checkpoint's experts")
     names = scores_for(names, checked.config.HAS_BALANCE_BIAS, storage.describe())
     stats = [(layer, data_free_stats(checked.reader, ml, checked.config, names, seed))
              for layer, ml in checked.layout.moe_layers.items()]

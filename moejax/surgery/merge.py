@@ -293,6 +293,7 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src)
+    checked.config.require_passes("merging a checkpoint's experts")
     ckpt, cfg = opened(checked), checked.config
     count = _check_checkpoint(checked, ckpt, method, keep, allocation, collapse_groups, mtp, sequential)
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout

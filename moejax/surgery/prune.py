@@ -215,6 +215,7 @@ def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_fi
     check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json"),
                                               keep_map, text_inputs(text), tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
+    checked.config.require_passes("pruning a checkpoint")
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     fingerprint = checkpoint_fingerprint(checked)  # recorded, and the scores file's (the keep-map's) checked against it

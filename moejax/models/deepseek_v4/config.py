@@ -63,6 +63,11 @@ class DeepseekV4Config(MoeConfig):
     HAS_BALANCE_BIAS: ClassVar[bool] = True
     NORM_SCALES_IN_FLOAT32: ClassVar[bool] = True    # DeepseekV4RMSNorm: float32 weight times the float32 state
     CARRIED_PREFIXES: ClassVar[tuple] = ("mtp.",)   # the Hub's MTP block, which transformers does not read
+    PASSES_NOT_IMPLEMENTED: ClassVar[str] = (
+        "its first layers route by token id through tid2eid tables (hash_moe), which pruning or merging would have "
+        "to renumber and which scores would have to treat apart, and its residual is hc_mult hyper-connection "
+        "streams that the layer-streamed executors do not carry; load it with moejax.from_pretrained and run its "
+        "forward")
     UNIMPLEMENTED: ClassVar[dict] = {
         "hidden_act": (lambda v: v == "silu", "only 'silu' is implemented"),
         "scoring_func": (lambda v: v in ("sqrtsoftplus", "sigmoid"), "only 'sqrtsoftplus' and 'sigmoid' are implemented"),
