@@ -75,11 +75,14 @@ class DeepseekV4Config(MoeConfig):
                                                      "whatever norm_topk_prob says"),
         "moe_sparsity_config": (lambda v: False, "a DeepSeek-V4 checkpoint pruned per layer is not implemented"),
     }
-    DEFAULTS = dict(vocab_size=129280, hidden_size=4096, intermediate_size=2048, num_hidden_layers=43,
+    DEFAULTS = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=43,
                     num_attention_heads=64, num_experts_per_tok=6, rms_norm_eps=1e-6,
                     max_position_embeddings=1048576)
 
-    moe_intermediate_size: int = key(POS_INT, 2048)
+    # transformers reads intermediate_size as moe_intermediate_size (its attribute_map): here too, so the
+    # base field intermediate_size (dense MLPs, which V4 has none of) is no key of its own, kept equal to it
+    moe_intermediate_size: int = key(POS_INT, 2048, aliases=("intermediate_size",))
+    intermediate_size: int = 2048
     n_routed_experts: int = key(POS_INT, 256, aliases=("num_local_experts",), experts=True)
     n_shared_experts: int = key(NONNEG_INT, 1)
     num_key_value_heads: int = key(ONE_ONLY, 1)
@@ -123,6 +126,7 @@ class DeepseekV4Config(MoeConfig):
     compress_rope: RopeConfig = RopeConfig(theta=160000.0)
 
     def __post_init__(self):  # hashable (a jit static argument): lists as tuples, the rates as pairs
+        object.__setattr__(self, "intermediate_size", self.moe_intermediate_size)
         for name in ("layer_types", "compress_ratios", "mlp_layer_types"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -173,14 +177,7 @@ class DeepseekV4Config(MoeConfig):
         compress_rates (legacy scalars folded in), mlp_layer_types (or num_hash_layers, default 3),
         the rope width (partial_rotary_factor, or qk_rope_head_dim / head_dim, default 64 / 512) and
         the two ropes; then the relations between fields."""
-        out = {}
-        if "intermediate_size" in valid and valid["intermediate_size"] != merged.get("moe_intermediate_size"):
-            problems.append(f"intermediate_size={show(valid['intermediate_size'])} disagrees with "
-                            f"moe_intermediate_size={show(merged.get('moe_intermediate_size'))} (transformers reads "
-                            "intermediate_size as moe_intermediate_size)")
-        elif "intermediate_size" not in valid and merged.get("moe_intermediate_size") is not None:
-            out["intermediate_size"] = merged["moe_intermediate_size"]
-        out.update(cls._resolve(merged, problems))
+        out = cls._resolve(merged, problems)
         if "rope_dim" in out:
             out.update(cls._read_ropes(d, merged, problems, unimplemented))
         return out
