@@ -294,6 +294,14 @@ def expert_function(experts):
     `down_proj` [E, Im, H], with their biases, the clamps and (up + 1) * gate * sigmoid(alpha gate)."""
     gate_up = experts.gate_up_proj.detach().double().numpy()
     down = experts.down_proj.detach().double().numpy()
+    if hasattr(experts, "limit") and not hasattr(experts, "gate_up_proj_bias"):  # DeepSeek-V4: clamped, no biases
+        limit, Im = float(experts.limit), gate_up.shape[1] // 2
+
+        def f(j, xs):
+            g, u = np.minimum(xs @ gate_up[j, :Im].T, limit), np.clip(xs @ gate_up[j, Im:].T, -limit, limit)
+            return (g / (1 + np.exp(-g)) * u) @ down[j].T
+
+        return f
     if hasattr(experts, "limit"):
         gu_b = experts.gate_up_proj_bias.detach().double().numpy()
         d_b = experts.down_proj_bias.detach().double().numpy()

@@ -118,6 +118,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     tokens first (each layer's weights are then read twice); info["layer_counts"][variant
     name][layer] and the `experts` rows record the counts."""
     cfg = ckpt.config
+    cfg.require_passes("the carried pass (evaluate_pruning)")
     if cfg.per_layer_experts:  # the carried pass sizes every layer's statistics and masks by n_experts
         raise ConfigError(f"{ckpt.path}: MoE layers hold different expert counts (moe_sparsity_config.num_experts "
                           f"{list(cfg.layer_num_experts)}); evaluate_pruning (the prune_real experiment) needs one "

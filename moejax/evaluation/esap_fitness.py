@@ -52,6 +52,7 @@ class EsapFitness:
 
     def __init__(self, ckpt: OpenCheckpoint, ids_NS: np.ndarray, rankings: dict, layers: list, *,
                  batch_size: int = 8, dtype=jnp.float32, collapse: bool = True, keeps_groups=None):
+        ckpt.config.require_passes("ESAP fitness (the evo_esap search)")
         self.ckpt, self.dtype = ckpt, dtype
         self.rankings, self.layers = {l: np.asarray(rankings[l], np.float64) for l in layers}, list(layers)
         ids_NS = np.asarray(ids_NS)

@@ -130,6 +130,17 @@ class OpenCheckpoint:
         abstract = nnx.eval_shape(lambda: cls.decoder_layer(self.config, layer, dtype, nnx.Rngs(0), backend))
         return self.fill(abstract, specs, dtype, prefix=prefix, mesh=mesh, expert_dtype=expert_dtype)
 
+    def exit_block(self, dtype):
+        """The family's module collapsing the last layer's residual before the final norm
+        (`CausalLM.exit_block`, DeepSeek-V4's hc_head), filled from its tensors; None for a family
+        without one."""
+        cls = self.family.causal_lm()
+        if cls.EXIT_NAME is None:
+            return None
+        prefix = f"model.{cls.EXIT_NAME}."
+        abstract = nnx.eval_shape(lambda: cls.exit_block(self.config, nnx.Rngs(0)))
+        return self.fill(abstract, self.specs_under(prefix), dtype, prefix=prefix)
+
     def layer_specs(self, layer: int) -> list[TensorSpec]:
         """The tensors of decoder layer `layer`, or of MTP layer `layer` (its block and predictor)."""
         if layer < self.config.num_hidden_layers:

@@ -217,13 +217,31 @@ class CausalLM(nnx.Module):
                               moe_inputs if return_moe_inputs else None)
 
     def _embed(self, input_ids_BS):
-        """The decoder's input: the embedding rows of the ids ([B, S, H]; DeepSeek-V4: copied into its
-        hyper-connection streams)."""
-        return self.model.embed_tokens[...][input_ids_BS]
+        """The decoder's input: the embedding rows of the ids, as `entry` makes them the residual."""
+        return self.entry(self.config, self.model.embed_tokens[...][input_ids_BS])
 
-    def _logits(self, x_BSH):
+    def _logits(self, x):
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        return linear(self.model.norm(x_BSH), head)
+        exit_block = getattr(self.model, self.EXIT_NAME) if self.EXIT_NAME else None
+        return linear(self.model.norm(x if exit_block is None else exit_block(x)), head)
+
+    # --- the residual's two ends, which the layer-streamed executors call too (`moejax.inference.stream`) ---
+    # The residual the decoder layers hand on is what `entry` makes of the embedding rows [B, S, H]
+    # (the rows themselves; DeepSeek-V4: hc_mult hyper-connection streams [B, S, W, H]); before the
+    # final norm the module `model.<EXIT_NAME>` (None: none) collapses it back to [B, S, H]. The
+    # executors never look inside the residual: they pass it between these hooks and the halves.
+    EXIT_NAME: ClassVar[str | None] = None
+
+    @classmethod
+    def entry(cls, cfg, x_BSH):
+        """The decoder's input residual from the embedding rows x [B, S, H]."""
+        return x_BSH
+
+    @classmethod
+    def exit_block(cls, cfg, rngs: nnx.Rngs):
+        """The module `model.<EXIT_NAME>` that collapses the last layer's residual to [B, S, H]
+        before the final norm (built alone: the streamed head reads only its tensors), or None."""
+        return None
 
     # --- generation (moejax.inference.generate.generate drives these three) ---
 

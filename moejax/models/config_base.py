@@ -176,9 +176,9 @@ class MoeConfig:
     # block transformers does not read): name prefixes
     CARRIED_PREFIXES: ClassVar[tuple] = ()
     num_nextn_predict_layers = 0                        # MTP layers after the decoder layers (a field where read)
-    # Why the checkpoint passes (scoring, pruning and merging, the layer-streamed executors, the
-    # carried pass) cannot run on this family yet, or None when they can (`require_passes`)
-    PASSES_NOT_IMPLEMENTED: ClassVar[str | None] = None
+    # The checkpoint passes this family cannot run yet: {the pass as `require_passes` names it (the
+    # start of its `what`): why}; empty when every pass runs
+    PASSES_NOT_IMPLEMENTED: ClassVar[dict] = {}
 
     # field (= its config.json key) -> (accepts, expected) type/range rule
     FIELD_RULES = _FromFields(lambda fields: {f.name: f.metadata["rule"] for f in fields})
@@ -253,11 +253,23 @@ class MoeConfig:
         layer is built with its own count, `experts_in_layer`; variant masks stay n_experts wide)."""
         return len({self.experts_in_layer(l) for l in self.moe_layers}) > 1
 
+    def is_kept_whole(self, layer: int) -> bool:
+        """Whether MoE layer `layer`'s experts are outside every pass that chooses experts: never
+        scored, pruned, merged or substituted, and a variant leaves them as they are (DeepSeek-V4's
+        hash layers, whose experts a token-id table gives, `docs/families.md`)."""
+        return False
+
+    @property
+    def scored_layers(self) -> list[int]:
+        """The MoE layers the passes score and change: `moe_layers` less those kept whole."""
+        return [l for l in self.moe_layers if not self.is_kept_whole(l)]
+
     def require_passes(self, what: str) -> None:
         """Refuse, naming the family and the reason, a pass this family cannot run yet (rather than
-        compute something wrong): `what` names the pass."""
-        if self.PASSES_NOT_IMPLEMENTED:
-            raise ConfigError(f"{self.TITLE}: {what} is not implemented for this family yet: {self.PASSES_NOT_IMPLEMENTED}")
+        compute something wrong): `what` names the pass, and starts with its `PASSES_NOT_IMPLEMENTED` key."""
+        why = next((why for key, why in self.PASSES_NOT_IMPLEMENTED.items() if what.startswith(key)), None)
+        if why:
+            raise ConfigError(f"{self.TITLE}: {what} is not implemented for this family yet: {why}")
 
     # --- the router and the MoE block ---------------------------------------------------------
     @property

@@ -48,7 +48,7 @@ from moejax.hf.provenance import (FINGERPRINT_KEY, PRUNING_RECORD, check_made_fr
 from moejax.hf.mtp_names import MTP_DEFAULT
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.surgery.prune_keep_map import SCORE as KEEP_MAP_SCORE, plan_from_keep_map
-from moejax.surgery.prune_plan import PrunePlan, keeps_groups, plan_pruning
+from moejax.surgery.prune_plan import UNREACHABLE_BIAS, PrunePlan, keeps_groups, plan_pruning
 from moejax.variants.spec import VariantSpec
 
 
@@ -215,7 +215,6 @@ def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_fi
     check_destination(dst, overwrite, inputs=(src, scores_file, scores_file and Path(scores_file).with_suffix(".json"),
                                               keep_map, text_inputs(text), tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # the loader's check: headers against config.json
-    checked.config.require_passes("pruning a checkpoint")
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
     copied, file_notes = other_files(reader.reader)
     fingerprint = checkpoint_fingerprint(checked)  # recorded, and the scores file's (the keep-map's) checked against it
@@ -244,6 +243,9 @@ def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_fi
         raise ConfigError(f"--text/--tokens: --allocation {allocation.name} reads no calibration tokens (evo_esap's "
                           "search does; to prune by a calibration score, run `moejax score` and pass --scores-file)")
     if keep_map is not None:
+        if checked.config.scored_layers != checked.config.moe_layers:
+            raise ConfigError(f"{checked.config.TITLE}: --keep-map is not implemented for a family with layers kept "
+                              "whole (hash layers); prune with --score")
         plan, about, mtp = plan_from_keep_map(keep_map, checked, fingerprint, fmt=keep_map_format,
                                               settings=keep_map_settings, collapse_groups=collapse_groups, mtp=mtp)
         counts = {len(kept) for kept in plan.kept.values()}
@@ -264,9 +266,28 @@ def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_fi
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }
+    for l, dropped in plan.unreachable.items():
+        record["layers"][str(l)]["unreachable"] = dropped
     write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=progress,
+                 replaced=unreachable_biases(reader, layout, plan) if plan.unreachable else None,
                  num_hidden_layers=checked.config.num_hidden_layers)
     return record
+
+
+def unreachable_biases(reader, layout: CheckpointLayout, plan: PrunePlan):
+    """`write_pruned`'s `replaced` for a plan with unreachable slots (`PrunePlan.unreachable`): each
+    such layer's balance bias with those experts' entries UNREACHABLE_BIAS, in its stored dtype."""
+    import numpy as np
+
+    biases = {layout.moe_layers[l].bias: dropped for l, dropped in plan.unreachable.items()}
+
+    def replaced(name):
+        if name not in biases:
+            return None
+        value = np.array(reader.read(name))
+        value[biases[name]] = UNREACHABLE_BIAS
+        return value
+    return replaced
 
 
 def _check_request(score, keep, scores_file, layers_keep, group_aware, allocation, keep_map) -> None:

@@ -63,11 +63,20 @@ class DeepseekV4Config(MoeConfig):
     HAS_BALANCE_BIAS: ClassVar[bool] = True
     NORM_SCALES_IN_FLOAT32: ClassVar[bool] = True    # DeepseekV4RMSNorm: float32 weight times the float32 state
     CARRIED_PREFIXES: ClassVar[tuple] = ("mtp.",)   # the Hub's MTP block, which transformers does not read
-    PASSES_NOT_IMPLEMENTED: ClassVar[str] = (
-        "its first layers route by token id through tid2eid tables (hash_moe), which pruning or merging would have "
-        "to renumber and which scores would have to treat apart, and its residual is hc_mult hyper-connection "
-        "streams that the layer-streamed executors do not carry; load it with moejax.from_pretrained and run its "
-        "forward")
+    # Scoring and pruning run (the hash layers kept whole, `is_kept_whole`; docs/families.md); these not yet
+    _NOT_YET = ("its hash layers stay whole and its learned layers are pruned as unreachable slots (docs/families.md); "
+                "{what} would have to write or evaluate {how} in that form, which is not implemented")
+    PASSES_NOT_IMPLEMENTED: ClassVar[dict] = {
+        "merging": _NOT_YET.format(what="merging", how="merged experts"),
+        "substituting": _NOT_YET.format(what="substitution (MoNE)", how="novice slots"),
+        "rerouting": ("router distillation is not implemented: the hash layers have no router to distil (their "
+                      "experts are tid2eid[token id]), and the learned layers' students are merged or substituted "
+                      "checkpoints, which are not implemented for this family"),
+        "the carried pass": ("the carried pass's own layer walk does not hand the hash layers their token ids; "
+                             "score with `moejax score` and prune with `moejax prune`"),
+        "ESAP fitness": ("the ESAP search's own layer walk does not hand the hash layers their token ids; "
+                         "prune with a uniform --keep or --layers-keep"),
+    }
     UNIMPLEMENTED: ClassVar[dict] = {
         "hidden_act": (lambda v: v == "silu", "only 'silu' is implemented"),
         "scoring_func": (lambda v: v in ("sqrtsoftplus", "sigmoid"), "only 'sqrtsoftplus' and 'sigmoid' are implemented"),
@@ -145,6 +154,10 @@ class DeepseekV4Config(MoeConfig):
 
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hidden_layers and self.hash_layers[layer]
+
+    def is_kept_whole(self, layer: int) -> bool:
+        """The hash layers: their experts are tid2eid[token id], no router chooses them (docs/families.md)."""
+        return self.is_hash_layer(layer)
 
     def attention_type(self, layer: int) -> str:
         return self.attention_types[layer]

@@ -118,7 +118,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         rngs = rngs or nnx.Rngs(0)
         super().__init__(cfg, dtype, rngs=rngs, backend=backend, hf_source=hf_source)
         self.model.norm = decoder_norm(cfg, jnp.float32)
-        self.model.hc_head = HyperHead(cfg, rngs)
+        self.model.hc_head = self.exit_block(cfg, rngs)
 
     def __call__(self, input_ids_BS, attention_mask_BS=None, variant=None, return_routing: bool = False,
                  return_moe_inputs: bool = False, forward_only: bool = False, positions_BS=None):
@@ -128,12 +128,16 @@ class DeepseekV4ForCausalLM(CausalLM):
         return super().__call__(input_ids_BS, attention_mask_BS, variant, return_routing, return_moe_inputs,
                                 forward_only)
 
-    def _embed(self, input_ids_BS):
-        x = self.model.embed_tokens[...][input_ids_BS]
-        return jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (self.config.hc_mult,) + x.shape[2:])
+    EXIT_NAME = "hc_head"
 
-    def _logits(self, x_BSWH):
-        return super()._logits(self.model.hc_head(x_BSWH))
+    @classmethod
+    def entry(cls, cfg, x_BSH):
+        """The embedding copied into the hc_mult streams [B, S, W, H]."""
+        return jnp.broadcast_to(x_BSH[:, :, None, :], x_BSH.shape[:2] + (cfg.hc_mult,) + x_BSH.shape[2:])
+
+    @classmethod
+    def exit_block(cls, cfg, rngs: nnx.Rngs):
+        return HyperHead(cfg, rngs)
 
     def init_cache(self, batch: int, length: int):
         raise ConfigError(NOT_IMPLEMENTED.format(what="generation (a KV cache)"))
