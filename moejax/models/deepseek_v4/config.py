@@ -26,8 +26,14 @@ What each setting is (paper sections as transformers' docstrings cite them):
   (`hc_sinkhorn_iters`, `hc_eps`; section 2.2);
 - experts: SwiGLU clamped at `swiglu_limit` (routed and shared).
 
+Quantised checkpoints (`quantization_config`, `quant_method` "fp8", as the Hub ships V4-Flash and
+V4-Pro): read as transformers' DeepseekV4Config does, config.json's top-level `expert_dtype` moved
+into it ("fp4": FP4 routed experts; absent: "fp8", FineGrainedFP8Config's default); every
+quantised Linear then stores `<x>.weight` with `<x>.scale` (`moejax.hf.quant.decode`'s
+`deepseek_v4_fp8`).
+
 Not read (their tensors or effects are out of this phase): the MTP block (`mtp.*` on the Hub,
-carried byte for byte), `quantization_config` (FP4/FP8 experts).
+carried byte for byte).
 """
 
 from __future__ import annotations
@@ -174,6 +180,17 @@ class DeepseekV4Config(MoeConfig):
     @property
     def shared_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def quantization_config(self) -> dict | None:
+        """config.json's quantization_config with `expert_dtype` in it (transformers 5.24's
+        DeepseekV4Config `__post_init__` moves the top-level key there; FineGrainedFP8Config defaults
+        it to "fp8"), so an FP8 V4 checkpoint is read with its `.scale` names, FP4 experts or not."""
+        raw = getattr(self, "raw", None) or {}
+        qcfg = raw.get("quantization_config")
+        if not isinstance(qcfg, dict) or qcfg.get("quant_method") != "fp8":
+            return qcfg
+        return {**qcfg, "expert_dtype": qcfg.get("expert_dtype", raw.get("expert_dtype", "fp8"))}
 
     def expert_fn(self):
         from moejax.moe.dispatch import LimitedSwiglu
