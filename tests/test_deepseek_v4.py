@@ -7,8 +7,12 @@ tokens (longer than the window, with more compressed entries than the indexer ke
 each layer chooses and the float32 logits equal transformers'; planted bugs (Sinkhorn cut to one
 normalisation, the compressed branches rotated with the sliding layers' base, no indexer
 selection) fail that comparison; the router's sqrtsoftplus and given (hash) choice against their
-formulas; the refusals of what this phase does not implement."""
+formulas; greedy generation with V4's caches (the window's ring, the compressors' entries, pending
+window and overlap, the indexer's keys) equal to transformers' `generate` token for token on a
+padded batch, its decode steps' logits equal to transformers' and to the full forward's, and
+planted cache bugs failing that; the refusals of what this phase does not implement."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +23,10 @@ pytest.importorskip("transformers")
 from family_fixtures import make_family_checkpoint  # noqa: E402
 from hf_fixtures import batch, hook_router  # noqa: E402
 
+from flax import nnx  # noqa: E402
+
 from moejax import AutoModelForCausalLM  # noqa: E402
+from moejax.inference.generate import generate  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
 from moejax.models.deepseek_v4 import attention, hyper  # noqa: E402
 from moejax.moe.routing import RouterConfig, route  # noqa: E402
@@ -125,5 +132,95 @@ def test_what_this_phase_does_not_implement_is_refused_by_name(v4):
         model(jnp.asarray(ids), jnp.asarray(mask), variant=jnp.asarray(masks))
     with pytest.raises(ConfigError, match="DeepSeek-V4: rope positions"):
         model(jnp.asarray(ids), positions_BS=jnp.zeros(ids.shape, jnp.int32))
-    with pytest.raises(ConfigError, match=r"DeepSeek-V4: generation \(a KV cache\) is not implemented"):
-        model.init_cache(1, 8)
+
+
+# Generation: a prompt of 20 columns then 20 new tokens. The prompt is longer than the window (8),
+# and while decoding the window wraps (20 steps > 8), CSA (rate 4) closes 5 windows and HCA (rate 8)
+# 3 (columns 23, 31, 39), each pooled from the pending window (and CSA's from the prior Ca); row 2's
+# 9 columns of padding put its positions a whole HCA window behind its columns, so the entries its
+# queries see by position (prefill, the indexer) differ from the entries emitted by column.
+P, N_NEW = 20, 20
+
+
+@pytest.fixture(scope="module")
+def generated(v4):
+    """(prompt ids, mask, transformers' sequences [B, P + N_NEW], its logits of each new token [N, B, V])."""
+    _, hf, model, *_ = v4
+    cfg = model.config
+    assert P > cfg.sliding_window and N_NEW > cfg.sliding_window
+    assert [((P + N_NEW) // r) - (P // r) for r in cfg.rates] == [5, 3]
+    rng = np.random.default_rng(7)
+    ids = rng.integers(2, 96, size=(3, P))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :9] = 0
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), max_new_tokens=N_NEW,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+    return ids, mask, out.sequences.numpy(), np.stack([l.float().numpy() for l in out.logits])
+
+
+def stepped_logits(model, ids, mask, sequences):
+    """Logits [N_NEW, B, V] of moejax's prefill on the prompt, then its decode steps fed `sequences`'
+    continuation (teacher-forced), positions as generate numbers them."""
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda state, *a: nnx.merge(graphdef, state).prefill(*a))
+    decode = jax.jit(lambda state, *a: nnx.merge(graphdef, state).decode_step(*a))
+    full = np.concatenate([mask, np.ones((mask.shape[0], N_NEW), mask.dtype)], axis=1)
+    positions = np.maximum(np.cumsum(full, axis=1) - 1, 0).astype(np.int32)
+    out = prefill(state, jnp.asarray(ids), jnp.asarray(positions[:, :P]), jnp.asarray(mask),
+                  model.init_cache(ids.shape[0], P + N_NEW))
+    logits, cache = [out.logits_BSV[:, -1]], out.cache
+    for t in range(P, P + N_NEW - 1):
+        out = decode(state, jnp.asarray(sequences[:, t:t + 1]), jnp.asarray(positions[:, t:t + 1]), cache, t)
+        logits.append(out.logits_BSV[:, 0])
+        cache = out.cache
+    return np.asarray(jnp.stack(logits))
+
+
+def test_greedy_generation_with_the_caches_equals_transformers(v4, generated):
+    """moejax's generation (prefill, then the compiled decode loop) on the padded batch gives
+    transformers' `generate(do_sample=False)` token for token, and every step's logits (teacher-
+    forced on its tokens) are within 1e-4 of transformers'."""
+    _, _, model, *_ = v4
+    ids, mask, want, want_logits = generated
+    got = np.asarray(generate(model, ids, mask, max_new_tokens=N_NEW))
+    np.testing.assert_array_equal(got, want)
+    assert len({tuple(row) for row in want[:, P:]}) == 3   # the rows generate different continuations
+    err = np.abs(stepped_logits(model, ids, mask, want) - want_logits).max()
+    assert err < 1e-4, err
+
+
+def test_decode_steps_equal_the_full_forward(v4, generated):
+    """Without padding (positions = columns), each decode step's logits equal the whole-sequence
+    forward's at that position (the forward is causal: entries of later windows are unseen)."""
+    _, _, model, *_ = v4
+    ids, _, want, _ = generated
+    ones = np.ones_like(ids)
+    seq = want.copy()
+    seq[:, :P] = ids
+    forward = np.asarray(model(jnp.asarray(seq), jnp.asarray(np.ones_like(seq))).logits_BSV)
+    err = np.abs(stepped_logits(model, ids, ones, seq) - np.moveaxis(forward[:, P - 1:-1], 1, 0)).max()
+    assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("bug", ["pending_dropped", "overlap_dropped"])
+def test_a_planted_cache_bug_fails_generation(v4, generated, monkeypatch, bug):
+    """The comparison catches a compressor that forgets its pending window between steps (only the
+    closing token pooled) or the previous window's Ca (CSA's overlap)."""
+    _, _, model, *_ = v4
+    ids, mask, want, want_logits = generated
+    step = attention.Compressor.step
+    if bug == "pending_dropped":
+        def planted(self, x, column, cache, cfg):
+            return step(self, x, column, cache._replace(kv_BMJ=jnp.zeros_like(cache.kv_BMJ),
+                                                        gate_BMJ=jnp.full_like(cache.gate_BMJ, -1e9)), cfg)
+    else:
+        def planted(self, x, column, cache, cfg):
+            if cache.prior_kv_BMQ is not None:
+                cache = cache._replace(prior_gate_BMQ=jnp.full_like(cache.prior_gate_BMQ, -jnp.inf))
+            return step(self, x, column, cache, cfg)
+    monkeypatch.setattr(attention.Compressor, "step", planted)
+    err = np.abs(stepped_logits(model, ids, mask, want) - want_logits).max()
+    assert err > 1e-3, (bug, err)

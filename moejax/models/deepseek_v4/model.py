@@ -9,26 +9,27 @@ collapsed by the ffn hyper-connection) and `feed` gives the streams after the Mo
 reach the hash layers through `feed(..., ids_BS=)`. The model copies the embedding into W streams
 (`_embed`) and collapses them before the final norm (`_logits`).
 
-Not implemented in this phase (refused by name, never computed wrongly): generation's cache steps,
-rope positions other than the columns 0..S-1 (transformers' compressors number windows by column),
-pruning or merging the experts of a hash layer (`moejax.moe.routing.route`)."""
+Generation (`prefill`, `decode_step`) keeps per layer a `V4LayerCache`: the sliding window's keys
+in a ring, and the compressors' and indexer's entries, pending window and overlap (`attention.py`).
+
+Not implemented in this phase (refused by name, never computed wrongly): rope positions other than
+the columns 0..S-1 in the forward (transformers' compressors number windows by column), pruning or
+merging the experts of a hash layer (`moejax.moe.routing.route`)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from moejax.errors import ConfigError
-from moejax.models.causal_lm import Attended, CausalLM, LayerOutput, decoder_norm
-from moejax.models.deepseek_v4.attention import DeepseekV4Attention, rope_tables
+from moejax.models.causal_lm import (Attended, CachedOutput, CausalLM, KVCache, LayerOutput, _checked,
+                                     decoder_norm)
+from moejax.models.deepseek_v4.attention import DeepseekV4Attention, ring_allowed, rope_tables
 from moejax.models.deepseek_v4.config import DeepseekV4Config
 from moejax.models.deepseek_v4.hyper import hc_head, hc_mappings, hc_residual
-from moejax.models.layers import param
+from moejax.models.layers import causal_allowed, param
 from moejax.models.moe_block import MoE
-
-NOT_IMPLEMENTED = ("DeepSeek-V4: {what} is not implemented yet (its compressors' and indexer's running state "
-                   "across cache steps); the whole-sequence forward is")
-
 
 class HyperConnection(nnx.Module):
     """One block's mHC mapping: fn [W H, (2 + W) W], base [(2 + W) W], scale [3], float32."""
@@ -97,11 +98,25 @@ class HyperDecoderLayer(nnx.Module):
         y, routing = self.mlp(z, variant, forward_only, ids_BS)
         return LayerOutput(hc_residual(h, y, post, comb), routing, z, carry)
 
-    def prefill(self, *args, **kwargs):
-        raise ConfigError(NOT_IMPLEMENTED.format(what="prefill with a cache"))
+    def prefill(self, x, cos, sin, allowed_BSS, positions_BS, cache, variant=None, ids_BS=None):
+        """The layer on a prompt, its attention's cache filled: (output streams, cache)."""
+        post, comb, collapsed = self.attn_hc(x)
+        a, cache = self.self_attn.prefill(self.input_layernorm(collapsed).astype(x.dtype), cos, sin, allowed_BSS,
+                                          positions_BS, cache)
+        return self._after_attention(x, a, post, comb, variant, ids_BS), cache
 
-    def decode(self, *args, **kwargs):
-        raise ConfigError(NOT_IMPLEMENTED.format(what="cached decoding"))
+    def decode(self, x, cos, sin, positions_B1, cache, column, ring_B1W, variant=None, ids_B1=None):
+        """The layer on one new token per row against its cache: (output streams, cache)."""
+        post, comb, collapsed = self.attn_hc(x)
+        a, cache = self.self_attn.decode(self.input_layernorm(collapsed).astype(x.dtype), cos, sin, positions_B1,
+                                         cache, column, ring_B1W)
+        return self._after_attention(x, a, post, comb, variant, ids_B1), cache
+
+    def _after_attention(self, x, a, post, comb, variant, ids_BS):
+        h = hc_residual(x, a, post, comb)
+        _, _, collapsed = self.ffn_hc(h)
+        attended = Attended(h, self.post_attention_layernorm(collapsed).astype(h.dtype))
+        return self.feed(attended, variant, True, ids_BS).out_BSH
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -139,11 +154,38 @@ class DeepseekV4ForCausalLM(CausalLM):
     def exit_block(cls, cfg, rngs: nnx.Rngs):
         return HyperHead(cfg, rngs)
 
-    def init_cache(self, batch: int, length: int):
-        raise ConfigError(NOT_IMPLEMENTED.format(what="generation (a KV cache)"))
+    # --- generation: the layers' `V4LayerCache`s (sliding-window ring, compressors' and indexer's
+    # states) in the shared `KVCache`, whose valid_BC marks the columns holding a real token ---
 
-    def prefill(self, *args, **kwargs):
-        raise ConfigError(NOT_IMPLEMENTED.format(what="generation (prefill with a cache)"))
+    def prefill(self, input_ids_BP, positions_BP, attention_mask_BP, cache: KVCache, variant=None,
+                last_only: bool = True) -> CachedOutput:
+        """The forward on a left-padded prompt (rope and the compressed entries' visibility by
+        positions_BP, as transformers' `generate` passes them; the window and the compressors by
+        column) that also fills each layer's cache."""
+        variant = _checked(variant, self.config)
+        B, P = input_ids_BP.shape
+        mask = attention_mask_BP.astype(bool)
+        x = self._embed(input_ids_BP)
+        cos, sin = self.rope_tables(self.config, positions_BP, x.dtype)
+        allowed = causal_allowed(mask, B, P)
+        layers = []
+        for l, layer in enumerate(self.model.layers):
+            x, layer_cache = layer.prefill(x, cos, sin, allowed, positions_BP, cache.layers[l],
+                                           self._layer_variant(variant, l), input_ids_BP)
+            layers.append(layer_cache)
+        logits = self._logits(x[:, -1:] if last_only else x).astype(jnp.float32)
+        return CachedOutput(logits, KVCache(tuple(layers), jax.lax.dynamic_update_slice(cache.valid_BC, mask, (0, 0))))
 
-    def decode_step(self, *args, **kwargs):
-        raise ConfigError(NOT_IMPLEMENTED.format(what="generation (cached decoding)"))
+    def decode_step(self, input_ids_B1, positions_B1, cache: KVCache, column, variant=None) -> CachedOutput:
+        """One new token per row at cache column `column`: logits [B, 1, V] and the cache after it."""
+        variant = _checked(variant, self.config)
+        valid = jax.lax.dynamic_update_slice(cache.valid_BC, jnp.ones((input_ids_B1.shape[0], 1), bool), (0, column))
+        ring = ring_allowed(valid, column, self.config.sliding_window)
+        x = self._embed(input_ids_B1)
+        cos, sin = self.rope_tables(self.config, positions_B1, x.dtype)
+        layers = []
+        for l, layer in enumerate(self.model.layers):
+            x, layer_cache = layer.decode(x, cos, sin, positions_B1, cache.layers[l], column, ring,
+                                          self._layer_variant(variant, l), input_ids_B1)
+            layers.append(layer_cache)
+        return CachedOutput(self._logits(x).astype(jnp.float32), KVCache(tuple(layers), valid))
