@@ -428,16 +428,18 @@ def test_expert_parallel_softmax_family_identical_across_meshes(family_checkpoin
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), shape
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", *NEWER])
+@pytest.mark.parametrize("family", ["qwen3_moe", *NEWER, "deepseek_v4"])
 def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoints, family, tmp_path):
-    """The carried pass (prune_real) on Qwen3-MoE and the newer families: the unpruned perplexity is transformers'; keep=E
-    reproduces it exactly; `l1` at keep 4 gives the perplexity transformers computes on the
-    checkpoint `moejax prune --score l1 --keep 4` writes."""
+    """The carried pass (prune_real) on Qwen3-MoE, the newer families and DeepSeek-V4 (its
+    hyper-connection streams carried, its hash layers handed the token ids and kept whole): the
+    unpruned perplexity is transformers'; keep=E reproduces it exactly; `l1` at keep 4 gives the
+    perplexity transformers computes on the checkpoint `moejax prune --score l1 --keep 4` writes,
+    and the one moejax's own forward computes under the pass's masks."""
     from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
     import pandas as pd
 
-    path, hf, _ = family_checkpoints[family]
+    path, hf, model = family_checkpoints[family]
     rng = np.random.default_rng(8)
     calib = rng.integers(0, 96, size=(4, 16)).astype(np.int32)
     held = rng.integers(0, 96, size=(3, 16)).astype(np.int32)
@@ -455,13 +457,26 @@ def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoi
     unpruned = ppl[ppl["form"] == "none"].value.item()
     assert unpruned == pytest.approx(hf_ppl(hf), rel=1e-4)
     assert (ppl[ppl.keep == 8].value == unpruned).all()
+    cfg = model.config
+    assert sorted(info["kept"]) == cfg.scored_layers   # a layer kept whole (V4's hash layers) decides nothing
     dst = tmp_path / "l1"
     record = _prune(family, path, dst, keep=4)
-    assert {int(l): e["kept"] for l, e in record["layers"].items()} == {l: k["l1@4"] for l, k in info["kept"].items()}
+    # the kept experts (V4: those not written unreachable)
+    written = {int(l): sorted(set(e["kept"]) - set(e.get("unreachable", []))) for l, e in record["layers"].items()}
+    assert {l: written[l] for l in cfg.scored_layers} == {l: k["l1@4"] for l, k in info["kept"].items()}
+    assert all(written[l] == list(range(8)) for l in cfg.moe_layers if cfg.is_kept_whole(l))
+    masks = np.ones((cfg.num_hidden_layers, 8), bool)   # moejax's own forward under the pass's kept sets
+    for l, k in info["kept"].items():
+        masks[l] = np.isin(np.arange(8), k["l1@4"])
+    logits = np.asarray(model(jnp.asarray(held), variant=jnp.asarray(masks)).logits_BSV, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ours = float(np.exp(-np.take_along_axis(logp[:, :-1], held[:, 1:, None], -1).mean()))
     pruned = hf_classes(family)[1].from_pretrained(dst, attn_implementation="eager",
                                                    experts_implementation="eager").eval()
     got = ppl[(ppl.method == "l1") & (ppl.keep == 4)].value.item()
     assert got == pytest.approx(hf_ppl(pruned), rel=1e-4) and got != pytest.approx(unpruned, rel=1e-3)
+    assert got == pytest.approx(ours, rel=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -496,14 +511,12 @@ def test_esap_fitness_equals_the_masked_forward(family_checkpoints, family, tmp_
 
     path, _, model = family_checkpoints[family]
     cfg = model.config
-    layers = list(cfg.moe_layers)
+    layers = list(cfg.scored_layers)   # DeepSeek-V4's hash layers are kept whole: no candidate chooses them
     rng = np.random.default_rng(3)
     ids = rng.integers(0, cfg.vocab_size, size=(2, 24)).astype(np.int32)
-    if family in NO_PASSES:
-        with refused(family, "ESAP fitness"):
-            EsapFitness(open_checkpoint(path), ids, {l: np.zeros(cfg.experts_in_layer(l)) for l in layers}, layers,
-                        batch_size=2)
-        return
+    if layers != cfg.moe_layers:
+        with pytest.raises(ConfigError, match=r"ESAP fitness: layers \[0, 1\] are kept whole"):
+            EsapFitness(open_checkpoint(path), ids, {l: np.zeros(8) for l in cfg.moe_layers}, cfg.moe_layers)
     ranking = {l: rng.standard_normal(cfg.experts_in_layer(l)) for l in layers}
     E, k = [cfg.experts_in_layer(l) for l in layers], cfg.num_experts_per_tok
     counts = np.asarray([[max(k, e // 2) for e in E], [k + (i % 2) * (e - k) for i, e in enumerate(E)]])
@@ -549,3 +562,74 @@ def collapsed(path, tmp_path):
     inner.update(n_group=1, topk_group=1)
     (out / "config.json").write_text(json.dumps(cfg))
     return AutoModelForCausalLM.from_pretrained(out, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("method", ["m_smoe", pytest.param("hc_smoe", marks=pytest.mark.slow)])
+def test_merged_checkpoint_with_layers_kept_whole_loads_in_transformers(family_checkpoints, method, tmp_path):
+    """`moejax merge` on DeepSeek-V4 (docs/families.md): the hash layers stay whole and bytewise the
+    source's; in each learned layer every slot is written, a merged cluster's leader slot holding the
+    merged expert and its other members unreachable (balance bias -1e4), so config.json is the
+    source's and transformers loads it. transformers on it equals moejax's source under the merge's
+    shrunk variant (the in-memory merge on the same tokens) and moejax loading it, within 1e-4."""
+    import torch
+
+    from moejax.hf.model_io import load_pretrained
+    from moejax.merging.calibration import merge_stats
+    from moejax.merging.layer import merge_layer
+    from moejax.merging.method import MergeContext, parse
+    from moejax.surgery.merge import merge_checkpoint
+    from moejax.surgery.prune_plan import UNREACHABLE_BIAS
+
+    path, _, model = family_checkpoints["deepseek_v4"]
+    cfg = model.config
+    calib = np.random.default_rng(6).integers(0, 96, size=(4, 24)).astype(np.int32)
+    np.save(tmp_path / "calib.npy", calib)
+    dst = tmp_path / "merged"
+    record = merge_checkpoint(path, dst, method=parse(method), keep=4, tokens=tmp_path / "calib.npy")
+    assert json.loads((dst / "config.json").read_text()) == json.loads((path / "config.json").read_text())
+    assert sorted(int(l) for l in record["layers"]) == cfg.scored_layers   # the hash layers: no clusters
+    moe_inputs = model.jitted()(jnp.asarray(calib), None, return_moe_inputs=True).moe_inputs
+    variant, a, b = {}, CheckpointReader(path), CheckpointReader(dst)
+    for l in cfg.scored_layers:
+        moe = model.model.layers[l].mlp
+        lm = merge_layer(parse(method), 4, MergeContext.of(merge_stats(moe, [moe_inputs[l]], [None])),
+                         moe.expert_weights())
+        variant[l] = lm.expert_map("shrunk")
+        entry = record["layers"][str(l)]
+        leaders = sorted(lm.leaders.tolist())   # every slot written; the other members unreachable
+        assert entry["kept"] == list(range(8)) and entry["unreachable"] == sorted(set(range(8)) - set(leaders))
+        assert sorted(map(sorted, entry["clusters"])) == sorted(map(sorted, lm.clusters()))
+        bias = f"layers.{l}.ffn.gate.bias"
+        written = b.read(bias)
+        assert (written[entry["unreachable"]] == UNREACHABLE_BIAS).all()
+        assert (written[leaders] == a.read(bias)[leaders]).all()
+    for name in a.keys():   # the hash layers and everything outside the learned layers' experts and biases
+        if not any(name.startswith(f"layers.{l}.ffn.") for l in cfg.scored_layers):
+            assert a.read_bytes(name) == b.read_bytes(name), name
+    ids, mask = batch(96, seed=7)
+    want = np.asarray(model.jitted()(jnp.asarray(ids), jnp.asarray(mask), variant).logits_BSV)
+    hf = hf_classes("deepseek_v4")[1].from_pretrained(dst, attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+    with torch.no_grad():
+        got = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask)).logits.float().numpy()
+    m = mask.astype(bool)
+    assert np.abs(got[m] - want[m]).max() < 1e-4 * max(1.0, np.abs(want).max())
+    ours = np.asarray(load_pretrained(dst).jitted()(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
+    assert np.abs(ours[m] - want[m]).max() < 1e-4 * max(1.0, np.abs(want).max())
+    unmerged = np.asarray(model.jitted()(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
+    assert np.abs(unmerged[m] - want[m]).max() > 1e-2   # the merge changed the model: the test can fail
+
+
+def test_what_deepseek_v4_does_not_implement_is_refused_by_name(family_checkpoints, tmp_path):
+    """Substitution (MoNE: a constant per removed expert, which transformers' bias-free V4 experts
+    cannot hold) and router distillation are refused by the family's name before any work."""
+    from moejax.surgery.reroute import reroute_checkpoint
+    from moejax.surgery.substitute import substitute_checkpoint
+
+    path = family_checkpoints["deepseek_v4"][0]
+    np.save(tmp_path / "calib.npy", np.zeros((2, 8), np.int32))
+    with refused("deepseek_v4", "substituting"):
+        substitute_checkpoint(path, tmp_path / "sub", score="mone", keep=4, tokens=tmp_path / "calib.npy")
+    with refused("deepseek_v4", "rerouting"):
+        reroute_checkpoint(path, path, tmp_path / "rerouted", tokens=tmp_path / "calib.npy")
+    assert not (tmp_path / "sub").exists() and not (tmp_path / "rerouted").exists()

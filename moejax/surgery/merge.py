@@ -57,7 +57,7 @@ from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import StatsAccumulator, compute_scores, pass_needs, scores_for
 from moejax.scoring.select import resolve_keep
-from moejax.surgery.prune import other_files, write_folder
+from moejax.surgery.prune import other_files, unreachable_biases, write_folder
 from moejax.surgery.prune_plan import keeps_groups, per_group_needed, plan_pruning
 from moejax.variants.spec import VariantSpec
 
@@ -330,6 +330,17 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
         "notes": list(prune_plan.notes),
         "layers": plan.record_layers(),
     }
+    merged = MergedTensors(ckpt, plan)
+    if prune_plan.unreachable:   # layers kept whole beside (DeepSeek-V4): every slot written ("kept", as `moejax
+        for l, dropped in prune_plan.unreachable.items():   # prune` records it), the non-leaders "unreachable"
+            record["layers"][str(l)].update(kept=prune_plan.kept[l], unreachable=dropped)   # (bias UNREACHABLE_BIAS)
+        biases = unreachable_biases(reader, layout, prune_plan)
+
+        def replaced(name):
+            value = merged(name)
+            return biases(name) if value is None else value
+    else:
+        replaced = merged
     write_folder(reader, layout, prune_plan, src, dst, copied, record, overwrite=overwrite, progress=show,
-                 replaced=MergedTensors(ckpt, plan), num_hidden_layers=cfg.num_hidden_layers)
+                 replaced=replaced, num_hidden_layers=cfg.num_hidden_layers)
     return record

@@ -69,19 +69,16 @@ class DeepseekV4Config(MoeConfig):
     HAS_BALANCE_BIAS: ClassVar[bool] = True
     NORM_SCALES_IN_FLOAT32: ClassVar[bool] = True    # DeepseekV4RMSNorm: float32 weight times the float32 state
     CARRIED_PREFIXES: ClassVar[tuple] = ("mtp.",)   # the Hub's MTP block, which transformers does not read
-    # Scoring and pruning run (the hash layers kept whole, `is_kept_whole`; docs/families.md); these not yet
-    _NOT_YET = ("its hash layers stay whole and its learned layers are pruned as unreachable slots (docs/families.md); "
-                "{what} would have to write or evaluate {how} in that form, which is not implemented")
+    # Scoring, pruning, merging, the carried pass and ESAP fitness run (the hash layers kept whole,
+    # `is_kept_whole`; the learned layers' removed experts as unreachable slots; docs/families.md); these not yet
     PASSES_NOT_IMPLEMENTED: ClassVar[dict] = {
-        "merging": _NOT_YET.format(what="merging", how="merged experts"),
-        "substituting": _NOT_YET.format(what="substitution (MoNE)", how="novice slots"),
+        "substituting": ("substitution (MoNE) is not implemented: a novice returns a constant, which transformers' "
+                         "DeepSeek-V4 experts (clamped SwiGLU without biases) cannot represent, so it could be written "
+                         "only in vLLM's constant-v1 format, which moejax does not write for V4's Hub names and hash "
+                         "layers; merge (--method m_smoe/hc_smoe/ream) or prune instead (docs/families.md)"),
         "rerouting": ("router distillation is not implemented: the hash layers have no router to distil (their "
-                      "experts are tid2eid[token id]), and the learned layers' students are merged or substituted "
-                      "checkpoints, which are not implemented for this family"),
-        "the carried pass": ("the carried pass's own layer walk does not hand the hash layers their token ids; "
-                             "score with `moejax score` and prune with `moejax prune`"),
-        "ESAP fitness": ("the ESAP search's own layer walk does not hand the hash layers their token ids; "
-                         "prune with a uniform --keep or --layers-keep"),
+                      "experts are tid2eid[token id]), and the learned layers' students (merged checkpoints with "
+                      "unreachable slots) have not been made to train; merge or prune instead"),
     }
     UNIMPLEMENTED: ClassVar[dict] = {
         "hidden_act": (lambda v: v == "silu", "only 'silu' is implemented"),
