@@ -633,3 +633,66 @@ def test_what_deepseek_v4_does_not_implement_is_refused_by_name(family_checkpoin
     with refused("deepseek_v4", "rerouting"):
         reroute_checkpoint(path, path, tmp_path / "rerouted", tokens=tmp_path / "calib.npy")
     assert not (tmp_path / "sub").exists() and not (tmp_path / "rerouted").exists()
+
+
+def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_checkpoints, tmp_path):
+    """DeepSeek-V4's MTP block (`mtp.*`), which transformers does not instantiate and moejax does not
+    run: --mtp prune (the default) is refused by name by score, prune and merge before any pass;
+    --mtp keep writes its bytes unchanged (and config.json's num_nextn_predict_layers); --mtp drop
+    removes every `mtp.*` tensor and sets num_nextn_predict_layers 0. Both outputs load in
+    transformers (the block is ignored there) and compute the pruned trunk alike."""
+    import shutil
+    from unittest.mock import patch
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    from moejax.merging.method import parse
+    from moejax.scoring.score_checkpoint import score_checkpoint
+    from moejax.surgery.merge import merge_checkpoint
+    from moejax.surgery.prune import prune_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(family_checkpoints["deepseek_v4"][0], src)
+    (shard,) = src.glob("*.safetensors")
+    tensors = load_file(shard)
+    rng = np.random.default_rng(3)
+    mtp = {"mtp.0.enorm.weight": rng.standard_normal(32).astype(np.float32),
+           "mtp.0.ffn.gate.weight": rng.standard_normal((8, 32)).astype(np.float32),
+           "mtp.0.ffn.experts.0.w1.weight": rng.standard_normal((16, 32)).astype(np.float32)}
+    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (src / "config.json").write_text(json.dumps(config))
+    calib = np.random.default_rng(6).integers(0, 96, size=(2, 16)).astype(np.int32)
+    np.save(tmp_path / "calib.npy", calib)
+    no_prune = pytest.raises(ConfigError, match=r"--mtp prune: DeepSeek-V4's MTP block \(`mtp\.\*`\) is not run")
+    with no_prune:
+        prune_checkpoint(src, tmp_path / "p", score="l1", keep=4)
+    with no_prune:
+        score_checkpoint(src, tokens=tmp_path / "calib.npy", scores=["frequency"])
+    with no_prune, patch("moejax.inference.stream.stream_layers", side_effect=AssertionError("a pass ran")):
+        merge_checkpoint(src, tmp_path / "m", method=parse("m_smoe"), keep=4, tokens=tmp_path / "calib.npy")
+    assert not (tmp_path / "p").exists() and not (tmp_path / "m").exists()
+    outs = {}
+    for policy in ("keep", "drop"):
+        dst = tmp_path / policy
+        record = prune_checkpoint(src, dst, score="l1", keep=4, mtp=policy)
+        assert record["mtp"] == policy
+        written = {}
+        for f in dst.glob("*.safetensors"):
+            written.update(load_file(f))
+        got = json.loads((dst / "config.json").read_text())
+        if policy == "keep":
+            assert all((written[n] == v).all() for n, v in mtp.items()) and got["num_nextn_predict_layers"] == 1
+        else:
+            assert not any(n.startswith("mtp.") for n in written) and got["num_nextn_predict_layers"] == 0
+            assert any("mtp.*" in n for n in record["notes"])
+        assert {n for n in written if not n.startswith("mtp.")} == set(tensors)
+        outs[policy] = {n: v for n, v in written.items() if not n.startswith("mtp.")}
+    assert all((outs["keep"][n] == outs["drop"][n]).all() for n in outs["keep"])   # the trunk pruned alike
+    ids, mask = batch(96, seed=7)
+    hf = hf_classes("deepseek_v4")[1].from_pretrained(tmp_path / "drop", attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+    with torch.no_grad():
+        hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))

@@ -175,6 +175,9 @@ class MoeConfig:
     # Tensors with no parameter that the checkpoint carries byte for byte (a vision tower, an MTP
     # block transformers does not read): name prefixes
     CARRIED_PREFIXES: ClassVar[tuple] = ()
+    # The prefix of an MTP block moejax carries and never runs (`moejax.hf.mtp_names.carried_mtp_block`:
+    # --mtp keep or drop only); None where MTP layers, if any, are decoder layers moejax runs
+    MTP_CARRIED: ClassVar[str | None] = None
     num_nextn_predict_layers = 0                        # MTP layers after the decoder layers (a field where read)
     # The checkpoint passes this family cannot run yet: {the pass as `require_passes` names it (the
     # start of its `what`): why}; empty when every pass runs

@@ -23,7 +23,7 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.io.location import open_location
 from moejax.hf.io.staging import check_apart, text_inputs
 from moejax.hf.io.storage import require_local
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, carried_mtp_block, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint, router_fingerprint
 from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.results import check_output_file, write_json_atomic, write_parquet_atomic
@@ -61,6 +61,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     check_calibration_args(text, tokens, seq_len, max_tokens)
     check_mtp_policy(mtp)
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
+    carried_mtp_block(ckpt.config, mtp, ckpt.reader.keys())  # an MTP block moejax does not run: prune refused
     scores = scores_for(scores, ckpt.config.HAS_BALANCE_BIAS, f"{checkpoint}")
     if out is not None:  # before the pass, not after hours of it
         _check_out(out, (checkpoint, text_inputs(text), tokens))

@@ -47,7 +47,7 @@ from moejax.evaluation.esap_fitness import EsapFitness
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.model_io import opened
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, carried_mtp_block, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.moe.neurons import check_mergeable
 from moejax.merging.calibration import merge_stats
@@ -191,6 +191,7 @@ def _check_before_pass(checked, ckpt, count: int, keep, allocation: Allocation, 
     needs (equal counts per group, at least 2, topk_group x per-group >= top_k) without
     collapse_groups. Whether the leaders actually fall evenly into the groups is known only after."""
     cfg = checked.config
+    carried_mtp_block(cfg, mtp, checked.layout.other)  # an MTP block moejax does not run: prune refused now
     if check_mtp_policy(mtp) == "prune":  # the pass runs each MTP layer: refused now if it cannot
         for layer in (l for l in checked.layout.moe_layers if l >= cfg.num_hidden_layers):
             ckpt.mtp_specs(layer)

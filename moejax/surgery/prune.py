@@ -120,6 +120,8 @@ def write_pruned(reader: FusedExpertsReader, layout: CheckpointLayout, plan: Pru
                 if layer not in plan.dropped_layers:
                     tensors.append((name, fused_rows(reader, name, slabs, plan.kept[layer], replaced)))
                 continue
+            if plan.dropped_prefixes and name.startswith(plan.dropped_prefixes):
+                continue  # a carried MTP block removed (--mtp drop)
             view = reader.view_name(name)  # a router beside fused experts goes by the family's name
             new_name = renames.get(view, view)
             if new_name is None:

@@ -21,7 +21,7 @@ from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, carried_mtp_block, check_mtp_policy
 from moejax.allocation import ALLOCATIONS, Budget, layer_counts, statistic_of
 from moejax.scoring.data_free import data_free_stats
 from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, compute_scores
@@ -42,6 +42,8 @@ class PrunePlan:
     # family with layers kept whole (`MoeConfig.is_kept_whole`, DeepSeek-V4's hash layers) keeps every
     # layer's count, so that transformers loads it; `kept` then lists every written expert
     unreachable: dict = dataclasses.field(default_factory=dict)
+    # stored-name prefixes of an MTP block moejax carries and --mtp drop removes (DeepSeek-V4's `mtp.`)
+    dropped_prefixes: tuple = ()
 
 
 # The balance bias of an unreachable slot: below any score (sigmoid, sqrtsoftplus: at most ~1e2) plus bias
@@ -146,6 +148,7 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     # config.json is the source's dictionary with the family's expert-count key updated.
     new_config, notes = cfg.settings_dict(), []  # the settings' level (a wrapper's text_config)
     layers, dropped, whole = _layers_to_prune(reader, layout, cfg, mtp)
+    dropped_prefixes = carried_mtp_block(cfg, mtp, layout.other)
     allocation = ALLOCATIONS.parse(allocation)
     scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
     if counts is None:
@@ -165,10 +168,13 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     groups = _groups_rule(kept, cfg, collapse_groups, group_aware, leaders, new_config, notes)
     _rewrite_expert_counts(cfg, kept, dropped, new_config, notes)
     rewrite_mtp(cfg, dropped, new_config, notes)
+    if dropped_prefixes:
+        new_config["num_nextn_predict_layers"] = 0
+        notes.append(f"MTP block {[p + '*' for p in dropped_prefixes]} dropped (num_nextn_predict_layers=0)")
     return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in sorted(kept.items())},
                      n_experts={l: layout.moe_layers[l].n_experts for l in sorted(kept)}, dropped_layers=dropped,
                      config=cfg.with_settings(new_config), groups=groups, notes=tuple(notes),
-                     unreachable=unreachable)
+                     unreachable=unreachable, dropped_prefixes=dropped_prefixes)
 
 
 def _as_unreachable(kept: dict, cfg, fixed: list, notes: list) -> dict:

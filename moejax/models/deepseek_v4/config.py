@@ -32,8 +32,9 @@ into it ("fp4": FP4 routed experts; absent: "fp8", FineGrainedFP8Config's defaul
 quantised Linear then stores `<x>.weight` with `<x>.scale` (`moejax.hf.quant.decode`'s
 `deepseek_v4_fp8`).
 
-Not read (their tensors or effects are out of this phase): the MTP block (`mtp.*` on the Hub,
-carried byte for byte).
+Not read: the MTP block (`mtp.*` on the Hub), which transformers 5.24 does not instantiate
+(`_keys_to_ignore_on_load_unexpected`); `--mtp keep` carries it byte for byte, `--mtp drop` removes it
+(num_nextn_predict_layers 0), `--mtp prune` is refused by name (`moejax.hf.mtp_names.carried_mtp_block`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class DeepseekV4Config(MoeConfig):
     HAS_BALANCE_BIAS: ClassVar[bool] = True
     NORM_SCALES_IN_FLOAT32: ClassVar[bool] = True    # DeepseekV4RMSNorm: float32 weight times the float32 state
     CARRIED_PREFIXES: ClassVar[tuple] = ("mtp.",)   # the Hub's MTP block, which transformers does not read
+    MTP_CARRIED: ClassVar[str] = "mtp."              # so --mtp keep (carried) or drop; prune refused by name
     # Scoring, pruning, merging, the carried pass and ESAP fitness run (the hash layers kept whole,
     # `is_kept_whole`; the learned layers' removed experts as unreachable slots; docs/families.md); these not yet
     PASSES_NOT_IMPLEMENTED: ClassVar[dict] = {
