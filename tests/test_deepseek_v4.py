@@ -224,3 +224,38 @@ def test_a_planted_cache_bug_fails_generation(v4, generated, monkeypatch, bug):
     monkeypatch.setattr(attention.Compressor, "step", planted)
     err = np.abs(stepped_logits(model, ids, mask, want) - want_logits).max()
     assert err > 1e-3, (bug, err)
+
+
+# The published counts (DeepSeek's model cards: V4-Flash 284B total / 13B active, V4-Pro 1.6T / 49B)
+# and the published configs' attention schedules (their weight listings: the layers with a
+# compressor, and those of them with an indexer)
+PUBLISHED = {"deepseek-v4-flash": dict(total=284e9, digits=9, active=13e9, sliding=[0, 1],
+                                       csa=list(range(2, 43, 2)), hca=list(range(3, 42, 2))),
+             "deepseek-v4-pro": dict(total=1.6e12, digits=11, active=49e9, sliding=[],
+                                     csa=list(range(2, 61, 2)), hca=[0, 1, *range(3, 60, 2)])}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_full_size_presets_have_the_published_counts_and_schedule(preset):
+    """jax.eval_shape of V4-Flash and V4-Pro at full size: the parameter count rounds to the
+    published total (284B, 1.6T; moejax builds no MTP block), and the active count (the shared
+    parts, top_k of the routed experts, the output head; not the input embedding, which is a
+    lookup) to the published active one (13B, 49B); each layer's attention kind is the published
+    checkpoint's, and the first 3 layers are hash-routed. The preset's FP4 experts read as such."""
+    from moejax.hf.mapping import param_shapes
+    from moejax.models.registry import FAMILIES
+
+    fam, want = FAMILIES["deepseek_v4"], PUBLISHED[preset]
+    cfg = fam.config_class.from_dict(fam.presets[preset], source=preset)
+    shapes = param_shapes(nnx.eval_shape(lambda: fam.causal_lm()(cfg, jnp.bfloat16)))
+    size = {name: int(np.prod(s)) for name, s in shapes.items()}
+    total = sum(size.values())
+    routed = sum(v for name, v in size.items() if ".mlp.experts_" in name)
+    active = total - routed + routed * cfg.num_experts_per_tok // cfg.n_experts - size["model.embed_tokens"]
+    assert round(total, -want["digits"]) == want["total"], total
+    assert round(active, -9) == want["active"], active
+    kinds = {kind: [l for l, t in enumerate(cfg.attention_types) if t == kind] for kind in set(cfg.attention_types)}
+    assert kinds.get("sliding_attention", []) == want["sliding"]
+    assert kinds["compressed_sparse_attention"] == want["csa"] and kinds["heavily_compressed_attention"] == want["hca"]
+    assert [l for l, h in enumerate(cfg.hash_layers) if h] == [0, 1, 2]
+    assert cfg.quantization_config["expert_dtype"] == "fp4"

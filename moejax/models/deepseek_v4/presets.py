@@ -1,13 +1,28 @@
 """Full-size DeepSeek-V4 configs, for shape work (`jax.eval_shape`, memory planning).
 
-deepseek-v4-flash: transformers 5.24's `DeepseekV4Config` defaults, which its docstrings give as
-V4-Flash's (hidden 4096, 43 layers, 64 heads of 512, q LoRA 1024, 256 experts top 6 of width 2048, one
-shared, routed scale 1.5, 8 output groups of rank 1024, an indexer of 64 heads of 128 keeping 512,
-window 128, 4 hyper-connection streams, YaRN x16 from 65,536 positions on the compressed branches).
-deepseek-v4-pro: the published V4-Pro figures (hidden 7168, 61 layers, 128 heads of 512, q LoRA 1536,
-384 experts top 6 of width 3072, routed scale 2.5, 16 output groups of rank 1024, indexer keeping
-1024). Both with transformers' default layer schedule (2 HCA layers, then CSA / HCA alternating;
-the first 3 layers hash-routed)."""
+Every shape field is the published config.json's (deepseek-ai/DeepSeek-V4-Flash, deepseek-ai/DeepSeek-V4-Pro;
+`transformers_version` 4.57.1). The Hub itself is not reachable from here: both files were read in
+verbatim copies kept in public GitHub repositories (model reports quoting
+`.../DeepSeek-V4-Flash/config.json` and `.../deepseek-ai/DeepSeek-V4-Pro/config.json` whole, with
+their safetensors weight listings), and agree with inference projects' fixtures transcribed from the
+checkpoints (V4-Flash's 44-entry `compress_ratios`, V4-Pro's 62): V4-Flash hidden 4096, 43 layers, 64
+heads of 512 (rope 64), q LoRA 1024, 256 experts top 6 of width 2048, one shared, routed scale 1.5,
+8 output groups of rank 1024, an indexer of 64 heads of 128 keeping 512; V4-Pro hidden 7168, 61
+layers, 128 heads, q LoRA 1536, 384 experts top 6 of width 3072, routed scale 2.5, 16 output groups
+of rank 1024, indexer keeping 1024; both: window 128, 4 hyper-connection streams (20 Sinkhorn
+iterations, eps 1e-6), the first 3 layers hash-routed, swiglu_limit 10, rope 10000 / compressed
+160000 with YaRN x16 from 65,536, vocabulary 129,280, untied head, one MTP layer, FP8 (e4m3, ue8m0
+scales) Linear weights with FP4 routed experts (int8-packed pairs with a ue8m0 scale per 32, as the
+weight listings show: V4-Flash `layers.*.ffn.experts.*.w1.weight` I8 [2048, 2048] beside F8_E8M0
+[2048, 128]). The attention schedules differ: V4-Flash's `compress_ratios` starts with 2 sliding
+layers, V4-Pro's with 2 HCA layers (transformers' default), each then CSA / HCA alternating and a
+last entry for the MTP block. `expert_dtype: "fp4"` is set as DeepSeek-V4-Flash-0731's config.json
+spells it (transformers moves it into quantization_config; the first upload's config.json lacked it).
+
+Parameter counts (moejax's instantiated model, no MTP block; tests/test_deepseek_v4.py checks them):
+V4-Flash 284.3B total, 13.3B active without the input embedding (published: 284B / 13B); V4-Pro
+1.573T total, 48.9B active likewise (published: 1.6T / 49B), as DeepSeek's model cards state them
+(quoted by OpenRouter's and Venice's model pages)."""
 
 _COMMON = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
            "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "n_shared_experts": 1,
@@ -15,16 +30,23 @@ _COMMON = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v
            "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "max_position_embeddings": 1048576,
            "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                             "beta_fast": 32, "beta_slow": 1},
-           "compress_rate_csa": 4, "compress_rate_hca": 128, "num_hash_layers": 3, "hc_mult": 4,
+           "num_hash_layers": 3, "hc_mult": 4,
            "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "swiglu_limit": 10.0, "sliding_window": 128,
            "index_n_heads": 64, "index_head_dim": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-           "num_nextn_predict_layers": 1}
+           "num_nextn_predict_layers": 1, "expert_dtype": "fp4",
+           "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                   "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+
+# config.json's `compress_ratios` (0 sliding, 4 CSA, 128 HCA), one entry per layer and a last one (0)
+# for the MTP block, which transformers' reading cuts to num_hidden_layers
+FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]      # 44 entries: 2 sliding, then CSA / HCA alternating
+PRO_RATIOS = [128, 128] + [4, 128] * 29 + [4, 0]    # 62 entries: 2 HCA, then CSA / HCA alternating
 
 PRESETS = {
-    "deepseek-v4-flash": {**_COMMON, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
+    "deepseek-v4-flash": {**_COMMON, "compress_ratios": FLASH_RATIOS, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
                           "q_lora_rank": 1024, "n_routed_experts": 256, "moe_intermediate_size": 2048,
                           "routed_scaling_factor": 1.5, "o_groups": 8, "o_lora_rank": 1024, "index_topk": 512},
-    "deepseek-v4-pro": {**_COMMON, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "deepseek-v4-pro": {**_COMMON, "compress_ratios": PRO_RATIOS, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
                         "q_lora_rank": 1536, "n_routed_experts": 384, "moe_intermediate_size": 3072,
                         "routed_scaling_factor": 2.5, "o_groups": 16, "o_lora_rank": 1024, "index_topk": 1024},
 }
