@@ -410,7 +410,8 @@ def test_expert_parallel_softmax_family_identical_across_meshes(family_checkpoin
     """Softmax-routed families on the 8 simulated devices (Qwen3-MoE; gpt-oss's biased experts; the
     hybrid DeltaNet stacks Qwen3-Next and Qwen3.5-MoE) and DeepSeek-V4 (sqrtsoftplus and hash-routed
     layers, hyper-connection streams, compressed attention): experts split over the mesh's expert
-    axis (V4's first layer checked is a hash layer), logits equal to one device's. The DeltaNet's chunked rule solves its triangular system in plain
+    axis (V4's first layer checked is a hash layer), logits equal to one device's. The DeltaNet's
+    chunked rule solves its triangular system in plain
     XLA ops on CPU: LAPACK's trsm custom call blocked XLA:CPU's thread pool, which the devices'
     collectives also block, and the (2, 4) forward stalled."""
     from moejax.parallel import MeshConfig, make_mesh

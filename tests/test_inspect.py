@@ -530,7 +530,8 @@ def v4_release_tensors(cfg) -> dict:
             tensors[name[:-len("weight")] + "scale"] = ("F8_E8M0", (shape[0], shape[1] // 32))
         elif V4_FP8.search(name):
             tensors[name] = ("F8_E4M3", shape)
-            tensors[name[:-len("weight")] + "scale"] = ("F8_E8M0", (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)))
+            blocks = (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+            tensors[name[:-len("weight")] + "scale"] = ("F8_E8M0", blocks)
         else:
             tensors[name] = ("I64" if name.endswith("tid2eid") else "F32" if V4_F32.search(name) else "BF16", shape)
     return tensors

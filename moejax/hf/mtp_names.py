@@ -52,8 +52,9 @@ def carried_mtp_block(cfg, mtp: str, names) -> tuple[str, ...]:
         raise ConfigError(f"--mtp prune: {cfg.TITLE}'s MTP block (`{prefix}*`) is not run by moejax (transformers "
                           "does not instantiate it, so there is no reference to score it against), so its experts "
                           f"cannot be scored, pruned or merged; give --mtp keep (the block carried byte for byte, "
-                          f"full width: {cfg.TITLE}'s pruned and merged checkpoints keep config.json's expert count, so "
-                          "it loads wherever the source's does) or --mtp drop (removed, num_nextn_predict_layers 0)")
+                          f"full width: {cfg.TITLE}'s pruned and merged checkpoints keep config.json's expert "
+                          "count, so it loads wherever the source's does) or --mtp drop (removed, "
+                          "num_nextn_predict_layers 0)")
     return (prefix,) if mtp == "drop" else ()
 
 

@@ -11,8 +11,9 @@ The module imports neither JAX nor torch, so the commands start fast.
 Parameter counting follows Hugging Face (SPEC section 6): every tensor in the checkpoint counts its
 number of elements, quantisation companions (``weight_scale_inv``, ``weight_scale``,
 ``weight_shape``, ``weight_zero_point``) included, except packed 4-bit tensors (``*.weight_packed``
-of the ``int4_pack`` and ``mxfp4`` formats, DeepSeek-V4's I8 FP4 experts), which count in logical 4-bit values: two per byte, i.e.
-eight per int32 element for INT4 and two per uint8 element for MXFP4.
+of the ``int4_pack`` and ``mxfp4`` formats, DeepSeek-V4's I8 FP4 experts), which count in logical
+4-bit values: two per byte, i.e. eight per int32 element for INT4 and two per uint8 element for
+MXFP4 and DeepSeek-V4's FP4.
 """
 
 from __future__ import annotations

@@ -43,10 +43,12 @@ FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]      # 44 entries: 2 sliding, the
 PRO_RATIOS = [128, 128] + [4, 128] * 29 + [4, 0]    # 62 entries: 2 HCA, then CSA / HCA alternating
 
 PRESETS = {
-    "deepseek-v4-flash": {**_COMMON, "compress_ratios": FLASH_RATIOS, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
+    "deepseek-v4-flash": {**_COMMON, "compress_ratios": FLASH_RATIOS, "hidden_size": 4096, "num_hidden_layers": 43,
+                          "num_attention_heads": 64,
                           "q_lora_rank": 1024, "n_routed_experts": 256, "moe_intermediate_size": 2048,
                           "routed_scaling_factor": 1.5, "o_groups": 8, "o_lora_rank": 1024, "index_topk": 512},
-    "deepseek-v4-pro": {**_COMMON, "compress_ratios": PRO_RATIOS, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "deepseek-v4-pro": {**_COMMON, "compress_ratios": PRO_RATIOS, "hidden_size": 7168, "num_hidden_layers": 61,
+                        "num_attention_heads": 128,
                         "q_lora_rank": 1536, "n_routed_experts": 384, "moe_intermediate_size": 3072,
                         "routed_scaling_factor": 2.5, "o_groups": 16, "o_lora_rank": 1024, "index_topk": 1024},
 }
