@@ -24,7 +24,11 @@ TRANSFORMERS_ARCHITECTURE = {"kimi_k25": "Kimi_K25ForConditionalGeneration"}
 # language model's layers as `language_model.model.blocks.*` and leaves `model.mm_projector.pre_norm`;
 # the Hub's are `language_model.model.layers.*` and `mm_projector.*`, which transformers loads)
 HUB_RENAMES = {"kimi_k25": ((r"^language_model\.model\.blocks\.", "language_model.model.layers."),
-                            (r"^model\.mm_projector\.", "mm_projector."))}
+                            (r"^model\.mm_projector\.", "mm_projector.")),
+               # DeepSeek-V4: transformers' save keeps `model.` and `embed_tokens` / `hc_head.hc_*`; the Hub's
+               # names (DeepSeek's, which transformers' conversion mapping reads) have neither
+               "deepseek_v4": ((r"^model\.embed_tokens\.", "embed."), (r"^model\.hc_head\.hc_", "hc_head_"),
+                               (r"^model\.", ""))}
 
 
 def hf_classes(family: str):

@@ -85,9 +85,13 @@ def harden(model, router_std: float = 1.0):
                 p.normal_(0, router_std)
             elif name.endswith((".bias", "_bias", ".sinks")):  # gpt-oss: experts' biases, attention sinks
                 p.normal_(0, 0.1 if "sinks" not in name else 1.0)
+            elif name.endswith(("_hc.base", "_hc.scale", "hc_head.hc_base", "hc_head.hc_scale")):
+                p.normal_(0 if name.endswith("base") else 1, 0.5)  # DeepSeek-V4's hyper-connections
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.normal_(0, 0.3)
+            if hasattr(m, "tid2eid"):  # DeepSeek-V4's hash routers: zeros in a fresh model; distinct experts per id
+                m.tid2eid.copy_(torch.stack([torch.randperm(m.num_experts)[:m.top_k] for _ in range(len(m.tid2eid))]))
     return model
 
 
@@ -290,6 +294,14 @@ def expert_function(experts):
     `down_proj` [E, Im, H], with their biases, the clamps and (up + 1) * gate * sigmoid(alpha gate)."""
     gate_up = experts.gate_up_proj.detach().double().numpy()
     down = experts.down_proj.detach().double().numpy()
+    if hasattr(experts, "limit") and not hasattr(experts, "gate_up_proj_bias"):  # DeepSeek-V4: clamped, no biases
+        limit, Im = float(experts.limit), gate_up.shape[1] // 2
+
+        def f(j, xs):
+            g, u = np.minimum(xs @ gate_up[j, :Im].T, limit), np.clip(xs @ gate_up[j, Im:].T, -limit, limit)
+            return (g / (1 + np.exp(-g)) * u) @ down[j].T
+
+        return f
     if hasattr(experts, "limit"):
         gu_b = experts.gate_up_proj_bias.detach().double().numpy()
         d_b = experts.down_proj_bias.detach().double().numpy()

@@ -29,15 +29,35 @@ from moejax.models.registry import config_from_dict, family_for  # noqa: E402
 NAMES = list(FAMILIES)
 
 
+class _Checkpoints(dict):
+    """{family: (path, transformers model, moejax model)}, each made when first asked for (a -k
+    selection of one family makes one checkpoint), with the seed of its place in NAMES."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name):
+        path = self.root / name
+        hf = make_family_checkpoint(name, path, seed=20 + NAMES.index(name))
+        self[name] = (path, hf, AutoModelForCausalLM.from_pretrained(path, dtype=jnp.float32))
+        return self[name]
+
+
 @pytest.fixture(scope="session")
 def family_checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    out = {}
-    for i, name in enumerate(NAMES):
-        path = root / name
-        hf = make_family_checkpoint(name, path, seed=20 + i)
-        out[name] = (path, hf, AutoModelForCausalLM.from_pretrained(path, dtype=jnp.float32))
-    return out
+    return _Checkpoints(tmp_path_factory.mktemp("families"))
+
+
+# Families whose checkpoint passes (scoring, pruning, merging, the streamed executors, generation) are
+# not implemented yet (`MoeConfig.PASSES_NOT_IMPLEMENTED`: DeepSeek-V4): each test of such a pass
+# checks the refusal, by the family's name, instead
+NO_PASSES = [f for f in NAMES if REGISTRY[f].config_class.PASSES_NOT_IMPLEMENTED]
+
+
+def refused(family, what):
+    """pytest.raises for `family`'s refusal of the pass `what` (`MoeConfig.require_passes`)."""
+    return pytest.raises(ConfigError, match=rf"{re.escape(REGISTRY[family].title)}: {re.escape(what)}.* is not implemented")
 
 
 hf_forward = hook_router
@@ -105,13 +125,19 @@ def test_pruned_checkpoint_in_transformers_equals_the_masked_source(family_check
     path, hf, model = family_checkpoints[family]
     dst = tmp_path / "pruned"
     record = _prune(family, path, dst, keep=6)
+    fixed = [l for l in model.config.moe_layers if model.config.is_kept_whole(l)]  # DeepSeek-V4's hash layers
     src_cfg, cfg = (json.loads((p / "config.json").read_text()) for p in (path, dst))
     text = REGISTRY[family].config_class.TEXT_CONFIG  # a wrapper's language model settings (Qwen3.5-MoE)
     if text:
         assert {k for k in cfg if cfg[k] != src_cfg[k]} == {text}  # vision_config and the rest untouched
         src_cfg, cfg = src_cfg[text], cfg[text]
     key = REGISTRY[family].config_class.from_json_file(path / "config.json").experts_key
-    assert src_cfg[key] == 8 and cfg[key] == 6 and {k for k in cfg if cfg[k] != src_cfg[k]} == {key}
+    if fixed:  # kept whole; the other layers' dropped experts written as unreachable slots (docs/families.md)
+        assert cfg == src_cfg and all(record["layers"][str(l)]["kept"] == list(range(8)) for l in model.config.moe_layers)
+        assert all("unreachable" not in record["layers"][str(l)] for l in fixed)
+        assert all(len(record["layers"][str(l)]["unreachable"]) == 2 for l in model.config.scored_layers)
+    else:
+        assert src_cfg[key] == 8 and cfg[key] == 6 and {k for k in cfg if cfg[k] != src_cfg[k]} == {key}
     hf_pruned = hf_classes(family)[1].from_pretrained(dst, attn_implementation="eager",
                                                       experts_implementation="eager").eval()
     ids, mask = batch(96, seed=2)
@@ -119,7 +145,7 @@ def test_pruned_checkpoint_in_transformers_equals_the_masked_source(family_check
     E, L = 8, model.config.num_hidden_layers
     masks = np.ones((L, E), bool)
     for layer, entry in record["layers"].items():
-        masks[int(layer)] = np.isin(np.arange(E), entry["kept"])
+        masks[int(layer)] = np.isin(np.arange(E), entry["kept"]) & ~np.isin(np.arange(E), entry.get("unreachable", []))
     got, chosen = run(model, ids, mask, jnp.asarray(masks))
     m = mask.astype(bool)
     assert np.abs(got[m] - want[m]).max() < 1e-4 * max(1.0, np.abs(want).max())
@@ -171,7 +197,8 @@ def test_scores_match_definitions_on_transformers_model(family_checkpoints, fami
     path, hf, model = family_checkpoints[family]
     ids, mask = batch(96, seed=4, B=3, S=16)
     _, seen = hf_forward(hf, ids, mask)
-    want = reference_scores(hf, seen, mask)
+    # a layer kept whole (DeepSeek-V4's hash layers, docs/families.md) is not scored
+    want = reference_scores(hf, {l: r for l, r in seen.items() if not model.config.is_kept_whole(l)}, mask)
     stats = calibrate(model, [(ids[:2], mask[:2]), (ids[2:], mask[2:])])  # accumulated over two batches
     assert sorted(stats) == sorted(want)
     for layer, ref in want.items():
@@ -188,6 +215,9 @@ def test_l1_equals_compressed_tensors_magnitude_pruner(family_checkpoints, famil
 
     path = family_checkpoints[family][0]
     fam = REGISTRY[family]
+    if REGISTRY[family].config_class.from_json_file(path / "config.json").scored_layers != \
+            REGISTRY[family].config_class.from_json_file(path / "config.json").moe_layers:
+        pytest.skip("compressed-tensors' pruner prunes every layer; moejax keeps DeepSeek-V4's hash layers whole")
     router = re.escape(fam.rule("router").hf.split("{l}.", 1)[1]) + "$"  # "mlp\.gate\.weight$"
     experts = rf"{fam.moe_block}\.experts\." + ("" if fam.stores_fused else r"\d+\.")  # stacked [E, ...] or per expert
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
@@ -234,8 +264,9 @@ def test_every_command_runs(family_checkpoints, family, tmp_path, capsys):
 
 
 # The GQA cache paths differ by q/k norm (per head: Qwen3-MoE; whole projection: OLMoE) and partial
-# rope (GLM-4.5); Mixtral and Qwen2-MoE add nothing to them and run with -m slow.
-@pytest.mark.parametrize("family", [f if f in ("qwen3_moe", "olmoe", "glm4_moe") else pytest.param(f, marks=pytest.mark.slow)
+# rope (GLM-4.5); Mixtral and Qwen2-MoE add nothing to them and run with -m slow. DeepSeek-V4 (its
+# window ring and compressor caches; tests/test_deepseek_v4.py for longer runs) always runs.
+@pytest.mark.parametrize("family", [f if f in ("qwen3_moe", "olmoe", "glm4_moe", "deepseek_v4") else pytest.param(f, marks=pytest.mark.slow)
                                     for f in NAMES])
 def test_greedy_generation_equals_transformers(family_checkpoints, family):
     path, hf, model = family_checkpoints[family]
@@ -374,11 +405,13 @@ def test_a_family_class_refuses_another_familys_checkpoint(family_checkpoints):
 NEWER = ["gpt_oss", "qwen3_next", "qwen3_5_moe"]  # families whose attention or experts differ from the first six
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4"])
 def test_expert_parallel_softmax_family_identical_across_meshes(family_checkpoints, family):
     """Softmax-routed families on the 8 simulated devices (Qwen3-MoE; gpt-oss's biased experts; the
-    hybrid DeltaNet stacks Qwen3-Next and Qwen3.5-MoE): experts split over the mesh's expert axis,
-    logits equal to one device's. The DeltaNet's chunked rule solves its triangular system in plain
+    hybrid DeltaNet stacks Qwen3-Next and Qwen3.5-MoE) and DeepSeek-V4 (sqrtsoftplus and hash-routed
+    layers, hyper-connection streams, compressed attention): experts split over the mesh's expert
+    axis (V4's first layer checked is a hash layer), logits equal to one device's. The DeltaNet's
+    chunked rule solves its triangular system in plain
     XLA ops on CPU: LAPACK's trsm custom call blocked XLA:CPU's thread pool, which the devices'
     collectives also block, and the (2, 4) forward stalled."""
     from moejax.parallel import MeshConfig, make_mesh
@@ -397,16 +430,18 @@ def test_expert_parallel_softmax_family_identical_across_meshes(family_checkpoin
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), shape
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", *NEWER])
+@pytest.mark.parametrize("family", ["qwen3_moe", *NEWER, "deepseek_v4"])
 def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoints, family, tmp_path):
-    """The carried pass (prune_real) on Qwen3-MoE and the newer families: the unpruned perplexity is transformers'; keep=E
-    reproduces it exactly; `l1` at keep 4 gives the perplexity transformers computes on the
-    checkpoint `moejax prune --score l1 --keep 4` writes."""
+    """The carried pass (prune_real) on Qwen3-MoE, the newer families and DeepSeek-V4 (its
+    hyper-connection streams carried, its hash layers handed the token ids and kept whole): the
+    unpruned perplexity is transformers'; keep=E reproduces it exactly; `l1` at keep 4 gives the
+    perplexity transformers computes on the checkpoint `moejax prune --score l1 --keep 4` writes,
+    and the one moejax's own forward computes under the pass's masks."""
     from moejax.evaluation.carried import evaluate_pruning
     from moejax.hf.model_io import open_checkpoint
     import pandas as pd
 
-    path, hf, _ = family_checkpoints[family]
+    path, hf, model = family_checkpoints[family]
     rng = np.random.default_rng(8)
     calib = rng.integers(0, 96, size=(4, 16)).astype(np.int32)
     held = rng.integers(0, 96, size=(3, 16)).astype(np.int32)
@@ -424,13 +459,26 @@ def test_prune_real_on_a_softmax_family_agrees_with_transformers(family_checkpoi
     unpruned = ppl[ppl["form"] == "none"].value.item()
     assert unpruned == pytest.approx(hf_ppl(hf), rel=1e-4)
     assert (ppl[ppl.keep == 8].value == unpruned).all()
+    cfg = model.config
+    assert sorted(info["kept"]) == cfg.scored_layers   # a layer kept whole (V4's hash layers) decides nothing
     dst = tmp_path / "l1"
     record = _prune(family, path, dst, keep=4)
-    assert {int(l): e["kept"] for l, e in record["layers"].items()} == {l: k["l1@4"] for l, k in info["kept"].items()}
+    # the kept experts (V4: those not written unreachable)
+    written = {int(l): sorted(set(e["kept"]) - set(e.get("unreachable", []))) for l, e in record["layers"].items()}
+    assert {l: written[l] for l in cfg.scored_layers} == {l: k["l1@4"] for l, k in info["kept"].items()}
+    assert all(written[l] == list(range(8)) for l in cfg.moe_layers if cfg.is_kept_whole(l))
+    masks = np.ones((cfg.num_hidden_layers, 8), bool)   # moejax's own forward under the pass's kept sets
+    for l, k in info["kept"].items():
+        masks[l] = np.isin(np.arange(8), k["l1@4"])
+    logits = np.asarray(model(jnp.asarray(held), variant=jnp.asarray(masks)).logits_BSV, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ours = float(np.exp(-np.take_along_axis(logp[:, :-1], held[:, 1:, None], -1).mean()))
     pruned = hf_classes(family)[1].from_pretrained(dst, attn_implementation="eager",
                                                    experts_implementation="eager").eval()
     got = ppl[(ppl.method == "l1") & (ppl.keep == 4)].value.item()
     assert got == pytest.approx(hf_ppl(pruned), rel=1e-4) and got != pytest.approx(unpruned, rel=1e-3)
+    assert got == pytest.approx(ours, rel=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -465,9 +513,12 @@ def test_esap_fitness_equals_the_masked_forward(family_checkpoints, family, tmp_
 
     path, _, model = family_checkpoints[family]
     cfg = model.config
-    layers = list(cfg.moe_layers)
+    layers = list(cfg.scored_layers)   # DeepSeek-V4's hash layers are kept whole: no candidate chooses them
     rng = np.random.default_rng(3)
     ids = rng.integers(0, cfg.vocab_size, size=(2, 24)).astype(np.int32)
+    if layers != cfg.moe_layers:
+        with pytest.raises(ConfigError, match=r"ESAP fitness: layers \[0, 1\] are kept whole"):
+            EsapFitness(open_checkpoint(path), ids, {l: np.zeros(8) for l in cfg.moe_layers}, cfg.moe_layers)
     ranking = {l: rng.standard_normal(cfg.experts_in_layer(l)) for l in layers}
     E, k = [cfg.experts_in_layer(l) for l in layers], cfg.num_experts_per_tok
     counts = np.asarray([[max(k, e // 2) for e in E], [k + (i % 2) * (e - k) for i, e in enumerate(E)]])
@@ -513,3 +564,137 @@ def collapsed(path, tmp_path):
     inner.update(n_group=1, topk_group=1)
     (out / "config.json").write_text(json.dumps(cfg))
     return AutoModelForCausalLM.from_pretrained(out, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("method", ["m_smoe", pytest.param("hc_smoe", marks=pytest.mark.slow)])
+def test_merged_checkpoint_with_layers_kept_whole_loads_in_transformers(family_checkpoints, method, tmp_path):
+    """`moejax merge` on DeepSeek-V4 (docs/families.md): the hash layers stay whole and bytewise the
+    source's; in each learned layer every slot is written, a merged cluster's leader slot holding the
+    merged expert and its other members unreachable (balance bias -1e4), so config.json is the
+    source's and transformers loads it. transformers on it equals moejax's source under the merge's
+    shrunk variant (the in-memory merge on the same tokens) and moejax loading it, within 1e-4."""
+    import torch
+
+    from moejax.hf.model_io import load_pretrained
+    from moejax.merging.calibration import merge_stats
+    from moejax.merging.layer import merge_layer
+    from moejax.merging.method import MergeContext, parse
+    from moejax.surgery.merge import merge_checkpoint
+    from moejax.surgery.prune_plan import UNREACHABLE_BIAS
+
+    path, _, model = family_checkpoints["deepseek_v4"]
+    cfg = model.config
+    calib = np.random.default_rng(6).integers(0, 96, size=(4, 24)).astype(np.int32)
+    np.save(tmp_path / "calib.npy", calib)
+    dst = tmp_path / "merged"
+    record = merge_checkpoint(path, dst, method=parse(method), keep=4, tokens=tmp_path / "calib.npy")
+    assert json.loads((dst / "config.json").read_text()) == json.loads((path / "config.json").read_text())
+    assert sorted(int(l) for l in record["layers"]) == cfg.scored_layers   # the hash layers: no clusters
+    moe_inputs = model.jitted()(jnp.asarray(calib), None, return_moe_inputs=True).moe_inputs
+    variant, a, b = {}, CheckpointReader(path), CheckpointReader(dst)
+    for l in cfg.scored_layers:
+        moe = model.model.layers[l].mlp
+        lm = merge_layer(parse(method), 4, MergeContext.of(merge_stats(moe, [moe_inputs[l]], [None])),
+                         moe.expert_weights())
+        variant[l] = lm.expert_map("shrunk")
+        entry = record["layers"][str(l)]
+        leaders = sorted(lm.leaders.tolist())   # every slot written; the other members unreachable
+        assert entry["kept"] == list(range(8)) and entry["unreachable"] == sorted(set(range(8)) - set(leaders))
+        assert sorted(map(sorted, entry["clusters"])) == sorted(map(sorted, lm.clusters()))
+        bias = f"layers.{l}.ffn.gate.bias"
+        written = b.read(bias)
+        assert (written[entry["unreachable"]] == UNREACHABLE_BIAS).all()
+        assert (written[leaders] == a.read(bias)[leaders]).all()
+    for name in a.keys():   # the hash layers and everything outside the learned layers' experts and biases
+        if not any(name.startswith(f"layers.{l}.ffn.") for l in cfg.scored_layers):
+            assert a.read_bytes(name) == b.read_bytes(name), name
+    ids, mask = batch(96, seed=7)
+    want = np.asarray(model.jitted()(jnp.asarray(ids), jnp.asarray(mask), variant).logits_BSV)
+    hf = hf_classes("deepseek_v4")[1].from_pretrained(dst, attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+    with torch.no_grad():
+        got = hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask)).logits.float().numpy()
+    m = mask.astype(bool)
+    assert np.abs(got[m] - want[m]).max() < 1e-4 * max(1.0, np.abs(want).max())
+    ours = np.asarray(load_pretrained(dst).jitted()(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
+    assert np.abs(ours[m] - want[m]).max() < 1e-4 * max(1.0, np.abs(want).max())
+    unmerged = np.asarray(model.jitted()(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
+    assert np.abs(unmerged[m] - want[m]).max() > 1e-2   # the merge changed the model: the test can fail
+
+
+def test_what_deepseek_v4_does_not_implement_is_refused_by_name(family_checkpoints, tmp_path):
+    """Substitution (MoNE: a constant per removed expert, which transformers' bias-free V4 experts
+    cannot hold) and router distillation are refused by the family's name before any work."""
+    from moejax.surgery.reroute import reroute_checkpoint
+    from moejax.surgery.substitute import substitute_checkpoint
+
+    path = family_checkpoints["deepseek_v4"][0]
+    np.save(tmp_path / "calib.npy", np.zeros((2, 8), np.int32))
+    with refused("deepseek_v4", "substituting"):
+        substitute_checkpoint(path, tmp_path / "sub", score="mone", keep=4, tokens=tmp_path / "calib.npy")
+    with refused("deepseek_v4", "rerouting"):
+        reroute_checkpoint(path, path, tmp_path / "rerouted", tokens=tmp_path / "calib.npy")
+    assert not (tmp_path / "sub").exists() and not (tmp_path / "rerouted").exists()
+
+
+def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_checkpoints, tmp_path):
+    """DeepSeek-V4's MTP block (`mtp.*`), which transformers does not instantiate and moejax does not
+    run: --mtp prune (the default) is refused by name by score, prune and merge before any pass;
+    --mtp keep writes its bytes unchanged (and config.json's num_nextn_predict_layers); --mtp drop
+    removes every `mtp.*` tensor and sets num_nextn_predict_layers 0. Both outputs load in
+    transformers (the block is ignored there) and compute the pruned trunk alike."""
+    import shutil
+    from unittest.mock import patch
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    from moejax.merging.method import parse
+    from moejax.scoring.score_checkpoint import score_checkpoint
+    from moejax.surgery.merge import merge_checkpoint
+    from moejax.surgery.prune import prune_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(family_checkpoints["deepseek_v4"][0], src)
+    (shard,) = src.glob("*.safetensors")
+    tensors = load_file(shard)
+    rng = np.random.default_rng(3)
+    mtp = {"mtp.0.enorm.weight": rng.standard_normal(32).astype(np.float32),
+           "mtp.0.ffn.gate.weight": rng.standard_normal((8, 32)).astype(np.float32),
+           "mtp.0.ffn.experts.0.w1.weight": rng.standard_normal((16, 32)).astype(np.float32)}
+    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (src / "config.json").write_text(json.dumps(config))
+    calib = np.random.default_rng(6).integers(0, 96, size=(2, 16)).astype(np.int32)
+    np.save(tmp_path / "calib.npy", calib)
+    no_prune = pytest.raises(ConfigError, match=r"--mtp prune: DeepSeek-V4's MTP block \(`mtp\.\*`\) is not run")
+    with no_prune:
+        prune_checkpoint(src, tmp_path / "p", score="l1", keep=4)
+    with no_prune:
+        score_checkpoint(src, tokens=tmp_path / "calib.npy", scores=["frequency"])
+    with no_prune, patch("moejax.inference.stream.stream_layers", side_effect=AssertionError("a pass ran")):
+        merge_checkpoint(src, tmp_path / "m", method=parse("m_smoe"), keep=4, tokens=tmp_path / "calib.npy")
+    assert not (tmp_path / "p").exists() and not (tmp_path / "m").exists()
+    outs = {}
+    for policy in ("keep", "drop"):
+        dst = tmp_path / policy
+        record = prune_checkpoint(src, dst, score="l1", keep=4, mtp=policy)
+        assert record["mtp"] == policy
+        written = {}
+        for f in dst.glob("*.safetensors"):
+            written.update(load_file(f))
+        got = json.loads((dst / "config.json").read_text())
+        if policy == "keep":
+            assert all((written[n] == v).all() for n, v in mtp.items()) and got["num_nextn_predict_layers"] == 1
+        else:
+            assert not any(n.startswith("mtp.") for n in written) and got["num_nextn_predict_layers"] == 0
+            assert any("mtp.*" in n for n in record["notes"])
+        assert {n for n in written if not n.startswith("mtp.")} == set(tensors)
+        outs[policy] = {n: v for n, v in written.items() if not n.startswith("mtp.")}
+    assert all((outs["keep"][n] == outs["drop"][n]).all() for n in outs["keep"])   # the trunk pruned alike
+    ids, mask = batch(96, seed=7)
+    hf = hf_classes("deepseek_v4")[1].from_pretrained(tmp_path / "drop", attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+    with torch.no_grad():
+        hf(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))

@@ -310,7 +310,7 @@ BIG_HIDDEN, BIG_INTER = 65536, 32768
 def write_sparse_checkpoint(path, tensors, config):
     """A one-shard checkpoint whose data buffer is a hole: the header is real, the bytes zeros the
     file system never stores. `tensors` maps name -> (dtype code, shape)."""
-    bits = {"BF16": 16, "F32": 32}
+    bits = {"BF16": 16, "F32": 32, "I8": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I64": 64}
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, (dtype, shape) in tensors.items():
         size = math.prod(shape) * bits[dtype] // 8
@@ -509,3 +509,68 @@ def test_module_imports_no_jax_or_torch():
             "print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+V4_FP8 = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.ffn\.shared_experts\.w[123])\.weight$")
+V4_F32 = re.compile(r"(hc_\w+|attn_sink|\.ape|\.gate\.bias)$")
+
+
+def v4_release_tensors(cfg) -> dict:
+    """DeepSeek-V4's tensors as the published checkpoints store them (their weight listings): routed
+    experts FP4 (I8 [out, in/2] with an E8M0 scale per 32 inputs), attention and shared-expert
+    Linears FP8 (E4M3 with an E8M0 scale per 128 x 128 block), hyper-connection, sink, ape and
+    balance-bias tensors F32, tid2eid I64, the rest BF16."""
+    from moejax.hf.mapping import tensor_specs
+
+    tensors = {}
+    for s in tensor_specs(cfg):
+        name, shape = s.hf_name, tuple(s.hf_shape)
+        if s.expert is not None:
+            tensors[name] = ("I8", (shape[0], shape[1] // 2))
+            tensors[name[:-len("weight")] + "scale"] = ("F8_E8M0", (shape[0], shape[1] // 32))
+        elif V4_FP8.search(name):
+            tensors[name] = ("F8_E4M3", shape)
+            blocks = (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128))
+            tensors[name[:-len("weight")] + "scale"] = ("F8_E8M0", blocks)
+        else:
+            tensors[name] = ("I64" if name.endswith("tid2eid") else "F32" if V4_F32.search(name) else "BF16", shape)
+    return tensors
+
+
+@pytest.mark.parametrize("preset,layers,devices", [
+    # V4-Flash, every layer: 156.0 GB as stored (147.2 GB of it FP4 experts): H100 (72 GB each) 4,
+    # H200 (126.9) 2, B200 (162) 1, B300 1, TPU v5p (85.5) 2
+    ("deepseek-v4-flash", None, {"H100": 4, "H200": 2, "B200": 1, "B300": 1, "TPU v5p": 2}),
+    # V4-Pro cut to 8 of its 61 layers (a header of every layer is large): 114.8 GB
+    ("deepseek-v4-pro", 8, {"H100": 2, "H200": 1, "B200": 1, "B300": 1, "TPU v5p": 2}),
+])
+def test_plan_of_deepseek_v4_counts_fp4_experts_at_4_bits(tmp_path, no_tensor_data, preset, layers, devices):
+    """`moejax plan` on a header-only DeepSeek-V4 checkpoint of the full-size preset, stored as the
+    release is: as stored, the routed experts take their bytes (FP4: half a byte per value plus an
+    E8M0 byte per 32), which is exactly what MXFP4 re-pricing gives (the same format), and BF16
+    re-pricing 2 bytes per logical value (FP4 experts counted at 4 bits, not as I8 bytes); the
+    devices are those the total needs."""
+    from moejax.models.registry import FAMILIES
+
+    fam = FAMILIES["deepseek_v4"]
+    config = dict(fam.presets[preset])
+    if layers:
+        config = {**config, "num_hidden_layers": layers}
+    cfg = fam.config_class.from_dict(config, source=preset)
+    tensors = v4_release_tensors(cfg)
+    total = write_sparse_checkpoint(tmp_path / "v4", tensors, config)
+    plan = plan_checkpoint(tmp_path / "v4")
+    assert plan["quantization"] == "deepseek_v4_fp8"
+    L, E, H, I = cfg.num_hidden_layers, cfg.n_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    one_expert = 2 * (I * H // 2 + I * H // 32) + (H * I // 2 + H * I // 32)   # w1, w3 [I, H]; w2 [H, I]
+    routed = L * E * one_expert
+    stored = pricing(plan, "as stored")
+    assert stored["bytes"] == {"routed_experts": routed, "other": total - routed, "total": total}
+    assert pricing(plan, "experts MXFP4 / rest BF16")["bytes"]["routed_experts"] == routed
+    assert pricing(plan, "experts BF16 / rest BF16")["bytes"]["routed_experts"] == L * E * 3 * I * H * 2
+    assert stored["devices"] == devices, (total / 1e9, stored["devices"])
+    assert plan["constraints"]["routed_experts"] == [E] and plan["constraints"]["num_attention_heads"] == \
+        cfg.num_attention_heads
+    report = inspect_checkpoint(tmp_path / "v4")
+    assert report["parameters"]["routed_experts"] == L * E * 3 * I * H + sum(
+        math.prod(tensors[n][1]) for n in tensors if ".experts." in n and n.endswith(".scale"))

@@ -210,12 +210,19 @@ LM_EVAL_FAMILIES = {
     "qwen3_5_moe": {},
     "deepseek_v32": dict(index_n_heads=32),
     "glm_moe_dsa": dict(index_n_heads=32, indexer_types=["full", "shared", "full"]),
+    "deepseek_v4": {},
 }
 # generate_until is compared where it is cheap; the gated-delta-rule families' 48 greedy tokens cost
 # about 8 s more each on 2 cores (transformers' reference PyTorch delta rule, moejax's decode), and
 # their generation is compared with transformers' in tests/test_families.py and test_qwen3_next.py
 # (the lm-eval backend's generate_until is family-agnostic: moejax.inference.generate.Generator)
 NOT_GENERATED = {"qwen3_next", "qwen3_5_moe"}
+# DeepSeek-V4's compressors pool every column, left padding included, and rotate their entries at
+# column positions (transformers' as moejax's), so a prompt's greedy continuation depends on its
+# left padding: moejax's backend pads each prompt to a bucket, lm-eval's hf backend runs one request
+# unpadded, and the strings may differ. Its generate_until is compared instead with transformers'
+# `generate` on the ids and mask the backend hands its generator (tokens up to the row's stop).
+PADDING_CHANGES_GENERATION = {"deepseek_v4"}
 
 
 def byte_level_checkpoint(family, path, seed):
@@ -236,12 +243,14 @@ def byte_level_checkpoint(family, path, seed):
 def test_each_family_equals_the_hf_backend(family, tmp_path):
     """The backend is family-agnostic: on a byte-level checkpoint of each family (softmax and
     sigmoid routers; GQA, sliding-window and sink attention, linear attention (gated delta rule), MLA
-    with the DSA indexer, GLM-5's shared indexer layers) moejax gives lm-eval's `hf` backend's
+    with the DSA indexer, GLM-5's shared indexer layers, DeepSeek-V4's compressed attention and
+    hyper-connections) moejax gives lm-eval's `hf` backend's
     log-likelihoods and greedy flags on the multiple-choice task (lm-eval's hf backend right-pads
     these, so each row is its sequence alone for transformers too), greedy flags True on
     transformers' own greedy continuation and False with one token changed, and the same generated
     string on the next-line task (but NOT_GENERATED; one request: transformers left-pads a batch
-    of generations, where the gated-delta-rule and DSA families are not exact). Qwen3.5-MoE's
+    of generations, where the gated-delta-rule and DSA families are not exact; DeepSeek-V4:
+    PADDING_CHANGES_GENERATION). Qwen3.5-MoE's
     checkpoint is a multimodal wrapper (Qwen3_5MoeForConditionalGeneration); lm-eval's hf backend
     loads it, as transformers' AutoModelForCausalLM does, as Qwen3_5MoeForCausalLM, its language
     model."""
@@ -259,6 +268,14 @@ def test_each_family_equals_the_hf_backend(family, tmp_path):
     hf_lm = HFLM(pretrained=str(ckpt), dtype="float32", batch_size=4, device="cpu")
     mj_lm = MoejaxLM(pretrained=str(ckpt), dtype="float32", batch_size=4)
     names = ["stdlib_mc"] + ([] if family in NOT_GENERATED else ["stdlib_nextline"])
+    calls, generator = [], mj_lm._generator
+
+    def recorded(ids, mask, **kw):
+        out = generator(ids, mask, **kw)
+        calls.append((ids, mask, kw["max_new_tokens"], out))
+        return out
+
+    mj_lm._generator = recorded
     hf, mj = (evaluate(lm, tasks, names) for lm in (hf_lm, mj_lm))
     want, got = responses(hf, "stdlib_mc"), responses(mj, "stdlib_mc")
     assert len(want) == len(got) > 0
@@ -280,7 +297,19 @@ def test_each_family_equals_the_hf_backend(family, tmp_path):
     assert [w[1] for w in want] == [g[1] for g in got] == [True, False]
     for (w_ll, _), (g_ll, _) in zip(want, got):
         assert abs(w_ll - g_ll) <= 1e-4 + 1e-6 * abs(w_ll), (w_ll, g_ll)
-    if family not in NOT_GENERATED:
+    if family in PADDING_CHANGES_GENERATION:
+        assert calls and responses(mj, "stdlib_nextline")[0][0][0]  # (something was generated)
+        for ids, mask, n_new, out in calls:
+            with torch.no_grad():
+                want = hf_lm.model.generate(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
+                                            max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                                            pad_token_id=0).numpy()
+            P = ids.shape[1]
+            for row_out, row_want in zip(out[:, P:], want[:, P:]):   # pad (0) fills a row after its stop
+                stop = int(np.argmax(row_out == 0)) if (row_out == 0).any() else n_new
+                assert stop > 0
+                np.testing.assert_array_equal(row_out[:stop], row_want[:stop])
+    elif family not in NOT_GENERATED:
         want, got = responses(hf, "stdlib_nextline"), responses(mj, "stdlib_nextline")
         assert want == got and got[0][0][0], (want, got)  # (something was generated)
 

@@ -118,6 +118,7 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
     tokens first (each layer's weights are then read twice); info["layer_counts"][variant
     name][layer] and the `experts` rows record the counts."""
     cfg = ckpt.config
+    cfg.require_passes("the carried pass (evaluate_pruning)")   # (no family refuses it now; the hook stays)
     if cfg.per_layer_experts:  # the carried pass sizes every layer's statistics and masks by n_experts
         raise ConfigError(f"{ckpt.path}: MoE layers hold different expert counts (moe_sparsity_config.num_experts "
                           f"{list(cfg.layer_num_experts)}); evaluate_pruning (the prune_real experiment) needs one "
@@ -148,8 +149,8 @@ def evaluate_pruning(ckpt: OpenCheckpoint, calib: np.ndarray, heldout: dict[str,
         counts = _allocated_counts(ckpt, calib, allocation, selecting, [m.name for m in merges], keeps, batch_size,
                                    dtype, seed, show, fitness_ids if allocation.searches else None, searches)
     else:
-        counts = {(name, k): dict.fromkeys(cfg.moe_layers, k) for name in [*selecting, *(m.name for m in merges)]
-                  for k in keeps}
+        counts = {(name, k): dict.fromkeys(cfg.scored_layers, k) for name in [*selecting, *(m.name for m in merges)]
+                  for k in keeps}   # (a layer kept whole, DeepSeek-V4's hash layers, is run whole: no count)
     streams = _Streams.embedded(ckpt, calib, heldout, one_shot + merged + substituted, seq_variants, batch_size,
                                 dtype)
     methods = _Methods(tuple(scores), tuple(substitutes), tuple(merges))
@@ -215,8 +216,10 @@ class _Streams:
     cal_geo: list      # per calibration batch: (cos, sin, allowed)
     held_geo: dict     # text -> per batch: (cos, sin, allowed)
     held_ids: dict     # text -> per batch: ids [B, S]
+    cal_ids: list      # per calibration batch: ids [B, S] (a hash-routed layer's choice: DeepSeek-V4)
     group: dict        # calibration stream key -> the key of its group
-    cal: dict          # group key -> per calibration batch: x [B, S, H]
+    cal: dict          # group key -> per calibration batch: x [B, S, H] (the residual as the family's
+                       # `CausalLM.entry` makes it: DeepSeek-V4's hyper-connection streams [B, S, W, H])
     cal_carry: dict    # group key -> per calibration batch: what the attentions so far hand on, or None
     held: dict         # text -> per batch: x [A, B, S, H] (or [1, B, S, H]: every stream still the same)
     held_carry: dict   # text -> per batch: what the attentions so far hand on, [A or 1, B, ...], or None
@@ -243,6 +246,7 @@ class _Streams:
         tokens = max([b.size for b in held_batches], default=1)
         return cls(order=order, n_unpruned_inputs=len(one_shot), cal_geo=_geometry(ckpt, cal_batches, dtype),
                    held_geo={text: _geometry(ckpt, b, dtype) for text, b in held_ids.items()}, held_ids=held_ids,
+                   cal_ids=cal_batches,
                    group={key: None for key in [None, *seq_variants]}, cal={None: xs[:len(cal_batches)]},
                    cal_carry={None: [None] * len(cal_batches)}, held=held,
                    held_carry={text: [None] * len(bs) for text, bs in held_ids.items()},
@@ -331,8 +335,10 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     cal_hz = {group: [attention(graphdef, state, x, *geometry, carry)
                       for x, geometry, carry in zip(xs, streams.cal_geo, streams.cal_carry[group])]
               for group, xs in streams.cal.items()}
+    # a MoE layer kept whole (DeepSeek-V4's hash layers: tid2eid gives their experts) is run like a dense one
+    decided = layer.is_moe and not ckpt.config.is_kept_whole(layer_idx)
     decision = _decide_layer(ckpt.config, layer, layer_idx, cal_hz, streams, methods, keeps, counts, seed) \
-        if layer.is_moe else None
+        if decided else None
     _carry_calibration(graphdef, state, streams, cal_hz, {} if decision is None else decision.carry_maps)
     groups, kept_experts = None, ({} if merged_weights else None)   # merges made with their experts, for the plans
     if decision is not None:
@@ -344,7 +350,7 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     energy_pos0 = carry_heldout(graphdef, state, streams.held, streams.held_carry, streams.held_geo, groups,
                                 streams.chunk, first_seq,
                                 lambda a, norm, err: errors.add((streams.order[a], layer_idx), norm, err,
-                                                                np.ones(norm.shape, bool)))
+                                                                np.ones(norm.shape, bool)), streams.held_ids)
     groups = None
     if decision is None:
         return [], None, None
@@ -435,7 +441,8 @@ def _carry_calibration(graphdef, state, streams: _Streams, cal_hz: dict, carry_m
         variant = carry_maps.get(key)
         new_group = group if variant is None else key
         if new_group not in carried:
-            carried[new_group] = [mlp(graphdef, state, a.h_BSH, a.z_BSH, variant) for a in cal_hz[group]]
+            carried[new_group] = [mlp(graphdef, state, a.h_BSH, a.z_BSH, variant, ids)
+                                  for a, ids in zip(cal_hz[group], streams.cal_ids)]
             carries[new_group] = [a.carry for a in cal_hz[group]]
         streams.group[key] = new_group
     streams.cal, streams.cal_carry = carried, carries

@@ -63,7 +63,7 @@ def chunks(n: int, chunk: int) -> list[tuple[int, int, int]]:
 
 
 def carry_heldout(graphdef, state, held: dict, held_carry: dict, held_geo: dict, groups: list[TableGroup] | None,
-                  chunk: int, first_seq: int, add_error: Callable | None) -> float:
+                  chunk: int, first_seq: int, add_error: Callable | None, held_ids: dict | None = None) -> float:
     """The layer on every held-out stream (held: text -> per batch [A, B, S, H], or [1, B, S, H]
     while every stream is still the unpruned one; replaced by the layer's output; held_carry: what
     the attentions before handed each of them, `DecoderLayer.attend`'s carry, [A or 1, B, ...] or
@@ -71,13 +71,19 @@ def carry_heldout(graphdef, state, held: dict, held_carry: dict, held_geo: dict,
     a MoE layer each variant's layer-local errors, `add_error(stream index, norm [B, S], err [B, S])`.
     first_seq: the first stream measured on its own inputs (sequential variants). Returns the
     unpruned routed output's share of energy at position 0 (NaN at a dense layer, and with
-    add_error None: no layer-local error is measured, the streams are only carried)."""
+    add_error None: no layer-local error is measured, the streams are only carried). held_ids:
+    text -> per batch the token ids [B, S], which a hash-routed layer (DeepSeek-V4's, kept whole:
+    groups None) chooses its experts by; None where no layer reads them. The residual may have
+    trailing axes beyond H (DeepSeek-V4's hyper-connection streams [A, B, S, W, H])."""
+    def ids_of(text, b):
+        return None if held_ids is None else held_ids[text][b]
+
     if groups is None:   # every stream through the same dense layer, in place (held once while unpruned)
         for text, xs in held.items():
             carries = held_carry[text]
             for b, (cos, sin, allowed) in enumerate(held_geo[text]):
                 xs[b], carries[b] = _run_group(graphdef, state, xs[b], carries[b], list(range(xs[b].shape[0])), None,
-                                               chunk, cos, sin, allowed, {})
+                                               chunk, cos, sin, allowed, {}, ids_BS=ids_of(text, b))
                 xs[b].block_until_ready()
         return float("nan")
     n_streams = 1 + max(a for g in groups for a in g.streams)
@@ -96,15 +102,15 @@ def carry_heldout(graphdef, state, held: dict, held_carry: dict, held_geo: dict,
                     carries[b] = _each_stream(hz.carry, n_streams)
                 z_at = {a: None for a in g.streams if (a == 0 or a >= first_seq) and add_error}   # the router inputs
                 out, carries[b] = _run_group(graphdef, state, xs[b], carries[b], g.streams, em, chunk, cos, sin,
-                                             allowed, z_at, hz)                                 # errors need
+                                             allowed, z_at, hz, ids_of(text, b))                # errors need
                 if add_error is None:
                     xs[b] = out.block_until_ready()
                     del out
                     continue
-                B, S, H = xs[b].shape[1:]
+                B, S = xs[b].shape[1:3]   # (the residual's trailing axes: H, or DeepSeek-V4's W, H)
                 on_unpruned = np.asarray([p for p, a in enumerate(g.streams) if 0 < a < first_seq], np.int32)
                 if g.own:  # stream 0: the unpruned router inputs and routed output every variant is measured on
-                    z0 = z_at[0].reshape(B * S, H)
+                    z0 = z_at[0].reshape(B * S, -1)
                     norm, err, y0 = routed_errors(graphdef, state, z0, streams_slice(em, on_unpruned))
                     ref[text, b] = z0, norm, y0
                     n = np.asarray(norm, np.float64).reshape(B, S)
@@ -136,12 +142,13 @@ def _each_stream(carry, n_streams: int):
                         carry)
 
 
-def _run_group(graphdef, state, x, carry, streams: list, em, chunk: int, cos, sin, allowed, z_at: dict, hz=None):
+def _run_group(graphdef, state, x, carry, streams: list, em, chunk: int, cos, sin, allowed, z_at: dict, hz=None,
+               ids_BS=None):
     """(x, carry) with streams `streams` replaced by the layer's output on them and what its
     attention hands on, in place (x donated), `chunk` per call, the chunks last to first so that a
     chunk reads only streams not yet written; hz: the `Attended` of every stream while they are
     still the unpruned one (x and carry then only receive outputs). Fills each stream of z_at with
-    its router input [B, S, H]."""
+    its router input [B, S, H]. ids_BS: the batch's token ids (a hash-routed layer's choice), or None."""
     n_streams = x.shape[0]
     for p0, p1, skip in reversed(chunks(len(streams), chunk)):
         at = np.asarray(streams[p0:p1])
@@ -149,7 +156,7 @@ def _run_group(graphdef, state, x, carry, streams: list, em, chunk: int, cos, si
             graphdef, state, x[at], cos, sin, allowed[0],
             jax.tree.map(lambda c: c if c.shape[0] == 1 else c[at], carry))
         y = stacked_mlp(graphdef, state, a.h_BSH, a.z_BSH, p1 - p0,
-                        None if em is None else streams_slice(em, slice(p0, p1)))
+                        None if em is None else streams_slice(em, slice(p0, p1)), ids_BS)
         for i in range(skip, p1 - p0):
             if int(at[i]) in z_at:
                 z_at[int(at[i])] = a.z_BSH[0 if hz is not None else i]

@@ -29,9 +29,10 @@ def attention(graphdef, state, x_BSH, cos, sin, allowed, carry=None):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def mlp(graphdef, state, h_BSH, z_BSH, variant):
-    """h + mlp(z), a MoE layer under `variant` (None, a mask [E] or an ExpertMap)."""
-    return nnx.merge(graphdef, state).feed(Attended(h_BSH, z_BSH), variant, forward_only=True).out_BSH
+def mlp(graphdef, state, h_BSH, z_BSH, variant, ids_BS=None):
+    """h + mlp(z), a MoE layer under `variant` (None, a mask [E] or an ExpertMap); ids_BS: the
+    tokens' ids, which a hash-routed layer (DeepSeek-V4) chooses its experts by."""
+    return nnx.merge(graphdef, state).feed(Attended(h_BSH, z_BSH), variant, forward_only=True, ids_BS=ids_BS).out_BSH
 
 
 def streams_slice(em_A: ExpertMap, sl) -> ExpertMap:
@@ -100,26 +101,32 @@ def stacked_attention(graphdef, state, x_ABSH, cos, sin, allowed_BSS, carry_A=No
     """The attention half of one decoder layer on A streams at once (stacked into the batch, so
     each weight is read once per call for all of them): `Attended` with h = x + attn(norm(x)) and
     the MLP's input z, both [A, B, S, H], and the carry per stream [A, B, ...] (carry_A: what the
-    layers before handed each stream, [A or 1, B, ...], or None)."""
-    A, B, S, H = x_ABSH.shape
+    layers before handed each stream, [A or 1, B, ...], or None). The residual may have more
+    trailing axes than H (DeepSeek-V4's hyper-connection streams [A, B, S, W, H]); z is [A, B, S, H]."""
+    A, B, S = x_ABSH.shape[:3]
     layer = nnx.merge(graphdef, state)
-    x = x_ABSH.reshape(A * B, S, H)
+    x = x_ABSH.reshape((A * B,) + x_ABSH.shape[2:])
     allowed = jnp.broadcast_to(allowed_BSS[None], (A, B, S, S)).reshape(A * B, S, S)
     carry = jax.tree.map(lambda c: jnp.broadcast_to(c, (A,) + c.shape[1:]).reshape((A * B,) + c.shape[2:]), carry_A)
     return jax.tree.map(lambda a: a.reshape((A, B) + a.shape[1:]), layer.attend(x, cos, sin, allowed, carry))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | None):
+def stacked_mlp(graphdef, state, h_ABSH, z_ABSH, n_streams, em_A: ExpertMap | None, ids_BS=None):
     """The MLP half on `n_streams` streams (h and z broadcast from one stream when they hold one),
     stream n's MoE under variant n of em_A (mask and rows [n_streams, E], one table; None: a dense
-    layer): h + mlp(z), [n_streams, B, S, H]."""
-    _, B, S, H = h_ABSH.shape
+    layer or one kept whole): h + mlp(z), [n_streams, B, S, H] (h's trailing axes: DeepSeek-V4's
+    streams [.., W, H]). ids_BS: the tokens' ids, the same for every stream (a hash-routed layer's
+    choice), or None."""
+    B, S = h_ABSH.shape[1:3]
     layer = nnx.merge(graphdef, state)
-    h, z = (jnp.broadcast_to(a, (n_streams, B, S, H)).reshape(n_streams * B, S, H) for a in (h_ABSH, z_ABSH))
+    h, z = (jnp.broadcast_to(a, (n_streams,) + a.shape[1:]).reshape((n_streams * B,) + a.shape[2:])
+            for a in (h_ABSH, z_ABSH))
+    ids = None if ids_BS is None else jnp.broadcast_to(ids_BS, (n_streams,) + ids_BS.shape).reshape(n_streams * B, S)
     variant = None
     if em_A is not None:  # stream n's mask, rows and novices on each of its tokens
         mask, rows, novice = jax.tree.map(lambda a: jnp.repeat(a, B * S, axis=0),
                                           (em_A.mask_E, em_A.rows_E, em_A.novice_E))
         variant = em_A._replace(mask_E=mask, rows_E=rows, novice_E=novice)
-    return layer.feed(Attended(h, z), variant, forward_only=True).out_BSH.reshape(n_streams, B, S, H)
+    out = layer.feed(Attended(h, z), variant, forward_only=True, ids_BS=ids).out_BSH
+    return out.reshape((n_streams, B) + out.shape[1:])

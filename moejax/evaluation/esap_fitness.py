@@ -52,6 +52,12 @@ class EsapFitness:
 
     def __init__(self, ckpt: OpenCheckpoint, ids_NS: np.ndarray, rankings: dict, layers: list, *,
                  batch_size: int = 8, dtype=jnp.float32, collapse: bool = True, keeps_groups=None):
+        ckpt.config.require_passes("ESAP fitness (the evo_esap search)")
+        whole = [l for l in layers if ckpt.config.is_kept_whole(l)]
+        if whole:
+            raise ConfigError(f"ESAP fitness: layers {whole} are kept whole (docs/families.md: {ckpt.config.TITLE}'s "
+                              "hash layers), so no candidate may choose their experts; search over "
+                              "`config.scored_layers`")
         self.ckpt, self.dtype = ckpt, dtype
         self.rankings, self.layers = {l: np.asarray(rankings[l], np.float64) for l in layers}, list(layers)
         ids_NS = np.asarray(ids_NS)
@@ -124,12 +130,12 @@ class EsapFitness:
         for layer_idx in range(cfg.num_hidden_layers):
             layer = ckpt.decoder_layer(layer_idx, self.dtype, expert_dtype=ckpt.stored_expert_dtype(self.dtype))
             graphdef, state = nnx.split(layer)
-            groups = None
-            if layer.is_moe and kept is not None:
+            groups = None   # a MoE layer kept whole (DeepSeek-V4's hash layers) runs as it is, by the tokens' ids
+            if layer.is_moe and kept is not None and not cfg.is_kept_whole(layer_idx):
                 own = layer.mlp.expert_weights()
                 plans = [Kept(k[layer_idx]) if layer_idx in k else None for k in kept]
                 groups = [TableGroup(list(range(n)), lambda: stacked_expert_map(plans, own, cfg.n_experts))]
-            carry_heldout(graphdef, state, held, carries, geo, groups, chunk, n, None)
+            carry_heldout(graphdef, state, held, carries, geo, groups, chunk, n, None, {"fitness": self.batches})
             del layer, graphdef, state, groups
         return held["fitness"]
 

@@ -51,6 +51,7 @@ from moejax.models.names import MTP_PREDICTOR
 from moejax.models.registry import config_from_dict, family_of, read_config
 
 DENSE_DTYPES = ("BF16", "F16", "F32")  # stored unquantised; converted to the model dtype on load
+INDEX_DTYPES = ("I32", "I64")  # integer ids (a rule with `index`: DeepSeek-V4's tid2eid), held as int32
 PACKED_DTYPES = {"int4_pack": "I32", "mxfp4": "U8", "gpt_oss_mxfp4": "U8"}  # a packed 4-bit tensor's element type
 _STRAY = re.compile(r"\.rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # a wrapper's language model too
@@ -107,17 +108,22 @@ def split_extra_tensors(cfg, names, expected: set) -> tuple[list, list]:
     return carried, unexpected
 
 
-def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> list[str]:
+def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None, qcfg: dict | None = None) -> list[str]:
     where = f"{s.hf_name} in {reader.shard_of(on_disk[0]).name}"
     info = reader.info(on_disk[0])
     if on_disk == (s.hf_name,) and fmt == "fp8_block" and info.dtype == "F8_E4M3":
         scale = s.hf_name[: -len("weight")] + "weight_scale_inv"
         return [f"{where}: FP8 weight without its scale tensor {scale!r} (missing)"]
+    if on_disk == (s.hf_name,) and fmt == "deepseek_v4_fp8" and info.dtype in ("F8_E4M3", "I8"):
+        scale = s.hf_name[: -len("weight")] + "scale"
+        return [f"{where}: quantised weight ({info.dtype}) without its scale tensor {scale!r} (missing)"]
+    if on_disk != (s.hf_name,) and fmt == "deepseek_v4_fp8":
+        return _check_deepseek_v4(s, on_disk, reader, qcfg or {})
     if on_disk == (s.hf_name,) or fmt == "fp8_block":  # dense, or FP8 (same name, same shape)
         problems = []
         if tuple(info.shape) != tuple(s.hf_shape):
             problems.append(f"{where}: shape {list(info.shape)}, expected {list(s.hf_shape)} from config.json")
-        allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(DENSE_DTYPES)
+        allowed = {"F8_E4M3"} if on_disk != (s.hf_name,) else set(INDEX_DTYPES if s.index else DENSE_DTYPES)
         if info.dtype not in allowed:
             problems.append(f"{where}: dtype {info.dtype}, expected one of {sorted(allowed)}")
         return problems
@@ -127,6 +133,43 @@ def _check_tensor(s: TensorSpec, on_disk: tuple, reader, fmt: str | None) -> lis
     if len(info.shape) != 2 or info.shape[0] != s.hf_shape[0]:  # packed: rows are output features
         return [f"{packed}: shape {list(info.shape)}, expected {s.hf_shape[0]} rows from config.json"]
     return []
+
+
+def _check_deepseek_v4(s: TensorSpec, on_disk: tuple, reader, qcfg: dict) -> list[str]:
+    """A DeepSeek-V4 quantised Linear (`moejax.hf.quant.decode.dequant_deepseek_v4`): `<x>.weight`
+    F8_E4M3 [out, in] with `<x>.scale` [ceil(out/bm), ceil(in/bn)], or, for a routed expert of an
+    `expert_dtype: "fp4"` checkpoint (and only there), I8 [out, in/2] with `<x>.scale` [out, in/32],
+    in a multiple of 32; scales F8_E8M0 or F32."""
+    weight, scale = (reader.info(n) for n in on_disk)
+    where = f"{s.hf_name} in {reader.shard_of(on_disk[0]).name}"
+    where_scale = f"{on_disk[1]} in {reader.shard_of(on_disk[1]).name}"
+    out_f, in_f = s.hf_shape
+    fp4 = s.expert is not None and qcfg.get("expert_dtype") == "fp4"
+    want_dtype = "I8" if fp4 else "F8_E4M3"
+    if weight.dtype != want_dtype:
+        kind = "an FP4 routed expert (expert_dtype fp4)" if fp4 else (
+            "a routed expert (expert_dtype fp8)" if s.expert is not None else "an FP8 Linear")
+        return [f"{where}: dtype {weight.dtype}, expected {want_dtype} for {kind}"]
+    problems = []
+    if fp4:
+        group = quant.DSV4_FP4_GROUP
+        if in_f % group:
+            return [f"{where}: {in_f} input features are not a multiple of {group} (FP4 scale groups)"]
+        want_w, want_s = (out_f, in_f // 2), (out_f, in_f // group)
+        grid = f"one per {group} input values"
+    else:
+        bm, bn = qcfg.get("weight_block_size") or quant.FP8_BLOCK
+        want_w, want_s = (out_f, in_f), (quant.ceil_div(out_f, bm), quant.ceil_div(in_f, bn))
+        grid = f"one per {bm}x{bn} block"
+    if tuple(weight.shape) != want_w:
+        problems.append(f"{where}: shape {list(weight.shape)}, expected {list(want_w)} from config.json "
+                        f"({'[out, in/2]: 2 FP4 values per byte' if fp4 else '[out, in]'})")
+    if tuple(scale.shape) != want_s:
+        problems.append(f"{where_scale}: shape {list(scale.shape)}, expected {list(want_s)} ({grid} of "
+                        f"{s.hf_name}'s [{out_f}, {in_f}])")
+    if scale.dtype not in ("F8_E8M0", "F32"):
+        problems.append(f"{where_scale}: dtype {scale.dtype}, expected F8_E8M0 or F32")
+    return problems
 
 
 def _check_mtp_blocks(cfg, reader, fmt: str | None, missing: list) -> list[str]:
@@ -146,7 +189,7 @@ def _check_mtp_blocks(cfg, reader, fmt: str | None, missing: list) -> list[str]:
                 if s.rule not in MTP_PREDICTOR:
                     missing.append(s.hf_name)
             else:
-                problems += _check_tensor(s, on_disk, reader, fmt)
+                problems += _check_tensor(s, on_disk, reader, fmt, cfg.quantization_config)
     return problems
 
 
@@ -189,7 +232,7 @@ def check_tensors(cfg, reader, specs: list[TensorSpec],
             missing.append(s.hf_name)
             continue
         stored[s.hf_name] = on_disk
-        problems += _check_tensor(s, on_disk, reader, fmt)
+        problems += _check_tensor(s, on_disk, reader, fmt, cfg.quantization_config)
     problems += _check_mtp_blocks(cfg, reader, fmt, missing)
     problems = list(dict.fromkeys(problems))   # a fused tensor's problem is every expert's slab's
     if missing:

@@ -59,9 +59,12 @@ def keep_map_of(record: dict, kept: dict, n_experts: dict, whole: dict | None = 
             entry = {"n_experts": int(n_experts[layer]), "kept": [int(e) for e in kept[layer]]}
         else:
             entry = {"n_experts": int(whole[layer]), "kept": list(range(int(whole[layer])))}
+        recorded = extra.get(str(layer), {})
         for key in ("clusters", "substituted"):
-            if key in extra.get(str(layer), {}):
-                entry[key] = extra[str(layer)][key]
+            # a layer written with unreachable slots (beside layers kept whole: DeepSeek-V4) keeps every
+            # slot, so its rows are not one per cluster: its clusters stay in pruning.json only
+            if key in recorded and "unreachable" not in recorded:
+                entry[key] = recorded[key]
         layers[str(layer)] = entry
     return {"format": FORMAT, "version": VERSION, "source": record.get("source"),
             FINGERPRINT_KEY: record.get(FINGERPRINT_KEY), "mtp": record.get("mtp"),
@@ -308,7 +311,8 @@ def _against_record(keep_map: dict, record) -> list[str]:
         if key not in layers:
             problems.append(f"layers.{key}: missing, but {PRUNING_RECORD} lists layer {key}")
             continue
-        for field in ("n_experts", "kept", "clusters", "substituted"):
+        # (a layer with unreachable slots records its clusters in pruning.json only: `keep_map_of`)
+        for field in ("n_experts", "kept") + (("clusters", "substituted") if "unreachable" not in entry else ()):
             if field in entry and entry[field] != layers[key].get(field):
                 problems.append(f"layers.{key}.{field}: {json.dumps(layers[key].get(field))[:60]}, but "
                                 f"{PRUNING_RECORD} has {json.dumps(entry[field])[:60]}")

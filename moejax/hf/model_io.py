@@ -130,6 +130,17 @@ class OpenCheckpoint:
         abstract = nnx.eval_shape(lambda: cls.decoder_layer(self.config, layer, dtype, nnx.Rngs(0), backend))
         return self.fill(abstract, specs, dtype, prefix=prefix, mesh=mesh, expert_dtype=expert_dtype)
 
+    def exit_block(self, dtype):
+        """The family's module collapsing the last layer's residual before the final norm
+        (`CausalLM.exit_block`, DeepSeek-V4's hc_head), filled from its tensors; None for a family
+        without one."""
+        cls = self.family.causal_lm()
+        if cls.EXIT_NAME is None:
+            return None
+        prefix = f"model.{cls.EXIT_NAME}."
+        abstract = nnx.eval_shape(lambda: cls.exit_block(self.config, nnx.Rngs(0)))
+        return self.fill(abstract, self.specs_under(prefix), dtype, prefix=prefix)
+
     def layer_specs(self, layer: int) -> list[TensorSpec]:
         """The tensors of decoder layer `layer`, or of MTP layer `layer` (its block and predictor)."""
         if layer < self.config.num_hidden_layers:
@@ -192,7 +203,7 @@ class OpenCheckpoint:
             path = s.param[len(prefix):]
             if path in sharded:
                 continue
-            target = np.float32 if s.param.endswith(_ALWAYS_F32) else (
+            target = np.int32 if s.index else np.float32 if s.param.endswith(_ALWAYS_F32) else (
                 expert_dtype if s.expert is not None and expert_dtype is not None else dtype)
             buf = buffers.get(path)
             if buf is None:   # aligned: JAX uses it in place (no second copy of a layer's experts in memory)
@@ -352,8 +363,8 @@ def save_pretrained(model, out_dir, *, max_shard_bytes: int = 5 * 2**30,
 
     def dtype_of(s):
         if source:
-            return source.dtypes.get(s.hf_name, default)
-        return "F32" if s.param.endswith(_ALWAYS_F32) else default
+            return source.dtypes.get(s.hf_name, "I64" if s.index else default)
+        return "I64" if s.index else "F32" if s.param.endswith(_ALWAYS_F32) else default
 
     fused = _fused_specs(family_of(cfg), specs)
     written = set()   # stored tensors holding several experts' quantised weights are written once

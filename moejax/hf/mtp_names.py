@@ -39,6 +39,25 @@ def check_mtp_policy(mtp) -> str:
     return mtp
 
 
+def carried_mtp_block(cfg, mtp: str, names) -> tuple[str, ...]:
+    """A family whose MTP block moejax carries and never runs (the config's `MTP_CARRIED` prefix:
+    DeepSeek-V4's `mtp.*`, which transformers 5.24 does not instantiate, so there is no reference to
+    run, score or prune it against): the stored-name prefixes --mtp drop removes; () for --mtp keep
+    (the source's bytes, full width) or when no tensor of `names` is under the prefix. --mtp prune
+    is refused by name there, since moejax cannot score the block's experts."""
+    prefix = getattr(cfg, "MTP_CARRIED", None)
+    if not prefix or not any(n.startswith(prefix) for n in names):
+        return ()
+    if check_mtp_policy(mtp) == "prune":
+        raise ConfigError(f"--mtp prune: {cfg.TITLE}'s MTP block (`{prefix}*`) is not run by moejax (transformers "
+                          "does not instantiate it, so there is no reference to score it against), so its experts "
+                          f"cannot be scored, pruned or merged; give --mtp keep (the block carried byte for byte, "
+                          f"full width: {cfg.TITLE}'s pruned and merged checkpoints keep config.json's expert "
+                          "count, so it loads wherever the source's does) or --mtp drop (removed, "
+                          "num_nextn_predict_layers 0)")
+    return (prefix,) if mtp == "drop" else ()
+
+
 def mtp_renames(cfg, family, names) -> dict[str, str]:
     """{presented name: stored name} of the tensors of an MTP block stored apart (the family
     config's `MTP_STORED`: its prefix and its predictor tensors' names), for the names on disk;

@@ -26,8 +26,8 @@ from moejax.models.layers import causal_allowed, linear, rms_norm
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer_forward(graphdef, state, x_BSH, cos, sin, allowed_BSS, carry):
-    out = nnx.merge(graphdef, state)(x_BSH, cos, sin, allowed_BSS, carry=carry)
+def _layer_forward(graphdef, state, x, cos, sin, allowed_BSS, carry, ids_BS):
+    out = nnx.merge(graphdef, state)(x, cos, sin, allowed_BSS, carry=carry, ids_BS=ids_BS)
     return out.out_BSH, out.z_BSH, out.carry
 
 
@@ -37,8 +37,8 @@ def _layer_attend(graphdef, state, x_BSH, cos, sin, allowed_BSS, carry):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer_feed(graphdef, state, attended, variant):
-    return nnx.merge(graphdef, state).feed(attended, variant, forward_only=True).out_BSH
+def _layer_feed(graphdef, state, attended, variant, ids_BS):
+    return nnx.merge(graphdef, state).feed(attended, variant, forward_only=True, ids_BS=ids_BS).out_BSH
 
 
 def batch_geometry(ckpt: OpenCheckpoint, ids_BS, mask_BS, dtype, shift: int = 0):
@@ -75,11 +75,28 @@ def _final_norm(x_ABSH, norm_H, eps, scale_in_float32: bool, plus_one: bool):
     return rms_norm(x_ABSH, norm_H, eps, scale_in_float32, plus_one)
 
 
-def final_norm(ckpt: OpenCheckpoint, dtype):
-    """The model's final norm as a function of hidden states [..., H] (its weight read once)."""
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _exit(graphdef, state, x, lead: int):
+    """The family's exit block (`CausalLM.exit_block`) on residuals [*lead axes, B, S, ...]: the
+    leading axes (the carried pass's streams) folded into the batch."""
+    shape = x.shape
+    y = nnx.merge(graphdef, state)(x.reshape((-1,) + shape[lead + 1:]))
+    return y.reshape(shape[:lead + 2] + y.shape[2:])
+
+
+def final_norm(ckpt: OpenCheckpoint, dtype, lead: int = 0):
+    """The model's final norm as a function of the last layer's residuals [*lead axes, B, S, ...]
+    (its weights read once): the family's exit block first where it has one (DeepSeek-V4's
+    hyper-connection head, `CausalLM.exit_block`), giving [..., B, S, H]."""
     cfg = ckpt.config
     norm_H = jnp.asarray(ckpt.read_param_tensor(head_specs(ckpt)[0], jnp.dtype(dtype)))
-    return lambda x: _final_norm(x, norm_H, cfg.rms_norm_eps, cfg.NORM_SCALES_IN_FLOAT32, cfg.NORM_PLUS_ONE)
+    block = ckpt.exit_block(dtype)
+    graphdef, state = (None, None) if block is None else nnx.split(block)
+
+    def normed(x):
+        x = x if block is None else _exit(graphdef, state, x, lead)
+        return _final_norm(x, norm_H, cfg.rms_norm_eps, cfg.NORM_SCALES_IN_FLOAT32, cfg.NORM_PLUS_ONE)
+    return normed
 
 
 def head_specs(ckpt: OpenCheckpoint):
@@ -122,7 +139,7 @@ def head_pass(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype, agreement: bool 
     (`HeadOutputs`)."""
     cfg = ckpt.config
     _, head_spec = head_specs(ckpt)
-    normed = final_norm(ckpt, dtype)
+    normed = final_norm(ckpt, dtype, lead=1)
     state = {}
     for text, batches in xs.items():
         for b, x in enumerate(batches):
@@ -153,8 +170,10 @@ def head_pass(ckpt: OpenCheckpoint, xs: dict, ids: dict, dtype, agreement: bool 
     return HeadOutputs(nll, each(0, np.float64), each(1, np.float64), top1)
 
 
-def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:
-    """The embedding rows of each batch of token ids, [B, S, H] in `dtype`. The table is read a
+def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype, entry: bool = True) -> list:
+    """The decoder's input residual of each batch of token ids in `dtype`: the embedding rows
+    [B, S, H] as the family's `CausalLM.entry` makes them the residual (DeepSeek-V4: its
+    hyper-connection streams [B, S, W, H]; entry=False: the rows themselves). The table is read a
     vocabulary chunk at a time (`VOCAB_CHUNK` rows), keeping only the rows the data uses, so it is
     never held whole (Moonlight's 163,840 x 2,048 table is 0.7 GB in bfloat16); a NaN or infinity
     in a row the data uses is refused naming the token ids."""
@@ -177,7 +196,8 @@ def embed(ckpt: OpenCheckpoint, batches_of_ids, dtype) -> list:
     if bad.size:
         raise CheckpointError(f"{spec.hf_name} in {ckpt.reader.shard_of(spec.hf_name).name}: non-finite values "
                               f"(NaN or inf) in the rows of token id(s) {bad[:16].tolist()}, which the data uses")
-    return [jnp.asarray(rows[np.searchsorted(used, b)].astype(jnp.dtype(dtype))) for b in ids]
+    enter = ckpt.family.causal_lm().entry if entry else (lambda cfg, x: x)
+    return [enter(ckpt.config, jnp.asarray(rows[np.searchsorted(used, b)].astype(jnp.dtype(dtype)))) for b in ids]
 
 
 def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progress: bool | None = None,
@@ -202,13 +222,15 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     show = sys.stderr.isatty() if progress is None else progress
     n_tokens = sum(int(np.asarray(ids).size) for ids, _ in batches)
     hidden = embed(ckpt, [ids for ids, _ in batches], dtype)
+    token_ids = [jnp.asarray(ids) for ids, _ in batches]   # a hash-routed layer's (DeepSeek-V4) choice
     geometry = [batch_geometry(ckpt, ids, mask, dtype) for ids, mask in batches]
     backend = "ep" if mesh is not None else "sorted"
     carries = [None] * len(batches)   # what each batch's attention hands on (`DecoderLayer.attend`)
     for layer_idx in tqdm(range(cfg.num_hidden_layers), desc=f"layers ({n_tokens} tokens)", unit="layer",
                           disable=not show):
         layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
-        hidden, carries = yield from _through_layer(layer_idx, layer, hidden, carries, geometry, variant_of)
+        hidden, carries = yield from _through_layer(layer_idx, layer, hidden, carries, geometry, variant_of, token_ids,
+                                                    not cfg.is_kept_whole(layer_idx))
         del layer  # before the next layer's weights are read
     mtp_layers = ckpt.mtp_layers() if mtp else []
     if not mtp_layers:
@@ -218,33 +240,39 @@ def stream_layers(ckpt: OpenCheckpoint | str, batches, dtype=jnp.float32, progre
     for depth, layer_idx in enumerate(mtp_layers):
         shift = depth + 1  # depth j sees the tokens t + 1 + j at positions 1 + j .. S - 1
         predictor = nnx.split(ckpt.mtp_predictor(layer_idx, dtype))
-        embedded = embed(ckpt, [np.asarray(ids)[:, shift:] for ids, _ in batches], dtype)
+        embedded = embed(ckpt, [np.asarray(ids)[:, shift:] for ids, _ in batches], dtype, entry=False)
         hidden = [_mtp_input(*predictor, e, h[:, :-1]) for e, h in zip(embedded, state)]
         del embedded
         geometry = [batch_geometry(ckpt, ids, mask, dtype, shift) for ids, mask in batches]
         layer = ckpt.decoder_layer(layer_idx, dtype, backend, mesh)
-        hidden, _ = yield from _through_layer(layer_idx, layer, hidden, [None] * len(batches), geometry, variant_of)
+        hidden, _ = yield from _through_layer(layer_idx, layer, hidden, [None] * len(batches), geometry, variant_of,
+                                              [t[:, shift:] for t in token_ids])
         state = [_mtp_state(*predictor, h) for h in hidden]
 
 
-def _through_layer(layer_idx: int, layer, hidden: list, carries: list, geometry: list, variant_of):
-    """Every batch's hidden states (and what the attentions before handed on, `carries`) through
-    one decoder layer, yielding its MoE layer's router inputs on the way (`stream_layers`); returns
-    both after it."""
+def _through_layer(layer_idx: int, layer, hidden: list, carries: list, geometry: list, variant_of, token_ids: list,
+                   scored: bool = True):
+    """Every batch's residual (and what the attentions before handed on, `carries`) through one
+    decoder layer, yielding its MoE layer's router inputs on the way (`stream_layers`); returns
+    both after it. token_ids: each batch's [B, S], which a hash-routed layer chooses by. scored:
+    False for a MoE layer kept whole (`MoeConfig.is_kept_whole`), which is run, not yielded."""
     graphdef, state = nnx.split(layer)
     router_inputs, carries = [], list(carries)
-    if variant_of is None or not layer.is_moe:
+    yields = layer.is_moe and scored
+    if variant_of is None or not yields:
         for b, (cos, sin, allowed) in enumerate(geometry):
-            hidden[b], z, carries[b] = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed, carries[b])
+            hidden[b], z, carries[b] = _layer_forward(graphdef, state, hidden[b], cos, sin, allowed, carries[b],
+                                                      token_ids[b])
             router_inputs.append(z.reshape(-1, z.shape[-1]))
-        if layer.is_moe:
+        if yields:
             yield layer_idx, layer.mlp, router_inputs
         return hidden, carries
     # the MLP half after the consumer has decided the layer
     attended = [_layer_attend(graphdef, state, x, *geo, c) for x, geo, c in zip(hidden, geometry, carries)]
     yield layer_idx, layer.mlp, [a.z_BSH.reshape(-1, a.z_BSH.shape[-1]) for a in attended]
     variant = variant_of(layer_idx)
-    return [_layer_feed(graphdef, state, a, variant) for a in attended], [a.carry for a in attended]
+    return ([_layer_feed(graphdef, state, a, variant, t) for a, t in zip(attended, token_ids)],
+            [a.carry for a in attended])
 
 
 def mtp_shift(cfg, layer: int) -> int:

@@ -99,10 +99,12 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, dtype, rngs, backend, cfg.experts_in_layer(layer)) if self.is_moe else MLP(
             cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False, carry=None) -> LayerOutput:
+    def __call__(self, x, cos, sin, allowed, variant=None, forward_only: bool = False, carry=None,
+                 ids_BS=None) -> LayerOutput:
         """The whole layer. carry: what an earlier layer's attention handed on (an attention that
-        `passes_carry`, GLM-5.2's shared indexer selection; None for every other), returned updated."""
-        return self.feed(self.attend(x, cos, sin, allowed, carry), variant, forward_only)
+        `passes_carry`, GLM-5.2's shared indexer selection; None for every other), returned updated.
+        ids_BS: the tokens' ids, which a hash-routed MoE layer chooses its experts by (`feed`)."""
+        return self.feed(self.attend(x, cos, sin, allowed, carry), variant, forward_only, ids_BS)
 
     @property
     def passes_carry(self) -> bool:
@@ -119,13 +121,16 @@ class DecoderLayer(nnx.Module):
         a, carry = self.self_attn.carrying(self.input_layernorm(x), cos, sin, allowed, carry)
         return self._residual(x, a, carry)
 
-    def feed(self, attended: Attended, variant=None, forward_only: bool = False) -> LayerOutput:
+    def feed(self, attended: Attended, variant=None, forward_only: bool = False, ids_BS=None) -> LayerOutput:
         """The second half: h + mlp(z); a MoE layer under `variant` (None, a mask [E] or an
-        ExpertMap), which a dense layer ignores. The attention's carry passes on."""
+        ExpertMap), which a dense layer ignores. The attention's carry passes on. ids_BS: the
+        tokens' ids [B, S], read only by a hash-routed MoE layer (DeepSeek-V4's `hash_moe`, which
+        refuses to run without them); every other layer ignores them, so a pass over the other
+        families need not hand them in."""
         h, z, carry = attended
         if not self.is_moe:
             return LayerOutput(h + self.mlp(z), None, z, carry)
-        y, routing = self.mlp(z, variant, forward_only)
+        y, routing = self.mlp(z, variant, forward_only, ids_BS)
         return LayerOutput(h + y, routing, z, carry)
 
     def prefill(self, x, cos, sin, allowed_BSS, cache, variant=None, carry=None):
@@ -199,21 +204,44 @@ class CausalLM(nnx.Module):
         before each one, as transformers' `generate`)."""
         variant = _checked(variant, self.config)
         B, S = input_ids_BS.shape
-        x = self.model.embed_tokens[...][input_ids_BS]
+        x = self._embed(input_ids_BS)
         cos, sin = self.rope_tables(self.config, jnp.arange(S) if positions_BS is None else positions_BS, x.dtype)
         allowed = causal_allowed(attention_mask_BS, B, S)
         routings, moe_inputs, carry = {}, {}, None
         for l, layer in enumerate(self.model.layers):
-            out = layer(x, cos, sin, allowed, self._layer_variant(variant, l), forward_only, carry)
+            out = layer(x, cos, sin, allowed, self._layer_variant(variant, l), forward_only, carry, input_ids_BS)
             x, carry = out.out_BSH, out.carry
             if out.routing is not None:
                 routings[l], moe_inputs[l] = out.routing, out.z_BSH.reshape(B * S, -1)
         return CausalLMOutput(self._logits(x), routings if return_routing else None,
                               moe_inputs if return_moe_inputs else None)
 
-    def _logits(self, x_BSH):
+    def _embed(self, input_ids_BS):
+        """The decoder's input: the embedding rows of the ids, as `entry` makes them the residual."""
+        return self.entry(self.config, self.model.embed_tokens[...][input_ids_BS])
+
+    def _logits(self, x):
         head = self.model.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        return linear(self.model.norm(x_BSH), head)
+        exit_block = getattr(self.model, self.EXIT_NAME) if self.EXIT_NAME else None
+        return linear(self.model.norm(x if exit_block is None else exit_block(x)), head)
+
+    # --- the residual's two ends, which the layer-streamed executors call too (`moejax.inference.stream`) ---
+    # The residual the decoder layers hand on is what `entry` makes of the embedding rows [B, S, H]
+    # (the rows themselves; DeepSeek-V4: hc_mult hyper-connection streams [B, S, W, H]); before the
+    # final norm the module `model.<EXIT_NAME>` (None: none) collapses it back to [B, S, H]. The
+    # executors never look inside the residual: they pass it between these hooks and the halves.
+    EXIT_NAME: ClassVar[str | None] = None
+
+    @classmethod
+    def entry(cls, cfg, x_BSH):
+        """The decoder's input residual from the embedding rows x [B, S, H]."""
+        return x_BSH
+
+    @classmethod
+    def exit_block(cls, cfg, rngs: nnx.Rngs):
+        """The module `model.<EXIT_NAME>` that collapses the last layer's residual to [B, S, H]
+        before the final norm (built alone: the streamed head reads only its tensors), or None."""
+        return None
 
     # --- generation (moejax.inference.generate.generate drives these three) ---
 

@@ -175,7 +175,13 @@ class MoeConfig:
     # Tensors with no parameter that the checkpoint carries byte for byte (a vision tower, an MTP
     # block transformers does not read): name prefixes
     CARRIED_PREFIXES: ClassVar[tuple] = ()
+    # The prefix of an MTP block moejax carries and never runs (`moejax.hf.mtp_names.carried_mtp_block`:
+    # --mtp keep or drop only); None where MTP layers, if any, are decoder layers moejax runs
+    MTP_CARRIED: ClassVar[str | None] = None
     num_nextn_predict_layers = 0                        # MTP layers after the decoder layers (a field where read)
+    # The checkpoint passes this family cannot run yet: {the pass as `require_passes` names it (the
+    # start of its `what`): why}; empty when every pass runs
+    PASSES_NOT_IMPLEMENTED: ClassVar[dict] = {}
 
     # field (= its config.json key) -> (accepts, expected) type/range rule
     FIELD_RULES = _FromFields(lambda fields: {f.name: f.metadata["rule"] for f in fields})
@@ -250,6 +256,24 @@ class MoeConfig:
         layer is built with its own count, `experts_in_layer`; variant masks stay n_experts wide)."""
         return len({self.experts_in_layer(l) for l in self.moe_layers}) > 1
 
+    def is_kept_whole(self, layer: int) -> bool:
+        """Whether MoE layer `layer`'s experts are outside every pass that chooses experts: never
+        scored, pruned, merged or substituted, and a variant leaves them as they are (DeepSeek-V4's
+        hash layers, whose experts a token-id table gives, `docs/families.md`)."""
+        return False
+
+    @property
+    def scored_layers(self) -> list[int]:
+        """The MoE layers the passes score and change: `moe_layers` less those kept whole."""
+        return [l for l in self.moe_layers if not self.is_kept_whole(l)]
+
+    def require_passes(self, what: str) -> None:
+        """Refuse, naming the family and the reason, a pass this family cannot run yet (rather than
+        compute something wrong): `what` names the pass, and starts with its `PASSES_NOT_IMPLEMENTED` key."""
+        why = next((why for key, why in self.PASSES_NOT_IMPLEMENTED.items() if what.startswith(key)), None)
+        if why:
+            raise ConfigError(f"{self.TITLE}: {what} is not implemented for this family yet: {why}")
+
     # --- the router and the MoE block ---------------------------------------------------------
     @property
     def n_group(self) -> int:
@@ -263,6 +287,12 @@ class MoeConfig:
 
     def expert_fn(self):
         """The routed experts' function `expert_fn(linear, w, x)` (`moejax.moe.dispatch`; imports JAX)."""
+        from moejax.moe import dispatch
+
+        return dispatch.swiglu
+
+    def shared_expert_fn(self):
+        """The shared experts' SwiGLU (`expert_fn`'s form; DeepSeek-V4's clamps as its routed experts)."""
         from moejax.moe import dispatch
 
         return dispatch.swiglu

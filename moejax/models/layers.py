@@ -59,16 +59,18 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU MLP: the dense layers and the shared experts."""
+    """SwiGLU MLP: the dense layers and the shared experts. fn: the SwiGLU's form (`expert_fn(linear,
+    w, x)` of `moejax.moe.dispatch` on gate/up/down; DeepSeek-V4's shared expert clamps, `LimitedSwiglu`)."""
 
-    def __init__(self, hidden: int, inner: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, inner: int, dtype, rngs: nnx.Rngs, fn=dispatch_lib.swiglu):
         self.gate_proj = param(rngs, (hidden, inner), dtype)
         self.up_proj = param(rngs, (hidden, inner), dtype)
         self.down_proj = param(rngs, (inner, hidden), dtype)
+        self.fn = fn
 
     def __call__(self, x):
         w = {"gate": self.gate_proj[...], "up": self.up_proj[...], "down": self.down_proj[...]}
-        return dispatch_lib.swiglu(linear, w, x)
+        return self.fn(linear, w, x)
 
 
 def within_window(allowed_BSC, query_columns_S, window: int | None):

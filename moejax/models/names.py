@@ -30,6 +30,7 @@ class Rule:
     when: Callable = lambda cfg, layer: True
     per_expert: bool = False      # HF has one tensor per expert; the parameter stacks them on axis 0
     place: str = "layer"
+    index: bool = False           # integer ids, not weights (DeepSeek-V4's tid2eid): stored I64 / I32, held int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ class TensorSpec:
     expert: int | None            # index into the stacked parameter, or None
     hf_shape: tuple               # the shape the HF tensor must have
     rule: str = ""                # the rule's name
+    index: bool = False           # the rule's `index`: integer ids, stored I64 / I32, held int32
 
 
 def prefixed(rules: tuple, prefix: str, head: str = "lm_head.weight") -> tuple:
@@ -82,12 +84,12 @@ def expand_layer(rules, cfg, layer: int) -> list[TensorSpec]:
         for expert in (range(E) if rule.per_expert else [None]):
             fmt = {"l": layer, "e": expert}
             specs.append(TensorSpec(rule.hf.format(**fmt), rule.param.format(**fmt), rule.transpose, expert, shape,
-                                    rule.name))
+                                    rule.name, rule.index))
     return specs
 
 
 def _global(rule: Rule, cfg) -> TensorSpec:
-    return TensorSpec(rule.hf, rule.param, rule.transpose, None, tuple(rule.shape(cfg)), rule.name)
+    return TensorSpec(rule.hf, rule.param, rule.transpose, None, tuple(rule.shape(cfg)), rule.name, rule.index)
 
 
 # --- pieces every table uses ----------------------------------------------------------------

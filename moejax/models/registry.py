@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from moejax.errors import ConfigError
 from moejax.models import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
-from moejax.models import deepseek_v32, glm_moe_dsa, kimi_k25
+from moejax.models import deepseek_v32, deepseek_v4, glm_moe_dsa, kimi_k25
 from moejax.models.config_base import read_json_object
 from moejax.models.family import Family
 
@@ -27,6 +27,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     deepseek_v32.FAMILY,
     glm_moe_dsa.FAMILY,
     kimi_k25.FAMILY,
+    deepseek_v4.FAMILY,
 )}
 
 

@@ -43,6 +43,10 @@ def check_variant(variant, config):
                 raise ConfigError(f"expert masks: layer {l} holds {n} experts (moe_sparsity_config.num_experts) "
                                   f"but the mask keeps experts {(np.flatnonzero(masks[l, n:]) + n).tolist()[:8]}")
         for layer in config.moe_layers:
+            if config.is_kept_whole(layer):
+                if not masks[layer, :config.experts_in_layer(layer)].all():
+                    raise ConfigError(_kept_whole(config, layer, "expert masks"))
+                continue
             check_routable(masks[layer], layer, config, "expert masks")
         return maps_from_masks(masks, config)
     H, F = config.hidden_size, config.moe_intermediate_size
@@ -51,6 +55,8 @@ def check_variant(variant, config):
         where = f"variant: layer {layer}"
         if layer not in config.moe_layers:
             raise ConfigError(f"{where} is not a MoE layer (MoE layers: {config.moe_layers})")
+        if config.is_kept_whole(layer):
+            raise ConfigError(_kept_whole(config, layer, where))
         if not isinstance(em, ExpertMap):
             raise ConfigError(f"{where}: expected an ExpertMap, got {type(em).__name__}")
         E = config.experts_in_layer(layer)  # the layer's own count (a checkpoint pruned per layer)
@@ -103,15 +109,22 @@ def _check_novices(em, E: int, H: int, where: str):
     return jnp.asarray(novice), jnp.asarray(constants)
 
 
+def _kept_whole(config, layer: int, where: str) -> str:
+    return (f"{where}: layer {layer} is a {config.TITLE} layer kept whole (a hash layer: its experts are "
+            "tid2eid[token id], no router chooses among them); pruning, merging or substituting its experts is "
+            "not implemented (docs/families.md)")
+
+
 def maps_from_masks(masks_LE, config) -> dict:
     """{MoE layer: ExpertMap(mask)} from expert masks [num_hidden_layers, n_experts] (numpy, or JAX
     arrays traced inside a caller's jit), each layer's row cut to its own experts_in_layer(layer)
-    first columns: the one conversion of a pruning given as masks into the form the forward takes."""
+    first columns: the one conversion of a pruning given as masks into the form the forward takes.
+    Layers kept whole (`is_kept_whole`, whose rows `check_variant` requires all True) get none."""
     import jax.numpy as jnp
 
     from moejax.moe.expert_map import ExpertMap
 
-    return {l: ExpertMap(jnp.asarray(masks_LE[l][..., :config.experts_in_layer(l)])) for l in config.moe_layers}
+    return {l: ExpertMap(jnp.asarray(masks_LE[l][..., :config.experts_in_layer(l)])) for l in config.scored_layers}
 
 
 def check_routable(mask_E, layer: int, config, where: str) -> None:

@@ -71,6 +71,21 @@ class ClampedSwiglu:
         return linear((up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha)), w["down"], w["down_bias"])
 
 
+@dataclasses.dataclass(frozen=True)
+class LimitedSwiglu:
+    """DeepSeek-V4's expert, routed and shared (transformers' `DeepseekV4Experts._apply_gate` and
+    `DeepseekV4MLP`): SwiGLU's weights, gate clamped above at `limit` and up to [-limit, limit]
+    before silu(gate) * up (`swiglu_limit`; unlike gpt-oss's, no alpha, no biases, no up + 1).
+    gate/up [D, F], down [F, D]: the "swiglu" kind's weights."""
+
+    limit: float
+
+    def __call__(self, linear: Linear, w: dict, x: jax.Array) -> jax.Array:
+        gate = jnp.minimum(linear(x, w["gate"]), self.limit)
+        up = jnp.clip(linear(x, w["up"]), -self.limit, self.limit)
+        return linear(jax.nn.silu(gate) * up, w["down"])
+
+
 # An expert kind's matrices and their shapes for hidden width D and inner width F (one expert; a
 # layer stacks E of each): what the MoE block holds as `experts_<name>` and a variant's table holds.
 EXPERT_SHAPES = {

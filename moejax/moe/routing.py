@@ -1,12 +1,14 @@
 """The router every family uses (SPEC section 1), as one pure, jit-able function: DeepSeek-V3 and
-GLM-4.5 route by sigmoid with a balance bias and groups; Qwen3-MoE, Mixtral and OLMoE by softmax.
+GLM-4.5 route by sigmoid with a balance bias and groups; Qwen3-MoE, Mixtral and OLMoE by softmax;
+DeepSeek-V4 by sqrt(softplus) with a balance bias, and in its `hash_moe` layers by a fixed table.
 
     logits = x @ W_router.T                       # float32
-    s      = sigmoid(logits)                      # or softmax
+    s      = sigmoid(logits)                      # or softmax, or sqrt(softplus(logits)) (DeepSeek-V4)
     sel    = s + bias                             # bias chooses, never weighs
     sel    = -inf where the expert is pruned      # expert mask
     group  = sum of the top-2 `sel` in each group; keep the `topk_group` best groups
     idx    = top_k(sel, K)                        # ties: lower expert index first
+           = chosen_TK where given                # DeepSeek-V4's hash layers: tid2eid[input_ids]
     g      = s[idx]; g /= sum(g) + 1e-20 if norm_topk_prob; g *= routed_scaling_factor
 
 Pruning is an *array* mask (`expert_mask_E`, True = kept), so a sweep over masks does not recompile.
@@ -25,7 +27,7 @@ import numpy as np
 
 from moejax.errors import ConfigError
 
-SCORING_FUNCS = ("sigmoid", "softmax")
+SCORING_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,29 +99,48 @@ class RouterConfig:
 class Routing(NamedTuple):
     expert_idx_TK: jax.Array  # int32, the chosen experts of each token (order: best `sel` first)
     gate_TK: jax.Array        # float32, the weights applied to those experts' outputs
-    scores_TE: jax.Array      # float32, unbiased sigmoid/softmax affinities of every expert
+    scores_TE: jax.Array      # float32, unbiased sigmoid/softmax/sqrtsoftplus affinities of every expert
+
+
+def sqrtsoftplus(logits):
+    """DeepSeek-V4's affinity sqrt(softplus(x)) (transformers' `SqrtSoftplusActivation`; softplus =
+    log(1 + e^x), which torch returns as x itself above x = 20, equal in float32)."""
+    return jnp.sqrt(jax.nn.softplus(logits))
 
 
 def route(logits_TE: jax.Array, cfg: RouterConfig, bias_E: jax.Array | None = None,
-          expert_mask_E: jax.Array | None = None) -> Routing:
+          expert_mask_E: jax.Array | None = None, chosen_TK: jax.Array | None = None) -> Routing:
     """Choose `cfg.top_k` experts per token and their gates (SPEC section 1).
 
     logits_TE: router logits, computed in float32 (`x @ W_router.T`).
     bias_E: `e_score_correction_bias`, added for the choice only. None = zeros.
     expert_mask_E: bool, True = expert kept. None = all kept. Any leading batch axes are
       broadcast against `logits_TE`'s token axis, so one call can route under several masks.
+    chosen_TK: the experts each token is given instead of choosing (DeepSeek-V4's `hash_moe` layers:
+      `tid2eid[input_ids]`, paper section 2.1); only the gates are computed, from the unbiased scores
+      as for a choice (transformers' `DeepseekV4HashRouter`). A mask cannot prune such a layer: its
+      table would hand tokens pruned experts, so one given with `chosen_TK` is refused.
     """
     logits_TE = logits_TE.astype(jnp.float32)
     n_experts = logits_TE.shape[-1]
     cfg.check_experts(n_experts)
+    if chosen_TK is not None and expert_mask_E is not None:
+        raise ConfigError("a hash-routed MoE layer (DeepSeek-V4 hash_moe) takes its experts from its tid2eid table; "
+                          "pruning, merging or masking its experts is not implemented")
     keep_E = jnp.ones((n_experts,), bool) if expert_mask_E is None else expert_mask_E.astype(bool)
 
     if cfg.scoring_func == "sigmoid":
         scores_TE = jax.nn.sigmoid(logits_TE)
+    elif cfg.scoring_func == "sqrtsoftplus":
+        scores_TE = sqrtsoftplus(logits_TE)
     else:
         # Softmax over the kept experts only, so a mask computes what a physically pruned
         # checkpoint computes (its router has no rows for the pruned experts).
         scores_TE = jax.nn.softmax(jnp.where(keep_E, logits_TE, -jnp.inf), axis=-1)
+
+    if chosen_TK is not None:
+        idx_TK = jnp.asarray(chosen_TK).astype(jnp.int32)
+        return Routing(idx_TK, gates(scores_TE, idx_TK, cfg), scores_TE)
 
     sel_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(jnp.float32)
     sel_TE = jnp.where(keep_E, sel_TE, -jnp.inf)

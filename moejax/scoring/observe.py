@@ -81,15 +81,15 @@ def calibrate(model, batches) -> dict[int, LayerStats]:
     with the whole model in memory: every score's statistics."""
     cfg = model.config
     forward = model.jitted()
-    per_layer = {l: [] for l in cfg.moe_layers}
+    per_layer = {l: [] for l in cfg.scored_layers}   # a layer kept whole (DeepSeek-V4's hash layers) is not scored
     masks = []
     for input_ids, attention_mask in batches:
         input_ids = jnp.asarray(input_ids)
         mask = np.ones(input_ids.shape, bool) if attention_mask is None else np.asarray(attention_mask, bool)
         masks.append(mask.reshape(-1))
         moe_inputs = forward(input_ids, jnp.asarray(mask), return_moe_inputs=True).moe_inputs
-        for l, x_TH in moe_inputs.items():
-            per_layer[l].append(x_TH)
+        for l in per_layer:
+            per_layer[l].append(moe_inputs[l])
     stats = {}
     for l, router_inputs in per_layer.items():
         moe = model.model.layers[l].mlp

@@ -23,7 +23,7 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.io.location import open_location
 from moejax.hf.io.staging import check_apart, text_inputs
 from moejax.hf.io.storage import require_local
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, carried_mtp_block, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint, router_fingerprint
 from moejax.parallel.mesh import MeshConfig, make_mesh
 from moejax.results import check_output_file, write_json_atomic, write_parquet_atomic
@@ -61,6 +61,7 @@ def score_checkpoint(checkpoint, *, text=None, tokens=None, seq_len: int | None 
     check_calibration_args(text, tokens, seq_len, max_tokens)
     check_mtp_policy(mtp)
     ckpt = open_checkpoint(checkpoint)  # headers only: fails fast on a wrong checkpoint
+    carried_mtp_block(ckpt.config, mtp, ckpt.reader.keys())  # an MTP block moejax does not run: prune refused
     scores = scores_for(scores, ckpt.config.HAS_BALANCE_BIAS, f"{checkpoint}")
     if out is not None:  # before the pass, not after hours of it
         _check_out(out, (checkpoint, text_inputs(text), tokens))
@@ -118,14 +119,16 @@ def score_data_free(checkpoint, *, scores, out=None, seed: int = 0):
     checked = check_checkpoint(storage, uniform_experts=False)  # headers and config.json only
     names = scores_for(names, checked.config.HAS_BALANCE_BIAS, storage.describe())
     stats = [(layer, data_free_stats(checked.reader, ml, checked.config, names, seed))
-             for layer, ml in checked.layout.moe_layers.items()]
+             for layer, ml in checked.layout.moe_layers.items() if not checked.config.is_kept_whole(layer)]
     df = score_table(stats, names)
     if out is not None:  # the fingerprint from the routers just read (a remote one is not fetched twice)
-        fingerprint = router_fingerprint({l: st.router_ED for l, st in stats if l < checked.config.num_hidden_layers})
+        fingerprint = (router_fingerprint({l: st.router_ED for l, st in stats if l < checked.config.num_hidden_layers})
+                       if checked.config.scored_layers == checked.config.moe_layers  # else a layer kept whole is unread
+                       else checkpoint_fingerprint(checked))
         write_json_atomic(Path(out).with_suffix(".json"), {
             "checkpoint": storage.describe(), FINGERPRINT_KEY: fingerprint, "data_free": True, "scores": names,
             "seed": seed,
-            "layers": sorted(checked.layout.moe_layers),
+            "layers": sorted(l for l, _ in stats),
             "versions": {"moejax": __version__, "python": platform.python_version()}})
         write_parquet_atomic(df, Path(out))  # last: its presence means the run completed
     return df

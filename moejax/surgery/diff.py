@@ -18,6 +18,7 @@ import itertools
 
 import numpy as np
 
+from moejax.surgery.prune_plan import UNREACHABLE_BIAS
 from moejax.hf.check import audit_checkpoint, check_checkpoint
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.io.location import open_location
@@ -58,6 +59,14 @@ def _rows(reader: CheckpointReader, name: str) -> tuple[str, list[bytes]]:
     data = reader.read_bytes(name)
     row = len(data) // info.shape[0] if info.shape and info.shape[0] else 0
     return info.dtype, [data[i * row:(i + 1) * row] for i in range(info.shape[0])]
+
+
+def _as_bytes(value: float, dtype: str) -> bytes | None:
+    """`value` as one entry of a safetensors dtype (F32, F64, BF16, F16), or None for another dtype."""
+    import ml_dtypes
+
+    types = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+    return np.asarray(value, types[dtype]).tobytes() if dtype in types else None
 
 
 def match_rows(source_rows: list[bytes], pruned_rows: list[bytes]) -> list[int | None]:
@@ -171,8 +180,16 @@ def diff_checkpoints(src, pruned, hash_tensors: bool = False) -> dict:
         }
         if sml.bias and pml.bias:
             _, src_bias = _rows(src_layer, sml.bias)
-            _, pruned_bias = _rows(pruned_reader, pml.bias)
-            entry["bias_identical"] = all(k is not None and pruned_bias[j] == src_bias[k] for j, k in enumerate(kept))
+            bias_dtype, pruned_bias = _rows(pruned_reader, pml.bias)
+            sentinel = _as_bytes(UNREACHABLE_BIAS, bias_dtype)
+            # an unreachable slot (`moejax.surgery.prune_plan.UNREACHABLE_BIAS`: a layer pruned beside layers kept
+            # whole, DeepSeek-V4's) is the source's expert with its bias set so: the one bias entry allowed to differ
+            unreachable = [j for j, k in enumerate(kept) if k is not None and pruned_bias[j] == sentinel
+                           and src_bias[k] != sentinel]
+            entry["bias_identical"] = all(k is not None and (pruned_bias[j] == src_bias[k] or j in unreachable)
+                                          for j, k in enumerate(kept))
+            if unreachable:
+                entry["unreachable"] = unreachable
         if entry["rows_identical"]:
             entry.update(_score_report(data_free_scores(src_layer, sml), sorted(kept)))
         layers[str(layer)] = entry

@@ -11,8 +11,9 @@ The module imports neither JAX nor torch, so the commands start fast.
 Parameter counting follows Hugging Face (SPEC section 6): every tensor in the checkpoint counts its
 number of elements, quantisation companions (``weight_scale_inv``, ``weight_scale``,
 ``weight_shape``, ``weight_zero_point``) included, except packed 4-bit tensors (``*.weight_packed``
-of the ``int4_pack`` and ``mxfp4`` formats), which count in logical 4-bit values: two per byte, i.e.
-eight per int32 element for INT4 and two per uint8 element for MXFP4.
+of the ``int4_pack`` and ``mxfp4`` formats, DeepSeek-V4's I8 FP4 experts), which count in logical
+4-bit values: two per byte, i.e. eight per int32 element for INT4 and two per uint8 element for
+MXFP4 and DeepSeek-V4's FP4.
 """
 
 from __future__ import annotations
@@ -72,9 +73,20 @@ def companion_suffixes(fmt: str | None) -> frozenset[str]:
     return frozenset(spec.tensor_suffixes + spec.optional_suffixes) - {"weight", spec.packed_suffix}
 
 
+def _is_companion(name: str, fmt: str | None) -> bool:
+    """A quantised weight's scale or shape in `fmt`; DeepSeek-V4's are `<x>.scale` (not its float32
+    `hc_*_scale` vectors)."""
+    if fmt == "deepseek_v4_fp8":
+        return name.endswith(".scale")
+    return name.endswith(tuple(companion_suffixes(fmt)))
+
+
 def values_per_element(info: TensorInfo, fmt: str | None) -> int:
     """How many logical values one stored element holds: 8 for an INT4 ``weight_packed`` (I32), 2
-    for an MXFP4 one or gpt-oss's ``*_blocks`` (U8), else 1 (element types checked by `moejax.hf.check`)."""
+    for an MXFP4 one or gpt-oss's ``*_blocks`` (U8) and for DeepSeek-V4's FP4 experts (an I8
+    ``<x>.weight``: two e2m1 per byte), else 1 (element types checked by `moejax.hf.check`)."""
+    if fmt == "deepseek_v4_fp8":
+        return 2 if info.dtype == "I8" and info.name.endswith(".weight") else 1
     if fmt not in PACKED_DTYPES or not info.name.endswith(QUANT_FORMATS[fmt].packed_suffix):
         return 1
     return DTYPE_BITS[info.dtype] // 4
@@ -87,7 +99,7 @@ def tensor_facts(info: TensorInfo, fmt: str | None, routed: bool) -> TensorFacts
         if not shape:
             raise CheckpointError(f"{info.file}: tensor {info.name!r} is packed but has no dimensions")
         kind, logical_shape = "packed", shape[:-1] + (shape[-1] * per_element,)
-    elif info.name.endswith(tuple(companion_suffixes(fmt))):
+    elif _is_companion(info.name, fmt):
         kind, logical_shape = "companion", shape
     else:
         kind, logical_shape = ("matrix" if len(shape) >= 2 else "vector"), shape

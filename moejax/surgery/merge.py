@@ -47,7 +47,7 @@ from moejax.evaluation.esap_fitness import EsapFitness
 from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.model_io import opened
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, carried_mtp_block, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.moe.neurons import check_mergeable
 from moejax.merging.calibration import merge_stats
@@ -57,7 +57,7 @@ from moejax.scoring.observe import accumulate_layer
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import StatsAccumulator, compute_scores, pass_needs, scores_for
 from moejax.scoring.select import resolve_keep
-from moejax.surgery.prune import other_files, write_folder
+from moejax.surgery.prune import other_files, unreachable_biases, write_folder
 from moejax.surgery.prune_plan import keeps_groups, per_group_needed, plan_pruning
 from moejax.variants.spec import VariantSpec
 
@@ -191,6 +191,7 @@ def _check_before_pass(checked, ckpt, count: int, keep, allocation: Allocation, 
     needs (equal counts per group, at least 2, topk_group x per-group >= top_k) without
     collapse_groups. Whether the leaders actually fall evenly into the groups is known only after."""
     cfg = checked.config
+    carried_mtp_block(cfg, mtp, checked.layout.other)  # an MTP block moejax does not run: prune refused now
     if check_mtp_policy(mtp) == "prune":  # the pass runs each MTP layer: refused now if it cannot
         for layer in (l for l in checked.layout.moe_layers if l >= cfg.num_hidden_layers):
             ckpt.mtp_specs(layer)
@@ -293,6 +294,7 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src)
+    checked.config.require_passes("merging a checkpoint's experts")
     ckpt, cfg = opened(checked), checked.config
     count = _check_checkpoint(checked, ckpt, method, keep, allocation, collapse_groups, mtp, sequential)
     reader, layout = checked.reader, checked.layout  # the per-expert view (fused experts too) and its layout
@@ -329,6 +331,17 @@ def merge_checkpoint(src, dst, *, method: MergeMethod, keep, text=None, tokens=N
         "notes": list(prune_plan.notes),
         "layers": plan.record_layers(),
     }
+    merged = MergedTensors(ckpt, plan)
+    if prune_plan.unreachable:   # layers kept whole beside (DeepSeek-V4): every slot written ("kept", as `moejax
+        for l, dropped in prune_plan.unreachable.items():   # prune` records it), the non-leaders "unreachable"
+            record["layers"][str(l)].update(kept=prune_plan.kept[l], unreachable=dropped)   # (bias UNREACHABLE_BIAS)
+        biases = unreachable_biases(reader, layout, prune_plan)
+
+        def replaced(name):
+            value = merged(name)
+            return biases(name) if value is None else value
+    else:
+        replaced = merged
     write_folder(reader, layout, prune_plan, src, dst, copied, record, overwrite=overwrite, progress=show,
-                 replaced=MergedTensors(ckpt, plan), num_hidden_layers=cfg.num_hidden_layers)
+                 replaced=replaced, num_hidden_layers=cfg.num_hidden_layers)
     return record

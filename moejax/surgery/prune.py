@@ -48,7 +48,7 @@ from moejax.hf.provenance import (FINGERPRINT_KEY, PRUNING_RECORD, check_made_fr
 from moejax.hf.mtp_names import MTP_DEFAULT
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.surgery.prune_keep_map import SCORE as KEEP_MAP_SCORE, plan_from_keep_map
-from moejax.surgery.prune_plan import PrunePlan, keeps_groups, plan_pruning
+from moejax.surgery.prune_plan import UNREACHABLE_BIAS, PrunePlan, keeps_groups, plan_pruning
 from moejax.variants.spec import VariantSpec
 
 
@@ -120,6 +120,8 @@ def write_pruned(reader: FusedExpertsReader, layout: CheckpointLayout, plan: Pru
                 if layer not in plan.dropped_layers:
                     tensors.append((name, fused_rows(reader, name, slabs, plan.kept[layer], replaced)))
                 continue
+            if plan.dropped_prefixes and name.startswith(plan.dropped_prefixes):
+                continue  # a carried MTP block removed (--mtp drop)
             view = reader.view_name(name)  # a router beside fused experts goes by the family's name
             new_name = renames.get(view, view)
             if new_name is None:
@@ -243,6 +245,9 @@ def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_fi
         raise ConfigError(f"--text/--tokens: --allocation {allocation.name} reads no calibration tokens (evo_esap's "
                           "search does; to prune by a calibration score, run `moejax score` and pass --scores-file)")
     if keep_map is not None:
+        if checked.config.scored_layers != checked.config.moe_layers:
+            raise ConfigError(f"{checked.config.TITLE}: --keep-map is not implemented for a family with layers kept "
+                              "whole (hash layers); prune with --score")
         plan, about, mtp = plan_from_keep_map(keep_map, checked, fingerprint, fmt=keep_map_format,
                                               settings=keep_map_settings, collapse_groups=collapse_groups, mtp=mtp)
         counts = {len(kept) for kept in plan.kept.values()}
@@ -263,9 +268,28 @@ def prune_checkpoint(src, dst, *, score: str | None = None, keep=None, scores_fi
         "dropped_layers": list(plan.dropped_layers), "notes": list(plan.notes),
         "layers": {str(l): {"n_experts": plan.n_experts[l], "kept": kept} for l, kept in plan.kept.items()},
     }
+    for l, dropped in plan.unreachable.items():
+        record["layers"][str(l)]["unreachable"] = dropped
     write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=progress,
+                 replaced=unreachable_biases(reader, layout, plan) if plan.unreachable else None,
                  num_hidden_layers=checked.config.num_hidden_layers)
     return record
+
+
+def unreachable_biases(reader, layout: CheckpointLayout, plan: PrunePlan):
+    """`write_pruned`'s `replaced` for a plan with unreachable slots (`PrunePlan.unreachable`): each
+    such layer's balance bias with those experts' entries UNREACHABLE_BIAS, in its stored dtype."""
+    import numpy as np
+
+    biases = {layout.moe_layers[l].bias: dropped for l, dropped in plan.unreachable.items()}
+
+    def replaced(name):
+        if name not in biases:
+            return None
+        value = np.array(reader.read(name))
+        value[biases[name]] = UNREACHABLE_BIAS
+        return value
+    return replaced
 
 
 def _check_request(score, keep, scores_file, layers_keep, group_aware, allocation, keep_map) -> None:

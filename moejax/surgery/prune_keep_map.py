@@ -17,6 +17,7 @@ expert counts, no layer below top_k), which a note says.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +60,8 @@ def keep_map_request(keep_map: dict, fmt: str, where, checked, fingerprint: str,
         raise ConfigError(f"{where}: does not fit {checked.path}:\n  - " + "\n  - ".join(problems))
     whole = all(kept[l] == list(range(counts[l])) for l in listed)
     policy = ("drop" if mtp_layers and not listed else
-              "keep" if listed and whole and keep_map["mtp"] != "prune" else "prune")
+              "keep" if listed and whole and keep_map["mtp"] != "prune" else
+              "prune" if mtp_layers else mtp)   # no MTP layer for the map to decide: --mtp as given
     if mtp != MTP_DEFAULT and mtp != policy:
         raise ConfigError(f"--mtp {mtp}: the keep-map {where} decides the MTP layers {mtp_layers}: --mtp {policy}")
     layers = [l for l in kept if policy == "prune" or l < n_layers]
@@ -83,8 +85,7 @@ def plan_from_keep_map(path, checked, fingerprint: str, *, fmt: str | None = Non
     wrong = {l: k for l, k in plan.kept.items() if l in layers_keep and k != sorted(kept_of(keep_map)[l])}
     if wrong:   # (plan_pruning chose otherwise: a bug, never a checkpoint written from it)
         raise CheckpointError(f"{path}: the plan keeps {wrong}, not the map's sets")
-    plan = PrunePlan(plan.kept, plan.n_experts, plan.dropped_layers, plan.config, plan.groups,
-                     plan.notes + tuple(notes))
+    plan = dataclasses.replace(plan, notes=plan.notes + tuple(notes))   # unreachable slots, dropped prefixes kept
     about = {"path": str(Path(path).resolve()), "format": fmt, "source": keep_map["source"],
              FINGERPRINT_KEY: keep_map[FINGERPRINT_KEY], "method": keep_map.get("method"), "form": keep_map.get("form")}
     return plan, about, policy

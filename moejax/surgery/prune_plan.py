@@ -21,7 +21,7 @@ from moejax.errors import CheckpointError, ConfigError
 from moejax.hf.fused_experts import FusedExpertsReader
 from moejax.hf.io.checkpoint_reader import CheckpointReader
 from moejax.hf.layout import CheckpointLayout, MoeLayer
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, carried_mtp_block, check_mtp_policy
 from moejax.allocation import ALLOCATIONS, Budget, layer_counts, statistic_of
 from moejax.scoring.data_free import data_free_stats
 from moejax.scoring.scores import DATA_FREE_SCORES, SCORES, compute_scores
@@ -38,6 +38,16 @@ class PrunePlan:
     config: dict                     # the pruned checkpoint's config.json
     groups: str                      # "none" | "preserved" | "collapsed"
     notes: tuple[str, ...]
+    # MoE layer -> source experts written but made unreachable (balance bias UNREACHABLE_BIAS): a
+    # family with layers kept whole (`MoeConfig.is_kept_whole`, DeepSeek-V4's hash layers) keeps every
+    # layer's count, so that transformers loads it; `kept` then lists every written expert
+    unreachable: dict = dataclasses.field(default_factory=dict)
+    # stored-name prefixes of an MTP block moejax carries and --mtp drop removes (DeepSeek-V4's `mtp.`)
+    dropped_prefixes: tuple = ()
+
+
+# The balance bias of an unreachable slot: below any score (sigmoid, sqrtsoftplus: at most ~1e2) plus bias
+UNREACHABLE_BIAS = -1e4
 
 
 def _scores_from_file(path: Path, score: str, layers: dict[int, MoeLayer]) -> dict[int, np.ndarray]:
@@ -138,6 +148,7 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     # config.json is the source's dictionary with the family's expert-count key updated.
     new_config, notes = cfg.settings_dict(), []  # the settings' level (a wrapper's text_config)
     layers, dropped, whole = _layers_to_prune(reader, layout, cfg, mtp)
+    dropped_prefixes = carried_mtp_block(cfg, mtp, layout.other)
     allocation = ALLOCATIONS.parse(allocation)
     scores = _layer_scores(reader, layers, score, scores_file, seed, layer_scores, cfg)
     if counts is None:
@@ -147,7 +158,9 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
                                    cfg.num_hidden_layers, fitness_of, search, cfg.router_settings().get("n_group", 1),
                                    collapse_groups)
     kept = _choose_kept(scores, counts, cfg, score, group_aware, allocation)
-    kept.update({l: np.ones(layout.moe_layers[l].n_experts, bool) for l in whole})  # --mtp keep
+    fixed = [l for l in layout.moe_layers if cfg.is_kept_whole(l)]
+    unreachable = _as_unreachable(kept, cfg, fixed, notes) if fixed else {}
+    kept.update({l: np.ones(layout.moe_layers[l].n_experts, bool) for l in (*whole, *fixed)})  # --mtp keep
     if whole:
         notes.append(f"MTP layer(s) {list(whole)} kept whole (--mtp keep): {cfg.experts_key} is the decoder layers' "
                      "count and moe_sparsity_config.num_experts lists the MTP layer's; moejax and transformers' main "
@@ -155,9 +168,31 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
     groups = _groups_rule(kept, cfg, collapse_groups, group_aware, leaders, new_config, notes)
     _rewrite_expert_counts(cfg, kept, dropped, new_config, notes)
     rewrite_mtp(cfg, dropped, new_config, notes)
+    if dropped_prefixes:
+        new_config["num_nextn_predict_layers"] = 0
+        notes.append(f"MTP block {[p + '*' for p in dropped_prefixes]} dropped (num_nextn_predict_layers=0)")
     return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in sorted(kept.items())},
                      n_experts={l: layout.moe_layers[l].n_experts for l in sorted(kept)}, dropped_layers=dropped,
-                     config=cfg.with_settings(new_config), groups=groups, notes=tuple(notes))
+                     config=cfg.with_settings(new_config), groups=groups, notes=tuple(notes),
+                     unreachable=unreachable, dropped_prefixes=dropped_prefixes)
+
+
+def _as_unreachable(kept: dict, cfg, fixed: list, notes: list) -> dict:
+    """A family with MoE layers kept whole (`is_kept_whole`): the other layers' dropped experts stay
+    as unreachable slots ({layer: dropped experts}; `kept` becomes every expert), their balance bias
+    UNREACHABLE_BIAS, since config.json has one expert count for both kinds of layer and transformers
+    reads no per-layer counts. No memory is saved; the pruned model computes what the masked one does."""
+    if not cfg.HAS_BALANCE_BIAS:
+        raise ConfigError(f"{cfg.TITLE}: layers {fixed} are kept whole and the others' dropped experts would have to "
+                          "stay as unreachable slots, which needs a balance bias this family lacks")
+    out = {l: np.flatnonzero(~m).tolist() for l, m in kept.items()}
+    for l, m in kept.items():
+        kept[l] = np.ones_like(m)
+    notes.append(f"layers {fixed} kept whole ({cfg.TITLE}'s hash layers: their experts are tid2eid[token id], no "
+                 f"router chooses them); the other layers' dropped experts stay as unreachable slots (balance bias "
+                 f"{UNREACHABLE_BIAS:g}), so every layer keeps {cfg.experts_key}={cfg.n_experts} and transformers and "
+                 "moejax load it; no memory is saved (docs/families.md)")
+    return out
 
 
 def _layers_to_prune(reader, layout: CheckpointLayout, cfg, mtp: str) -> tuple[dict[int, MoeLayer], tuple, tuple]:
@@ -174,7 +209,7 @@ def _layers_to_prune(reader, layout: CheckpointLayout, cfg, mtp: str) -> tuple[d
                               f"{', moe_sparsity_config.num_experts' if cfg.layer_num_experts else ''})")
     check_mtp_policy(mtp)
     aside = tuple(l for l in layout.moe_layers if l >= n_layers) if mtp != "prune" else ()
-    layers = {l: ml for l, ml in layout.moe_layers.items() if l not in aside}
+    layers = {l: ml for l, ml in layout.moe_layers.items() if l not in aside and not cfg.is_kept_whole(l)}
     if not layers:
         raise ConfigError(f"--mtp {mtp} would leave no MoE layer to prune: the only MoE layers {list(aside)} are "
                           f"MTP layers (num_hidden_layers={n_layers}); prune with --mtp prune")

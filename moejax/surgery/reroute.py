@@ -186,6 +186,7 @@ def _check_inputs(src: Path, compressed: Path, mesh):
     record's fingerprint is SRC's), the same vocabulary and widths, and the mesh against every
     layer's expert count. Returns (teacher's check, student's check, the student's variant)."""
     teacher_checked = check_checkpoint(src, uniform_experts=False)
+    teacher_checked.config.require_passes("rerouting (router distillation)")
     student_checked = check_checkpoint(compressed, uniform_experts=False, substituted=True)
     record = _student_record(student_checked)
     fingerprint = checkpoint_fingerprint(teacher_checked)

@@ -222,6 +222,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite, inputs=(src, text_inputs(text), tokens))
     checked = check_checkpoint(src, uniform_experts=False)  # a substituted source is refused here, by name
+    checked.config.require_passes("substituting a checkpoint's experts")
     check_substitute_request(checked, score, keep)
     cfg, reader, layout = checked.config, checked.reader, checked.layout
     mtp_layers = sorted(l for l in layout.moe_layers if l >= cfg.num_hidden_layers)

@@ -7,6 +7,11 @@ run the model, always float32 out), and their detection from config.json.
   per int32 (Kimi-K2-Thinking, Kimi-K2.5).
 * ``mxfp4``: compressed-tensors ``mxfp4-pack-quantized``, two FP4 e2m1 values per byte and one E8M0
   exponent per 32 values.
+* ``deepseek_v4_fp8``: DeepSeek-V4's release (``quant_method: "fp8"`` with ``expert_dtype``): every
+  quantised Linear is ``<x>.weight`` plus ``<x>.scale`` (DeepSeek's own name for ``weight_scale_inv``);
+  FP8 e4m3 weights with one scale per 128x128 block, and, where ``expert_dtype`` is ``"fp4"``, routed
+  experts as FP4 e2m1 packed two per int8 byte with one scale per 32 input values (MXFP4's values);
+  scales E8M0 (``scale_fmt: "ue8m0"``) or float32. See `dequant_deepseek_v4` for the sources.
 * ``gpt_oss_mxfp4``: gpt-oss's own MXFP4 (``quant_method: "mxfp4"``): the same values and scales,
   stored fused per MoE layer beside the dense name they replace, ``experts.gate_up_proj_blocks``
   uint8 [E, out, in/32, 16] and ``experts.gate_up_proj_scales`` uint8 [E, out, in/32], decoded as
@@ -271,6 +276,68 @@ def dequant_mxfp4(weight_packed: np.ndarray, weight_scale: np.ndarray, *, name: 
 
 
 # ---------------------------------------------------------------------------------------------
+# DeepSeek-V4: FP8 block and FP4 e2m1 weights beside a `.scale` tensor
+# ---------------------------------------------------------------------------------------------
+
+DSV4_FP4_GROUP = 32          # FP4 weights: one scale per row and 32 input values
+DSV4_SCALE_DTYPES = (np.dtype(ml_dtypes.float8_e8m0fnu), np.dtype(np.float32))
+
+
+def dsv4_scale_float32(scale: np.ndarray, *, name: str) -> np.ndarray:
+    """A DeepSeek-V4 `.scale` tensor as float32: E8M0 bytes are 2**(e - 127) (255 NaN), float32 as is."""
+    scale = np.asarray(scale)
+    _require_dtype(scale, name, DSV4_SCALE_DTYPES)
+    if scale.dtype == np.float32:
+        return scale
+    return e8m0_to_float32(np.ascontiguousarray(scale).view(np.uint8))
+
+
+def dequant_deepseek_v4(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int] = FP8_BLOCK, *,
+                        name: str = "weight") -> np.ndarray:
+    """Decode one DeepSeek-V4 quantised Linear (``<x>.weight``, ``<x>.scale``) to float32 [M, N]; the
+    weight's dtype says which of the two kinds it is.
+
+    * FP8: ``weight`` float8_e4m3fn [M, N], ``scale`` [ceil(M/bm), ceil(N/bn)] for ``block`` =
+      ``weight_block_size``: ``W[i, j] = weight[i, j] * scale[i // bm, j // bn]`` (DeepSeek-V3's
+      block layout, `dequant_fp8_block`, with the scale stored E8M0 or float32).
+    * FP4 (routed experts with ``expert_dtype: "fp4"``): ``weight`` int8 [M, N/2], input column 2j the
+      LOW nibble of byte j and 2j+1 the high nibble, each an e2m1 code (bit 3 sign, bits 0-2 index
+      [0, 0.5, 1, 1.5, 2, 3, 4, 6]); ``scale`` [M, N/32]: ``W[i, j] = e2m1(code) * scale[i, j // 32]``
+      (``block`` does not apply).
+
+    Sources: transformers 5.24 ``integrations/finegrained_fp8.py`` (``FP8Experts``: ``expert_dtype
+    "fp4"`` allocates an int8 weight with K halved and a per-row scale per 32; ``Fp8Dequantize
+    ._unpack_fp4``: low nibble first, the e2m1 table above; ``scale_fmt "ue8m0"``: float8_e8m0fnu
+    scales) and ``quantizers/quantizer_finegrained_fp8.py`` (DeepSeek-V4-Flash's ``.scale`` renamed to
+    ``weight_scale_inv``); the released headers (``experts.{e}.w1.weight`` I8 [2048, 2048] with
+    ``w1.scale`` F8_E8M0 [2048, 128]; ``attn.wq_a.weight`` F8_E4M3 [1024, 4096] with ``wq_a.scale``
+    F8_E8M0 [8, 32]). Exact in float32 (an e4m3 or e2m1 value times a power of two or a float32)."""
+    weight = np.asarray(weight)
+    require_2d(weight, name)
+    scale_name = name[: -len("weight")] + "scale" if name.endswith("weight") else name + ".scale"
+    require_2d(np.asarray(scale), scale_name)
+    s = dsv4_scale_float32(scale, name=scale_name)
+    if weight.dtype == np.int8:
+        rows, cols = weight.shape[0], 2 * weight.shape[1]
+        if cols % DSV4_FP4_GROUP:
+            raise CheckpointError(f"{name}: FP4 with {cols} input values, not a multiple of {DSV4_FP4_GROUP}")
+        if s.shape != (rows, cols // DSV4_FP4_GROUP):
+            raise CheckpointError(f"{scale_name}: shape {s.shape} does not fit FP4 {name} of shape {weight.shape} "
+                                  f"(= {rows}x{cols} values, one scale per {DSV4_FP4_GROUP}); expected "
+                                  f"{(rows, cols // DSV4_FP4_GROUP)}")
+        values = E2M1_VALUES[_unpack_fp4_codes(np.ascontiguousarray(weight).view(np.uint8))]
+        return values * expand_per_block(s, (1, DSV4_FP4_GROUP), (rows, cols))
+    _require_dtype(weight, name, (ml_dtypes.float8_e4m3fn, np.int8))
+    block = require_positive_pair(block, f"{name} block")
+    m, n = weight.shape
+    expected = (ceil_div(m, block[0]), ceil_div(n, block[1]))
+    if s.shape != expected:
+        raise CheckpointError(f"{scale_name}: shape {s.shape} does not fit FP8 {name} of shape {weight.shape} with "
+                              f"{block[0]}x{block[1]} blocks; expected {expected}")
+    return weight.astype(np.float32) * expand_per_block(s, block, (m, n))
+
+
+# ---------------------------------------------------------------------------------------------
 # Registry and detection from config.json
 # ---------------------------------------------------------------------------------------------
 
@@ -310,6 +377,14 @@ QUANT_FORMATS: dict[str, QuantFormat] = {
         optional_suffixes=(),
         description='compressed-tensors "mxfp4-pack-quantized": 2 e2m1 per byte, E8M0 scale per 32',
         packed_suffix="weight_packed",
+    ),
+    "deepseek_v4_fp8": QuantFormat(
+        name="deepseek_v4_fp8",
+        tensor_suffixes=("weight", "scale"),
+        optional_suffixes=(),
+        description='DeepSeek-V4 quant_method "fp8" with expert_dtype: float8_e4m3fn weight with a scale per '
+                    '128x128 block, or (FP4 routed experts) int8 holding 2 e2m1 per byte with a scale per 32; '
+                    'scales E8M0 or float32 under <x>.scale',
     ),
     "gpt_oss_mxfp4": QuantFormat(
         name="gpt_oss_mxfp4",
@@ -382,7 +457,8 @@ def _format(format_name: str) -> QuantFormat:
 
 
 _SUPPORTED_CONFIGS = (
-    'quant_method "fp8" with weight_block_size (fp8_block); quant_method "compressed-tensors" with '
+    'quant_method "fp8" with weight_block_size (fp8_block; with expert_dtype "fp8" or "fp4": DeepSeek-V4\'s '
+    'deepseek_v4_fp8); quant_method "compressed-tensors" with '
     'format "pack-quantized", 4-bit int (int4_pack) or "mxfp4-pack-quantized" (mxfp4); gpt-oss\'s '
     'quant_method "mxfp4" (gpt_oss_mxfp4)'
 )
@@ -398,7 +474,8 @@ def detect_format(quantization_config: dict | None) -> str | None:
         return None
     method = quantization_config.get("quant_method")
     if method == "fp8":
-        return _detect_fp8(quantization_config)
+        fmt = _detect_fp8(quantization_config)
+        return _detect_deepseek_v4(quantization_config) if "expert_dtype" in quantization_config else fmt
     if method == "compressed-tensors":
         return _detect_compressed_tensors(quantization_config)
     if method == "mxfp4":
@@ -419,6 +496,18 @@ def _detect_fp8(config: dict) -> str:
             f"per-tensor FP8, not supported; supported: {_SUPPORTED_CONFIGS}"
         )
     return "fp8_block"
+
+
+def _detect_deepseek_v4(config: dict) -> str:
+    """DeepSeek-V4's FP8 config (transformers' FineGrainedFP8Config with ``expert_dtype``, which
+    transformers' DeepseekV4Config moves in from config.json's top level, as
+    `moejax.models.deepseek_v4.config` does): its ``.scale`` tensor names and FP4 experts."""
+    expert_dtype, scale_fmt = config.get("expert_dtype"), config.get("scale_fmt", "float")
+    if expert_dtype not in ("fp8", "fp4"):
+        raise CheckpointError(f'quantization_config: expert_dtype {expert_dtype!r}; expected "fp8" or "fp4"')
+    if scale_fmt not in ("float", "ue8m0"):
+        raise CheckpointError(f'quantization_config: scale_fmt {scale_fmt!r}; expected "float" or "ue8m0"')
+    return "deepseek_v4_fp8"
 
 
 def _detect_compressed_tensors(config: dict) -> str:
@@ -473,6 +562,9 @@ def read_decoded(reader, name: str, stored: tuple, fmt: str | None, qcfg: dict |
     if fmt == "fp8_block":
         return dequant_fp8_block(reader.read(name), reader.read(stem + "weight_scale_inv"),
                                  tuple(qcfg["weight_block_size"]), name=name)
+    if fmt == "deepseek_v4_fp8":
+        return dequant_deepseek_v4(reader.read(name), reader.read(stem + "scale"), tuple(qcfg["weight_block_size"]),
+                                   name=name)
     if fmt == "mxfp4":
         return dequant_mxfp4(reader.read(stem + "weight_packed"), reader.read(stem + "weight_scale"), name=name)
     zero_point = reader.read(stem + "weight_zero_point") if stem + "weight_zero_point" in stored else None

@@ -7,6 +7,8 @@ against compressed-tensors' own pack functions.
   quantiser.
 * ``pack_int4``: compressed-tensors symmetric INT4 ``pack-quantized``, as its minmax observer.
 * ``quantize_mxfp4``: compressed-tensors ``mxfp4-pack-quantized``.
+* ``quantize_deepseek_v4_fp8`` / ``quantize_deepseek_v4_fp4``: DeepSeek-V4's ``<x>.weight`` and
+  ``<x>.scale`` (FP8 e4m3 per 128x128 block; FP4 e2m1 two per int8 byte per 32), E8M0 scales.
 
 Only numpy and ml_dtypes; every function is pure. Arrays are 2-D ``[out_features, in_features]``.
 """
@@ -17,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from moejax.errors import CheckpointError
-from moejax.hf.quant.decode import (E8M0_NAN, FLOAT_SCALE_DTYPES, FP8_BLOCK, INT4_NIBBLES_PER_WORD, INT4_OFFSET,
+from moejax.hf.quant.decode import (DSV4_FP4_GROUP, E8M0_BIAS, E8M0_NAN, FLOAT_SCALE_DTYPES, FP8_BLOCK, INT4_NIBBLES_PER_WORD, INT4_OFFSET,
                              MXFP4_GROUP_SIZE, ceil_div, e8m0_to_float32, expand_per_block, require_2d,
                              require_positive_pair)
 
@@ -163,3 +165,34 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     return packed, exponents
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4 (`.weight` + `.scale`, E8M0 scales)
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_deepseek_v4_fp8(w: np.ndarray, block: tuple[int, int] = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Encode float [M, N] as DeepSeek-V4 FP8 with E8M0 scales: (``float8_e4m3fn`` [M, N],
+    ``float8_e8m0fnu`` [ceil(M/bm), ceil(N/bn)]), as transformers' ``Fp8Quantize`` with
+    ``scale_fmt "ue8m0"``: per block ``scale = 2**ceil(log2(amax / 448))`` (1 for an all-zero block),
+    ``q = clip(w / scale, -448, 448)`` rounded to nearest-even e4m3."""
+    w = _as_float32_input(w, "weight")
+    block = require_positive_pair(block, "block")
+    amax = _block_amax(w, block)
+    exponent = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, np.float32(1e-38)) / np.float32(FP8_E4M3_MAX))), 0)
+    exponents = np.clip(exponent + E8M0_BIAS, 0, E8M0_NAN - 1).astype(np.uint8)
+    scaled = w / expand_per_block(e8m0_to_float32(exponents), block, w.shape)
+    scaled = np.clip(scaled, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return scaled.astype(ml_dtypes.float8_e4m3fn), exponents.view(ml_dtypes.float8_e8m0fnu)
+
+
+def quantize_deepseek_v4_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encode float [M, N] (N a multiple of 32) as DeepSeek-V4's FP4 experts: (int8 [M, N/2], input
+    column 2j the low nibble of byte j, ``float8_e8m0fnu`` [M, N/32]): MXFP4's values and exponents
+    (`quantize_mxfp4`) in the released containers."""
+    w = _as_float32_input(w, "weight")
+    if w.shape[1] % DSV4_FP4_GROUP:
+        raise CheckpointError(f"weight: FP4 needs in_features a multiple of {DSV4_FP4_GROUP}, got {w.shape[1]}")
+    packed, exponents = quantize_mxfp4(w)
+    return packed.view(np.int8), exponents.view(ml_dtypes.float8_e8m0fnu)
