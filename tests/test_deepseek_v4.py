@@ -259,3 +259,28 @@ def test_full_size_presets_have_the_published_counts_and_schedule(preset):
     assert kinds["compressed_sparse_attention"] == want["csa"] and kinds["heavily_compressed_attention"] == want["hca"]
     assert [l for l, h in enumerate(cfg.hash_layers) if h] == [0, 1, 2]
     assert cfg.quantization_config["expert_dtype"] == "fp4"
+
+
+@pytest.mark.parametrize("bad", [-1, "E"])
+def test_a_hash_table_id_outside_the_experts_is_refused_naming_the_tensor(v4, tmp_path, bad):
+    """tid2eid sends each token id to experts; an id outside [0, E) (which JAX's indexing would
+    clamp to the last expert) is refused on load, naming the tensor and the file."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from moejax.errors import CheckpointError
+
+    path = v4[0]
+    copy = tmp_path / "ckpt"
+    shutil.copytree(path, copy)
+    n_experts = json.loads((copy / "config.json").read_text())["n_routed_experts"]
+    shard = next(p for p in sorted(copy.glob("*.safetensors")) if any("tid2eid" in k for k in load_file(p)))
+    tensors = load_file(shard)
+    name = next(k for k in tensors if "tid2eid" in k)
+    tensors[name] = tensors[name].copy()
+    tensors[name][3, 1] = n_experts if bad == "E" else bad
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"^{name} in {shard.name}: 1 id\(s\) outside \[0, {n_experts}\)"):
+        AutoModelForCausalLM.from_pretrained(copy, dtype=jnp.float32)

@@ -69,6 +69,16 @@ def check_finite(value: np.ndarray, where: str) -> None:
                               f"{tuple(int(i) for i in bad[0])}: {value[tuple(bad[0])]}")
 
 
+def check_ids(value: np.ndarray, n: int, where: str) -> None:
+    """Raise naming `where` and the first bad position when an id table (DeepSeek-V4's tid2eid:
+    the expert each token id is sent to) holds an id outside [0, n): JAX's indexing would clamp it
+    to the last expert without a word."""
+    bad = np.argwhere((value < 0) | (value >= n))
+    if len(bad):
+        raise CheckpointError(f"{where}: {len(bad)} id(s) outside [0, {n}) (the layer's experts), first at index "
+                              f"{tuple(int(i) for i in bad[0])}: {value[tuple(bad[0])]}")
+
+
 @dataclasses.dataclass
 class OpenCheckpoint:
     """A checkpoint folder checked against its config.json (headers only), ready to fill modules
@@ -91,8 +101,11 @@ class OpenCheckpoint:
         (in the stored values or from the cast) is refused naming the tensor, so no score, kept set
         or metric is ever computed from one."""
         value = read_decoded(self.reader, s.hf_name, self.stored[s.hf_name], self.fmt, self.config.quantization_config)
+        where = f"{s.hf_name} in {self.reader.shard_of(self.stored[s.hf_name][0]).name}"
+        if s.index:   # before the cast to int32, which would wrap a large id
+            check_ids(value, self.config.n_experts, where)
         value = (value.T if s.transpose else value).astype(dtype)
-        check_finite(value, f"{s.hf_name} in {self.reader.shard_of(self.stored[s.hf_name][0]).name}")
+        check_finite(value, where)
         return value
 
     def read_rows(self, s: TensorSpec, start: int, stop: int, dtype) -> np.ndarray:
