@@ -98,7 +98,7 @@ def test_the_scoring_pass_layer_step_lowers():
     x = jnp.asarray(np.random.default_rng(1).normal(size=(B, S, cfg.hidden_size)), jnp.float32)
     cos, sin = type(model).rope_tables(cfg, jnp.arange(S), jnp.float32)
     graphdef, state = nnx.split(layer)
-    assert RAGGED in lowered(_layer_forward, graphdef, state, x, cos, sin, causal_allowed(None, B, S), None)
+    assert RAGGED in lowered(_layer_forward, graphdef, state, x, cos, sin, causal_allowed(None, B, S), None, None)
     graphdef, state = nnx.split(layer.mlp)
     assert RAGGED in lowered(_pairs, graphdef, state, x.reshape(B * S, -1), True)
 

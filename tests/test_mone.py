@@ -68,8 +68,11 @@ def np_expert(block, w, r, x):
     """Expert row r of the table w (float64) on one token x: SwiGLU, or gpt-oss's biased clamped
     SwiGLU (`ClampedSwiglu`: interleaved gate/up columns, limit, alpha, (up + 1))."""
     if "gate" in w:
-        h = x @ w["gate"][r]
-        return (h / (1 + np.exp(-h)) * (x @ w["up"][r])) @ w["down"][r]
+        h, u = x @ w["gate"][r], x @ w["up"][r]
+        limit = getattr(block.expert_fn, "limit", None)
+        if limit is not None:   # DeepSeek-V4's `LimitedSwiglu`: gate clamped above, up to [-limit, limit]
+            h, u = np.minimum(h, limit), np.clip(u, -limit, limit)
+        return (h / (1 + np.exp(-h)) * u) @ w["down"][r]
     alpha, limit = block.expert_fn.alpha, block.expert_fn.limit
     h = x @ w["gate_up"][r] + w["gate_up_bias"][r]
     gate, up = np.minimum(h[0::2], limit), np.clip(h[1::2], -limit, limit)
@@ -84,6 +87,8 @@ def np_route(block, x, mask):
         logits = logits + np.asarray(block.router_bias[...], np.float64)
     if rc.scoring_func == "sigmoid":
         s = 1 / (1 + np.exp(-logits))
+    elif rc.scoring_func == "sqrtsoftplus":   # DeepSeek-V4: sqrt(log(1 + e^x))
+        s = np.sqrt(np.logaddexp(0.0, logits))
     else:
         z = np.where(mask, logits, -np.inf)
         s = np.exp(z - z.max(1, keepdims=True))

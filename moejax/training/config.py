@@ -154,6 +154,10 @@ class TrainTinyConfig:
         dc, t = self.data, self.train
         if not self.path:
             raise ConfigError("train_tiny: no output folder; set model=tiny or model.path=FOLDER")
+        family = FAMILIES.get(self.arch.family)
+        why = None if family is None else family.config_class.PASSES_NOT_IMPLEMENTED.get("training")
+        if why:   # a family whose fresh model training cannot make (DeepSeek-V4's hash tables)
+            raise ConfigError(f"train_tiny: {family.title}: {why}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"train_tiny: seed={self.seed!r}; expected a non-negative integer")
         for name in ("seeds", "workers"):

@@ -78,6 +78,9 @@ class DeepseekV4Config(MoeConfig):
                          "DeepSeek-V4 experts (clamped SwiGLU without biases) cannot represent, so it could be written "
                          "only in vLLM's constant-v1 format, which moejax does not write for V4's Hub names and hash "
                          "layers; merge (--method m_smoe/hc_smoe/ream) or prune instead (docs/families.md)"),
+        "training": ("training from scratch (train_tiny) is not implemented: a fresh model's hash tables "
+                     "(tid2eid) are zeros, every token to expert 0, as transformers initialises them, and which "
+                     "tables to draw instead is a choice not made yet; the other families train"),
         "rerouting": ("router distillation is not implemented: the hash layers have no router to distil (their "
                       "experts are tid2eid[token id]), and the learned layers' students (merged checkpoints with "
                       "unreachable slots) have not been made to train; merge or prune instead"),
