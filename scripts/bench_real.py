@@ -248,6 +248,16 @@ def dense_rate() -> float:
     return json.loads(out.strip().splitlines()[-1])["gflops"]
 
 
+def write_ids(tmp: Path, vocab: int, calib_seqs: int, held_seqs: int, seq_len: int) -> dict:
+    """Random token ids for the pass, saved as .npy in `tmp`: {"calib", "a", "b"} -> path (one
+    calibration text, two held-out texts), drawn from one seeded generator."""
+    rng = np.random.default_rng(1)
+    ids = {name: tmp / f"{name}.npy" for name in ("calib", "a", "b")}
+    for name, n in (("calib", calib_seqs), ("a", held_seqs), ("b", held_seqs)):
+        np.save(ids[name], rng.integers(0, vocab, size=(n, seq_len)).astype(np.int32))
+    return ids
+
+
 def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), calib_seqs: int = 16,
                held_seqs: int = 8, seq_len: int = 128, merges: tuple = ()) -> None:
     """The seed article's headline run on a synthetic Moonlight-shaped checkpoint with the full
@@ -268,10 +278,7 @@ def bench_full(layer_counts=(3, 5), old_ref: str = "46d0ba0", old_layers=(3,), c
     with tempfile.TemporaryDirectory(dir=os.environ.get("MOEJAX_BENCH_DIR")) as tmp:
         tmp = Path(tmp)
         old_src = old_source(old_ref, tmp)
-        rng = np.random.default_rng(1)
-        ids = {name: tmp / f"{name}.npy" for name in ("calib", "a", "b")}
-        for name, n in (("calib", calib_seqs), ("a", held_seqs), ("b", held_seqs)):
-            np.save(ids[name], rng.integers(0, vocab, size=(n, seq_len)).astype(np.int32))
+        ids = write_ids(tmp, vocab, calib_seqs, held_seqs, seq_len)
         dense = dense_rate()
         n_tokens = {"calib": calib_seqs * seq_len, "held": 2 * held_seqs * seq_len}
         print(f"the article's streamed run on a synthetic Moonlight-shaped checkpoint (vocabulary {vocab:,}, bfloat16): "

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_real import KEEPS, SCORES, dense_rate, full_run  # noqa: E402
+from bench_real import KEEPS, SCORES, dense_rate, full_run, write_ids  # noqa: E402
 
 FP8 = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|\.attn\.indexer\.wq_b|\.ffn\.shared_experts\.w[123])\.weight$")
 F32 = re.compile(r"(hc_\w+|attn_sink|\.ape|\.gate\.bias)$")
@@ -129,10 +129,7 @@ def bench(layer_counts, experts: int, vocab: int, calib_seqs: int, held_seqs: in
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("MOEJAX_BENCH_DIR")) as tmp:
         tmp = Path(tmp)
-        rng = np.random.default_rng(1)
-        ids = {name: tmp / f"{name}.npy" for name in ("calib", "a", "b")}
-        for name, n in (("calib", calib_seqs), ("a", held_seqs), ("b", held_seqs)):
-            np.save(ids[name], rng.integers(0, vocab, size=(n, seq_len)).astype(np.int32))
+        ids = write_ids(tmp, vocab, calib_seqs, held_seqs, seq_len)
         dense = dense_rate()
         n_tokens = {"calib": calib_seqs * seq_len, "held": 2 * held_seqs * seq_len}
         n_streams = len(SCORES) * len(KEEPS) + 1
