@@ -624,17 +624,14 @@ def test_merged_checkpoint_with_layers_kept_whole_loads_in_transformers(family_c
 
 def test_what_deepseek_v4_does_not_implement_is_refused_by_name(family_checkpoints, tmp_path):
     """Substitution (MoNE: a constant per removed expert, which transformers' bias-free V4 experts
-    cannot hold) and router distillation are refused by the family's name before any work."""
-    from moejax.surgery.reroute import reroute_checkpoint
+    cannot hold) is refused by the family's name before any work."""
     from moejax.surgery.substitute import substitute_checkpoint
 
     path = family_checkpoints["deepseek_v4"][0]
     np.save(tmp_path / "calib.npy", np.zeros((2, 8), np.int32))
     with refused("deepseek_v4", "substituting"):
         substitute_checkpoint(path, tmp_path / "sub", score="mone", keep=4, tokens=tmp_path / "calib.npy")
-    with refused("deepseek_v4", "rerouting"):
-        reroute_checkpoint(path, path, tmp_path / "rerouted", tokens=tmp_path / "calib.npy")
-    assert not (tmp_path / "sub").exists() and not (tmp_path / "rerouted").exists()
+    assert not (tmp_path / "sub").exists()
 
 
 def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_checkpoints, tmp_path):

@@ -7,6 +7,7 @@ transformers and computes what moejax's student computes, for every family and c
 
 import errno
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -503,11 +504,13 @@ def test_reroute_merged_and_substituted_checkpoints(dsv3, tmp_path, kind, holdou
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen2_moe", "gpt_oss", "qwen3_next",
-                                    "qwen3_5_moe"])
+                                    "qwen3_5_moe", "deepseek_v4"])
 def test_reroute_every_family_loads_in_transformers(family, tmp_path):
     """A pruned checkpoint of each GQA family rerouted: only its routers change, the loss falls, and
     transformers computes what moejax computes from the written folder. holdout=0 (as in the merged
-    test): the 4 sequences all train and select, so the trained routers are the ones written."""
+    test): the 4 sequences all train and select, so the trained routers are the ones written.
+    DeepSeek-V4 (pruned as unreachable slots): only its learned layers' routers train; its hash
+    layers (kept whole) are the student's bytes, their routers included."""
     import torch
     import transformers
     from family_fixtures import make_family_checkpoint
@@ -527,6 +530,15 @@ def test_reroute_every_family_loads_in_transformers(family, tmp_path):
     record = json.loads((dst / "reroute.json").read_text())
     assert record["losses"][-1] < record["losses"][0] and record["heldout"]["kept_step"] > 0
     _same_but_routers(tmp_path / "pruned", dst, record["trained"])
+    cfg = load_pretrained(tmp_path / "pruned").config
+    assert sorted(int(re.search(r"layers\.(\d+)\.", n).group(1)) for n in record["trained"]) == cfg.scored_layers
+    assert cfg.scored_layers != cfg.moe_layers if family == "deepseek_v4" else cfg.scored_layers == cfg.moe_layers
+    if family == "deepseek_v4":   # the library trains the learned layers' routers only (not only the writer)
+        batches = [(ids, None)]
+        trained, _ = train_routers(load_pretrained(tmp_path / "pruned"),
+                                   teacher_log_probs(load_pretrained(tmp_path / "src"), batches), batches,
+                                   RerouteSettings(steps=1, batch_size=4, lr=2e-2, warmup=0, holdout=0))
+        assert sorted(trained) == cfg.scored_layers
     hf = transformers.AutoModelForCausalLM.from_pretrained(dst, attn_implementation="eager",
                                                            experts_implementation="eager").eval()
     with torch.no_grad():
@@ -547,7 +559,6 @@ def test_reroute_in_prune_real_every_variant_before_and_after(tmp_path, monkeypa
 
     import moejax.training.reroute as training
 
-    from moejax.inference.nll import next_token_nll
     from moejax.experiments import prune_real
     from moejax.hf.model_io import load_pretrained
     from moejax.variants import VariantSpec

@@ -261,8 +261,9 @@ def reroute_checkpoint(src, compressed, dst, *, settings=None, text=None, tokens
         else:
             student, variant = load_opened(opened(student_checked), jnp.float32, mesh=device_mesh), None
         result = reroute(student, teacher_logp, batches, settings, variant, progress=report)
-    routers = {ml.router: np.asarray(student.model.layers[l].mlp.router[...], np.float32)
-               for l, ml in student_checked.layout.moe_layers.items() if l < scfg.num_hidden_layers}
+    routers = {ml.router: np.asarray(student.model.layers[l].mlp.router[...], np.float32)   # the trained ones
+               for l, ml in student_checked.layout.moe_layers.items()
+               if l < scfg.num_hidden_layers and not scfg.is_kept_whole(l)}
     out = {
         "moejax_version": __version__, "method": "router distillation (arXiv 2603.02217)",
         "variant": variant_spec.record(method_settings),

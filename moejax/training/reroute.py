@@ -33,7 +33,8 @@ training with the best finite routers kept; the routers returned are checked fin
                              held-out fraction, evaluation interval (`moejax.training.reroute_settings`,
                              JAX-free: the one declaration of its defaults)
     ROUNDING_KL              the KL below which the student equals the teacher to float32 rounding
-    router_filter            the nnx filter of the trained parameters (`MoE.router`)
+    router_filter            the nnx filter of every MoE layer's router weights (`MoE.router`)
+    trained_filter(config)   the trained ones: router_filter less the layers the family keeps whole
     kl_loss(t_logp, s_logits, valid)   the loss above, float32
     teacher_log_probs(model, batches)  each batch's teacher log-softmax, computed once
     held_out_rows(batches, holdout)    the sequences held out (the last ones)
@@ -67,8 +68,16 @@ ROUNDING_KL = float(np.finfo(np.float32).eps)   # 1.19e-7: a KL (nats) float32 r
 
 
 def router_filter(path, value) -> bool:
-    """The trained parameters: every MoE layer's router weights (`MoE.router`, float32 [E, H])."""
+    """Every MoE layer's router weights (`MoE.router`, float32 [E, H])."""
     return isinstance(value, nnx.Param) and len(path) > 0 and path[-1] == "router"
+
+
+def trained_filter(config):
+    """The nnx filter of the trained parameters of a model of `config`: every MoE layer's router
+    weights but those of the layers the family keeps whole (`MoeConfig.is_kept_whole`: DeepSeek-V4's
+    hash layers, whose experts are tid2eid's; their router gives only the chosen experts' gates, and
+    those layers stay the source's bytes under every pass, this one included)."""
+    return lambda path, value: router_filter(path, value) and not config.is_kept_whole(int(path[2]))
 
 
 def kl_loss(teacher_logp_BSV, student_logits_BSV, valid_BS) -> jax.Array:
@@ -184,7 +193,7 @@ def train_routers(model, teacher_logp: list, batches: list, settings: RerouteSet
     input's included (the module's docstring: never worse; early stop at rounding level). The model
     itself is left as it was."""
     _check_inputs(teacher_logp, batches, settings)
-    graphdef, routers, rest = nnx.split(model, router_filter, ...)
+    graphdef, routers, rest = nnx.split(model, trained_filter(model.config), ...)
     routers = jax.tree.map(jnp.copy, routers)   # trained apart from the model's own
     paths = [path for path, _ in nnx.to_flat_state(routers)]
     if not paths:

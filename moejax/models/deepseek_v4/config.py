@@ -71,8 +71,9 @@ class DeepseekV4Config(MoeConfig):
     NORM_SCALES_IN_FLOAT32: ClassVar[bool] = True    # DeepseekV4RMSNorm: float32 weight times the float32 state
     CARRIED_PREFIXES: ClassVar[tuple] = ("mtp.",)   # the Hub's MTP block, which transformers does not read
     MTP_CARRIED: ClassVar[str] = "mtp."              # so --mtp keep (carried) or drop; prune refused by name
-    # Scoring, pruning, merging, the carried pass and ESAP fitness run (the hash layers kept whole,
-    # `is_kept_whole`; the learned layers' removed experts as unreachable slots; docs/families.md); these not yet
+    # Scoring, pruning, merging, router distillation, the carried pass and ESAP fitness run (the hash
+    # layers kept whole, `is_kept_whole`; the learned layers' removed experts as unreachable slots;
+    # docs/families.md); these not yet
     PASSES_NOT_IMPLEMENTED: ClassVar[dict] = {
         "substituting": ("substitution (MoNE) is not implemented: a novice returns a constant, which transformers' "
                          "DeepSeek-V4 experts (clamped SwiGLU without biases) cannot represent, so it could be written "
@@ -81,9 +82,6 @@ class DeepseekV4Config(MoeConfig):
         "training": ("training from scratch (train_tiny) is not implemented: a fresh model's hash tables "
                      "(tid2eid) are zeros, every token to expert 0, as transformers initialises them, and which "
                      "tables to draw instead is a choice not made yet; the other families train"),
-        "rerouting": ("router distillation is not implemented: the hash layers have no router to distil (their "
-                      "experts are tid2eid[token id]), and the learned layers' students (merged checkpoints with "
-                      "unreachable slots) have not been made to train; merge or prune instead"),
     }
     UNIMPLEMENTED: ClassVar[dict] = {
         "hidden_act": (lambda v: v == "silu", "only 'silu' is implemented"),
