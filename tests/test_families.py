@@ -623,15 +623,16 @@ def test_merged_checkpoint_with_layers_kept_whole_loads_in_transformers(family_c
 
 
 def test_what_deepseek_v4_does_not_implement_is_refused_by_name(family_checkpoints, tmp_path):
-    """Substitution (MoNE: a constant per removed expert, which transformers' bias-free V4 experts
-    cannot hold) is refused by the family's name before any work."""
-    from moejax.surgery.substitute import substitute_checkpoint
+    """`prune --keep-map` (a map names every MoE layer's kept experts; V4's hash layers are kept
+    whole) is refused by the family's name before anything is written. (Training from scratch:
+    tests/test_train_tiny.py.)"""
+    from moejax.surgery.prune import prune_checkpoint
 
     path = family_checkpoints["deepseek_v4"][0]
-    np.save(tmp_path / "calib.npy", np.zeros((2, 8), np.int32))
-    with refused("deepseek_v4", "substituting"):
-        substitute_checkpoint(path, tmp_path / "sub", score="mone", keep=4, tokens=tmp_path / "calib.npy")
-    assert not (tmp_path / "sub").exists()
+    prune_checkpoint(path, tmp_path / "l1", score="l1", keep=4)
+    with pytest.raises(ConfigError, match=r"DeepSeek-V4: --keep-map is not implemented for a family with layers kept"):
+        prune_checkpoint(path, tmp_path / "mapped", keep_map=tmp_path / "l1" / "keep_map.json")
+    assert not (tmp_path / "mapped").exists()
 
 
 def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_checkpoints, tmp_path):
@@ -650,6 +651,7 @@ def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_check
     from moejax.scoring.score_checkpoint import score_checkpoint
     from moejax.surgery.merge import merge_checkpoint
     from moejax.surgery.prune import prune_checkpoint
+    from moejax.surgery.substitute import substitute_checkpoint
 
     src = tmp_path / "src"
     shutil.copytree(family_checkpoints["deepseek_v4"][0], src)
@@ -672,7 +674,9 @@ def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_check
         score_checkpoint(src, tokens=tmp_path / "calib.npy", scores=["frequency"])
     with no_prune, patch("moejax.inference.stream.stream_layers", side_effect=AssertionError("a pass ran")):
         merge_checkpoint(src, tmp_path / "m", method=parse("m_smoe"), keep=4, tokens=tmp_path / "calib.npy")
-    assert not (tmp_path / "p").exists() and not (tmp_path / "m").exists()
+    with no_prune, patch("moejax.inference.stream.stream_layers", side_effect=AssertionError("a pass ran")):
+        substitute_checkpoint(src, tmp_path / "s", score="mone", keep=4, tokens=tmp_path / "calib.npy")
+    assert not any((tmp_path / d).exists() for d in ("p", "m", "s"))
     outs = {}
     for policy in ("keep", "drop"):
         dst = tmp_path / policy
@@ -690,6 +694,21 @@ def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_check
         assert {n for n in written if not n.startswith("mtp.")} == set(tensors)
         outs[policy] = {n: v for n, v in written.items() if not n.startswith("mtp.")}
     assert all((outs["keep"][n] == outs["drop"][n]).all() for n in outs["keep"])   # the trunk pruned alike
+    subs = {}
+    for policy in ("keep", "drop"):   # substitution follows --mtp alike (constant-v1: the trunk's experts cut)
+        dst = tmp_path / f"sub-{policy}"
+        record = substitute_checkpoint(src, dst, score="mone", keep=4, tokens=tmp_path / "calib.npy", mtp=policy)
+        written = {}
+        for f in dst.glob("*.safetensors"):
+            written.update(load_file(f))
+        got = json.loads((dst / "config.json").read_text())
+        if policy == "keep":
+            assert all((written[n] == v).all() for n, v in mtp.items()) and got["num_nextn_predict_layers"] == 1
+        else:
+            assert not any(n.startswith("mtp.") for n in written) and got["num_nextn_predict_layers"] == 0
+            assert any("mtp.*" in n for n in record["notes"])
+        subs[policy] = {n: v for n, v in written.items() if not n.startswith("mtp.")}
+    assert subs["keep"].keys() == subs["drop"].keys() and all((subs["keep"][n] == v).all() for n, v in subs["drop"].items())
     ids, mask = batch(96, seed=7)
     hf = hf_classes("deepseek_v4")[1].from_pretrained(tmp_path / "drop", attn_implementation="eager",
                                                        experts_implementation="eager").eval()

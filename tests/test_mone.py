@@ -268,7 +268,7 @@ def file_hashes(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "mixtral"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "mixtral", "deepseek_v4"])
 def substituted(request, tmp_path_factory):
     """(source, substituted folder, calibration ids, record, source file hashes before) of
     `moejax prune SRC DST --substitute --score mone --keep 4 --tokens calib.npy`."""
@@ -298,7 +298,12 @@ def in_memory(src, ids):
     return stats, plan_substitution(stats, "mone", 4, config["num_experts_per_tok"])
 
 
+EXPERTS_PREFIX = {"deepseek_v3": ".mlp.experts", "mixtral": ".block_sparse_moe.experts", "deepseek_v4": ".ffn.experts"}
+
+
 def test_the_checkpoint_is_constant_v1_with_byte_identical_survivors(substituted):
+    """constant-v1 as the format states it; DeepSeek-V4's hash layers (kept whole) are not
+    substituted, their tensors the source's bytes with every other survivor's."""
     from moejax.hf.io.checkpoint_reader import CheckpointReader
 
     src, dst, ids, record, before = substituted
@@ -316,7 +321,7 @@ def test_the_checkpoint_is_constant_v1_with_byte_identical_survivors(substituted
         entry = record["layers"][str(layer)]
         assert sorted(values) == entry["substituted"] == sorted(set(range(8)) - set(entry["kept"]))
         prefix = spec.prefixes[layer]
-        assert prefix.endswith(".block_sparse_moe.experts" if "num_local_experts" in config else ".mlp.experts")
+        assert prefix.endswith(EXPERTS_PREFIX[config["model_type"]])
         for e, name in values.items():
             assert name == f"{prefix}.{e}.approx_value" and b.info(name).dtype == "F32"
             want = stats[layer].mean_output_EH[e].astype(np.float32)
@@ -362,6 +367,38 @@ def test_read_back_equals_the_source_under_the_substitution_in_memory(substitute
     assert np.abs(want - forward_logits(source, test_ids, mask, None)).max() > 1e-3  # substitution changes the model
 
 
+def test_the_carried_pass_substitutes_deepseek_v4_as_the_checkpoint_computes(substituted):
+    """DeepSeek-V4 in the carried pass (prune_real's `substitutes`): its learned layers substituted,
+    its hash layers run whole; the variant's kept experts are the written checkpoint's and its
+    perplexity is the read-back checkpoint's forward (its hash layers handed the ids). (The other
+    families' carried substitution: tests/test_variants.py.)"""
+    import pandas as pd
+
+    from moejax.evaluation.carried import evaluate_pruning
+    from moejax.hf.model_io import open_checkpoint
+    from moejax.inference.nll import next_token_nll
+    from moejax.surgery.substitute import load_substituted
+    from moejax.variants import VariantSpec
+
+    src, dst, ids, record, _ = substituted
+    if json.loads((src / "config.json").read_text())["model_type"] != "deepseek_v4":
+        pytest.skip("DeepSeek-V4 only")
+    held = np.random.default_rng(10).integers(0, 96, size=(3, 20)).astype(np.int32)
+    rows, info = evaluate_pruning(open_checkpoint(src), ids, {"t": held}, [], [4], substitutes=("mone",),
+                                  batch_size=4)
+    spec = VariantSpec("mone", 4, "substituted")
+    plan = next(p for p in info["plans"] if p.spec == spec)
+    assert sorted(plan.layers) == sorted(map(int, record["layers"]))   # the learned layers only
+    for layer, lp in plan.layers.items():
+        assert sorted(lp.experts()) == record["layers"][str(layer)]["kept"]
+    df = pd.DataFrame(rows)
+    got = df[(df.metric == "perplexity") & (df.text == "t") & (df.form == "substituted")].value.item()
+    model, maps = load_substituted(dst)
+    logits = forward_logits(model, held, np.ones_like(held), maps)
+    want = float(np.exp(np.mean(np.asarray(next_token_nll(jnp.asarray(logits), jnp.asarray(held))))))
+    assert got == pytest.approx(want, rel=1e-4)
+
+
 def test_other_commands_refuse_the_folder_by_name(substituted, capsys):
     from moejax.cli import main
     from moejax.hf.check import check_checkpoint
@@ -385,12 +422,12 @@ def test_what_transformers_does_with_a_substituted_checkpoint(substituted):
     import torch
     import transformers
 
-    src, dst, _, _, _ = substituted
+    src, dst, _, record, _ = substituted
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         transformers.AutoModelForCausalLM.from_pretrained(dst)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(dst, ignore_mismatched_sizes=True)
     source = transformers.AutoModelForCausalLM.from_pretrained(src)
-    layer = next(i for i, l in enumerate(source.model.layers) if hasattr(l.mlp, "experts"))
+    layer = min(map(int, record["layers"]))   # the first substituted layer (DeepSeek-V4: its first learned one)
     got, want = loaded.model.layers[layer].mlp.experts.down_proj, source.model.layers[layer].mlp.experts.down_proj
     assert got.shape == want.shape and not any(torch.equal(got[e], want[e]) for e in range(want.shape[0]))
 
@@ -444,6 +481,9 @@ def test_substitution_ranks_by_a_data_free_score_as_the_experiments_do(substitut
     record = json.loads((tmp_path / "out" / "pruning.json").read_text())
     checked = check_checkpoint(src)
     for layer, ml in checked.layout.moe_layers.items():
+        if checked.config.is_kept_whole(layer):   # DeepSeek-V4's hash layers: never substituted
+            assert str(layer) not in record["layers"]
+            continue
         if score == "l1":
             value = np.abs(checked.reader.read(ml.router).astype(np.float64)).sum(axis=1)
         else:

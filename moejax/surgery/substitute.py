@@ -56,13 +56,13 @@ from moejax.hf.check import check_checkpoint
 from moejax.hf.io.staging import check_destination, text_inputs
 from moejax.hf.io.storage import require_local
 from moejax.hf.layout import layer_of
-from moejax.hf.mtp_names import MTP_DEFAULT, check_mtp_policy
+from moejax.hf.mtp_names import MTP_DEFAULT, carried_mtp_block, check_mtp_policy
 from moejax.hf.provenance import FINGERPRINT_KEY, checkpoint_fingerprint
 from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import LayerStats, check_score_names, compute_scores, pass_needs, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import fused_rows, other_files, write_folder, write_index, write_shard
-from moejax.surgery.prune_plan import PrunePlan, rewrite_mtp
+from moejax.surgery.prune_plan import PrunePlan, rewrite_carried_mtp, rewrite_mtp
 from moejax.variants.spec import VariantSpec
 
 METHOD = "mone"
@@ -136,7 +136,8 @@ def load_substituted(path, dtype=None, backend: str | None = None, mesh=None):
 
 
 def write_substituted(reader, layout, substituted: dict[int, list[int]], constants: dict[int, np.ndarray],
-                      staging: Path, progress: bool = False, dropped_layers: tuple = ()) -> dict[str, str]:
+                      staging: Path, progress: bool = False, dropped_layers: tuple = (),
+                      dropped_prefixes: tuple = ()) -> dict[str, str]:
     """The shards of the substituted checkpoint into `staging`, each under its source name: every
     tensor copied by byte range except the substituted experts' (left out); each substituted
     expert's constant (`constants[layer]` [n_substituted, H], in the order of `substituted[layer]`)
@@ -145,7 +146,8 @@ def write_substituted(reader, layout, substituted: dict[int, list[int]], constan
     there are several shards. Names are the stored ones (an MTP block stored apart keeps its own);
     a family stored only fused (gpt-oss) keeps its fused tensors, cut to the retained experts'
     slabs in ascending order (the format's compact_retained_experts; `SubstitutedExpertsView` reads
-    row i as the i-th retained expert). dropped_layers: MTP layers left out whole (--mtp drop)."""
+    row i as the i-th retained expert). dropped_layers: MTP layers left out whole (--mtp drop);
+    dropped_prefixes: a carried MTP block's stored-name prefixes, left out (--mtp drop)."""
     stored = reader.reader
     dropped, added, retained = set(), {}, {}
     for layer, experts in substituted.items():
@@ -162,7 +164,7 @@ def write_substituted(reader, layout, substituted: dict[int, list[int]], constan
         tensors = []
         for name in stored.names_in(path):
             slabs, layer = reader.expert_slabs(name), layer_of(name)
-            if name in dropped or (slabs is not None and layer in dropped_layers):
+            if name in dropped or (slabs is not None and layer in dropped_layers) or name.startswith(dropped_prefixes):
                 continue
             if slabs is not None and layer in retained:   # fused experts: the retained experts' slabs
                 tensors.append((name, fused_rows(reader, name, slabs, retained[layer], None)))
@@ -225,6 +227,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     checked.config.require_passes("substituting a checkpoint's experts")
     check_substitute_request(checked, score, keep)
     cfg, reader, layout = checked.config, checked.reader, checked.layout
+    dropped_prefixes = carried_mtp_block(cfg, mtp, layout.other)   # an MTP block moejax does not run: prune refused now
     mtp_layers = sorted(l for l in layout.moe_layers if l >= cfg.num_hidden_layers)
     prefixes = {l: reader.stored_name(ml.stem + "experts.")[:-1] for l, ml in layout.moe_layers.items()
                 if check_mtp_policy(mtp) == "prune" or l not in mtp_layers}   # the layers the pass substitutes
@@ -243,9 +246,10 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     config = cfg.to_dict()
     if mtp_layers and mtp == "keep":
         notes.append(f"MTP layer(s) {mtp_layers} written whole (--mtp keep)")
-    if dropped:
+    if dropped or dropped_prefixes:
         settings = cfg.settings_dict()
         rewrite_mtp(cfg, dropped, settings, notes)
+        rewrite_carried_mtp(dropped_prefixes, settings, notes)
         config = cfg.with_settings(settings)
     unrouted = {l: [e for e in experts if stats[l].counts_E[e] == 0] for l, experts in substituted.items()}
     if any(unrouted.values()):
@@ -254,7 +258,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     entry = fmt.declaration(substituted, prefixes, {l: stats[l].n_experts for l in substituted})
     config = fmt.with_declaration(config, entry) if entry["targets"] else config
     plan = PrunePlan(kept=kept, n_experts={l: st.n_experts for l, st in stats.items()}, dropped_layers=dropped,
-                     config=config, groups="unchanged", notes=tuple(notes))
+                     config=config, groups="unchanged", notes=tuple(notes), dropped_prefixes=dropped_prefixes)
     record = {
         "moejax_version": __version__, "source": str(src.resolve()), FINGERPRINT_KEY: checkpoint_fingerprint(checked),
         **VariantSpec(score, keep, "substituted").record(), "format": fmt.FORMAT,
@@ -266,5 +270,6 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
     }
     write_folder(reader, layout, plan, src, dst, copied, record, overwrite=overwrite, progress=show,
                  shards=lambda staging, show: write_substituted(reader, layout, substituted, constants, staging, show,
-                                                                dropped), num_hidden_layers=cfg.num_hidden_layers)
+                                                                dropped, dropped_prefixes),
+                 num_hidden_layers=cfg.num_hidden_layers)
     return record

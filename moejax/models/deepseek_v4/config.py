@@ -71,14 +71,10 @@ class DeepseekV4Config(MoeConfig):
     NORM_SCALES_IN_FLOAT32: ClassVar[bool] = True    # DeepseekV4RMSNorm: float32 weight times the float32 state
     CARRIED_PREFIXES: ClassVar[tuple] = ("mtp.",)   # the Hub's MTP block, which transformers does not read
     MTP_CARRIED: ClassVar[str] = "mtp."              # so --mtp keep (carried) or drop; prune refused by name
-    # Scoring, pruning, merging, router distillation, the carried pass and ESAP fitness run (the hash
-    # layers kept whole, `is_kept_whole`; the learned layers' removed experts as unreachable slots;
-    # docs/families.md); these not yet
+    # Scoring, pruning, merging, substitution, router distillation, the carried pass and ESAP fitness
+    # run (the hash layers kept whole, `is_kept_whole`; the learned layers' removed experts as
+    # unreachable slots, or novices in constant-v1; docs/families.md); this not yet
     PASSES_NOT_IMPLEMENTED: ClassVar[dict] = {
-        "substituting": ("substitution (MoNE) is not implemented: a novice returns a constant, which transformers' "
-                         "DeepSeek-V4 experts (clamped SwiGLU without biases) cannot represent, so it could be written "
-                         "only in vLLM's constant-v1 format, which moejax does not write for V4's Hub names and hash "
-                         "layers; merge (--method m_smoe/hc_smoe/ream) or prune instead (docs/families.md)"),
         "training": ("training from scratch (train_tiny) is not implemented: a fresh model's hash tables "
                      "(tid2eid) are zeros, every token to expert 0, as transformers initialises them, and which "
                      "tables to draw instead is a choice not made yet; the other families train"),
