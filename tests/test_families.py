@@ -622,6 +622,50 @@ def test_merged_checkpoint_with_layers_kept_whole_loads_in_transformers(family_c
     assert np.abs(unmerged[m] - want[m]).max() > 1e-2   # the merge changed the model: the test can fail
 
 
+@pytest.mark.parametrize("method", ["m_smoe", "ream"])
+def test_the_carried_pass_merges_deepseek_v4_as_the_checkpoint_computes(family_checkpoints, method, tmp_path):
+    """The carried pass's merge variants (prune_real's `merges`, no score asked) on DeepSeek-V4: the
+    learned layers merged, the hash layers run whole; the shrunk variant's clusters are those
+    `moejax merge` writes from the same calibration tokens, its perplexity is moejax's forward of
+    that checkpoint, and transformers computes the same logits on it (REAM here; M-SMoE and HC-SMoE
+    against the in-memory merge above)."""
+    import torch
+    import pandas as pd
+
+    from moejax.evaluation.carried import evaluate_pruning
+    from moejax.hf.model_io import load_pretrained, open_checkpoint
+    from moejax.inference.nll import next_token_nll
+    from moejax.merging.method import parse
+    from moejax.surgery.merge import merge_checkpoint
+    from moejax.variants import VariantSpec
+
+    path, _, model = family_checkpoints["deepseek_v4"]
+    cfg = model.config
+    rng = np.random.default_rng(6)
+    calib = rng.integers(0, 96, size=(4, 24)).astype(np.int32)
+    held = rng.integers(0, 96, size=(3, 20)).astype(np.int32)
+    np.save(tmp_path / "calib.npy", calib)
+    record = merge_checkpoint(path, tmp_path / "merged", method=parse(method), keep=4, tokens=tmp_path / "calib.npy")
+    rows, info = evaluate_pruning(open_checkpoint(path), calib, {"t": held}, [], [4], merges=(parse(method),),
+                                  batch_size=4)
+    plan = next(p for p in info["plans"] if p.spec == VariantSpec(method, 4, "shrunk"))
+    assert sorted(plan.layers) == cfg.scored_layers
+    clusters = {l: sorted(map(sorted, c[f"{method}@4"])) for l, c in info["clusters"].items()}
+    assert clusters == {int(l): sorted(map(sorted, e["clusters"])) for l, e in record["layers"].items()}
+    df = pd.DataFrame(rows)
+    got = df[(df.metric == "perplexity") & (df.text == "t") & (df.method == method) & (df.form == "shrunk")]
+    logits = np.asarray(load_pretrained(tmp_path / "merged").jitted()(jnp.asarray(held)).logits_BSV)
+    want = float(np.exp(np.mean(np.asarray(next_token_nll(jnp.asarray(logits), jnp.asarray(held))))))
+    assert got.value.item() == pytest.approx(want, rel=1e-4)
+    unmerged = df[(df.form == "none") & (df.metric == "perplexity") & (df.text == "t")].value.item()
+    assert got.value.item() != pytest.approx(unmerged, rel=1e-3)   # the merge changed the model: the test can fail
+    hf = hf_classes("deepseek_v4")[1].from_pretrained(tmp_path / "merged", attn_implementation="eager",
+                                                       experts_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(held, dtype=torch.long)).logits.float().numpy()
+    assert np.abs(theirs - logits).max() < 1e-4 * max(1.0, np.abs(logits).max())
+
+
 def test_what_deepseek_v4_does_not_implement_is_refused_by_name(family_checkpoints, tmp_path):
     """`prune --keep-map` (a map names every MoE layer's kept experts; V4's hash layers are kept
     whole) is refused by the family's name before anything is written. (Training from scratch:

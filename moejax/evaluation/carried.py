@@ -357,7 +357,8 @@ def _layer_pass(ckpt: OpenCheckpoint, layer_idx: int, streams: _Streams, methods
     layer_plans = _recorded_plans(decision.plans, kept_experts)
     rows = [dict(form="one_shot", **r) for r in analysis_rows(layer_idx, decision.stats,
                                                                 {s: decision.scores[s] for s in methods.scores},
-                                                                decision.kept, keeps, energy_pos0)] if shared_rows else []
+                                                                decision.kept, keeps, energy_pos0)] \
+        if shared_rows and decision.stats is not None else []   # (no score asked: merges alone, no analyses)
     rows += [dict(v.row(), layer=layer_idx, metric="experts", value=float(counts[v.method, v.keep][layer_idx]))
              for v in streams.order[1:]]
     return rows, layer_plans, decision.clusters
