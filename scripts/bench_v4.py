@@ -19,7 +19,9 @@ the FLOPs the layers need (`v4_layer_flops`) against the dense float32 matmul ra
 same run. `--experts`, `--vocab` and the token counts shrink it (the smoke setting above ran in
 1.5 minutes on 2 busy cores, 26 s of it writing the checkpoint: hidden 4096's FP8 attention; at
 full size each layer's 256 FP4 experts are 3.4 GB, quantised in numpy, so writing takes minutes a
-layer); MOEJAX_BENCH_DIR chooses the disk.
+layer); MOEJAX_BENCH_DIR chooses the disk. The pass computes in float32: a full-width layer's 256
+experts are 25.8 GB there, so the full width needs a machine of about 32 GB; a 24 GB machine runs
+`--experts 64` (peak 9.0 GB, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -666,6 +666,35 @@ def test_the_carried_pass_merges_deepseek_v4_as_the_checkpoint_computes(family_c
     assert np.abs(theirs - logits).max() < 1e-4 * max(1.0, np.abs(logits).max())
 
 
+def test_diff_recovers_deepseek_v4_unreachable_slots(family_checkpoints, tmp_path):
+    """`moejax diff` on a DeepSeek-V4 prune: every slot is the source's row, the learned layers'
+    unreachable slots (bias -1e4) are the ones pruning.json records and the hash layers have none;
+    a kept slot's bias changed is caught."""
+    from safetensors.numpy import load_file, save_file
+
+    from moejax.surgery.diff import diff_checkpoints
+    from moejax.surgery.prune import prune_checkpoint
+
+    path, _, model = family_checkpoints["deepseek_v4"]
+    cfg = model.config
+    dst = tmp_path / "l1"
+    record = prune_checkpoint(path, dst, score="l1", keep=4)
+    report = diff_checkpoints(path, dst, hash_tensors=True)
+    for l in cfg.moe_layers:
+        entry = report["layers"][str(l)]
+        assert entry["kept"] == list(range(8)) and entry["rows_identical"] and entry["bias_identical"] is not False
+        assert entry.get("unreachable", []) == record["layers"][str(l)].get("unreachable", [])
+        assert bool(entry.get("unreachable")) == (l in cfg.scored_layers)
+    assert report["summary"]["other_tensors_identical"] and report["tensors"]["bytes_differ"] == []
+    (shard,) = dst.glob("*.safetensors")
+    tensors = load_file(shard)
+    l = cfg.scored_layers[0]
+    kept = next(e for e in range(8) if e not in record["layers"][str(l)]["unreachable"])
+    tensors[f"layers.{l}.ffn.gate.bias"][kept] += 0.5
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert diff_checkpoints(path, dst)["layers"][str(l)]["bias_identical"] is False
+
+
 def test_what_deepseek_v4_does_not_implement_is_refused_by_name(family_checkpoints, tmp_path):
     """`prune --keep-map` (a map names every MoE layer's kept experts; V4's hash layers are kept
     whole) is refused by the family's name before anything is written. (Training from scratch:
