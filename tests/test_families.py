@@ -5,6 +5,7 @@ transformers running the pruned checkpoint, load-then-save bytes, every score ag
 transformers' hooks, `moejax prune` (and compressed-tensors' pruner for `l1`), every command,
 generation, full-size shapes, hub spellings and refusals."""
 
+import itertools
 import json
 import re
 
@@ -751,9 +752,13 @@ def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_check
         substitute_checkpoint(src, tmp_path / "s", score="mone", keep=4, tokens=tmp_path / "calib.npy")
     assert not any((tmp_path / d).exists() for d in ("p", "m", "s"))
     outs = {}
-    for policy in ("keep", "drop"):
-        dst = tmp_path / policy
-        record = prune_checkpoint(src, dst, score="l1", keep=4, mtp=policy)
+    run = {"prune": lambda dst, policy: prune_checkpoint(src, dst, score="l1", keep=4, mtp=policy),
+           # substitution follows --mtp alike (constant-v1: the trunk's substituted experts cut)
+           "substitute": lambda dst, policy: substitute_checkpoint(src, dst, score="mone", keep=4,
+                                                                   tokens=tmp_path / "calib.npy", mtp=policy)}
+    for (command, write), policy in itertools.product(run.items(), ("keep", "drop")):
+        dst = tmp_path / (policy if command == "prune" else f"sub-{policy}")
+        record = write(dst, policy)
         assert record["mtp"] == policy
         written = {}
         for f in dst.glob("*.safetensors"):
@@ -764,24 +769,12 @@ def test_deepseek_v4_mtp_block_is_kept_or_dropped_and_prune_refused(family_check
         else:
             assert not any(n.startswith("mtp.") for n in written) and got["num_nextn_predict_layers"] == 0
             assert any("mtp.*" in n for n in record["notes"])
-        assert {n for n in written if not n.startswith("mtp.")} == set(tensors)
-        outs[policy] = {n: v for n, v in written.items() if not n.startswith("mtp.")}
-    assert all((outs["keep"][n] == outs["drop"][n]).all() for n in outs["keep"])   # the trunk pruned alike
-    subs = {}
-    for policy in ("keep", "drop"):   # substitution follows --mtp alike (constant-v1: the trunk's experts cut)
-        dst = tmp_path / f"sub-{policy}"
-        record = substitute_checkpoint(src, dst, score="mone", keep=4, tokens=tmp_path / "calib.npy", mtp=policy)
-        written = {}
-        for f in dst.glob("*.safetensors"):
-            written.update(load_file(f))
-        got = json.loads((dst / "config.json").read_text())
-        if policy == "keep":
-            assert all((written[n] == v).all() for n, v in mtp.items()) and got["num_nextn_predict_layers"] == 1
-        else:
-            assert not any(n.startswith("mtp.") for n in written) and got["num_nextn_predict_layers"] == 0
-            assert any("mtp.*" in n for n in record["notes"])
-        subs[policy] = {n: v for n, v in written.items() if not n.startswith("mtp.")}
-    assert subs["keep"].keys() == subs["drop"].keys() and all((subs["keep"][n] == v).all() for n, v in subs["drop"].items())
+        if command == "prune":
+            assert {n for n in written if not n.startswith("mtp.")} == set(tensors)
+        outs[command, policy] = {n: v for n, v in written.items() if not n.startswith("mtp.")}
+    for command in run:   # the trunk written alike under either policy
+        keep, drop = outs[command, "keep"], outs[command, "drop"]
+        assert keep.keys() == drop.keys() and all((keep[n] == v).all() for n, v in drop.items())
     ids, mask = batch(96, seed=7)
     hf = hf_classes("deepseek_v4")[1].from_pretrained(tmp_path / "drop", attn_implementation="eager",
                                                        experts_implementation="eager").eval()
