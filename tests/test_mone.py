@@ -367,11 +367,10 @@ def test_read_back_equals_the_source_under_the_substitution_in_memory(substitute
     assert np.abs(want - forward_logits(source, test_ids, mask, None)).max() > 1e-3  # substitution changes the model
 
 
-def test_the_carried_pass_substitutes_deepseek_v4_as_the_checkpoint_computes(substituted):
-    """DeepSeek-V4 in the carried pass (prune_real's `substitutes`): its learned layers substituted,
-    its hash layers run whole; the variant's kept experts are the written checkpoint's and its
-    perplexity is the read-back checkpoint's forward (its hash layers handed the ids). (The other
-    families' carried substitution: tests/test_variants.py.)"""
+def test_the_carried_pass_substitutes_as_the_checkpoint_computes(substituted):
+    """The carried pass (prune_real's `substitutes`) substitutes what `moejax prune --substitute`
+    writes: the same kept experts per layer (DeepSeek-V4: its learned layers only, its hash layers
+    run whole) and the read-back checkpoint's perplexity (V4's hash layers handed the ids)."""
     import pandas as pd
 
     from moejax.evaluation.carried import evaluate_pruning
@@ -381,14 +380,12 @@ def test_the_carried_pass_substitutes_deepseek_v4_as_the_checkpoint_computes(sub
     from moejax.variants import VariantSpec
 
     src, dst, ids, record, _ = substituted
-    if json.loads((src / "config.json").read_text())["model_type"] != "deepseek_v4":
-        pytest.skip("DeepSeek-V4 only")
     held = np.random.default_rng(10).integers(0, 96, size=(3, 20)).astype(np.int32)
     rows, info = evaluate_pruning(open_checkpoint(src), ids, {"t": held}, [], [4], substitutes=("mone",),
                                   batch_size=4)
     spec = VariantSpec("mone", 4, "substituted")
     plan = next(p for p in info["plans"] if p.spec == spec)
-    assert sorted(plan.layers) == sorted(map(int, record["layers"]))   # the learned layers only
+    assert sorted(plan.layers) == sorted(map(int, record["layers"]))   # (V4: the learned layers only)
     for layer, lp in plan.layers.items():
         assert sorted(lp.experts()) == record["layers"][str(layer)]["kept"]
     df = pd.DataFrame(rows)

@@ -458,7 +458,7 @@ def test_a_non_finite_router_is_refused_and_nothing_is_left(dsv3, tmp_path, monk
         layer = student.config.moe_layers[0]
         router = student.model.layers[layer].mlp.router
         router[...] = router[...].at[1, 2].set(jnp.nan)
-        return rr.RerouteResult([1.0], 0.0, [])
+        return rr.RerouteResult([1.0], 0.0, [f"model.layers.{layer}.mlp.router"])   # (the routers it trained)
 
     monkeypatch.setattr(rr, "reroute", poisoned)
     with pytest.raises(CheckpointError, match=r"mlp\.gate\.weight'?: 1 of \d+ values are not finite"):

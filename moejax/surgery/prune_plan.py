@@ -167,8 +167,7 @@ def plan_pruning(reader: FusedExpertsReader | CheckpointReader, layout: Checkpoi
                      "model load it, servers that build the MTP layer with the config's one count do not")
     groups = _groups_rule(kept, cfg, collapse_groups, group_aware, leaders, new_config, notes)
     _rewrite_expert_counts(cfg, kept, dropped, new_config, notes)
-    rewrite_mtp(cfg, dropped, new_config, notes)
-    rewrite_carried_mtp(dropped_prefixes, new_config, notes)
+    rewrite_mtp(cfg, dropped, new_config, notes, dropped_prefixes)
     return PrunePlan(kept={l: np.flatnonzero(m).tolist() for l, m in sorted(kept.items())},
                      n_experts={l: layout.moe_layers[l].n_experts for l in sorted(kept)}, dropped_layers=dropped,
                      config=cfg.with_settings(new_config), groups=groups, notes=tuple(notes),
@@ -332,20 +331,17 @@ def _trunk_largest(kept_counts: dict, n_layers: int) -> int:
     return max(c for l, c in kept_counts.items() if l < n_layers)
 
 
-def rewrite_mtp(cfg, dropped: tuple, new_config: dict, notes: list) -> None:
-    """With MTP layers dropped: num_nextn_predict_layers=0 (every spelling), and a note."""
-    if dropped:
+def rewrite_mtp(cfg, dropped: tuple, new_config: dict, notes: list, carried: tuple = ()) -> None:
+    """With MTP layers dropped (`dropped`, decoder layers) or a carried MTP block dropped (`carried`,
+    its stored-name prefixes from `carried_mtp_block`; --mtp drop): num_nextn_predict_layers=0
+    (every spelling), and a note."""
+    if dropped or carried:
         for key in cfg.keys_of("num_nextn_predict_layers"):
             new_config[key] = 0
+    if dropped:
         notes.append(f"MTP layer(s) {list(dropped)} dropped (num_nextn_predict_layers=0)")
-
-
-def rewrite_carried_mtp(dropped_prefixes: tuple, new_config: dict, notes: list) -> None:
-    """With a carried MTP block dropped (--mtp drop; `carried_mtp_block` gives its prefixes):
-    num_nextn_predict_layers=0, and a note."""
-    if dropped_prefixes:
-        new_config["num_nextn_predict_layers"] = 0
-        notes.append(f"MTP block {[p + '*' for p in dropped_prefixes]} dropped (num_nextn_predict_layers=0)")
+    if carried:
+        notes.append(f"MTP block {[p + '*' for p in carried]} dropped (num_nextn_predict_layers=0)")
 
 
 def per_group_needed(top_k: int, topk_group: int) -> int:

@@ -263,7 +263,7 @@ def reroute_checkpoint(src, compressed, dst, *, settings=None, text=None, tokens
         result = reroute(student, teacher_logp, batches, settings, variant, progress=report)
     routers = {ml.router: np.asarray(student.model.layers[l].mlp.router[...], np.float32)   # the trained ones
                for l, ml in student_checked.layout.moe_layers.items()
-               if l < scfg.num_hidden_layers and not scfg.is_kept_whole(l)}
+               if l < scfg.num_hidden_layers and l in result.layers}
     out = {
         "moejax_version": __version__, "method": "router distillation (arXiv 2603.02217)",
         "variant": variant_spec.record(method_settings),

@@ -62,7 +62,7 @@ from moejax.scoring.score_checkpoint import calibration_ids
 from moejax.scoring.scores import LayerStats, check_score_names, compute_scores, pass_needs, scores_for
 from moejax.scoring.select import resolve_keep, select_kept
 from moejax.surgery.prune import fused_rows, other_files, write_folder, write_index, write_shard
-from moejax.surgery.prune_plan import PrunePlan, rewrite_carried_mtp, rewrite_mtp
+from moejax.surgery.prune_plan import PrunePlan, rewrite_mtp
 from moejax.variants.spec import VariantSpec
 
 METHOD = "mone"
@@ -248,8 +248,7 @@ def substitute_checkpoint(src, dst, *, score: str = METHOD, keep=None, text=None
         notes.append(f"MTP layer(s) {mtp_layers} written whole (--mtp keep)")
     if dropped or dropped_prefixes:
         settings = cfg.settings_dict()
-        rewrite_mtp(cfg, dropped, settings, notes)
-        rewrite_carried_mtp(dropped_prefixes, settings, notes)
+        rewrite_mtp(cfg, dropped, settings, notes, dropped_prefixes)
         config = cfg.with_settings(settings)
     unrouted = {l: [e for e in experts if stats[l].counts_E[e] == 0] for l, experts in substituted.items()}
     if any(unrouted.values()):

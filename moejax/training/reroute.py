@@ -114,6 +114,12 @@ class RerouteResult:
     heldout_sequences: int = 0
     evaluations: list = dataclasses.field(default_factory=list)   # [(updates applied, KL on the selection tokens)]
 
+    @property
+    def layers(self) -> list[int]:
+        """The MoE layers whose routers were trained (`trained_filter`: those the family does not
+        keep whole), from the paths in `trained`."""
+        return [int(path.split(".")[2]) for path in self.trained]
+
     def record(self) -> dict:
         """What a run's record (reroute.json) keeps of the selection (a KL that is not finite as null)."""
         return {"selection": self.selection, "sequences": self.heldout_sequences, "kl_before": self.heldout_kl_before,
