@@ -18,7 +18,7 @@ from moejax.experiments import train_tiny as tt
 from moejax.training.config import ORBAX_SUFFIX, ArchConfig, DataConfig, TrainConfig
 from moejax.training.corpus import build_corpus
 from moejax.training.progress import Progress
-from moejax.training.trainer import Trainer, next_token_loss
+from moejax.training.trainer import Trainer, batch_gradients, next_token_loss, training_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 N, M = 20, 30   # first run, then resumed to
@@ -222,6 +222,7 @@ def test_saved_checkpoint_has_a_byte_level_tokenizer(trained):
     ({"train": {"steps": "many"}}, r"train\.steps='many'; expected int"),
     ({"bogus": 1}, r"unknown setting\(s\) \['bogus'\]"),
     ({"path": ""}, "model.path=FOLDER"),
+    ({"train": {"micro_batches": 3}}, r"train\.micro_batches=3 must be >= 1 and divide train\.batch_size=8"),
 ])
 def test_bad_settings_are_refused_before_training(tmp_path, change, match):
     s = settings(tmp_path / "tiny")
@@ -363,6 +364,37 @@ def test_prune_real_on_the_trained_model(trained, tmp_path):
     full = ppl[ppl.keep == 8]
     assert (full.value.to_numpy() == full.text.map(unpruned).to_numpy()).all()
     assert unpruned["all"] < 256  # the trained model beats a uniform guess over bytes
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.01])
+def test_micro_batches_give_the_whole_batchs_gradient(trained, alpha):
+    """train.micro_batches=M takes the batch's gradient as the mean over M slices, one after
+    another: the same gradient, loss and loads as the whole batch at once (the loads exactly; the
+    gradients within float32 summation order), with and without the balance loss (a mean over
+    sequences, so the slices' mean is the batch's). Summing the slices' gradients instead of
+    averaging them, or averaging the loads, fails here; Adam's normalisation would hide the
+    first from a comparison of parameters after a step."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = trained[0]
+    model = Trainer(cfg).model
+    mc = cfg.model_config()
+    losses = training_losses(mc.n_experts, mc.num_experts_per_tok, alpha)
+    ids = jnp.asarray(np.random.default_rng(3).integers(1, 256, size=(cfg.train.batch_size, cfg.data.seq_len)),
+                      jnp.int32)
+    (ce1, loads1), g1 = jax.jit(lambda m, x: batch_gradients(losses, m, x, 1))(model, ids)
+    for M in (2, 4):
+        (ce, loads), g = jax.jit(lambda m, x: batch_gradients(losses, m, x, M))(model, ids)
+        np.testing.assert_allclose(float(ce), float(ce1), rtol=1e-6)
+        assert set(loads) == set(loads1)
+        for l in loads1:
+            np.testing.assert_array_equal(np.asarray(loads[l]), np.asarray(loads1[l]))
+        flat1, flat = jax.tree.leaves(g1), jax.tree.leaves(g)
+        assert len(flat) == len(flat1) > 0
+        for a, b in zip(flat1, flat):
+            scale = float(jnp.abs(a).max())
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * scale + 1e-12)
 
 
 def test_balance_bias_step_follows_the_rule_in_numpy(trained):
@@ -507,7 +539,7 @@ def test_several_seeds_in_one_job_equal_single_seed_runs(tmp_path):
     from safetensors.numpy import load_file
 
     def cfg(path, **top):
-        s = settings(path, steps=6, eval_every=3, checkpoint_every=6, decay_steps=6)
+        s = settings(path, steps=6, eval_every=3, checkpoint_every=6, decay_steps=6, micro_batches=2)
         s["data"].update(seq_len=48, mix={"code": 0.5, "sort": 0.5}, skill_eval_docs=2, skill_bytes=20_000)
         return tt.Config.from_mapping({**s, **top})
 

@@ -56,8 +56,57 @@ def _optimizer(lr, min_lr_ratio, warmup_steps, decay_steps, weight_decay, b1, b2
     return tx, schedule
 
 
+def training_losses(E: int, K: int, alpha: float):
+    """losses(model, ids_bS) -> (loss, (ce, loads)): the loss training minimises (next-token
+    cross-entropy, plus alpha times the balance loss of every MoE layer when alpha > 0), the
+    cross-entropy alone, and each MoE layer's expert loads {layer: [E]} of the batch."""
+    from moejax.moe.routing import routing_counts
+
+    def losses(model, ids_bS):
+        logits, routing, _ = model(ids_bS, return_routing=True)
+        ce = next_token_loss(logits, ids_bS)
+        loss = ce
+        if alpha > 0:
+            loss = loss + alpha * sum(sequence_balance_loss(r, E, K, ids_bS.shape[0]) for r in routing.values())
+        loads = {l: routing_counts(r.expert_idx_TK, E) for l, r in routing.items()}
+        return loss, (ce, loads)
+
+    return losses
+
+
+def batch_gradients(losses, model, ids_BS, micro_batches: int = 1):
+    """((ce, loads), grads) of `losses` (training_losses) on the batch, the gradients with respect
+    to the model's Params.
+
+    micro_batches M > 1: the batch as M slices of B / M sequences, one after another (`lax.scan`),
+    the gradient and cross-entropy their mean and the loads their sum. The loss is a mean over
+    sequences (the balance loss too), so this is the whole batch's gradient summed in another
+    order, with a working set M times smaller: faster on a CPU whose caches the whole batch's
+    activations overflow (docs/benchmarks.md)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    M = micro_batches
+    if M == 1:
+        (_, aux), grads = nnx.value_and_grad(losses, has_aux=True)(model, ids_BS)
+        return aux, grads
+    gdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grad_fn = jax.value_and_grad(lambda p, ids: losses(nnx.merge(gdef, p, rest), ids), has_aux=True)
+    slices = ids_BS.reshape(M, ids_BS.shape[0] // M, *ids_BS.shape[1:])
+
+    def add_slice(total, ids_bS):
+        (_, aux), grads = grad_fn(params, ids_bS)
+        return jax.tree.map(jnp.add, total, (aux, grads)), None
+
+    (_, aux), grads = jax.eval_shape(grad_fn, params, slices[0])
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (aux, grads))
+    ((ce, loads), grads), _ = jax.lax.scan(add_slice, zero, slices)
+    return (ce / M, loads), jax.tree.map(lambda g: g / M, grads)
+
+
 @functools.lru_cache(maxsize=8)
-def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int, has_bias: bool):
+def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, has_bias: bool, micro_batches: int):
     """The jitted training step and held-out evaluation for one graph definition (cached: a second
     run with the same settings in the same process compiles nothing)."""
     import jax
@@ -68,19 +117,11 @@ def _compiled(graphdef, E: int, K: int, rate: float, alpha: float, B: int, has_b
     from moejax.moe.routing import routing_counts
     from moejax.inference.nll import next_token_nll
 
+    losses = training_losses(E, K, alpha)
+
     def step(state, ids_BS):
         model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(model):
-            logits, routing, _ = model(ids_BS, return_routing=True)
-            ce = next_token_loss(logits, ids_BS)
-            loss = ce
-            if alpha > 0:
-                loss = loss + alpha * sum(sequence_balance_loss(r, E, K, B) for r in routing.values())
-            loads = {l: routing_counts(r.expert_idx_TK, E) for l, r in routing.items()}
-            return loss, (ce, loads)
-
-        (_, (ce, loads)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        (ce, loads), grads = batch_gradients(losses, model, ids_BS, micro_batches)
         optimizer.update(model, grads)
         shares = []
         for l, load in loads.items():
@@ -119,8 +160,8 @@ class Trainer:
         self.state = jax.device_put(state, jax.devices()[0])
         self.step, self._evaluate = _compiled(self.graphdef, self.model_cfg.n_experts,
                                               self.model_cfg.num_experts_per_tok, cfg.train.bias_update_rate,
-                                              cfg.balance_loss_alpha, cfg.train.batch_size,
-                                              self.model_cfg.HAS_BALANCE_BIAS)
+                                              cfg.balance_loss_alpha, self.model_cfg.HAS_BALANCE_BIAS,
+                                              cfg.train.micro_batches)
 
     @property
     def model(self):
