@@ -360,6 +360,21 @@ def batch(vocab, seed=0, B=3, S=14):
     return ids, mask
 
 
+def padded_logits_equal(model, hf, vocab, seed, S=20, tol=1e-4) -> np.ndarray:
+    """moejax's `model` and transformers' `hf` give equal logits (atol = rtol = tol) at every real
+    position of `batch`'s padded batch; transformers' logits there, [n_real, V]."""
+    import jax.numpy as jnp
+    import torch
+
+    ids, mask = batch(vocab, seed=seed, S=S)
+    with torch.no_grad():
+        want = hf(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(got[valid], want[valid], atol=tol, rtol=tol)
+    return want[valid]
+
+
 def reference(model, ids, mask):
     """transformers' logits [B, S, V] (float32 numpy) and each MoE layer's chosen experts [B*S, K]."""
     import torch

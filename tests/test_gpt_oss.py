@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from family_fixtures import make_family_checkpoint  # noqa: E402
-from hf_fixtures import batch, hook_router  # noqa: E402
+from hf_fixtures import batch, hook_router, padded_logits_equal  # noqa: E402
 
 from moejax import AutoModelForCausalLM  # noqa: E402
 from moejax.errors import ConfigError  # noqa: E402
@@ -137,12 +137,7 @@ def test_mxfp4_checkpoint_equals_transformers_and_saves_back_its_bytes(gpt_oss_m
         ex = hf.model.layers[l].mlp.experts
         np.testing.assert_array_equal(np.asarray(layer.mlp.experts_gate_up[...]), ex.gate_up_proj.detach().numpy())
         np.testing.assert_array_equal(np.asarray(layer.mlp.experts_down[...]), ex.down_proj.detach().numpy())
-    ids, mask = batch(96, seed=5, S=20)
-    with torch.no_grad():
-        want = hf(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
-    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)).logits_BSV)
-    valid = mask.astype(bool)
-    np.testing.assert_allclose(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    padded_logits_equal(model, hf, 96, seed=5)
     assert main(["inspect", str(path)]) == 0
     save_pretrained(model, tmp_path / "saved")
     a, b = CheckpointReader(path), CheckpointReader(tmp_path / "saved")

@@ -75,9 +75,9 @@ class DeepseekV4Config(MoeConfig):
     # run (the hash layers kept whole, `is_kept_whole`; the learned layers' removed experts as
     # unreachable slots, or novices in constant-v1; docs/families.md); this not yet
     PASSES_NOT_IMPLEMENTED: ClassVar[dict] = {
-        "training": ("training from scratch (train_tiny) is not implemented: a fresh model's hash tables "
-                     "(tid2eid) are zeros, every token to expert 0, as transformers initialises them, and which "
-                     "tables to draw instead is a choice not made yet; the other families train"),
+        "training": ("a fresh model's hash tables (tid2eid) are zeros, every token to expert 0, as transformers "
+                     "initialises them, and which tables to draw instead is a choice not made yet; the other "
+                     "families train"),
     }
     UNIMPLEMENTED: ClassVar[dict] = {
         "hidden_act": (lambda v: v == "silu", "only 'silu' is implemented"),
