@@ -135,7 +135,8 @@ def test_resume_continues_from_the_latest_checkpoint(trained, tmp_path, caplog):
     out = tmp_path / "tiny"
     shutil.copytree(cfg.orbax_dir, tmp_path / ("tiny" + ORBAX_SUFFIX))
     assert sorted(int(p.name) for p in (tmp_path / "tiny.orbax").iterdir() if p.name.isdigit()) == [10, N]
-    more = tt.Config.from_mapping(settings(out, extra_text=[notes], steps=M))
+    # micro-batches are how a step is computed, not what it is: a run resumes with another count
+    more = tt.Config.from_mapping(settings(out, extra_text=[notes], steps=M, micro_batches=2))
     with caplog.at_level("INFO", logger="moejax.experiments.train_tiny"):
         df2, _ = tt.run(more)
     assert f"resuming from step {N}" in caplog.text

@@ -87,12 +87,12 @@ def batch_gradients(losses, model, ids_BS, micro_batches: int = 1):
     import jax.numpy as jnp
     from flax import nnx
 
-    M = micro_batches
-    if M == 1:
-        (_, aux), grads = nnx.value_and_grad(losses, has_aux=True)(model, ids_BS)
-        return aux, grads
     gdef, params, rest = nnx.split(model, nnx.Param, ...)
     grad_fn = jax.value_and_grad(lambda p, ids: losses(nnx.merge(gdef, p, rest), ids), has_aux=True)
+    M = micro_batches
+    if M == 1:
+        (_, aux), grads = grad_fn(params, ids_BS)
+        return aux, grads
     slices = ids_BS.reshape(M, ids_BS.shape[0] // M, *ids_BS.shape[1:])
 
     def add_slice(total, ids_bS):
