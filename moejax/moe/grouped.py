@@ -158,6 +158,7 @@ class BlockLayout:
     """Where each routed pair sits in the expert-sorted, block-padded buffer.
 
     pair_slot_M: buffer row of pair m (m = t * K + k)
+    row_pair_R: the pair in buffer row r (n_pairs on the padding rows)
     block_expert_Y: the expert that owns block n (trailing unused blocks point at E-1; their rows are
       zero and nobody reads them back)
     """
@@ -174,6 +175,8 @@ class BlockLayout:
         rank_in_group_M = jnp.arange(n_pairs, dtype=jnp.int32) - group_start_E[sorted_expert_M]
         slot_sorted_M = padded_end_E[sorted_expert_M] - padded_E[sorted_expert_M] + rank_in_group_M
         self.pair_slot_M = jnp.zeros((n_pairs,), jnp.int32).at[order_M].set(slot_sorted_M)
+        # the inverse map, buffer row -> pair (n_pairs on padding rows): both directions are gathers
+        self.row_pair_R = jnp.full((self.n_blocks * block_rows,), n_pairs, jnp.int32).at[slot_sorted_M].set(order_M)
         block_start_Y = jnp.arange(self.n_blocks, dtype=jnp.int32) * block_rows
         self.block_expert_Y = jnp.minimum(
             jnp.searchsorted(padded_end_E, block_start_Y, side="right"), n_experts - 1).astype(jnp.int32)
@@ -183,6 +186,28 @@ class BlockLayout:
     def blocks_before_group(self, group: int) -> jax.Array:
         """How many blocks the groups before `group` fill (a traced scalar)."""
         return self._padded_end_E[group - 1] // self.block_rows
+
+
+# Pairs into the block buffer and back. Each map is the other's transpose (a partial permutation:
+# the buffer's padding rows are nobody's), so each one's gradient is the other, a gather both ways.
+# Written through `.at[].set` and indexing, XLA:CPU differentiates them into scatter-adds, which
+# cost a training step of the skills model about 5% (scripts/bench_train_step.py).
+@jax.custom_vjp
+def pairs_to_blocks(p_MD: jax.Array, pair_slot_M: jax.Array, row_pair_R: jax.Array) -> jax.Array:
+    """The buffer [R, D]: row r holds pair row_pair_R[r], zeros on padding rows."""
+    return jnp.take(p_MD, row_pair_R, axis=0, mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def blocks_to_pairs(buf_RD: jax.Array, pair_slot_M: jax.Array, row_pair_R: jax.Array) -> jax.Array:
+    """The pairs [M, D]: pair m is buffer row pair_slot_M[m]."""
+    return jnp.take(buf_RD, pair_slot_M, axis=0)
+
+
+pairs_to_blocks.defvjp(lambda p, slot, row: (pairs_to_blocks(p, slot, row), (slot, row)),
+                       lambda res, ct: (blocks_to_pairs(ct, *res), None, None))
+blocks_to_pairs.defvjp(lambda b, slot, row: (blocks_to_pairs(b, slot, row), (slot, row)),
+                       lambda res, ct: (pairs_to_blocks(ct, *res), None, None))
 
 
 # The exact forward-only loop pays per expert (a loop iteration, a copy of its weights) to save
@@ -198,20 +223,31 @@ def large_experts(weights) -> bool:
     return min(math.prod(w.shape[1:]) for w in jax.tree.leaves(_parts(weights)[0])) >= EXACT_LOOP_MIN_WEIGHTS
 
 
+def gathered_blocks(weights, block_rows: int) -> bool:
+    """Whether blocks of `block_rows` rows take their experts' weights gathered per block (one
+    batched matmul over all blocks) rather than a loop over blocks reading them in place: when no
+    matrix of one expert [I, J] holds more numbers than a block's rows in and out, I J <= B (I + J)
+    (small experts: the toy's, the trained tiny models' 128 x 64; not Moonlight's 2048 x 1408)."""
+    def small(w):
+        i, j = (1, w.shape[-1]) if w.ndim < 3 else w.shape[-2:]
+        return i * j <= block_rows * (i + j)
+
+    return all(small(w) for w in jax.tree.leaves(weights))
+
+
 def _default_block_rows(n_pairs: int, n_experts: int, weights) -> int:
     """Rows per block, balancing padded compute (about E * B / 2 rows) against per-block weight
     cost (n_blocks * D * F): the minimum of a * (M + E B / 2) + b * (M / B + E) is at
     B = sqrt(2 M b / (E a)). Measured on a 2-core CPU: b/a ~ 20 when every block's weights are
-    gathered for one batched matmul (small experts: the toy), b/a ~ 80 when large experts are read
-    in place by a loop over blocks (Moonlight-sized experts, scripts/bench_score.py)."""
+    gathered for one batched matmul (small experts: the toy; the skills model's training step ran
+    5% faster with 64-row blocks than 128), b/a ~ 80 when large experts are read in place by a loop
+    over blocks (Moonlight-sized experts, scripts/bench_score.py)."""
     def rule(cost_ratio):
         b = int(max(8, min(256, (2 * cost_ratio * n_pairs / n_experts) ** 0.5)))
         return 1 << (b.bit_length() - 1)
 
     small = rule(20)
-    if all(w.shape[-1] <= small for w in jax.tree.leaves(weights)):
-        return small
-    return rule(80)
+    return small if gathered_blocks(weights, small) else rule(80)
 
 
 def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int | None = None,
@@ -228,22 +264,21 @@ def sorted_pair_outputs(x_TD, expert_idx_TK, weights, expert_fn, block_rows: int
     n_experts = jax.tree.leaves(weights)[0].shape[0]
     absent = absent or forward_only
     block_rows = block_rows or _default_block_rows(n_tokens * top_k, n_experts, weights)
-    small_experts = all(w.shape[-1] <= block_rows for w in jax.tree.leaves(weights))
     if forward_only and large_experts(weights):
         return _exact_expert_loop(x_TD, expert_idx_TK, weights, expert_fn)
     layout = BlockLayout(expert_idx_TK, n_experts + 1 if absent else n_experts, block_rows)
     block_expert_Y = jnp.minimum(layout.block_expert_Y, n_experts - 1)
-    token_M = jnp.arange(n_tokens * top_k, dtype=jnp.int32) // top_k
     rows = layout.n_blocks * block_rows
-    x_buf = jnp.zeros((rows, x_TD.shape[-1]), x_TD.dtype).at[layout.pair_slot_M].set(x_TD[token_M])
-    x_YMD = x_buf.reshape(layout.n_blocks, block_rows, -1)
+    x_MD = jnp.broadcast_to(x_TD[:, None], (n_tokens, top_k, x_TD.shape[-1])).reshape(n_tokens * top_k, -1)
+    x_YMD = pairs_to_blocks(x_MD, layout.pair_slot_M, layout.row_pair_R).reshape(layout.n_blocks, block_rows, -1)
 
-    if small_experts:
+    if gathered_blocks(weights, block_rows):
         y_YMD = expert_fn(_gathered_block_linear(block_expert_Y), weights, x_YMD)
     else:
         y_YMD = _loop_over_blocks(x_YMD, block_expert_Y, layout.blocks_before_group(n_experts), weights,
                                   expert_fn)
-    y_TKD = y_YMD.reshape(rows, -1)[layout.pair_slot_M].reshape(n_tokens, top_k, -1)
+    y_TKD = blocks_to_pairs(y_YMD.reshape(rows, -1), layout.pair_slot_M, layout.row_pair_R)
+    y_TKD = y_TKD.reshape(n_tokens, top_k, -1)
     return jnp.where((expert_idx_TK < n_experts)[..., None], y_TKD, 0) if absent else y_TKD
 
 
