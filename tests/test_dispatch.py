@@ -264,3 +264,17 @@ def test_sparse_output_table_computes_the_selected_pairs_of_the_table():
         np.testing.assert_allclose(np.asarray(out.rows_MD)[np.asarray(out.pos_ET)[r, t]], table[r, t],
                                    rtol=1e-6, atol=1e-5)
     assert bool(run(x, jnp.asarray(selected), w, fn, needed - 1, block_rows, 1).overflow)
+
+
+def test_block_strategy_follows_expert_size():
+    """Small experts (the trained tiny models' 128 x 64, whose down matrix is wider than a block)
+    take gathered blocks of the rule's size; Moonlight-sized experts the loop over blocks."""
+    def table(D, F):
+        return {k: jax.ShapeDtypeStruct((32,) + s, jnp.float32)
+                for k, s in {"gate": (D, F), "up": (D, F), "down": (F, D)}.items()}
+
+    tiny, moonlight = table(128, 64), table(2048, 1408)
+    rows = G._default_block_rows(4096, 32, tiny)   # one micro-batch of the skills recipe: 1,024 tokens, top 4
+    assert rows == 64 and G.gathered_blocks(tiny, rows)
+    rows = G._default_block_rows(4096, 32, moonlight)
+    assert not G.gathered_blocks(moonlight, rows)
