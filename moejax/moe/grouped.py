@@ -191,7 +191,8 @@ class BlockLayout:
 # Pairs into the block buffer and back. Each map is the other's transpose (a partial permutation:
 # the buffer's padding rows are nobody's), so each one's gradient is the other, a gather both ways.
 # Written through `.at[].set` and indexing, XLA:CPU differentiates them into scatter-adds, which
-# cost a training step of the skills model about 5% (scripts/bench_train_step.py).
+# cost a training step of the skills model about 5% (docs/perf-notes.md). Being custom-VJP
+# functions, they take reverse-mode gradients only (`jax.jvp` through the sorted dispatch raises).
 @jax.custom_vjp
 def pairs_to_blocks(p_MD: jax.Array, pair_slot_M: jax.Array, row_pair_R: jax.Array) -> jax.Array:
     """The buffer [R, D]: row r holds pair row_pair_R[r], zeros on padding rows."""
@@ -240,7 +241,7 @@ def _default_block_rows(n_pairs: int, n_experts: int, weights) -> int:
     cost (n_blocks * D * F): the minimum of a * (M + E B / 2) + b * (M / B + E) is at
     B = sqrt(2 M b / (E a)). Measured on a 2-core CPU: b/a ~ 20 when every block's weights are
     gathered for one batched matmul (small experts: the toy; the skills model's training step ran
-    5% faster with 64-row blocks than 128), b/a ~ 80 when large experts are read in place by a loop
+    3-7% faster with 64-row blocks than 128, docs/perf-notes.md), b/a ~ 80 when large experts are read in place by a loop
     over blocks (Moonlight-sized experts, scripts/bench_score.py)."""
     def rule(cost_ratio):
         b = int(max(8, min(256, (2 * cost_ratio * n_pairs / n_experts) ** 0.5)))
